@@ -1,0 +1,1 @@
+"""Hydra config tree of remnant-run (shipped as package data)."""

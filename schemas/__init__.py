@@ -1,0 +1,1 @@
+"""JSON Schemas of run, collection and benchmark records (shipped as package data)."""
