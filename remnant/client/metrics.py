@@ -1,0 +1,233 @@
+"""Serving metrics from request records, defined as sglang.bench_serving defines them.
+
+Definitions (DESIGN.md section 7), so numbers compare with bench_serving:
+
+- TTFT: send to the first chunk that carried a token (`RequestRecord.ttft_s`).
+- ITL per token: for consecutive token-carrying chunks, the gap between their arrivals
+  divided by the new tokens of the later chunk, counted once per such token. The first
+  chunk gives none (it is TTFT).
+- TPOT = (E2E - TTFT) / (completion_tokens - 1), only where completion_tokens > 1.
+- E2E = end_s - start_s; dispatch delay = start_s - intended_start_s.
+- Throughputs and concurrency divide by the phase's duration: given by the caller, else
+  max(end_s) - min(start_s) over the records passed.
+
+Only successful requests enter latency distributions and token sums; failed ones are
+counted. The caller selects the phase: `summarize` summarizes every record it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable
+from os import PathLike
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from remnant.client.request_record import RequestRecord
+
+log = logging.getLogger(__name__)
+
+PERCENTILES = (50, 90, 95, 99)
+DIST_KEYS = ("count", "mean", "std", "p50", "p90", "p95", "p99", "max")
+
+_RECORD_COLUMNS = [
+    "id", "phase", "index", "intended_start_s", "start_s", "end_s", "success", "error",
+    "ttft_s", "chunk_times_s", "chunk_tokens", "prompt_tokens", "completion_tokens",
+    "cached_tokens", "finish_reason", "expected_output_tokens",
+]
+_DERIVED_COLUMNS = ["e2e_s", "tpot_s", "dispatch_delay_s"]
+
+
+def _as_records(records: Iterable[RequestRecord | dict]) -> list[RequestRecord]:
+    out = []
+    for r in records:
+        if isinstance(r, RequestRecord):
+            out.append(r)
+        elif isinstance(r, dict):
+            out.append(RequestRecord.from_dict(r))
+        else:
+            raise TypeError(
+                f"records must be RequestRecord or dict, got {type(r).__name__}"
+            )
+    return out
+
+
+def _tpot_s(r: RequestRecord) -> float | None:
+    if r.end_s is None or r.ttft_s is None or r.completion_tokens <= 1:
+        return None
+    return (r.end_s - r.start_s - r.ttft_s) / (r.completion_tokens - 1)
+
+
+def records_frame(records: Iterable[RequestRecord | dict]) -> pd.DataFrame:
+    """One row per request: every RequestRecord field plus derived columns.
+
+    Derived columns (seconds, NaN where undefined): e2e_s (end_s - start_s, NaN when the
+    request never ended), tpot_s ((e2e - ttft) / (completion_tokens - 1), NaN unless
+    completion_tokens > 1 and ttft_s is known), dispatch_delay_s (start_s -
+    intended_start_s). chunk_times_s and chunk_tokens stay lists in object columns.
+    """
+    rows = []
+    for r in _as_records(records):
+        row = {c: getattr(r, c) for c in _RECORD_COLUMNS}
+        row["e2e_s"] = r.e2e_s
+        row["tpot_s"] = _tpot_s(r)
+        row["dispatch_delay_s"] = r.start_s - r.intended_start_s
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=_RECORD_COLUMNS + _DERIVED_COLUMNS)
+    # None -> NaN in the time columns, so an all-None column is still numeric.
+    for c in ("intended_start_s", "start_s", "end_s", "ttft_s", *_DERIVED_COLUMNS):
+        df[c] = pd.to_numeric(df[c], errors="raise").astype("float64")
+    for c in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+        df[c] = df[c].astype("int64")
+    df["success"] = df["success"].astype(bool)
+    return df
+
+
+def _itl_one(r: RequestRecord) -> list[float]:
+    if len(r.chunk_times_s) != len(r.chunk_tokens):
+        raise ValueError(
+            f"request {r.id!r}: chunk_times_s has {len(r.chunk_times_s)} entries but "
+            f"chunk_tokens has {len(r.chunk_tokens)}; they must have the same length"
+        )
+    out: list[float] = []
+    prev_t = None
+    for t, n in zip(r.chunk_times_s, r.chunk_tokens):
+        # A chunk without tokens is not a token arrival; the gap runs from the last
+        # chunk that did carry tokens, as in bench_serving.
+        if n <= 0:
+            continue
+        if prev_t is not None:
+            out.extend([(t - prev_t) / n] * n)
+        prev_t = t
+    return out
+
+
+def itl_samples(records: Iterable[RequestRecord | dict]) -> np.ndarray:
+    """Per-token inter-token latencies in seconds, over successful requests; shape (N,)."""
+    samples: list[float] = []
+    for r in _as_records(records):
+        if r.success:
+            samples.extend(_itl_one(r))
+    return np.asarray(samples, dtype=np.float64)
+
+
+def distribution(values_ms: Iterable[float | None]) -> dict:
+    """Summary of samples in milliseconds: count, mean, std, p50, p90, p95, p99, max.
+
+    None and NaN samples are dropped. Percentiles interpolate linearly (np.percentile's
+    default) and std is the population std (ddof=0), as bench_serving computes them.
+    With no sample, count is 0 and every other value is None. Values are plain floats.
+    """
+    a = np.asarray(
+        [v for v in values_ms if v is not None and not math.isnan(v)], dtype=np.float64
+    )
+    if a.size == 0:
+        return {"count": 0, **{k: None for k in DIST_KEYS[1:]}}
+    pct = np.percentile(a, PERCENTILES)
+    out = {"count": int(a.size), "mean": float(a.mean()), "std": float(a.std())}
+    out.update({f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)})
+    out["max"] = float(a.max())
+    return out
+
+
+def _ms(series: pd.Series) -> list[float]:
+    return (series.dropna() * 1000.0).tolist()
+
+
+def summarize(
+    records: Iterable[RequestRecord | dict], duration_s: float | None = None
+) -> dict:
+    """Metrics of one phase's records (the Metrics object of run.json).
+
+    duration_s: the phase's measured duration in seconds; if None, max(end_s) -
+    min(start_s) over the records given (0.0 when there are none). Throughputs are per
+    second of that duration (0.0 when it is 0); latency distributions are in ms.
+    """
+    recs = _as_records(records)
+    df = records_frame(recs)
+    ok = df[df["success"]]
+
+    if duration_s is None:
+        ends = df["end_s"].dropna()
+        duration_s = float(ends.max() - df["start_s"].min()) if len(ends) else 0.0
+    else:
+        duration_s = float(duration_s)
+        if not math.isfinite(duration_s) or duration_s < 0:
+            raise ValueError(
+                f"duration_s={duration_s} is not allowed; it must be a finite number "
+                f">= 0 or None"
+            )
+
+    completed = int(len(ok))
+    total_in = int(ok["prompt_tokens"].sum())
+    total_out = int(ok["completion_tokens"].sum())
+    total_cached = int(ok["cached_tokens"].sum())
+    sum_e2e = float(ok["e2e_s"].dropna().sum())
+
+    def per_s(x: float) -> float:
+        return float(x / duration_s) if duration_s > 0 else 0.0
+
+    itl_ms = itl_samples(r for r in recs if r.success) * 1000.0
+    return {
+        "completed": completed,
+        "failed": int(len(df) - completed),
+        "duration_s": duration_s,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "total_cached_tokens": total_cached,
+        "request_throughput": per_s(completed),
+        "input_throughput": per_s(total_in),
+        "output_throughput": per_s(total_out),
+        "total_throughput": per_s(total_in + total_out),
+        "concurrency": per_s(sum_e2e),
+        "cache_hit_rate": float(total_cached / total_in) if total_in > 0 else None,
+        "ttft_ms": distribution(_ms(ok["ttft_s"])),
+        "itl_ms": distribution(itl_ms.tolist()),
+        "tpot_ms": distribution(_ms(ok["tpot_s"])),
+        "e2e_ms": distribution(_ms(ok["e2e_s"])),
+        "dispatch_delay_ms": distribution(_ms(ok["dispatch_delay_s"])),
+    }
+
+
+def load_requests_jsonl(path: str | PathLike) -> list[RequestRecord]:
+    """Read requests.jsonl into RequestRecords, in file order.
+
+    A final line that does not parse is skipped with a warning: the client appends one
+    line per finished request, so a crash mid-write leaves at most the last line cut
+    short. An unparsable line anywhere else raises ValueError naming file and line.
+    Blank lines are ignored.
+    """
+    path = Path(path)
+    lines = [
+        (i, line)
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if line.strip()
+    ]
+    out: list[RequestRecord] = []
+    for k, (lineno, line) in enumerate(lines):
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                log.warning(
+                    "%s:%d: skipping a truncated last line (%s)", path, lineno, e
+                )
+                break
+            raise ValueError(
+                f"{path}:{lineno}: not valid JSON ({e}); only the last line of "
+                f"requests.jsonl may be truncated"
+            ) from e
+        if not isinstance(d, dict):
+            raise ValueError(
+                f"{path}:{lineno}: expected a JSON object (one request record), "
+                f"got {type(d).__name__}"
+            )
+        try:
+            out.append(RequestRecord.from_dict(d))
+        except TypeError as e:
+            raise ValueError(f"{path}:{lineno}: not a request record ({e})") from e
+    return out

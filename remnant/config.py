@@ -1,0 +1,197 @@
+"""Run configuration as plain dataclasses, and the rules that make a run valid.
+
+Hydra composes conf/ into these (cli.py registers them in a ConfigStore so a typo or a
+wrong type fails at compose time); everything past cli.py sees only dataclasses. This
+module imports no heavy package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from remnant.kv.formats import KERNEL_RETENTION, RETENTION_VALUES
+
+MODES = ("native", "triton", "kernel")
+
+
+class ConfigError(ValueError):
+    """A run configuration a user can fix: the message names field, value and what is allowed."""
+
+
+@dataclass
+class ModeConfig:
+    """How C4 records are stored and attended (DESIGN section 4)."""
+
+    name: str = "native"
+
+
+@dataclass
+class RetentionConfig:
+    """Coordinates kept per C4 record: uniform `retention`, or one value per CSA layer."""
+
+    name: str = "r256"
+    retention: int = 256
+    per_layer: list[int] | None = None
+    map_path: str | None = None
+
+    def values(self) -> list[int]:
+        return list(self.per_layer) if self.per_layer else [self.retention]
+
+
+@dataclass
+class ModelConfig:
+    """A DeepSeek-V4-shaped model for the embedded engine, or a real checkpoint's path.
+
+    The architecture fields use DeepSeek-V4's config.json names. `path` names an existing
+    model directory; when unset the embedded host generates one from these fields.
+    """
+
+    name: str = "tiny"
+    path: str | None = None
+    vocab_size: int = 258
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    q_lora_rank: int = 128
+    intermediate_size: int = 512
+    compress_ratios: list[int] = field(default_factory=lambda: [0, 4, 128, 4])
+    window_size: int = 128
+    index_n_heads: int = 4
+    index_head_dim: int = 64
+    index_topk: int = 64
+    max_position_embeddings: int = 65536
+    rope_theta: int = 10000
+    compress_rope_theta: int = 40000
+    seed: int = 0
+
+
+@dataclass
+class WorkloadConfig:
+    """Common fields of every workload; `kind` picks the implementation."""
+
+    name: str = MISSING
+    kind: str = MISSING
+    seed: int = 0
+    concurrency: int = 4
+    flush_timeout_s: float = 60.0
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class RandomWorkloadConfig(WorkloadConfig):
+    """Random token ids: C warm-up requests, then 3C measured (counts overridable).
+
+    Lengths are drawn uniformly from [len * range_ratio, len]; range_ratio=1 fixes them.
+    """
+
+    name: str = "random"
+    kind: str = "random"
+    input_len: int = 256
+    output_len: int = 32
+    range_ratio: float = 1.0
+    warmup_requests: int | None = None
+    measured_requests: int | None = None
+
+    def counts(self) -> tuple[int, int]:
+        warmup = self.concurrency if self.warmup_requests is None else self.warmup_requests
+        measured = 3 * self.concurrency if self.measured_requests is None else self.measured_requests
+        return warmup, measured
+
+
+@dataclass
+class HostConfig:
+    kind: str = MISSING
+
+
+@dataclass
+class EmbeddedHostConfig(HostConfig):
+    """remnant-serve in a child process on a free loopback port."""
+
+    kind: str = "embedded"
+    startup_timeout_s: float = 120.0
+    threads: int = 2
+    log_tail_lines: int = 40
+
+
+@dataclass
+class ExternalHostConfig(HostConfig):
+    """A server that is already running; never started or stopped."""
+
+    kind: str = "external"
+    base_url: str = MISSING
+    health_timeout_s: float = 30.0
+
+
+@dataclass
+class RunConfig:
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    workload: Any = MISSING
+    host: Any = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    #: SGLang's hierarchical cache; any layer with retention != 256 requires it off.
+    hicache: bool = False
+    #: Extra caveats a reader of this run must see, added to run.json's limits.
+    limits: list[str] = field(default_factory=list)
+
+
+def csa_layer_count(model: ModelConfig) -> int:
+    return sum(1 for r in model.compress_ratios if r == 4)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Enforce the mode/retention rules of DESIGN section 4; raise ConfigError on the first break."""
+    mode = cfg.mode.name
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
+    validate_model(cfg.model)
+    if mode == "native":
+        return  # native ignores retention
+    ret = cfg.retention
+    allowed = ", ".join(map(str, RETENTION_VALUES))
+    if ret.per_layer is not None:
+        n_csa = csa_layer_count(cfg.model)
+        if len(ret.per_layer) != n_csa:
+            raise ConfigError(
+                f"retention.per_layer has {len(ret.per_layer)} values; model={cfg.model.name} "
+                f"has {n_csa} CSA layers, so it needs {n_csa}"
+            )
+    for value in ret.values():
+        if value not in RETENTION_VALUES:
+            raise ConfigError(f"retention={value} is not allowed; allowed: {allowed}")
+    if mode == "kernel" and any(v != KERNEL_RETENTION for v in ret.values()):
+        bad = next(v for v in ret.values() if v != KERNEL_RETENTION)
+        raise ConfigError(
+            f"retention={bad} is not allowed with mode=kernel; kernel supports retention={KERNEL_RETENTION}"
+        )
+    if cfg.hicache and any(v != KERNEL_RETENTION for v in ret.values()):
+        raise ConfigError(
+            f"hicache=true is not allowed with retention={ret.name}; "
+            f"retention other than {KERNEL_RETENTION} requires hicache=false"
+        )
+
+
+def validate_model(model: ModelConfig) -> None:
+    for i, ratio in enumerate(model.compress_ratios):
+        if ratio not in (0, 4, 128):
+            raise ConfigError(
+                f"model.compress_ratios[{i}]={ratio} is not allowed; allowed: 0 (window only), 4 (CSA), 128 (HCA)"
+            )
+    if len(model.compress_ratios) != model.num_hidden_layers:
+        raise ConfigError(
+            f"model.compress_ratios has {len(model.compress_ratios)} values; "
+            f"model.num_hidden_layers={model.num_hidden_layers} needs one per layer"
+        )
+
+
+def recorded_config(cfg: RunConfig) -> dict:
+    """The resolved config as run.json records it: native records no retention."""
+    import dataclasses
+
+    d = dataclasses.asdict(cfg)
+    if cfg.mode.name == "native":
+        d["retention"] = None
+    return d

@@ -1,0 +1,129 @@
+"""Generate an HF-style model directory for the embedded engine.
+
+config.json carries the architecture (DeepSeek-V4 names) and the weight seed; weights are
+generated from the seed when the server loads, so nothing large is written or committed.
+The tokenizer is byte-level (token id = byte value, plus BOS/EOS) in the `tokenizers`
+format, with a tokenizer_config.json, so stock loaders (tokenizers, transformers'
+AutoTokenizer) read it.
+
+    python -m remnant.engine.model_dir --out models/tiny            # the tiny preset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+BYTE_VOCAB = 256
+BOS_ID = BYTE_VOCAB
+EOS_ID = BYTE_VOCAB + 1
+ARCHITECTURE = "RemnantDeepseekV4ForCausalLM"
+MODEL_TYPE = "remnant_deepseek_v4"
+
+_ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "q_lora_rank",
+    "intermediate_size",
+    "compress_ratios",
+    "window_size",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "max_position_embeddings",
+    "rope_theta",
+    "compress_rope_theta",
+    "seed",
+)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def build_tokenizer():
+    """A byte-level tokenizer: ids 0..255 are bytes, then BOS and EOS; BOS is prepended."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {ch: b for b, ch in _byte_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BOS, EOS])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID), (EOS, EOS_ID)]
+    )
+    return tok
+
+
+def hf_config(model: dict) -> dict:
+    """config.json content for an architecture dict (remnant.config.ModelConfig fields)."""
+    if model["vocab_size"] < EOS_ID + 1:
+        raise ValueError(f"model.vocab_size={model['vocab_size']} is too small; the tokenizer needs >= {EOS_ID + 1}")
+    cfg = {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "head_dim": 512,
+        "qk_nope_head_dim": 448,
+        "qk_rope_head_dim": 64,
+        "num_key_value_heads": 1,
+        "torch_dtype": "float32",
+    }
+    cfg.update({k: model[k] for k in _ARCH_FIELDS})
+    cfg["remnant"] = {"preset": model.get("name"), "weights": "random, generated from seed at load"}
+    return cfg
+
+
+def write_model_dir(model: dict, out: Path) -> Path:
+    """Write config.json and tokenizer files for `model` into `out` (created)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    build_tokenizer().save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "add_bos_token": True,
+        "model_max_length": model["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": EOS}, indent=2) + "\n"
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import dataclasses
+
+    from remnant.config import ModelConfig
+
+    p = argparse.ArgumentParser(description="Write the embedded engine's model directory.")
+    p.add_argument("--out", required=True, type=Path, help="directory to write")
+    p.add_argument("--seed", type=int, default=0, help="weight seed")
+    args = p.parse_args(argv)
+    model = dataclasses.asdict(ModelConfig(seed=args.seed))
+    print(write_model_dir(model, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

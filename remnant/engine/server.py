@@ -1,0 +1,332 @@
+"""`remnant-serve`: the embedded reference engine behind SGLang's HTTP API (DESIGN section 6).
+
+Request and response shapes follow SGLang 0.5.18's http_server (GenerateReqInput in, the
+tokenizer manager's out dicts out), so a client written for SGLang works unchanged:
+
+    remnant-serve --model-dir models/tiny --port 30000
+    curl -s localhost:30000/generate -d '{"text": "hi", "sampling_params": {"max_new_tokens": 8}}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import remnant
+from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
+
+log = logging.getLogger("remnant.serve")
+
+SUPPORTED_MODES = ("native",)
+FLUSH_OK = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[int], SamplingParams, bool, str]:
+    """Validate a /generate body the way SGLang's GenerateReqInput does (single requests)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise BadRequest("Either text or input_ids should be provided, not both or neither.")
+    if isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)):
+        raise BadRequest("batched /generate requests are not supported by the embedded engine; send one prompt per request")
+    if text is not None:
+        if not isinstance(text, str):
+            raise BadRequest("text must be a string")
+        ids = tokenizer.encode(text).ids
+    else:
+        if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
+            raise BadRequest("input_ids must be a list of integers")
+        bad = [t for t in input_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        ids = list(input_ids)
+    if not ids:
+        raise BadRequest("the prompt is empty")
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise BadRequest("sampling_params must be an object")
+    try:
+        params = SamplingParams(
+            max_new_tokens=int(sp.get("max_new_tokens", 128) if sp.get("max_new_tokens") is not None else 128),
+            temperature=float(sp.get("temperature", 1.0)),
+            ignore_eos=bool(sp.get("ignore_eos", False)),
+            seed=None if sp.get("sampling_seed") is None else int(sp["sampling_seed"]),
+        )
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"invalid sampling_params: {exc}") from None
+    if params.max_new_tokens < 0:
+        raise BadRequest(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise BadRequest(f"temperature must be >= 0, got {params.temperature}")
+    rid = body.get("rid") or uuid.uuid4().hex
+    return ids, params, bool(body.get("stream", False)), str(rid)
+
+
+def create_app(model_dir: Path, mode: str = "native", retention: int | None = None,
+               chunked_prefill_size: int = 512, max_running_requests: int = 64) -> FastAPI:
+    """Load the model directory and build the FastAPI app (the engine starts with the app)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from remnant.engine.model import Model, ModelArgs
+
+    if mode not in SUPPORTED_MODES:
+        raise ValueError(
+            f"mode={mode} is not supported by the embedded engine yet (packed pools land with "
+            f"the engine issue); supported: {', '.join(SUPPORTED_MODES)}"
+        )
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    try:
+        hf = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{config_path} does not exist; write one with python -m remnant.engine.model_dir --out {model_dir}") from None
+    args = ModelArgs.from_hf_config(hf)
+    t0 = time.perf_counter()
+    model = Model(args)
+    load_s = time.perf_counter() - t0
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    engine = Engine(model, hf["eos_token_id"], chunked_prefill_size, max_running_requests)
+    started = time.time()
+    server_args = {
+        "model_path": str(model_dir),
+        "tokenizer_path": str(model_dir),
+        "served_model_name": hf.get("remnant", {}).get("preset") or model_dir.name,
+        "dtype": "float32",
+        "kv_cache_dtype": "fp8_e4m3",
+        "chunked_prefill_size": chunked_prefill_size,
+        "max_running_requests": max_running_requests,
+        "remnant_mode": mode,
+        "remnant_retention": retention,
+        "random_seed": args.seed,
+        "torch_num_threads": torch.get_num_threads(),
+    }
+
+    app = FastAPI(title="remnant-serve")
+    app.state.engine = engine
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        engine.start()
+        log.info("engine ready: model loaded in %.2fs", load_s)
+
+    @app.on_event("shutdown")
+    async def _stop() -> None:
+        engine.stop()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not engine.alive:
+            return Response(status_code=503)
+        queue = _submit(engine, [hf["bos_token_id"]], SamplingParams(1, 0.0, True), f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        try:
+            await asyncio.wait_for(_last(queue), timeout=20)
+        except asyncio.TimeoutError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(http: HttpRequest):
+        t_recv = time.perf_counter()
+        try:
+            body = await http.json()
+        except json.JSONDecodeError as exc:
+            return JSONResponse({"error": {"message": f"invalid JSON: {exc}"}}, status_code=400)
+        try:
+            ids, params, stream, rid = parse_generate(body, args.vocab_size, tokenizer)
+            if len(ids) + params.max_new_tokens > args.max_position_embeddings:
+                raise BadRequest(
+                    f"The input ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                    f"is longer than the model's context length ({args.max_position_embeddings} tokens)."
+                )
+        except BadRequest as exc:
+            if isinstance(body, dict) and body.get("stream"):
+                return _error_stream(str(exc))
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+
+        queue = _submit(engine, ids, params, rid)
+
+        def frame(ev: TokenEvent) -> dict:
+            meta = {
+                "id": rid,
+                "finish_reason": ev.finish_reason,
+                "prompt_tokens": len(ids),
+                "weight_version": "default",
+                "num_retractions": 0,
+                "reasoning_tokens": 0,
+                "completion_tokens": len(ev.output_ids),
+                "cached_tokens": ev.cached_tokens,
+            }
+            if ev.finish_reason is not None:
+                meta["e2e_latency"] = time.perf_counter() - t_recv
+            return {"text": tokenizer.decode(ev.output_ids), "output_ids": ev.output_ids, "meta_info": meta}
+
+        if stream:
+            async def frames():
+                try:
+                    while True:
+                        ev = await queue.get()
+                        yield b"data: " + json.dumps(frame(ev)).encode() + b"\n\n"
+                        if ev.finish_reason is not None:
+                            break
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    engine.abort(rid)  # no-op when finished; frees a disconnected client's request
+
+            return StreamingResponse(frames(), media_type="text/event-stream")
+        try:
+            ev = await _last(queue)
+        except asyncio.CancelledError:
+            engine.abort(rid)
+            raise
+        out = frame(ev)
+        if ev.finish_reason and ev.finish_reason.get("type") == "abort":
+            return JSONResponse({"error": {"message": ev.finish_reason.get("message")}}, status_code=500)
+        return JSONResponse(out)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        running, waiting = engine.load()
+        if running or waiting:
+            return Response(
+                content=f"Cache not flushed: {running} running and {waiting} waiting requests.\n",
+                status_code=400,
+            )
+        return Response(content=FLUSH_OK, status_code=200)
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        running, waiting = engine.load()
+        return {
+            **server_args,
+            "startup_time": started,
+            "version": remnant.__version__,
+            "engine": "remnant-embedded",
+            "model_config": {k: v for k, v in hf.items() if k != "remnant"},
+            "internal_states": [
+                {
+                    "num_running_reqs": running,
+                    "num_waiting_reqs": waiting,
+                    "engine_steps": engine.steps,
+                    "generated_tokens": engine.generated_tokens,
+                }
+            ],
+        }
+
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        return {
+            "model_path": str(model_dir),
+            "served_model_name": server_args["served_model_name"],
+            "tokenizer_path": str(model_dir),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": hf.get("model_type"),
+            "architectures": hf.get("architectures"),
+        }
+
+    return app
+
+
+def _submit(engine: Engine, ids: list[int], params: SamplingParams, rid: str) -> asyncio.Queue:
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    engine.submit(Request(rid, ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev)))
+    return queue
+
+
+async def _last(queue: asyncio.Queue) -> TokenEvent:
+    while True:
+        ev = await queue.get()
+        if ev.finish_reason is not None:
+            return ev
+
+
+def _error_stream(message: str) -> StreamingResponse:
+    async def frames():
+        err = {"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}
+        yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(frames(), media_type="text/event-stream")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind the listening socket here so --port 0 gets a free port with no race."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(512)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="remnant-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", required=True, type=Path, help="HF-style model directory (config.json + tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
+    p.add_argument("--mode", default="native", choices=["native", "triton", "kernel"])
+    p.add_argument("--retention", type=int, default=None, help="coordinates kept per C4 record")
+    p.add_argument("--chunked-prefill-size", type=int, default=512)
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import torch
+    import uvicorn
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        app = create_app(a.model_dir, a.mode, a.retention, a.chunked_prefill_size, a.max_running_requests)
+    except ValueError as exc:
+        print(f"remnant-serve: error: {exc}", file=sys.stderr)
+        return 2
+    sock = _bind(a.host, a.port)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level=a.log_level, access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    if a.port_file:
+        tmp = a.port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        os.replace(tmp, a.port_file)
+    log.info("remnant-serve listening on http://%s:%d (pid %d)", a.host, port, os.getpid())
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

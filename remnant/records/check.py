@@ -1,0 +1,116 @@
+"""remnant-check: validate record files (run, collection, kernel benchmark) by their schema.
+
+Usage: remnant-check PATH... [--quiet]
+
+A file given by name must be a Remnant record. A directory is searched recursively for
+*.json files whose top-level "schema" starts with "remnant/"; other JSON (Hydra's, a
+tool's) is skipped and counted. Hidden files and directories are not searched.
+
+Exit status: 0 all checked files are valid; 1 some file failed; 2 a path does not exist
+or nothing was checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from remnant.records.schema import PREFIX, ROOT, RecordError, validate
+
+
+def _load(path: Path) -> object:
+    """Parsed JSON of `path`; RecordError for an unreadable file or malformed JSON."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordError(str(path), ROOT, f"cannot read file: {e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecordError(str(path), ROOT,
+                          f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
+def _is_record(doc: object) -> bool:
+    schema = doc.get("schema") if isinstance(doc, dict) else None
+    return isinstance(schema, str) and schema.startswith(PREFIX)
+
+
+def _walk(directory: Path) -> list[Path]:
+    """*.json files under `directory`, sorted, leaving out hidden files and directories."""
+    return sorted(p for p in directory.rglob("*.json")
+                  if p.is_file() and not any(part.startswith(".")
+                                             for part in p.relative_to(directory).parts))
+
+
+def _check(path: Path, doc: object, quiet: bool) -> bool:
+    """Validate one parsed document and print its line; True when it is valid."""
+    try:
+        validate(doc, source=str(path))
+    except RecordError as e:
+        print(f"FAIL {e}")
+        return False
+    if not quiet:
+        print(f"ok   {path}  ({doc['schema']} v{doc['schema_version']})")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="remnant-check",
+        description="Validate Remnant record JSON files against their versioned schemas.",
+        epilog="Exit status: 0 all valid, 1 a file failed, 2 a path is missing or nothing "
+               "was checked.")
+    parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                        help="a record file, or a directory searched for *.json records")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only failures")
+    args = parser.parse_args(argv)
+
+    checked = failed = 0
+    missing: list[Path] = []
+    seen: set[Path] = set()
+    for root in args.paths:
+        if not root.exists():
+            print(f"remnant-check: {root}: no such file or directory", file=sys.stderr)
+            missing.append(root)
+            continue
+        explicit = not root.is_dir()
+        skipped = 0
+        for path in ([root] if explicit else _walk(root)):
+            key = path.resolve()
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                doc = _load(path)
+            except RecordError as e:
+                # A file that is not even JSON may well be a broken record: report it.
+                print(f"FAIL {e}")
+                checked += 1
+                failed += 1
+                continue
+            if not explicit and not _is_record(doc):
+                skipped += 1
+                continue
+            checked += 1
+            failed += not _check(path, doc, args.quiet)
+        if skipped and not args.quiet:
+            print(f"skipped {skipped} JSON file(s) under {root} without a "
+                  f"\"schema\": \"{PREFIX}...\" key")
+
+    if missing:
+        return 2
+    if checked == 0:
+        print("remnant-check: no Remnant records found in " + ", ".join(map(str, args.paths)),
+              file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(f"{checked - failed} of {checked} record(s) valid")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
