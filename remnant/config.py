@@ -52,6 +52,8 @@ class ModelConfig:
     name: str = "tiny"
     path: str | None = None
     vocab_size: int = 258
+    #: Random prompts draw token ids from 0..prompt_vocab_size-1 (ids that decode to text).
+    prompt_vocab_size: int = 256
     hidden_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 8

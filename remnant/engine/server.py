@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -123,17 +124,15 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
         "torch_num_threads": torch.get_num_threads(),
     }
 
-    app = FastAPI(title="remnant-serve")
-    app.state.engine = engine
-
-    @app.on_event("startup")
-    async def _start() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
         engine.start()
         log.info("engine ready: model loaded in %.2fs", load_s)
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
+        yield
         engine.stop()
+
+    app = FastAPI(title="remnant-serve", lifespan=lifespan)
+    app.state.engine = engine
 
     @app.get("/health")
     async def health() -> Response:

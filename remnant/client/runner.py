@@ -1,0 +1,215 @@
+"""Load generator: drives /generate over HTTP, phase by phase, and records every request.
+
+Per phase: flush the prefix cache (retrying while the server answers 400 because requests
+still run), then send the phase's requests with at most `concurrency` in flight, each as
+a streaming /generate. Each request's record is appended to requests.jsonl the moment it
+ends, so a crash or Ctrl-C loses nothing that finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+from tqdm import tqdm
+
+from remnant.client.request_record import RequestRecord
+from remnant.workloads.base import Phase, PlannedRequest
+
+
+class ServerGone(RuntimeError):
+    """The server stopped during a phase; the message says why (exit code, log tail)."""
+
+
+@dataclass
+class FlushResult:
+    ok: bool
+    status_code: int | None
+    attempts: int
+    elapsed_s: float
+    message: str
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    flush: FlushResult | None
+    started_at_s: float
+    duration_s: float
+    requests: int
+    failed: int
+    records: list[RequestRecord]
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "flush": None if self.flush is None else asdict(self.flush),
+            "started_at_s": self.started_at_s,
+            "duration_s": self.duration_s,
+            "requests": self.requests,
+            "failed": self.failed,
+        }
+
+
+class LoadClient:
+    """Sends planned requests to `base_url`; times are seconds since this client's t0."""
+
+    def __init__(
+        self,
+        base_url: str,
+        requests_path: Path,
+        request_timeout_s: float = 600.0,
+        flush_timeout_s: float = 60.0,
+        server_failure: Callable[[], str | None] = lambda: None,
+        progress: bool | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.requests_path = Path(requests_path)
+        self.request_timeout_s = request_timeout_s
+        self.flush_timeout_s = flush_timeout_s
+        self.server_failure = server_failure
+        self.progress = progress
+        self.t0 = time.perf_counter()
+        # Request ids stay readable and joinable across runs; the rid sent to the server is
+        # made unique per client so repeated runs against one server never collide.
+        self._rid_prefix = uuid.uuid4().hex[:8]
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def run(self, phases: list[Phase], on_phase_end: Callable[[PhaseResult], None] = lambda _: None) -> list[PhaseResult]:
+        return asyncio.run(self.run_async(phases, on_phase_end))
+
+    async def run_async(self, phases: list[Phase], on_phase_end=lambda _: None) -> list[PhaseResult]:
+        total = sum(len(p.requests) for p in phases)
+        limits = httpx.Limits(max_connections=max(p.concurrency for p in phases) + 4)
+        timeout = httpx.Timeout(self.request_timeout_s, connect=10.0)
+        results = []
+        with tqdm(total=total, unit="req", disable=self.progress is False or None, dynamic_ncols=True) as bar:
+            async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+                for phase in phases:
+                    bar.set_description(phase.name)
+                    result = await self._run_phase(client, phase, bar)
+                    results.append(result)
+                    on_phase_end(result)
+        return results
+
+    async def flush(self, client: httpx.AsyncClient) -> FlushResult:
+        """POST /flush_cache, retried while the server says requests still run (HTTP 400)."""
+        start = time.perf_counter()
+        attempts, status, message = 0, None, ""
+        while True:
+            attempts += 1
+            try:
+                r = await client.post(f"{self.base_url}/flush_cache", timeout=10.0)
+                status, message = r.status_code, r.text.strip()
+                if r.status_code == 200:
+                    return FlushResult(True, status, attempts, time.perf_counter() - start, message)
+                if r.status_code != 400:
+                    break  # e.g. 404: the server has no flush endpoint; retrying will not help
+            except httpx.HTTPError as exc:
+                status, message = None, f"{type(exc).__name__}: {exc}"
+                if why := self.server_failure():
+                    raise ServerGone(why) from None
+            if time.perf_counter() - start > self.flush_timeout_s:
+                message = f"gave up after {self.flush_timeout_s:g}s: {message}"
+                break
+            await asyncio.sleep(0.25)
+        return FlushResult(False, status, attempts, time.perf_counter() - start, message)
+
+    async def _run_phase(self, client: httpx.AsyncClient, phase: Phase, bar: tqdm) -> PhaseResult:
+        flush = await self.flush(client) if phase.flush_before else None
+        started = self.now()
+        sem = asyncio.Semaphore(phase.concurrency)
+        records: list[RequestRecord] = []
+        gone: list[str] = []
+
+        async def one(index: int, req: PlannedRequest) -> None:
+            async with sem:
+                if gone:
+                    return
+                # Closed loop: a request is due the moment a concurrency slot frees.
+                rec = await self._send(client, req, phase.name, index, intended=self.now())
+            self._append(rec)
+            records.append(rec)
+            bar.update(1)
+            if not rec.success and (why := self.server_failure()):
+                gone.append(why)
+
+        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(phase.requests)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        if gone:
+            raise ServerGone(gone[0])
+        failed = sum(not r.success for r in records)
+        return PhaseResult(phase.name, flush, started, self.now() - started, len(records), failed, records)
+
+    async def _send(self, client, req: PlannedRequest, phase: str, index: int, intended: float) -> RequestRecord:
+        rec = RequestRecord(id=req.id, phase=phase, index=index, intended_start_s=intended,
+                            expected_output_tokens=req.max_new_tokens)
+        payload = {
+            "rid": f"{self._rid_prefix}-{req.id}",
+            "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            "stream": True,
+        }
+        if req.input_ids is not None:
+            payload["input_ids"] = req.input_ids
+        else:
+            payload["text"] = req.text
+        seen = 0
+        rec.start_s = self.now()
+        try:
+            async with client.stream("POST", f"{self.base_url}/generate", json=payload) as resp:
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode(errors="replace")[:500]
+                    rec.error = f"HTTP {resp.status_code}: {body}"
+                    return rec
+                done = False
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    frame = json.loads(data)
+                    if "error" in frame:
+                        rec.error = f"server error: {frame['error'].get('message')}"
+                        return rec
+                    t = self.now()
+                    n = len(frame.get("output_ids") or [])
+                    if n > seen:
+                        if rec.ttft_s is None:
+                            rec.ttft_s = t - rec.start_s
+                        rec.chunk_times_s.append(t)
+                        rec.chunk_tokens.append(n - seen)
+                        seen = n
+                    meta = frame.get("meta_info") or {}
+                    rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
+                    rec.completion_tokens = meta.get("completion_tokens", seen)
+                    rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens) or 0
+                    if meta.get("finish_reason"):
+                        rec.finish_reason = meta["finish_reason"].get("type")
+                rec.end_s = self.now()
+                if rec.finish_reason == "abort":
+                    rec.error = "server aborted the request"
+                elif not done:
+                    rec.error = "stream ended before [DONE]"
+                else:
+                    rec.success = True
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            rec.error = f"{type(exc).__name__}: {exc}"
+        return rec
+
+    def _append(self, rec: RequestRecord) -> None:
+        with open(self.requests_path, "a") as f:
+            f.write(json.dumps(rec.to_dict()) + "\n")

@@ -1,0 +1,78 @@
+"""The Host protocol (DESIGN section 5): start a server, wait for it, hand out an endpoint,
+always stop it. Hosts never interpret metrics; the client never starts or stops servers."""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import httpx
+
+from remnant.config import ModelConfig, RetentionConfig
+
+
+class HostError(RuntimeError):
+    """The server could not be started, reached or kept running; the message says why."""
+
+
+@dataclass
+class ServerSpec:
+    """What to serve: mode, retention (None for native), model, and where logs go."""
+
+    mode: str
+    retention: RetentionConfig | None
+    model: ModelConfig
+    run_dir: Path
+    log_path: Path
+
+
+@dataclass
+class Endpoint:
+    """A server that answered /health. `failure()` says why it stopped, None while it runs."""
+
+    base_url: str
+    environment: dict | None = None
+    failure: Callable[[], str | None] = field(default=lambda: None)
+
+
+class Host(Protocol):
+    def serve(self, spec: ServerSpec) -> AbstractContextManager[Endpoint]: ...
+
+    def describe(self) -> dict: ...
+
+
+def wait_healthy(
+    base_url: str,
+    timeout_s: float,
+    failure: Callable[[], str | None] = lambda: None,
+    interval_s: float = 0.2,
+) -> None:
+    """Poll GET /health until 200; raise HostError on timeout or when `failure()` reports."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            why = failure()
+            if why:
+                raise HostError(why)
+            try:
+                r = client.get(f"{base_url}/health")
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise HostError(f"{base_url}/health did not answer 200 within {timeout_s:g}s (last: {last})")
+            time.sleep(interval_s)
+
+
+def log_tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no server log)"
+    return "\n".join(text[-lines:]) or "(server log is empty)"

@@ -1,0 +1,129 @@
+"""Embedded host: `remnant-serve` in a child process on a free loopback port.
+
+The child binds port 0 itself and reports the port through a file, so parallel runs never
+clash. It runs in its own process group and gets SIGTERM if this process dies (Linux
+PR_SET_PDEATHSIG), so no server outlives its run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from remnant.config import EmbeddedHostConfig
+from remnant.hosts.base import Endpoint, HostError, ServerSpec, log_tail, wait_healthy
+
+_STOP_GRACE_S = 10.0
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the finally-stop still covers normal exits and Ctrl-C
+
+
+class EmbeddedHost:
+    def __init__(self, cfg: EmbeddedHostConfig):
+        self.cfg = cfg
+        self._proc: subprocess.Popen | None = None
+        self._info: dict = {"kind": "embedded"}
+
+    def describe(self) -> dict:
+        return dict(self._info)
+
+    def _model_dir(self, spec: ServerSpec) -> Path:
+        if spec.model.path:
+            path = Path(spec.model.path)
+            if not (path / "config.json").is_file():
+                raise HostError(f"model.path={path} has no config.json")
+            return path
+        from remnant.engine.model_dir import write_model_dir
+
+        return write_model_dir(dataclasses.asdict(spec.model), spec.run_dir / "model")
+
+    @contextlib.contextmanager
+    def serve(self, spec: ServerSpec) -> Iterator[Endpoint]:
+        from remnant.records.provenance import environment
+
+        model_dir = self._model_dir(spec)
+        port_file = spec.run_dir / "server.port"
+        port_file.unlink(missing_ok=True)
+        cmd = [
+            sys.executable, "-m", "remnant.engine.server",
+            "--model-dir", str(model_dir),
+            "--host", "127.0.0.1",
+            "--port", "0",
+            "--port-file", str(port_file),
+            "--mode", spec.mode,
+            "--threads", str(self.cfg.threads),
+        ]
+        if spec.retention is not None:
+            cmd += ["--retention", str(spec.retention.retention)]
+        log = open(spec.log_path, "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._proc = proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent, env=env,
+        )
+        self._info.update({"command": cmd, "pid": proc.pid, "model_dir": str(model_dir)})
+
+        def failure() -> str | None:
+            code = proc.poll()
+            if code is None:
+                return None
+            return (
+                f"remnant-serve exited with code {code}; last lines of {spec.log_path.name}:\n"
+                + log_tail(spec.log_path, self.cfg.log_tail_lines)
+            )
+
+        try:
+            base_url = self._wait_port(port_file, failure)
+            self._info.update({"base_url": base_url})
+            try:
+                wait_healthy(base_url, self.cfg.startup_timeout_s, failure)
+            except HostError as exc:
+                if proc.poll() is None:
+                    raise HostError(f"{exc}; last lines of {spec.log_path.name}:\n"
+                                    + log_tail(spec.log_path, self.cfg.log_tail_lines)) from None
+                raise
+            yield Endpoint(base_url, environment=environment(), failure=failure)
+        finally:
+            self._stop(proc)
+            log.close()
+            port_file.unlink(missing_ok=True)
+            self._info["exit_code"] = proc.returncode
+
+    def _wait_port(self, port_file: Path, failure) -> str:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while not port_file.exists():
+            why = failure()
+            if why:
+                raise HostError(why)
+            if time.monotonic() > deadline:
+                raise HostError(f"remnant-serve did not bind a port within {self.cfg.startup_timeout_s:g}s")
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{int(port_file.read_text())}"
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen) -> None:
+        """SIGTERM the server's process group, then SIGKILL after a grace period."""
+        if proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue

@@ -1,0 +1,158 @@
+"""One run: serve, drive, measure, record (DESIGN section 1).
+
+`execute_run` takes a validated RunConfig and a run directory, and always leaves a
+schema-valid run.json there, whatever happens: completed, failed (with the stage and
+reason), or interrupted (Ctrl-C / SIGTERM). requests.jsonl and server.log sit beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from remnant.config import RunConfig, recorded_config
+
+log = logging.getLogger(__name__)
+
+RUN_JSON = "run.json"
+REQUESTS_JSONL = "requests.jsonl"
+SERVER_LOG = "server.log"
+
+
+@dataclass
+class RunOutcome:
+    path: Path
+    status: str
+    error: dict | None
+    metrics: dict | None = None
+
+
+class _Stage:
+    """Names the stage a failure happened in, for run.json's error.stage."""
+
+    def __init__(self) -> None:
+        self.name = "setup"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _base_limits(cfg: RunConfig) -> list[str]:
+    limits = ["single run per cell: no repeats, so no confidence interval"]
+    if cfg.host.kind == "embedded":
+        limits.append(
+            "embedded reference engine with random weights: text output is meaningless; "
+            "timing is the CPU/GPU reference engine's, not SGLang's"
+        )
+    if cfg.workload.kind == "random":
+        limits.append("synthetic random-token prompts, not real text")
+    return limits + list(cfg.limits)
+
+
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progress: bool | None = None) -> RunOutcome:
+    """Run `cfg` with its files in `run_dir`; returns where run.json is and how it ended."""
+    from remnant.client.metrics import summarize
+    from remnant.client.runner import LoadClient
+    from remnant.hosts import HostError, ServerSpec, make_host
+    from remnant.records.provenance import artifact, sources
+    from remnant.records.schema import write_validated
+    from remnant.workloads import plan_workload
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_id = run_id or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+    requests_path = run_dir / REQUESTS_JSONL
+    requests_path.unlink(missing_ok=True)
+    started_at, t_start = _now(), time.monotonic()
+    stage = _Stage()
+    status, error = "completed", None
+    host = None
+    server_info = environment = metrics = None
+    phases: list = []
+    limits = _base_limits(cfg)
+    workload_rec = {"name": cfg.workload.name, "seed": cfg.workload.seed, "fingerprint": "0" * 64,
+                    "dataset": None, "counts": {"warmup": 0, "measured": 0}, "params": {}}
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        stage.name = "workload"
+        plan = plan_workload(cfg.workload, cfg.model)
+        workload_rec = {"name": plan.name, "seed": plan.seed, "fingerprint": plan.fingerprint(),
+                        "dataset": plan.dataset, "counts": plan.counts(), "params": plan.params}
+        stage.name = "serve"
+        host = make_host(cfg.host)
+        native = cfg.mode.name == "native"
+        spec = ServerSpec(cfg.mode.name, None if native else cfg.retention, cfg.model, run_dir, run_dir / SERVER_LOG)
+        with host.serve(spec) as endpoint:
+            environment = endpoint.environment
+            server_info = _server_info(endpoint.base_url)
+            stage.name = "client"
+            client = LoadClient(
+                endpoint.base_url, requests_path,
+                request_timeout_s=cfg.workload.request_timeout_s,
+                flush_timeout_s=cfg.workload.flush_timeout_s,
+                server_failure=endpoint.failure, progress=progress,
+            )
+            results = client.run(plan.phases, on_phase_end=lambda r: phases.append(r))
+        stage.name = "metrics"
+        measured = next(r for r in results if r.name == "measured")
+        metrics = summarize(measured.records, duration_s=measured.duration_s)
+        for r in results:
+            if r.flush is not None and not r.flush.ok:
+                limits.append(f"prefix cache flush before {r.name} failed: {r.flush.message}")
+        if metrics["failed"]:
+            limits.append(f"{metrics['failed']} measured requests failed; metrics cover the {metrics['completed']} that completed")
+        if metrics["completed"] == 0:
+            status, error = "failed", {"stage": "client", "type": "NoCompletedRequests",
+                                       "message": "no measured request completed; see requests.jsonl"}
+    except KeyboardInterrupt as exc:
+        status = "interrupted"
+        error = {"stage": stage.name, "type": "KeyboardInterrupt", "message": str(exc) or "interrupted by Ctrl-C"}
+    except (HostError, ValueError, OSError, RuntimeError) as exc:
+        status = "failed"
+        error = {"stage": stage.name, "type": type(exc).__name__, "message": str(exc)}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+    artifacts = [artifact(p, run_dir) for p in (requests_path, run_dir / SERVER_LOG) if p.is_file()]
+    doc = {
+        "schema": "remnant/run",
+        "schema_version": 1,
+        "run_id": run_id,
+        "status": status,
+        "error": error,
+        "started_at": started_at,
+        "ended_at": _now(),
+        "duration_s": time.monotonic() - t_start,
+        "config": recorded_config(cfg),
+        "sources": sources(),
+        "host": host.describe() if host is not None else {"kind": cfg.host.kind},
+        "environment": environment,
+        "server_info": server_info,
+        "workload": workload_rec,
+        "phases": [p.to_dict() for p in phases],
+        "metrics": metrics if status == "completed" else None,
+        "artifacts": artifacts,
+        "limits": limits,
+    }
+    path = write_validated(run_dir / RUN_JSON, doc)
+    return RunOutcome(path, status, error, doc["metrics"])
+
+
+def _server_info(base_url: str) -> dict | None:
+    import httpx
+
+    try:
+        r = httpx.get(f"{base_url}/server_info", timeout=10.0)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None

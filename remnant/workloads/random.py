@@ -1,0 +1,47 @@
+"""Random workload: random token-id prompts (DESIGN section 7).
+
+C warm-up requests, then 3C measured requests (C = concurrency, which limits requests in
+flight, not total work); the prefix cache is flushed before each phase. Lengths are drawn
+uniformly from [len * range_ratio, len], as sglang.bench_serving's random dataset does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from remnant.config import RandomWorkloadConfig
+from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+
+
+def _lengths(rng: np.random.Generator, n: int, full: int, ratio: float) -> np.ndarray:
+    low = max(1, int(full * ratio))
+    return rng.integers(low, full + 1, size=n)
+
+
+def plan(cfg: RandomWorkloadConfig, prompt_vocab_size: int) -> WorkloadPlan:
+    """Draw the whole request stream from `cfg.seed`: same config, same requests."""
+    if cfg.concurrency < 1:
+        raise ValueError(f"workload.concurrency={cfg.concurrency} must be >= 1")
+    if not 0.0 < cfg.range_ratio <= 1.0:
+        raise ValueError(f"workload.range_ratio={cfg.range_ratio} must be in (0, 1]")
+    if cfg.input_len < 1 or cfg.output_len < 1:
+        raise ValueError(
+            f"workload.input_len={cfg.input_len} and workload.output_len={cfg.output_len} must be >= 1"
+        )
+    rng = np.random.default_rng(cfg.seed)
+    phases = []
+    for name, count in zip(("warmup", "measured"), cfg.counts()):
+        ins = _lengths(rng, count, cfg.input_len, cfg.range_ratio)
+        outs = _lengths(rng, count, cfg.output_len, cfg.range_ratio)
+        requests = [
+            PlannedRequest(
+                id=f"{name}-{i:05d}",
+                max_new_tokens=int(o),
+                input_ids=rng.integers(0, prompt_vocab_size, size=int(n)).tolist(),
+            )
+            for i, (n, o) in enumerate(zip(ins, outs))
+        ]
+        phases.append(Phase(name, requests, cfg.concurrency))
+    return WorkloadPlan(cfg.name, cfg.seed, phases, params=dataclasses.asdict(cfg))
