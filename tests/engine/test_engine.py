@@ -1,0 +1,112 @@
+"""The continuous-batching loop: batching does not change answers, prefill is chunked
+so decodes keep flowing, and a bad request or an abort never stops the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+
+import pytest
+import torch
+
+from remnant.config import ModelConfig
+from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
+from remnant.engine.model import Model, ModelArgs
+
+EOS = 257
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
+
+
+@pytest.fixture
+def engine(model):
+    e = Engine(model, EOS, chunked_prefill_size=128)
+    e.start()
+    yield e
+    e.stop()
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Collector:
+    def __init__(self, engine: Engine | None = None):
+        self.events: queue.Queue[TokenEvent] = queue.Queue()
+        self.steps: list[int] = []
+        self.engine = engine
+        self.first = threading.Event()
+
+    def __call__(self, ev: TokenEvent) -> None:
+        if self.engine is not None:
+            self.steps.append(self.engine.steps)
+        self.first.set()
+        self.events.put(ev)
+
+    def final(self, timeout: float = 60) -> TokenEvent:
+        while True:
+            ev = self.events.get(timeout=timeout)
+            if ev.finish_reason is not None:
+                return ev
+
+
+def _run(engine: Engine, rid: str, ids: list[int], n: int, collector=None) -> Collector:
+    c = collector or Collector()
+    engine.submit(Request(rid, ids, SamplingParams(n, 0.0, True), c))
+    return c
+
+
+def test_batched_answers_equal_alone(engine):
+    prompts = [_ids(n, s) for s, n in enumerate((5, 130, 301, 64))]
+    alone = [_run(engine, f"a{i}", p, 6).final().output_ids for i, p in enumerate(prompts)]
+    together = [_run(engine, f"b{i}", p, 6) for i, p in enumerate(prompts)]
+    assert [c.final().output_ids for c in together] == alone
+    assert all(len(o) == 6 for o in alone)
+
+
+def test_long_prefill_does_not_stall_decodes(engine):
+    decoding = Collector(engine)
+    _run(engine, "dec", _ids(16, 1), 40, decoding)
+    assert decoding.first.wait(30)
+    long = _run(engine, "long", _ids(1500, 2), 1)  # 12 chunks of 128 tokens
+    long.final()
+    done = decoding.final()
+    assert len(done.output_ids) == 40
+    gaps = [b - a for a, b in zip(decoding.steps, decoding.steps[1:])]
+    assert max(gaps) == 1, gaps  # the decode got a token in every engine step
+
+
+def test_finish_reasons(engine):
+    ev = _run(engine, "len", _ids(8, 3), 3).final()
+    assert ev.finish_reason == {"type": "length", "length": 3}
+    ev = _run(engine, "zero", _ids(8, 3), 0).final()
+    assert ev.finish_reason == {"type": "length", "length": 0} and ev.output_ids == []
+    c = Collector()
+    # With EOS allowed, a stop finish carries the matched id when EOS is sampled.
+    engine.submit(Request("eos", _ids(8, 4), SamplingParams(200, 5.0, False, seed=1), c))
+    ev = c.final()
+    assert ev.finish_reason["type"] in ("length", "stop")
+    if ev.finish_reason["type"] == "stop":
+        assert ev.output_ids[-1] == EOS == ev.finish_reason["matched"]
+
+
+def test_bad_request_answers_abort_and_engine_lives(engine):
+    bad = _run(engine, "bad", [10**6], 2).final()  # id outside the embedding table
+    assert bad.finish_reason["type"] == "abort" and "engine error" in bad.finish_reason["message"]
+    assert engine.alive
+    assert len(_run(engine, "after", _ids(8, 5), 2).final().output_ids) == 2
+
+
+def test_abort_drops_request(engine):
+    c = _run(engine, "gone", _ids(8, 6), 10_000)
+    assert c.first.wait(30)
+    engine.abort("gone")
+    for _ in range(200):
+        if engine.load() == (0, 0):
+            break
+        threading.Event().wait(0.01)
+    assert engine.load() == (0, 0)

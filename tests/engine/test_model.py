@@ -1,0 +1,105 @@
+"""The embedded model: one math for prefill, chunked prefill, decode and batches; the
+window, CSA and HCA paths see exactly the tokens DeepSeek-V4's masks let them see."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from remnant.config import ModelConfig
+from remnant.engine.model import Model, ModelArgs
+from remnant.engine.sequence import SequenceState
+from remnant.kv import NATIVE_RECORD_BYTES
+
+
+def _model(**overrides) -> Model:
+    cfg = dataclasses.asdict(ModelConfig())
+    cfg.update(overrides)
+    return Model(ModelArgs.from_hf_config(cfg))
+
+
+def _state(m: Model) -> SequenceState:
+    return SequenceState.empty(m.args.compress_ratios, m.args.index_head_dim)
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return _model()
+
+
+def test_chunked_prefill_and_decode_match_whole_prefill(model):
+    ids = _ids(301)
+    whole = model.forward([_state(model)], [ids])
+    s = _state(model)
+    for i in range(0, 300, 37):  # odd chunk sizes straddle record blocks
+        model.forward([s], [ids[i : min(i + 37, 300)]])
+    last = model.forward([s], [ids[300:]])
+    torch.testing.assert_close(last, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_batch_equals_separate(model):
+    a, b = _ids(130, 1), _ids(517, 2)
+    sa, sb = _state(model), _state(model)
+    batched = model.forward([sa, sb], [a, b])
+    alone = torch.cat([model.forward([_state(model)], [a]), model.forward([_state(model)], [b])])
+    torch.testing.assert_close(batched, alone, rtol=1e-4, atol=1e-4)
+    assert (sa.length, sb.length) == (130, 517)
+
+
+def test_record_counts_and_bytes(model):
+    s = _state(model)
+    model.forward([s], [_ids(517)])
+    counts = [layer.records.shape[0] for layer in s.layers]
+    assert counts == [0, 517 // 4, 517 // 128, 517 // 4]  # ratios [0, 4, 128, 4]
+    assert all(layer.records.shape[1] == NATIVE_RECORD_BYTES for layer in s.layers)
+    assert [layer.pending_c.shape[0] for layer in s.layers] == [0, 517 % 4, 517 % 128, 517 % 4]
+    assert all(layer.window.shape[0] == 128 for layer in s.layers)
+    assert s.record_bytes() == (2 * 129 + 4) * 584
+
+
+def _last_logits(m: Model, ids: list[int]) -> torch.Tensor:
+    return m.forward([_state(m)], [ids])[0]
+
+
+@pytest.mark.parametrize(
+    ("ratios", "reaches"),
+    [([0], False), ([4], True), ([128], True)],
+    ids=["window-only", "csa", "hca"],
+)
+def test_what_a_distant_token_can_reach(ratios, reaches):
+    """One layer: token 0 reaches position 300 only through a compressed record."""
+    m = _model(num_hidden_layers=1, compress_ratios=ratios, index_topk=512)
+    ids = _ids(301)
+    other = [(ids[0] + 1) % 256, *ids[1:]]
+    moved = (_last_logits(m, ids) - _last_logits(m, other)).abs().max().item()
+    assert (moved > 1e-4) == reaches, moved
+
+
+def test_incomplete_block_is_invisible():
+    """A C4 record joins attention only once its 4 tokens are all there."""
+    m = _model(num_hidden_layers=1, compress_ratios=[4], window_size=2, index_topk=512)
+    ids = _ids(11)
+    # Position 10 sees the window 9..10 and complete records 0 (tokens 0-3) and 1 (4-7).
+    # Block 2 (8-11) is incomplete, so token 8 (out of the window) must not reach it.
+    base = _last_logits(m, ids)
+    for pos, reaches in ((2, True), (5, True), (7, True), (8, False), (9, True)):
+        changed = list(ids)
+        changed[pos] = (changed[pos] + 7) % 256
+        moved = (base - _last_logits(m, changed)).abs().max().item()
+        assert (moved > 1e-5) == reaches, (pos, moved)
+    s = _state(m)
+    m.forward([s], [ids])
+    assert s.layers[0].records.shape[0] == 2
+
+
+def test_weights_are_seeded():
+    a, b, c = _model(seed=3), _model(seed=3), _model(seed=4)
+    ids = _ids(20)
+    torch.testing.assert_close(_last_logits(a, ids), _last_logits(b, ids), rtol=0, atol=0)
+    assert not torch.equal(_last_logits(a, ids), _last_logits(c, ids))

@@ -1,0 +1,161 @@
+"""remnant-run end to end: Hydra composes, a real server starts on loopback, a real client
+drives it, and run.json records what happened, on success, failure, kill and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+def remnant_run(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "remnant-run"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def check(*paths: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "remnant-check"), *map(str, paths)], capture_output=True, text=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) is not a running server.
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "State:\tZ" in status.read_text())
+
+
+def test_smoke_run_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    p = remnant_run("workload=smoke", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    last = p.stdout.strip().splitlines()[-1]
+    assert Path(last) == run_dir / "run.json"
+    doc = json.loads(Path(last).read_text())
+    assert doc["status"] == "completed" and doc["error"] is None
+    assert doc["config"]["mode"]["name"] == "native" and doc["config"]["retention"] is None
+    assert doc["workload"]["counts"] == {"warmup": 2, "measured": 6}
+    assert [ph["name"] for ph in doc["phases"]] == ["warmup", "measured"]
+    assert all(ph["flush"]["ok"] for ph in doc["phases"])
+    m = doc["metrics"]
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (6, 0, 6 * 8)
+    assert m["ttft_ms"]["count"] == 6 and m["ttft_ms"]["p50"] > 0
+    lines = (run_dir / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and all(json.loads(line)["success"] for line in lines)
+    assert doc["server_info"]["engine"] == "remnant-embedded"
+    assert doc["environment"]["cpu_count"] >= 1
+    assert {a["path"] for a in doc["artifacts"]} == {"requests.jsonl", "server.log"}
+    assert not _pid_alive(doc["host"]["pid"])
+    assert "measured: 6 ok" in p.stderr
+
+    assert check(last).returncode == 0
+    broken = json.loads(Path(last).read_text())
+    broken["metrics"]["ttft_ms"]["p50"] = "fast"
+    bad = tmp_path / "broken.json"
+    bad.write_text(json.dumps(broken))
+    r = check(bad)
+    assert r.returncode == 1 and str(bad) in r.stdout + r.stderr and "metrics.ttft_ms.p50" in r.stdout + r.stderr
+
+
+def test_rule_violation_is_one_line_without_traceback(tmp_path):
+    p = remnant_run("mode=kernel", "retention=r192", cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip() == (
+        "remnant-run: error: retention=192 is not allowed with mode=kernel; kernel supports retention=256"
+    )
+    assert "Traceback" not in p.stdout + p.stderr
+
+
+def test_sweep_of_modes_gives_three_run_dirs(tmp_path):
+    p = remnant_run("-m", "mode=native,triton,kernel", "workload=smoke", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    docs = {json.loads(f.read_text())["config"]["mode"]["name"]: json.loads(f.read_text())
+            for f in sorted((tmp_path / "sweep").glob("*/run.json"))}
+    assert set(docs) == {"native", "triton", "kernel"}
+    assert docs["native"]["status"] == "completed"
+    for mode in ("triton", "kernel"):
+        assert docs[mode]["status"] == "failed"
+        assert docs[mode]["error"]["stage"] == "serve"
+        assert f"mode={mode} is not supported by the embedded engine yet" in docs[mode]["error"]["message"]
+        assert docs[mode]["config"]["retention"]["retention"] == 256
+    assert check(tmp_path / "sweep").returncode == 0
+
+
+def _start_long_run(tmp_path: Path, run_dir: Path) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen(
+        [str(BIN / "remnant-run"), "workload=smoke", "workload.measured_requests=2000", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    requests = run_dir / "requests.jsonl"
+    deadline = time.monotonic() + 60
+    while not (requests.exists() and len(requests.read_text().splitlines()) >= 5):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    port = int((run_dir / "server.port").read_text())
+    server_pid = int(subprocess.run(["pgrep", "-f", "--", f"--port-file {run_dir}/server.port"],
+                                    capture_output=True, text=True).stdout.split()[0])
+    return proc, {"port": port, "pid": server_pid}
+
+
+def test_server_killed_mid_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, server = _start_long_run(tmp_path, run_dir)
+    os.kill(server["pid"], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    doc = json.loads((run_dir / "run.json").read_text())
+    assert doc["status"] == "failed" and doc["metrics"] is None
+    assert "exited with code -9" in doc["error"]["message"]
+    records = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    assert sum(r["success"] for r in records) >= 5  # every finished request kept
+    assert check(run_dir / "run.json").returncode == 0
+    assert not _pid_alive(server["pid"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupt_stops_server_and_records(tmp_path, sig):
+    run_dir = tmp_path / "run"
+    proc, server = _start_long_run(tmp_path, run_dir)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert out.strip().splitlines()[-1] == str(run_dir / "run.json")
+    doc = json.loads((run_dir / "run.json").read_text())
+    assert doc["status"] == "interrupted" and doc["error"]["stage"] == "client"
+    assert len((run_dir / "requests.jsonl").read_text().splitlines()) >= 5
+    assert check(run_dir / "run.json").returncode == 0
+    deadline = time.monotonic() + 15
+    while _pid_alive(server["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _pid_alive(server["pid"])
+
+
+def test_external_host_attaches_and_never_stops(server, tmp_path):
+    p = remnant_run("host=external", f"host.base_url={server.base_url}", "workload=smoke",
+                    f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert doc["status"] == "completed"
+    assert doc["host"] == {"kind": "external", "base_url": server.base_url}
+    assert doc["environment"] is None  # unknown where an external server runs
+    assert server.proc.poll() is None  # still running
+
+
+def test_external_host_unreachable_fails_cleanly(tmp_path):
+    p = remnant_run("host=external", "host.base_url=http://127.0.0.1:9", "host.health_timeout_s=1",
+                    "workload=smoke", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert p.returncode == 1
+    doc = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert doc["status"] == "failed" and doc["error"]["stage"] == "serve"
+    assert "did not answer 200 within 1s" in doc["error"]["message"]
+    assert "Traceback" not in p.stderr
