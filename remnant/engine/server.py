@@ -44,11 +44,11 @@ class BadRequest(ValueError):
 
 def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[int], SamplingParams, bool, str]:
     """Validate a /generate body the way SGLang's GenerateReqInput does (single requests)."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
     text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise BadRequest("Either text or input_ids should be provided, not both or neither.")
+    if text is None and input_ids is None:
+        raise BadRequest("Either text or input_ids should be provided.")
+    if input_ids is not None:
+        text = None  # as SGLang: given both, input_ids wins
     if isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)):
         raise BadRequest("batched /generate requests are not supported by the embedded engine; send one prompt per request")
     if text is not None:
@@ -155,7 +155,9 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
         try:
             body = await http.json()
         except json.JSONDecodeError as exc:
-            return JSONResponse({"error": {"message": f"invalid JSON: {exc}"}}, status_code=400)
+            return _validation_error(f"invalid JSON body: {exc}")
+        if not isinstance(body, dict):
+            return _validation_error("the request body must be a JSON object")
         try:
             ids, params, stream, rid = parse_generate(body, args.vocab_size, tokenizer)
             if len(ids) + params.max_new_tokens > args.max_position_embeddings:
@@ -169,6 +171,7 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
             return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
 
         queue = _submit(engine, ids, params, rid)
+        emitted = [""]
 
         def frame(ev: TokenEvent) -> dict:
             meta = {
@@ -181,9 +184,20 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
                 "completion_tokens": len(ev.output_ids),
                 "cached_tokens": ev.cached_tokens,
             }
+            meta["cached_tokens_details"] = None
+            meta["dp_rank"] = 0
+            text = tokenizer.decode(ev.output_ids)
             if ev.finish_reason is not None:
                 meta["e2e_latency"] = time.perf_counter() - t_recv
-            return {"text": tokenizer.decode(ev.output_ids), "output_ids": ev.output_ids, "meta_info": meta}
+                meta["response_sent_to_client_ts"] = time.time()
+            else:
+                # Hold back a trailing incomplete UTF-8 character, as SGLang's detokenizer
+                # does, so each frame's text extends the previous one.
+                text = text.rstrip("\ufffd")
+                if not text.startswith(emitted[0]):
+                    text = emitted[0]
+            emitted[0] = text
+            return {"text": text, "output_ids": ev.output_ids, "meta_info": meta}
 
         if stream:
             async def frames():
@@ -212,10 +226,8 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
     async def flush_cache() -> Response:
         running, waiting = engine.load()
         if running or waiting:
-            return Response(
-                content=f"Cache not flushed: {running} running and {waiting} waiting requests.\n",
-                status_code=400,
-            )
+            log.info("flush_cache refused: %d running, %d waiting requests", running, waiting)
+            return Response(content="Flush cache failed.\n", status_code=400)
         return Response(content=FLUSH_OK, status_code=200)
 
     @app.get("/server_info")
@@ -246,6 +258,9 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
+            "load_format": "dummy",  # random weights generated from the seed
+            "reasoning_parser": None,
+            "tool_call_parser": None,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": hf.get("model_type"),
@@ -267,6 +282,14 @@ async def _last(queue: asyncio.Queue) -> TokenEvent:
         ev = await queue.get()
         if ev.finish_reason is not None:
             return ev
+
+
+def _validation_error(message: str) -> JSONResponse:
+    """SGLang answers unparsable bodies through its RequestValidationError handler."""
+    return JSONResponse(
+        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+        status_code=400,
+    )
 
 
 def _error_stream(message: str) -> StreamingResponse:

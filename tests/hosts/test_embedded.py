@@ -1,0 +1,93 @@
+"""Embedded host: starts remnant-serve, hands out a live endpoint, always stops it, and
+explains a failed start with the server log's tail."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from remnant.config import EmbeddedHostConfig, ModelConfig, RetentionConfig
+from remnant.hosts import HostError, ServerSpec, make_host
+
+
+def _spec(tmp_path: Path, mode: str = "native", **model) -> ServerSpec:
+    return ServerSpec(mode, None if mode == "native" else RetentionConfig(), ModelConfig(**model),
+                      tmp_path, tmp_path / "server.log")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_serve_and_stop(tmp_path):
+    host = make_host(EmbeddedHostConfig(threads=1))
+    with host.serve(_spec(tmp_path)) as ep:
+        assert ep.failure() is None
+        assert httpx.get(f"{ep.base_url}/health").status_code == 200
+        assert ep.environment["python"]
+        pid = host.describe()["pid"]
+    assert host.describe()["exit_code"] is not None
+    assert _gone(pid)
+    assert (tmp_path / "model" / "config.json").is_file()
+    assert not (tmp_path / "server.port").exists()
+
+
+def test_stopped_on_error_inside(tmp_path):
+    host = make_host(EmbeddedHostConfig(threads=1))
+    with pytest.raises(RuntimeError, match="boom"):
+        with host.serve(_spec(tmp_path)):
+            raise RuntimeError("boom")
+    assert _gone(host.describe()["pid"])
+
+
+def test_failed_start_shows_log_tail(tmp_path):
+    host = make_host(EmbeddedHostConfig(threads=1))
+    with pytest.raises(HostError) as err:
+        with host.serve(_spec(tmp_path, mode="triton")):
+            pass
+    msg = str(err.value)
+    assert "remnant-serve exited with code 2" in msg
+    assert "mode=triton is not supported by the embedded engine yet" in msg  # from server.log
+
+
+def test_startup_timeout_shows_log_tail(tmp_path):
+    host = make_host(EmbeddedHostConfig(threads=1, startup_timeout_s=0.01))
+    t0 = time.monotonic()
+    with pytest.raises(HostError) as err:
+        with host.serve(_spec(tmp_path)):
+            pass
+    assert time.monotonic() - t0 < 30
+    assert "within 0.01s" in str(err.value)
+    assert _gone(host.describe()["pid"])
+
+
+def test_model_path_without_config(tmp_path):
+    host = make_host(EmbeddedHostConfig())
+    with pytest.raises(HostError, match=r"model.path=.* has no config.json"):
+        with host.serve(_spec(tmp_path, path=str(tmp_path / "nowhere"))):
+            pass
+
+
+def test_given_model_dir_is_used(tmp_path, tiny_model_dir):
+    host = make_host(EmbeddedHostConfig(threads=1))
+    with host.serve(_spec(tmp_path, path=str(tiny_model_dir))) as ep:
+        info = httpx.get(f"{ep.base_url}/model_info").json()
+    assert info["model_path"] == str(tiny_model_dir)
+
+
+def test_unknown_kind():
+    @dataclasses.dataclass
+    class Odd:
+        kind: str = "moon"
+
+    with pytest.raises(ValueError, match="host.kind=moon is not a host; allowed: embedded, external"):
+        make_host(Odd())
