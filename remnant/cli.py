@@ -59,7 +59,7 @@ def _fail(message: str, code: int = 2) -> None:
 def _run(cfg: DictConfig) -> None:
     from omegaconf.errors import MissingMandatoryValue
 
-    from remnant.run import execute_run
+    from remnant.run import execute_run, record_config_error
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
     hc = HydraConfig.get()
@@ -69,8 +69,11 @@ def _run(cfg: DictConfig) -> None:
         run_cfg = to_run_config(cfg)
     except (ConfigError, MissingMandatoryValue) as exc:
         if multirun:
-            # One bad cell must not stop a sweep: say so and move to the next cell.
-            print(f"remnant-run: error in {run_dir}: {exc}", file=sys.stderr)
+            # One bad cell must not stop a sweep: record why and move to the next cell.
+            message = str(exc).splitlines()[0]
+            path = record_config_error(run_dir, OmegaConf.to_container(cfg, resolve=False), message)
+            print(f"remnant-run: error: {message}", file=sys.stderr)
+            print(path, flush=True)
             return
         _fail(str(exc).splitlines()[0])
     outcome = execute_run(run_cfg, run_dir)

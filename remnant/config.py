@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import MISSING
-
 from remnant.kv.formats import KERNEL_RETENTION, RETENTION_VALUES
 
 MODES = ("native", "triton", "kernel")
+
+#: OmegaConf's marker for a value the user must give (kept literal: no OmegaConf import here).
+MISSING = "???"
 
 
 class ConfigError(ValueError):

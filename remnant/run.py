@@ -120,6 +120,10 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     except (HostError, ValueError, OSError, RuntimeError) as exc:
         status = "failed"
         error = {"stage": stage.name, "type": type(exc).__name__, "message": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - a bug still leaves a run.json behind
+        log.exception("run failed unexpectedly at %s", stage.name)
+        status = "failed"
+        error = {"stage": stage.name, "type": type(exc).__name__, "message": f"unexpected error: {exc!r}"}
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -146,6 +150,38 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     }
     path = write_validated(run_dir / RUN_JSON, doc)
     return RunOutcome(path, status, error, doc["metrics"])
+
+
+def record_config_error(run_dir: Path, config: dict, message: str, run_id: str | None = None) -> Path:
+    """run.json for a sweep cell whose config breaks a rule: nothing ran, the reason is kept."""
+    from remnant.records.provenance import sources
+    from remnant.records.schema import write_validated
+
+    now = _now()
+    workload = config.get("workload") or {}
+    doc = {
+        "schema": "remnant/run",
+        "schema_version": 1,
+        "run_id": run_id or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}",
+        "status": "failed",
+        "error": {"stage": "config", "type": "ConfigError", "message": message},
+        "started_at": now,
+        "ended_at": now,
+        "duration_s": 0.0,
+        "config": config,
+        "sources": sources(),
+        "host": {"kind": str((config.get("host") or {}).get("kind", "unknown"))},
+        "environment": None,
+        "server_info": None,
+        "workload": {"name": str(workload.get("name", "unknown")), "seed": int(workload.get("seed", 0)),
+                     "fingerprint": "0" * 64, "dataset": None, "counts": {"warmup": 0, "measured": 0},
+                     "params": {}},
+        "phases": [],
+        "metrics": None,
+        "artifacts": [],
+        "limits": ["nothing ran: the configuration broke a rule"],
+    }
+    return write_validated(Path(run_dir) / RUN_JSON, doc)
 
 
 def _server_info(base_url: str) -> dict | None:

@@ -159,3 +159,16 @@ def test_external_host_unreachable_fails_cleanly(tmp_path):
     assert doc["status"] == "failed" and doc["error"]["stage"] == "serve"
     assert "did not answer 200 within 1s" in doc["error"]["message"]
     assert "Traceback" not in p.stderr
+
+
+def test_sweep_records_a_cell_that_breaks_a_rule(tmp_path):
+    p = remnant_run("-m", "mode=native,kernel", "retention=r192", "workload=smoke",
+                    f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    docs = {json.loads(f.read_text())["config"]["mode"]["name"]: json.loads(f.read_text())
+            for f in (tmp_path / "sweep").glob("*/run.json")}
+    assert docs["native"]["status"] == "completed"
+    assert docs["kernel"]["status"] == "failed" and docs["kernel"]["error"]["stage"] == "config"
+    assert "kernel supports retention=256" in docs["kernel"]["error"]["message"]
+    assert "retention=192 is not allowed with mode=kernel" in p.stderr
+    assert check(tmp_path / "sweep").returncode == 0

@@ -110,6 +110,10 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     engine = Engine(model, hf["eos_token_id"], chunked_prefill_size, max_running_requests)
     started = time.time()
+    # Provenance is collected here, where the work runs, not by whoever started the server.
+    from remnant.records.provenance import environment
+
+    server_environment = environment()
     server_args = {
         "model_path": str(model_dir),
         "tokenizer_path": str(model_dir),
@@ -238,6 +242,7 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
             "startup_time": started,
             "version": remnant.__version__,
             "engine": "remnant-embedded",
+            "environment": server_environment,
             "model_config": {k: v for k, v in hf.items() if k != "remnant"},
             "internal_states": [
                 {

@@ -32,6 +32,16 @@ def _die_with_parent() -> None:
         pass  # not Linux: the finally-stop still covers normal exits and Ctrl-C
 
 
+def _server_environment(base_url: str) -> dict | None:
+    """The environment remnant-serve collected about itself (see /server_info)."""
+    import httpx
+
+    try:
+        return httpx.get(f"{base_url}/server_info", timeout=10.0).json().get("environment")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 class EmbeddedHost:
     def __init__(self, cfg: EmbeddedHostConfig):
         self.cfg = cfg
@@ -53,8 +63,6 @@ class EmbeddedHost:
 
     @contextlib.contextmanager
     def serve(self, spec: ServerSpec) -> Iterator[Endpoint]:
-        from remnant.records.provenance import environment
-
         model_dir = self._model_dir(spec)
         port_file = spec.run_dir / "server.port"
         port_file.unlink(missing_ok=True)
@@ -96,7 +104,7 @@ class EmbeddedHost:
                     raise HostError(f"{exc}; last lines of {spec.log_path.name}:\n"
                                     + log_tail(spec.log_path, self.cfg.log_tail_lines)) from None
                 raise
-            yield Endpoint(base_url, environment=environment(), failure=failure)
+            yield Endpoint(base_url, environment=_server_environment(base_url), failure=failure)
         finally:
             self._stop(proc)
             log.close()
