@@ -58,16 +58,8 @@ SGLANG_PLAIN_META_KEYS = {
 }
 # The keys every remnant meta_info must carry (the subset DESIGN section 6 names, plus the
 # always-present scalars of SGLang's dict).
-REQUIRED_META_KEYS = {
-    "id",
-    "finish_reason",
-    "prompt_tokens",
-    "weight_version",
-    "num_retractions",
-    "reasoning_tokens",
-    "completion_tokens",
-    "cached_tokens",
-}
+REQUIRED_META_KEYS = SGLANG_PLAIN_META_KEYS - {
+    "cached_tokens_details", "dp_rank", "e2e_latency", "response_sent_to_client_ts"}
 
 # http_server.py model_info(): the keys of GET /model_info for a generation model.
 SGLANG_MODEL_INFO_KEYS = {
