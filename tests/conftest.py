@@ -12,6 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+
+# Without a GPU, Triton kernels (ours and SGLang's) run under Triton's interpreter. It must
+# be chosen before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from remnant.config import ModelConfig
 from remnant.engine.model_dir import write_model_dir

@@ -1,7 +1,7 @@
-"""Record formats and reference codecs of Remnant's KV.
+"""Record formats, retention, reference codecs and reference attention of Remnant's KV.
 
-`remnant.kv.formats` is plain Python (config validation imports it); the codecs import
-torch, so they load on first use.
+`remnant.kv.formats` is plain Python (config validation imports it); everything else
+imports torch, so it loads on first use.
 """
 
 from remnant.kv.formats import (
@@ -14,14 +14,24 @@ from remnant.kv.formats import (
     packed_record_bytes,
 )
 
-_CODEC_NAMES = ("quantize", "dequantize")
+_LAZY = {
+    "quantize": "remnant.kv.codec",
+    "dequantize": "remnant.kv.codec",
+    "pack": "remnant.kv.packing",
+    "unpack": "remnant.kv.packing",
+    "to_pages": "remnant.kv.packing",
+    "from_pages": "remnant.kv.packing",
+    "decode_native": "remnant.kv.attention",
+    "decode_reconstructed": "remnant.kv.attention",
+    "decode_packed": "remnant.kv.attention",
+}
 
 
 def __getattr__(name: str):
-    if name in _CODEC_NAMES:
-        from remnant.kv import codec
+    if name in _LAZY:
+        import importlib
 
-        return getattr(codec, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'remnant.kv' has no attribute {name!r}")
 
 
@@ -32,7 +42,6 @@ __all__ = [
     "NOPE_DIM",
     "RETENTION_VALUES",
     "ROPE_DIM",
-    "dequantize",
     "packed_record_bytes",
-    "quantize",
+    *_LAZY,
 ]

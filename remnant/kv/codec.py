@@ -34,6 +34,12 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     """
     if x.ndim != 2 or x.shape[1] != HEAD_DIM:
         raise ValueError(f"quantize expects [n, {HEAD_DIM}] latents, got {tuple(x.shape)}")
+    finite = torch.isfinite(x).all(dim=1)
+    if not bool(finite.all()):
+        row = int((~finite).nonzero()[0])
+        # SGLang's kernel gives implementation-defined scales for NaN/Inf (the exponent of
+        # an infinite amax cast to uint8); the reference refuses them instead.
+        raise ValueError(f"quantize: row {row} has non-finite values (NaN or Inf); records need finite latents")
     xb = x.to(torch.bfloat16)
     nope = xb[:, :NOPE_DIM].float().view(-1, NUM_TILES, TILE)
     amax = nope.abs().amax(dim=-1).clamp_min(_EPS)

@@ -1,8 +1,17 @@
 """Byte layout of C4 attention records (DESIGN section 3).
 
 A record holds one 512-coordinate latent: NoPE 0..447 as FP8 e4m3 codes with one UE8M0
-scale per 64-coordinate tile, RoPE 448..511 as bf16. Native records are 584 bytes, as
-SGLang's DeepSeek-V4 pool and FlashMLA's FP8 sparse layout store them.
+scale per 64-coordinate tile, RoPE 448..511 as bf16.
+
+Native record, 584 bytes (SGLang's DeepSeek-V4 pool, FlashMLA's FP8 sparse layout):
+    [0, 448)    NoPE FP8 codes        [448, 576) RoPE, 64 x bf16
+    [576, 583)  7 UE8M0 scales        583        pad (zero)
+Packed record keeping R of 512 coordinates (N = R - 64 NoPE codes kept), R + 72 bytes:
+    [0, N)      kept NoPE codes, in retention-map order (sorted NoPE indices)
+    [N, N+128)  RoPE, 64 x bf16       [N+128, N+135) the 7 scales    N+135 pad
+R = 512 keeps everything: the packed record is the native record.
+
+Plain Python only: config validation imports this module without torch.
 """
 
 from __future__ import annotations
@@ -26,13 +35,41 @@ UE8M0_BIAS = 127
 FP8_MAX = 448.0
 
 
+def _check_retention(retention: int) -> None:
+    if retention not in RETENTION_VALUES and retention != HEAD_DIM:
+        raise ValueError(
+            f"retention={retention} is not allowed; allowed: {', '.join(map(str, RETENTION_VALUES))} "
+            f"(or {HEAD_DIM}: keep everything)"
+        )
+
+
+def kept_nope(retention: int) -> int:
+    """NoPE coordinates kept at retention R: N = R - 64."""
+    _check_retention(retention)
+    return retention - ROPE_DIM
+
+
+def packed_data_bytes(retention: int) -> int:
+    """Data part of a packed record (kept NoPE codes + RoPE): R + 64 bytes."""
+    return kept_nope(retention) + ROPE_BYTES
+
+
 def packed_record_bytes(retention: int) -> int:
-    """Bytes of one packed record keeping `retention` of 512 coordinates (R + 72).
+    """Bytes of one packed record keeping `retention` of 512 coordinates: R + 72.
 
     The kept NoPE codes (R - 64 bytes), the 128 RoPE bytes, then the 7 scales and pad.
     """
-    if retention not in RETENTION_VALUES and retention != HEAD_DIM:
-        raise ValueError(
-            f"retention={retention} is not allowed; allowed: {', '.join(map(str, RETENTION_VALUES))}"
-        )
-    return (retention - ROPE_DIM) + ROPE_BYTES + SCALE_BYTES
+    return packed_data_bytes(retention) + SCALE_BYTES
+
+
+def page_bytes(page_size: int, retention: int = HEAD_DIM) -> int:
+    """Bytes of one page of `page_size` records in SGLang's split layout.
+
+    [page_size x data][page_size x 8 scale bytes], padded up to a whole number of data
+    rows, as SGLang's DeepSeekV4SingleKVPool pads native pages to a multiple of 576.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size} must be >= 1")
+    row = packed_data_bytes(retention)
+    raw = page_size * (row + SCALE_BYTES)
+    return -(-raw // row) * row

@@ -1,0 +1,160 @@
+"""Reference decode attention for one CSA layer of DeepSeek-V4 (DESIGN section 4).
+
+One decode token: H query heads (64 in V4-Flash) attend, through one softmax with a
+per-head attention sink, to the sliding-window tokens (native records) and the top-k C4
+records the indexer selected, with V = K (the same 512-vector). Three paths, the ground
+truth for every kernel:
+
+- `decode_native`: over native C4 records (stock storage, stock attention);
+- `decode_reconstructed`: packed records unpacked to native (dropped codes = FP8 zero),
+  then the native math (the triton mode);
+- `decode_packed`: directly over packed records, reading only kept coordinates; dropped
+  coordinates add nothing to scores and give zero output coordinates (the kernel mode).
+
+All three compute the window part and the C4 part of the scores and of the output
+separately, with the same operations, so keeping all 448 NoPE coordinates makes
+`decode_packed` equal `decode_native` exactly, and any retention makes
+`decode_reconstructed` and `decode_packed` agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from remnant.kv.codec import dequantize
+from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, NUM_TILES, ROPE_BYTES, TILE, UE8M0_BIAS
+from remnant.kv.packing import check_keep, unpack
+
+SOFTMAX_SCALE = 1.0 / math.sqrt(HEAD_DIM)
+
+
+def _check_inputs(q: torch.Tensor, window: torch.Tensor, sink: torch.Tensor) -> None:
+    if q.ndim != 2 or q.shape[1] != HEAD_DIM or not q.is_floating_point():
+        raise ValueError(f"q must be float [heads, {HEAD_DIM}], got {q.dtype} {tuple(q.shape)}")
+    if window.dtype != torch.uint8 or window.ndim != 2 or window.shape[1] != NATIVE_RECORD_BYTES:
+        raise ValueError(f"window must be uint8 [W, {NATIVE_RECORD_BYTES}] native records, got {window.dtype} {tuple(window.shape)}")
+    if sink.shape != (q.shape[0],):
+        raise ValueError(f"sink must be [heads] = [{q.shape[0]}], got {tuple(sink.shape)}")
+
+
+def selected(indices: torch.Tensor, n_records: int) -> torch.Tensor:
+    """Valid entries of a top-k index list (-1 pads, as SGLang's indexer pads); int64 [k']."""
+    if indices.dtype not in (torch.int32, torch.int64) or indices.ndim != 1:
+        raise ValueError(f"indices must be an int tensor [k], got {indices.dtype} {tuple(indices.shape)}")
+    idx = indices[indices >= 0].long()
+    if idx.numel() and int(idx.max()) >= n_records:
+        raise ValueError(f"indices hold record {int(idx.max())} but the layer has {n_records} records")
+    return idx
+
+
+def _combine(
+    q: torch.Tensor,
+    sink: torch.Tensor,
+    window_keys: torch.Tensor,
+    c4_q: torch.Tensor,
+    c4_keys: torch.Tensor,
+    c4_scatter: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """softmax([sink | q.window | c4_q.c4]) with V = K; the sink takes mass, gives no value.
+
+    c4_keys: [k, D] keys in the coordinates c4_q covers; c4_scatter maps those D output
+    coordinates into 512 (None: D = 512 in order).
+    """
+    s_win = (q @ window_keys.T) * scale
+    s_c4 = (c4_q @ c4_keys.T) * scale
+    logits = torch.cat([sink[:, None], s_win, s_c4], dim=1)
+    p = torch.softmax(logits, dim=1)
+    p_win, p_c4 = p[:, 1 : 1 + s_win.shape[1]], p[:, 1 + s_win.shape[1] :]
+    out = p_win @ window_keys
+    part = p_c4 @ c4_keys
+    if c4_scatter is None:
+        return out + part
+    full = torch.zeros_like(out)
+    full[:, c4_scatter] = part
+    return out + full
+
+
+def decode_native(
+    q: torch.Tensor,
+    window: torch.Tensor,
+    c4: torch.Tensor,
+    indices: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float = SOFTMAX_SCALE,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Attention over native C4 records.
+
+    q: float [H, 512] (RoPE applied); window: uint8 [W, 584]; c4: uint8 [n, 584] the layer's
+    C4 records; indices: int [k] selected records (-1 = padding); sink: [H] logits.
+    Returns `dtype` [H, 512].
+    """
+    _check_inputs(q, window, sink)
+    idx = selected(indices, c4.shape[0])
+    keys = dequantize(c4[idx]).to(dtype)
+    qd = q.to(dtype)
+    return _combine(qd, sink.to(dtype), dequantize(window).to(dtype), qd, keys, None, scale)
+
+
+def decode_reconstructed(
+    q: torch.Tensor,
+    window: torch.Tensor,
+    c4_packed: torch.Tensor,
+    keep: torch.Tensor,
+    indices: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float = SOFTMAX_SCALE,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The triton mode: unpack the selected packed records to native, then native math.
+
+    c4_packed: uint8 [n, R + 72]; keep: int64 [R - 64] kept NoPE indices. Other arguments
+    and the result as in decode_native.
+    """
+    idx = selected(indices, c4_packed.shape[0])
+    native = unpack(c4_packed[idx], keep)
+    return decode_native(q, window, native, torch.arange(idx.numel()), sink, scale, dtype)
+
+
+def packed_keys(packed: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Decode packed records to their kept coordinates only.
+
+    packed: uint8 [k, N + 136]; keep: int64 [N]. Returns float32 [k, N + 64]: the kept NoPE
+    values (FP8 code x its tile's UE8M0 scale) then the 64 RoPE values.
+    """
+    check_keep(keep)
+    n = keep.numel()
+    codes = packed[:, :n].contiguous().view(torch.float8_e4m3fn).float()
+    scales = packed[:, n + ROPE_BYTES : n + ROPE_BYTES + NUM_TILES].float() - UE8M0_BIAS
+    tile = (keep // TILE).to(packed.device)
+    nope = codes * torch.exp2(scales[:, tile])
+    rope = packed[:, n : n + ROPE_BYTES].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], dim=1)
+
+
+def decode_packed(
+    q: torch.Tensor,
+    window: torch.Tensor,
+    c4_packed: torch.Tensor,
+    keep: torch.Tensor,
+    indices: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float = SOFTMAX_SCALE,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The kernel mode: attention read directly from packed records.
+
+    Scores of C4 records use only the kept coordinates (q restricted to keep + RoPE); their
+    output lands in those coordinates and is zero in the dropped ones. Arguments and result
+    as in decode_reconstructed.
+    """
+    _check_inputs(q, window, sink)
+    check_keep(keep)
+    idx = selected(indices, c4_packed.shape[0])
+    cols = torch.cat([keep, torch.arange(NOPE_DIM, HEAD_DIM)]).to(q.device)
+    keys = packed_keys(c4_packed[idx], keep).to(dtype)
+    qd = q.to(dtype)
+    return _combine(qd, sink.to(dtype), dequantize(window).to(dtype), qd[:, cols], keys, cols, scale)
