@@ -1,0 +1,198 @@
+"""Fidelity of packed attention against native, per CSA layer, retention R and policy.
+
+For each layer of a capture file, the policy chooses kept coordinates from calibration
+queries (the first half of the capture's query tokens) and the layer's records; the
+report measures on the held-out queries (the second half), over the same records, all of
+them selected, no window and no sink (the window and sink are identical in every mode, so
+leaving them out isolates what packing changes):
+
+- output_rel_error: ||o_packed - o_native|| / ||o_native|| per query token and head
+  (mean, p50, p95, max), o from remnant.kv.attention's decode_native and decode_packed;
+- topk_overlap: |top-k(scores_packed) & top-k(scores_native)| / k, mean over tokens and
+  heads (k = --top-k records);
+- softmax_kl: KL(p_native || p_packed) in nats, mean over tokens and heads.
+
+Latents are FP8-quantized first, so "native" is what SGLang stores, not the float latent.
+
+    python -m remnant.kv.fidelity --synthetic --out fidelity.json
+    python -m remnant.kv.fidelity --captures captures.safetensors --out fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from remnant.kv.attention import SOFTMAX_SCALE, decode_native, decode_packed, packed_keys
+from remnant.kv.captures import Captures, LayerCapture, load_captures, synthetic_captures
+from remnant.kv.codec import dequantize, quantize
+from remnant.kv.formats import HEAD_DIM, NOPE_DIM, RETENTION_VALUES
+from remnant.kv.packing import pack
+from remnant.kv.policies import POLICIES, choose
+
+SYNTHETIC_LIMIT = (
+    "synthetic latents with heavy-tailed channels and planted high-energy channels, "
+    "not captures of DeepSeek-V4: says how policies rank on that structure, not on the real model"
+)
+
+
+def split(capture: LayerCapture) -> tuple[LayerCapture, LayerCapture]:
+    """Calibration (first half of query tokens) and evaluation (second half) captures."""
+    t = capture.q.shape[0]
+    if t < 2:
+        raise ValueError(f"a capture needs >= 2 query tokens to hold some out for evaluation, got {t}")
+    half = t // 2
+    return LayerCapture(capture.q[:half], capture.k), LayerCapture(capture.q[half:], capture.k)
+
+
+def _dist(values: torch.Tensor) -> dict:
+    v = values.double()
+    return {
+        "mean": float(v.mean()),
+        "p50": float(v.quantile(0.5)),
+        "p95": float(v.quantile(0.95)),
+        "max": float(v.max()),
+    }
+
+
+def measure(evaluation: LayerCapture, records: torch.Tensor, keep: torch.Tensor, top_k: int) -> dict:
+    """Packed vs native on `evaluation` queries over native `records` (uint8 [n, 584])."""
+    q = evaluation.q.double()
+    n = records.shape[0]
+    k = min(top_k, n)
+    heads = q.shape[1]
+    every = torch.arange(n)
+    no_window = records[:0]
+    no_sink = torch.full((heads,), float("-inf"), dtype=torch.float64)
+    packed = pack(records, keep)
+    native_keys = dequantize(records).double()
+    cols = torch.cat([keep, torch.arange(NOPE_DIM, HEAD_DIM)])
+    kept_keys = packed_keys(packed, keep).double()
+    errors, overlaps, kls = [], [], []
+    for qt in q:  # one decode token: [H, 512]
+        o_native = decode_native(qt, no_window, records, every, no_sink)
+        o_packed = decode_packed(qt, no_window, packed, keep, every, no_sink)
+        errors.append((o_packed - o_native).norm(dim=1) / o_native.norm(dim=1).clamp_min(1e-300))
+        s_native = qt @ native_keys.T * SOFTMAX_SCALE
+        s_packed = qt[:, cols] @ kept_keys.T * SOFTMAX_SCALE
+        top_n = s_native.topk(k, dim=1).indices
+        top_p = s_packed.topk(k, dim=1).indices
+        hit = torch.zeros(heads, n, dtype=torch.bool).scatter_(1, top_n, True).gather(1, top_p)
+        overlaps.append(hit.double().mean(dim=1))
+        log_pn = torch.log_softmax(s_native, dim=1)
+        log_pp = torch.log_softmax(s_packed, dim=1)
+        kls.append((log_pn.exp() * (log_pn - log_pp)).sum(dim=1))
+    return {
+        "output_rel_error": _dist(torch.cat(errors)),
+        "topk_overlap": float(torch.cat(overlaps).mean()),
+        "softmax_kl": float(torch.cat(kls).mean()),
+        "queries": int(q.shape[0]),
+        "heads": heads,
+        "records": n,
+    }
+
+
+def evaluate(captures: Captures, policies: list[str], retention_values: list[int], top_k: int = 64,
+             seed: int = 0, progress: bool | None = None) -> list[dict]:
+    """One result per (layer, R, policy), in that order."""
+    from tqdm import tqdm
+
+    results = []
+    cells = [(layer, r, p) for layer in sorted(captures.layers) for r in retention_values for p in policies]
+    prepared: dict[int, tuple] = {}
+    for layer, retention, policy in tqdm(cells, desc="fidelity", unit="cell", disable=progress is False or None):
+        if layer not in prepared:
+            calibration, evaluation = split(captures.layers[layer])
+            prepared[layer] = (calibration, evaluation, quantize(captures.layers[layer].k))
+        calibration, evaluation, records = prepared[layer]
+        keep = choose(policy, calibration, retention, seed=seed, layer=layer)
+        results.append({"layer": layer, "retention": retention, "policy": policy,
+                        **measure(evaluation, records, keep, top_k)})
+    return results
+
+
+def report(captures: Captures, policies: list[str], retention_values: list[int], top_k: int = 64,
+           seed: int = 0, progress: bool | None = None) -> dict:
+    """The remnant/fidelity v1 document for `captures`."""
+    from remnant.records.provenance import sources
+
+    limits = [
+        "decode attention over the capture's records only: no sliding window, no sink, every record selected",
+        "policies calibrated on the first half of each layer's query tokens, measured on the second half",
+    ]
+    if captures.source == "synthetic":
+        limits.insert(0, SYNTHETIC_LIMIT)
+    return {
+        "schema": "remnant/fidelity",
+        "schema_version": 1,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "sources": sources(),
+        "captures": {"model_id": captures.model_id, "source": captures.source,
+                     "fingerprint": captures.fingerprint, "params": captures.params},
+        "settings": {"policies": policies, "retention_values": retention_values, "top_k": top_k, "seed": seed},
+        "results": evaluate(captures, policies, retention_values, top_k, seed, progress),
+        "limits": limits,
+    }
+
+
+def table(doc: dict) -> str:
+    """Mean output error per R (rows) and policy (columns), averaged over layers."""
+    policies = doc["settings"]["policies"]
+    lines = ["R     " + "".join(f"{p:>12}" for p in policies)]
+    for r in doc["settings"]["retention_values"]:
+        cells = []
+        for p in policies:
+            vals = [x["output_rel_error"]["mean"] for x in doc["results"] if x["retention"] == r and x["policy"] == p]
+            cells.append(f"{sum(vals) / len(vals):>12.4f}")
+        lines.append(f"{r:<6}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--{name}={text} must be comma-separated integers") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m remnant.kv.fidelity", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--captures", type=Path, help="capture file (remnant-capture/1 safetensors)")
+    src.add_argument("--synthetic", action="store_true", help="use synthetic captures (see remnant.kv.captures)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic generator seed and the random policy's seed")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--retention", default=",".join(map(str, RETENTION_VALUES)), help="R values, comma-separated")
+    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    from remnant.records.schema import write_validated
+
+    try:
+        policies = [x.strip() for x in a.policies.split(",") if x.strip()]
+        bad = [x for x in policies if x not in POLICIES]
+        if bad:
+            raise ValueError(f"--policies has {bad[0]}; allowed: {', '.join(POLICIES)}")
+        values = _int_list(a.retention, "retention")
+        bad_r = [r for r in values if r not in RETENTION_VALUES]
+        if bad_r:
+            raise ValueError(f"--retention has {bad_r[0]}; allowed: {', '.join(map(str, RETENTION_VALUES))}")
+        if a.top_k < 1:
+            raise ValueError(f"--top-k={a.top_k} must be >= 1")
+        captures = synthetic_captures(seed=a.seed) if a.synthetic else load_captures(a.captures)
+        doc = report(captures, policies, values, a.top_k, a.seed)
+        path = write_validated(a.out, doc)
+    except ValueError as exc:
+        print(f"fidelity: error: {exc}", file=sys.stderr)
+        return 2
+    print(table(doc), file=sys.stderr)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
