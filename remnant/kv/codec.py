@@ -32,8 +32,8 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     x: float [n, 512] (any float dtype; rounded to bf16 first, as SGLang stores bf16 K).
     Returns uint8 [n, 584].
     """
-    if x.ndim != 2 or x.shape[1] != HEAD_DIM:
-        raise ValueError(f"quantize expects [n, {HEAD_DIM}] latents, got {tuple(x.shape)}")
+    if x.ndim != 2 or x.shape[1] != HEAD_DIM or not x.is_floating_point():
+        raise ValueError(f"quantize expects float [n, {HEAD_DIM}] latents, got {x.dtype} {tuple(x.shape)}")
     finite = torch.isfinite(x).all(dim=1)
     if not bool(finite.all()):
         row = int((~finite).nonzero()[0])
@@ -56,9 +56,9 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
 
 def dequantize(records: torch.Tensor) -> torch.Tensor:
     """Decode native records. records: uint8 [n, 584]. Returns float32 [n, 512]."""
-    if records.ndim != 2 or records.shape[1] != NATIVE_RECORD_BYTES:
+    if records.dtype != torch.uint8 or records.ndim != 2 or records.shape[1] != NATIVE_RECORD_BYTES:
         raise ValueError(
-            f"dequantize expects uint8 [n, {NATIVE_RECORD_BYTES}] records, got {tuple(records.shape)}"
+            f"dequantize expects uint8 [n, {NATIVE_RECORD_BYTES}] records, got {records.dtype} {tuple(records.shape)}"
         )
     n = records.shape[0]
     codes = records[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()

@@ -43,3 +43,14 @@ def test_zero_tile():
     rec = quantize(torch.zeros(1, 512))
     assert (rec[:, :448] == 0).all()
     assert torch.equal(dequantize(rec), torch.zeros(1, 512))
+
+
+def test_bad_shapes_and_dtypes():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"quantize expects float \[n, 512\] latents, got torch.float32 \(3, 511\)"):
+        quantize(torch.zeros(3, 511))
+    with pytest.raises(ValueError, match=r"quantize expects float"):
+        quantize(torch.zeros(3, 512, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"dequantize expects uint8 \[n, 584\] records, got torch.int8"):
+        dequantize(torch.zeros(3, 584, dtype=torch.int8))
