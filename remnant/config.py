@@ -7,10 +7,12 @@ module imports no heavy package.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from remnant.kv.formats import KERNEL_RETENTION, RETENTION_VALUES
+from remnant.kv.retention import POLICIES
 
 MODES = ("native", "triton", "kernel")
 
@@ -36,7 +38,10 @@ class RetentionConfig:
     name: str = "r256"
     retention: int = 256
     per_layer: list[int] | None = None
+    #: A retention map file (remnant/retention-map JSON); without one the engine calibrates
+    #: at load and `policy` chooses the kept coordinates.
     map_path: str | None = None
+    policy: str = "attention"
 
     def values(self) -> list[int]:
         return list(self.per_layer) if self.per_layer else [self.retention]
@@ -162,6 +167,10 @@ def validate(cfg: RunConfig) -> None:
                 f"retention.per_layer has {len(ret.per_layer)} values; model={cfg.model.name} "
                 f"has {n_csa} CSA layers, so it needs {n_csa}"
             )
+    if ret.map_path is not None and not os.path.isfile(ret.map_path):
+        raise ConfigError(f"retention.map_path={ret.map_path} is not a file")
+    if ret.policy not in POLICIES:
+        raise ConfigError(f"retention.policy={ret.policy} is not a policy; allowed: {', '.join(POLICIES)}")
     for value in ret.values():
         if value not in RETENTION_VALUES:
             raise ConfigError(f"retention={value} is not allowed; allowed: {allowed}")

@@ -81,12 +81,18 @@ def test_sweep_of_modes_gives_three_run_dirs(tmp_path):
     docs = {json.loads(f.read_text())["config"]["mode"]["name"]: json.loads(f.read_text())
             for f in sorted((tmp_path / "sweep").glob("*/run.json"))}
     assert set(docs) == {"native", "triton", "kernel"}
-    assert docs["native"]["status"] == "completed"
+    assert all(d["status"] == "completed" for d in docs.values())
+    assert len({d["host"]["base_url"] for d in docs.values()}) == 3  # each cell had its own server
+    assert docs["native"]["server_info"]["c4_record_bytes"] == [584, 584]
+    assert docs["native"]["server_info"]["remnant_retention"] is None
     for mode in ("triton", "kernel"):
-        assert docs[mode]["status"] == "failed"
-        assert docs[mode]["error"]["stage"] == "serve"
-        assert f"mode={mode} is not supported by the embedded engine yet" in docs[mode]["error"]["message"]
+        info = docs[mode]["server_info"]
+        assert info["remnant_mode"] == mode and info["c4_record_bytes"] == [328, 328]
+        assert info["remnant_retention"]["per_layer"] == {"1": 256, "3": 256}
+        assert info["remnant_retention"]["policy"] == "attention"
         assert docs[mode]["config"]["retention"]["retention"] == 256
+    # Same request stream in every cell, so modes compare request by request.
+    assert len({d["workload"]["fingerprint"] for d in docs.values()}) == 1
     assert check(tmp_path / "sweep").returncode == 0
 
 

@@ -109,3 +109,11 @@ def test_external_host_needs_base_url(monkeypatch):
 def test_bad_compress_ratio():
     with pytest.raises(ConfigError, match=r"model.compress_ratios\[1\]=8 is not allowed"):
         _compose(["model.compress_ratios=[0,8,128,4]"])
+
+
+def test_retention_map_path_and_policy(tmp_path):
+    with pytest.raises(ConfigError, match="retention.map_path=.*nowhere.json is not a file"):
+        _compose(["mode=triton", f"retention.map_path={tmp_path}/nowhere.json"])
+    with pytest.raises(ConfigError, match="retention.policy=oracle is not a policy; allowed: magnitude"):
+        _compose(["mode=kernel", "retention.policy=oracle"])
+    assert _compose(["mode=kernel", "retention.policy=prefix"]).retention.policy == "prefix"

@@ -131,7 +131,8 @@ class Engine:
         for r in running:
             if r.state is None:
                 r.state = SequenceState.empty(
-                    self.model.args.compress_ratios, self.model.args.index_head_dim
+                    self.model.args.compress_ratios, self.model.args.index_head_dim,
+                    self.model.record_bytes(),
                 )
                 seed = r.sampling.seed if r.sampling.seed is not None else zlib.crc32(r.rid.encode())
                 r.generator = torch.Generator().manual_seed(seed)

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from remnant.kv import HEAD_DIM, NOPE_DIM, ROPE_DIM
+from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
+from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
+from remnant.kv.packing import check_keep, pack, unpack
 
 CSA_RATIO = 4
 HCA_RATIO = 128
@@ -74,6 +76,48 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([nope, r1 * cos - r2 * sin, r1 * sin + r2 * cos], dim=-1)
 
 
+MODES = ("native", "triton", "kernel")
+
+
+class C4Format:
+    """How one CSA layer stores and reads its C4 records (DESIGN section 4).
+
+    native: 584-byte records, read whole. triton: packed R + 72-byte records (packed at
+    the KV write), reconstructed to native for attention. kernel: packed records read
+    directly: only kept coordinates enter scores and output.
+    """
+
+    def __init__(self, mode: str = "native", keep: torch.Tensor | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
+        if (mode == "native") != (keep is None):
+            raise ValueError(f"mode={mode} {'takes no' if mode == 'native' else 'needs a'} retention keep list")
+        if keep is not None:
+            check_keep(keep)
+        self.mode, self.keep = mode, keep
+        self.cols = None if keep is None else torch.cat([keep, torch.arange(NOPE_DIM, HEAD_DIM)])
+
+    @property
+    def retention(self) -> int:
+        return HEAD_DIM if self.keep is None else self.keep.numel() + ROPE_DIM
+
+    @property
+    def record_bytes(self) -> int:
+        return NATIVE_RECORD_BYTES if self.keep is None else self.keep.numel() + 136
+
+    def write(self, native: torch.Tensor) -> torch.Tensor:
+        """Native records uint8 [n, 584] -> as stored, uint8 [n, record_bytes]."""
+        return native if self.keep is None else pack(native, self.keep)
+
+    def read(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stored records -> (keys float32 [n, D], output columns [D] or None for all 512)."""
+        if self.mode == "native":
+            return dequantize(stored), None
+        if self.mode == "triton":
+            return dequantize(unpack(stored, self.keep)), None
+        return packed_keys(stored, self.keep), self.cols
+
+
 class Layer:
     """Weights of one decoder layer (attention + dense SwiGLU)."""
 
@@ -110,11 +154,17 @@ class Layer:
 class Model:
     """Random seeded weights for `args`; forward helpers used by the engine."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, c4_formats: dict[int, C4Format] | None = None):
         for i, r in enumerate(args.compress_ratios):
             if r not in (0, CSA_RATIO, HCA_RATIO):
                 raise ValueError(f"compress_ratios[{i}]={r}; allowed: 0, 4, 128")
         self.args = args
+        self.csa_layers = [i for i, r in enumerate(args.compress_ratios) if r == CSA_RATIO]
+        self.c4_formats = {i: C4Format() for i in self.csa_layers}
+        #: layer -> list of query tensors [T, H, 512] while calibrating (None otherwise)
+        self.capture: dict[int, list[torch.Tensor]] | None = None
+        if c4_formats is not None:
+            self.set_c4_formats(c4_formats)
         gen = torch.Generator().manual_seed(args.seed)
         self.embed = torch.randn(args.vocab_size, args.hidden_size, generator=gen)
         self.layers = [Layer(args, r, gen) for r in args.compress_ratios]
@@ -123,6 +173,19 @@ class Model:
             args.hidden_size
         )
         self.scale = 1.0 / math.sqrt(HEAD_DIM)
+
+    def set_c4_formats(self, formats: dict[int, C4Format]) -> None:
+        """One format per CSA layer (new sequences only: stored records keep their format)."""
+        if sorted(formats) != self.csa_layers:
+            raise ValueError(f"C4 formats given for layers {sorted(formats)}; the model's CSA layers are {self.csa_layers}")
+        self.c4_formats = dict(formats)
+
+    def record_bytes(self) -> list[int]:
+        """Stored bytes of one compressed record per layer (0 for window-only layers)."""
+        return [
+            self.c4_formats[i].record_bytes if r == CSA_RATIO else (NATIVE_RECORD_BYTES if r else 0)
+            for i, r in enumerate(self.args.compress_ratios)
+        ]
 
     # Per-token projections, batched over any token set ------------------------------
 
@@ -164,27 +227,37 @@ class Model:
         self,
         layer: Layer,
         q: torch.Tensor,
-        keys: list[torch.Tensor],
+        key_sets: list[tuple[torch.Tensor, torch.Tensor | None]],
         masks: list[torch.Tensor],
     ) -> torch.Tensor:
         """Softmax attention of q [T, H, 512] over key sets with V = K and a per-head sink.
 
-        keys[i]: [S_i, 512] latents; masks[i]: bool [T, S_i] (True = visible).
-        Returns [T, H, 512]. Dropped coordinates of K contribute nothing, as V = K.
+        key_sets[i]: (keys [S_i, D_i], cols): keys in the output coordinates `cols` [D_i]
+        (None: all 512 in order), as packed records give only their kept coordinates;
+        masks[i]: bool [T, S_i] (True = visible). Returns [T, H, 512]: coordinates a key
+        set lacks get nothing from it, in scores and in output.
         """
-        logits, values = [], []
-        for k, m in zip(keys, masks):
+        logits, parts = [], []
+        for (k, cols), m in zip(key_sets, masks):
             if k.shape[0] == 0:
                 continue
-            s = torch.einsum("thd,sd->hts", q, k) * self.scale
+            qk = q if cols is None else q[..., cols]
+            s = torch.einsum("thd,sd->hts", qk, k) * self.scale
             logits.append(s.masked_fill(~m[None], float("-inf")))
-            values.append(k)
+            parts.append((k, cols))
         T, H = q.shape[0], q.shape[1]
         sink = layer.sink[:, None, None].expand(H, T, 1)
-        all_logits = torch.cat([sink, *logits], dim=-1)
-        p = torch.softmax(all_logits, dim=-1)[..., 1:]  # the sink takes mass, gives no value
-        v = torch.cat(values, dim=0)
-        return torch.einsum("hts,sd->thd", p, v)
+        p = torch.softmax(torch.cat([sink, *logits], dim=-1), dim=-1)[..., 1:]  # the sink gives no value
+        out = torch.zeros(T, H, HEAD_DIM, dtype=q.dtype)
+        start = 0
+        for k, cols in parts:
+            o = torch.einsum("hts,sd->thd", p[..., start : start + k.shape[0]], k)
+            start += k.shape[0]
+            if cols is None:
+                out += o
+            else:
+                out[..., cols] += o
+        return out
 
     def output(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         return h + o.reshape(o.shape[0], -1) @ layer.wo
@@ -232,6 +305,7 @@ class Model:
                 start += n
                 outs.append(
                     self._attend_sequence(
+                        li,
                         layer,
                         state.layers[li],
                         x[sl],
@@ -251,17 +325,19 @@ class Model:
         last = torch.tensor(sizes).cumsum(0) - 1
         return self.logits(h[last])
 
-    def _attend_sequence(self, layer, ls, x, q, q_lora, kv, pos, c, g, ik) -> torch.Tensor:
+    def _attend_sequence(self, li, layer, ls, x, q, q_lora, kv, pos, c, g, ik) -> torch.Tensor:
         a = self.args
         keys = torch.cat([ls.window, kv])
         kpos = torch.cat([ls.window_pos, pos])
         win_mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - a.window_size)
-        key_sets, masks = [keys], [win_mask]
+        key_sets, masks = [(keys, None)], [win_mask]
         ls.window, ls.window_pos = keys[-a.window_size :], kpos[-a.window_size :]
 
         if layer.ratio:
-            self._compress_new_blocks(layer, ls, c, g, ik)
+            self._compress_new_blocks(li, layer, ls, c, g, ik)
             n = ls.records.shape[0]
+            if self.capture is not None and layer.ratio == CSA_RATIO:
+                self.capture[li].append(q.detach().clone())
             if n:
                 rec_end = (torch.arange(n) + 1) * layer.ratio - 1
                 visible = rec_end[None, :] <= pos[:, None]  # [T, n]
@@ -275,12 +351,15 @@ class Model:
                     chosen = visible
                 used = chosen.any(0).nonzero().squeeze(1)
                 if used.numel():
-                    # Only the selected records are read back from their FP8 bytes.
-                    key_sets.append(dequantize(ls.records[used]))
+                    # Only the selected records are read back from their stored bytes.
+                    if layer.ratio == CSA_RATIO:
+                        key_sets.append(self.c4_formats[li].read(ls.records[used]))
+                    else:
+                        key_sets.append((dequantize(ls.records[used]), None))
                     masks.append(chosen[:, used])
         return self.attend(layer, q, key_sets, masks)
 
-    def _compress_new_blocks(self, layer, ls, c, g, ik) -> None:
+    def _compress_new_blocks(self, li, layer, ls, c, g, ik) -> None:
         r = layer.ratio
         pc, pg = torch.cat([ls.pending_c, c]), torch.cat([ls.pending_g, g])
         pik = torch.cat([ls.pending_ik, ik]) if ik is not None else None
@@ -294,6 +373,8 @@ class Model:
                 pg[: full * r].view(full, r, -1),
                 block_index,
             )
+            if layer.ratio == CSA_RATIO:
+                new = self.c4_formats[li].write(new)  # packed at the KV write
             ls.records = torch.cat([ls.records, new])
             if pik is not None:
                 ls.index_keys = torch.cat([ls.index_keys, pik[: full * r].view(full, r, -1).mean(1)])

@@ -22,11 +22,11 @@ class LayerState:
     pending_c: torch.Tensor  # float32 [< ratio, 512] compressor content of the open block
     pending_g: torch.Tensor  # float32 [< ratio, 512] compressor gate logits
     pending_ik: torch.Tensor  # float32 [< ratio, index_head_dim] indexer key parts (CSA)
-    records: torch.Tensor  # uint8 [n, 584] C4 (ratio 4) or C128 (ratio 128) records
+    records: torch.Tensor  # uint8 [n, record_bytes] C4 (584 or R + 72) or C128 (584) records
     index_keys: torch.Tensor  # float32 [n, index_head_dim] (CSA only)
 
     @classmethod
-    def empty(cls, ratio: int, index_head_dim: int) -> "LayerState":
+    def empty(cls, ratio: int, index_head_dim: int, record_bytes: int = NATIVE_RECORD_BYTES) -> "LayerState":
         f = torch.float32
         return cls(
             ratio=ratio,
@@ -35,7 +35,7 @@ class LayerState:
             pending_c=torch.empty(0, HEAD_DIM, dtype=f),
             pending_g=torch.empty(0, HEAD_DIM, dtype=f),
             pending_ik=torch.empty(0, index_head_dim, dtype=f),
-            records=torch.empty(0, NATIVE_RECORD_BYTES, dtype=torch.uint8),
+            records=torch.empty(0, record_bytes, dtype=torch.uint8),
             index_keys=torch.empty(0, index_head_dim, dtype=f),
         )
 
@@ -49,8 +49,12 @@ class SequenceState:
     token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, compress_ratios: list[int], index_head_dim: int) -> "SequenceState":
-        return cls(layers=[LayerState.empty(r, index_head_dim) for r in compress_ratios])
+    def empty(cls, compress_ratios: list[int], index_head_dim: int,
+              record_bytes: list[int] | None = None) -> "SequenceState":
+        """record_bytes: stored bytes per compressed record of each layer (native if None)."""
+        widths = record_bytes or [NATIVE_RECORD_BYTES] * len(compress_ratios)
+        return cls(layers=[LayerState.empty(r, index_head_dim, w or NATIVE_RECORD_BYTES)
+                           for r, w in zip(compress_ratios, widths)])
 
     def record_bytes(self) -> int:
         """Bytes held in compressed records (C4 + C128) for this sequence."""

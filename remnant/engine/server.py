@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,6 @@ from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
 
 log = logging.getLogger("remnant.serve")
 
-SUPPORTED_MODES = ("native",)
 FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
@@ -84,19 +84,28 @@ def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[int], Sa
     return ids, params, bool(body.get("stream", False)), str(rid)
 
 
-def create_app(model_dir: Path, mode: str = "native", retention: int | None = None,
+@dataclass
+class RetentionArgs:
+    """Retention of the CSA layers in triton/kernel modes (ignored in native mode)."""
+
+    retention: int | None = None
+    per_layer: list[int] | None = None
+    map_path: str | None = None
+    policy: str = "attention"
+
+
+def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
                chunked_prefill_size: int = 512, max_running_requests: int = 64) -> FastAPI:
     """Load the model directory and build the FastAPI app (the engine starts with the app)."""
     import torch
     from tokenizers import Tokenizer
 
-    from remnant.engine.model import Model, ModelArgs
+    from remnant.engine.model import MODES, Model, ModelArgs
+    from remnant.engine.retention_setup import setup_retention
 
-    if mode not in SUPPORTED_MODES:
-        raise ValueError(
-            f"mode={mode} is not supported by the embedded engine yet (packed pools land with "
-            f"the engine issue); supported: {', '.join(SUPPORTED_MODES)}"
-        )
+    if mode not in MODES:
+        raise ValueError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
+    retention = retention or RetentionArgs()
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     try:
@@ -106,6 +115,9 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
     args = ModelArgs.from_hf_config(hf)
     t0 = time.perf_counter()
     model = Model(args)
+    served_name = hf.get("remnant", {}).get("preset") or model_dir.name
+    rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
+                           retention.map_path, retention.policy)
     load_s = time.perf_counter() - t0
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     engine = Engine(model, hf["eos_token_id"], chunked_prefill_size, max_running_requests)
@@ -117,13 +129,19 @@ def create_app(model_dir: Path, mode: str = "native", retention: int | None = No
     server_args = {
         "model_path": str(model_dir),
         "tokenizer_path": str(model_dir),
-        "served_model_name": hf.get("remnant", {}).get("preset") or model_dir.name,
+        "served_model_name": served_name,
         "dtype": "float32",
         "kv_cache_dtype": "fp8_e4m3",
         "chunked_prefill_size": chunked_prefill_size,
         "max_running_requests": max_running_requests,
         "remnant_mode": mode,
-        "remnant_retention": retention,
+        "remnant_retention": None if rmap is None else {
+            "per_layer": {str(i): rmap.retention(i) for i in model.csa_layers},
+            "policy": rmap.policy,
+            "map_path": retention.map_path,
+            "calibration": rmap.calibration,
+        },
+        "c4_record_bytes": [model.c4_formats[i].record_bytes for i in model.csa_layers],
         "random_seed": args.seed,
         "torch_num_threads": torch.get_num_threads(),
     }
@@ -323,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
     p.add_argument("--mode", default="native", choices=["native", "triton", "kernel"])
-    p.add_argument("--retention", type=int, default=None, help="coordinates kept per C4 record")
+    p.add_argument("--retention", type=int, default=None, help="coordinates kept per C4 record (R, uniform)")
+    p.add_argument("--retention-per-layer", default=None, help="R per CSA layer, comma-separated")
+    p.add_argument("--retention-map", default=None, help="retention map JSON (remnant/retention-map)")
+    p.add_argument("--retention-policy", default="attention",
+                   help="policy that chooses kept coordinates when no map is given")
     p.add_argument("--chunked-prefill-size", type=int, default=512)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -337,8 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
-        app = create_app(a.model_dir, a.mode, a.retention, a.chunked_prefill_size, a.max_running_requests)
-    except ValueError as exc:
+        per_layer = [int(v) for v in a.retention_per_layer.split(",")] if a.retention_per_layer else None
+        retention = RetentionArgs(a.retention, per_layer, a.retention_map, a.retention_policy)
+        app = create_app(a.model_dir, a.mode, retention, a.chunked_prefill_size, a.max_running_requests)
+    except (ValueError, OSError) as exc:
         print(f"remnant-serve: error: {exc}", file=sys.stderr)
         return 2
     sock = _bind(a.host, a.port)

@@ -76,7 +76,14 @@ class EmbeddedHost:
             "--threads", str(self.cfg.threads),
         ]
         if spec.retention is not None:
-            cmd += ["--retention", str(spec.retention.retention)]
+            ret = spec.retention
+            if ret.per_layer:
+                cmd += ["--retention-per-layer", ",".join(map(str, ret.per_layer))]
+            else:
+                cmd += ["--retention", str(ret.retention)]
+            if ret.map_path:
+                cmd += ["--retention-map", str(Path(ret.map_path).resolve())]
+            cmd += ["--retention-policy", ret.policy]
         log = open(spec.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._proc = proc = subprocess.Popen(

@@ -14,9 +14,7 @@ import torch
 
 from remnant.kv.captures import Captures, LayerCapture
 from remnant.kv.formats import HEAD_DIM, NOPE_DIM, RETENTION_VALUES, ROPE_DIM
-from remnant.kv.retention import LayerKeep, RetentionMap
-
-POLICIES = ("magnitude", "attention", "prefix", "random")
+from remnant.kv.retention import POLICIES, LayerKeep, RetentionMap
 
 # Bound on the float64 [T-chunk, H, n] score block of the attention policy (elements).
 _ATTENTION_BLOCK = 1 << 24

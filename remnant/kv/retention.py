@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 
 from remnant.kv.formats import NOPE_DIM, RETENTION_VALUES, ROPE_DIM
 
+#: Training-free policies that choose kept coordinates (remnant.kv.policies implements them).
+POLICIES = ("magnitude", "attention", "prefix", "random")
+
 if TYPE_CHECKING:
     import torch
 

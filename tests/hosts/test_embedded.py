@@ -51,12 +51,14 @@ def test_stopped_on_error_inside(tmp_path):
 
 def test_failed_start_shows_log_tail(tmp_path):
     host = make_host(EmbeddedHostConfig(threads=1))
+    spec = _spec(tmp_path, mode="triton")
+    spec.retention = RetentionConfig(map_path=str(tmp_path / "missing-map.json"))
     with pytest.raises(HostError) as err:
-        with host.serve(_spec(tmp_path, mode="triton")):
+        with host.serve(spec):
             pass
     msg = str(err.value)
     assert "remnant-serve exited with code 2" in msg
-    assert "mode=triton is not supported by the embedded engine yet" in msg  # from server.log
+    assert "missing-map.json" in msg  # the server's own error line, from server.log
 
 
 def test_startup_timeout_shows_log_tail(tmp_path):

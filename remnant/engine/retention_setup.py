@@ -1,0 +1,73 @@
+"""Which coordinates the engine's CSA layers keep in triton and kernel modes.
+
+A retention map file names them. Without one, the engine calibrates at load, training-
+free: it runs a seeded calibration prompt through its own model in native mode, captures
+each CSA layer's queries and C4 latents, and lets a policy (remnant.kv.policies) choose.
+The map used, either way, is reported in /server_info with its provenance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from remnant.engine.model import C4Format, Model
+from remnant.engine.sequence import SequenceState
+from remnant.kv.captures import Captures, LayerCapture
+from remnant.kv.retention import RetentionMap, profile_values
+
+CALIBRATION_TOKENS = 512
+CALIBRATION_SEED = 1234
+
+
+def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_TOKENS,
+                         seed: int = CALIBRATION_SEED) -> Captures:
+    """Queries and C4 latents of every CSA layer on a seeded random prompt (native mode)."""
+    ids = torch.randint(0, model.args.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
+    saved = model.c4_formats
+    model.c4_formats = {i: C4Format() for i in model.csa_layers}
+    model.capture = {i: [] for i in model.csa_layers}
+    try:
+        state = SequenceState.empty(model.args.compress_ratios, model.args.index_head_dim)
+        with torch.inference_mode():
+            model.forward([state], [ids.tolist()])
+        queries = {i: torch.cat(model.capture[i]) for i in model.csa_layers}
+    finally:
+        model.capture = None
+        model.c4_formats = saved
+    from remnant.kv.codec import dequantize
+
+    params = {"generator": "remnant.engine.retention_setup/1", "model_id": model_id,
+              "tokens": tokens, "seed": seed, "weights_seed": model.args.seed}
+    fingerprint = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
+    layers = {i: LayerCapture(q=queries[i].float(), k=dequantize(state.layers[i].records))
+              for i in model.csa_layers}
+    return Captures(model_id=model_id, source="engine-calibration", layers=layers,
+                    fingerprint=fingerprint, params=params)
+
+
+def setup_retention(model: Model, mode: str, model_id: str, retention: int | None = None,
+                    per_layer: list[int] | None = None, map_path: str | None = None,
+                    policy: str = "attention") -> RetentionMap | None:
+    """Set the model's C4 formats for `mode`; returns the retention map used (None: native)."""
+    if mode == "native":
+        model.set_c4_formats({i: C4Format() for i in model.csa_layers})
+        return None
+    if map_path:
+        rmap = RetentionMap.load(map_path)
+        rmap.check(model.csa_layers)
+        wanted = None
+        if per_layer or retention is not None:
+            wanted = profile_values(None if per_layer else retention, per_layer or None, len(model.csa_layers))
+        got = [rmap.retention(i) for i in model.csa_layers]
+        if wanted is not None and wanted != got:
+            raise ValueError(f"retention map {map_path} keeps R={got} per CSA layer; the run asks for {wanted}")
+    else:
+        from remnant.kv.policies import build_map
+
+        values = profile_values(None if per_layer else retention, per_layer or None, len(model.csa_layers))
+        rmap = build_map(calibration_captures(model, model_id), policy, values)
+    model.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in model.csa_layers})
+    return rmap
