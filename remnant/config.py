@@ -68,7 +68,7 @@ class ModelConfig:
     compress_ratios: list[int] = field(default_factory=lambda: [0, 4, 128, 4])
     window_size: int = 128
     index_n_heads: int = 4
-    index_head_dim: int = 64
+    index_head_dim: int = 128
     index_topk: int = 64
     max_position_embeddings: int = 65536
     rope_theta: int = 10000

@@ -1,18 +1,23 @@
-"""Continuous batching loop of the embedded engine (v0).
+"""Scheduler of the embedded engine: admission by free pool capacity, continuous batching,
+chunked prefill, prefix cache.
 
-One engine thread owns the model and every sequence. Each step it admits waiting
-requests, gives each running request either its next prefill chunk (at most
-`chunked_prefill_size` prompt tokens per step over all requests, so long prompts do not
-stall decodes) or one decode token, runs them as one batch, samples, and reports tokens
-through each request's `emit` callback (called on the engine thread).
+One engine thread owns the model and the pools' contents. Each step it admits waiting
+requests in arrival order while the pools have room for them (a request reserves the
+pages of its prompt plus max_new_tokens, less what the prefix cache already holds, one
+SWA block and one request slot; the cache gives up least-recently-used pages when short),
+gives each running request either its next prefill chunk (at most
+`chunked_prefill_size` prompt tokens per step over all requests, cut at page ends so the
+cache can checkpoint there) or one decode token, runs them as one batch, samples, and
+reports tokens through each request's `emit` callback. A request that could never fit
+is answered with an error; under pressure requests wait, they never crash the engine.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import zlib
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,9 +25,14 @@ from typing import Callable
 import torch
 
 from remnant.engine.model import Model
-from remnant.engine.sequence import SequenceState
+from remnant.engine.pools import KVPools
+from remnant.engine.prefix_cache import PrefixCache, page_keys
+from remnant.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+#: Below this, temperature means greedy, as SGLang's sampling params treat it.
+GREEDY_BELOW = 1e-6
 
 
 @dataclass
@@ -42,17 +52,21 @@ class TokenEvent:
     cached_tokens: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
     emit: Callable[[TokenEvent], None]
-    state: SequenceState | None = None
+    seq: Sequence | None = None
     prefilled: int = 0
+    cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     aborted: bool = False
+    #: prefix-cache keys this request pins (matched pages, then pages it completed)
+    keys: list[bytes] = field(default_factory=list)
+    cached_pages: set[int] = field(default_factory=set)
 
 
 class Engine:
@@ -60,13 +74,15 @@ class Engine:
         self,
         model: Model,
         eos_token_id: int,
+        pools: KVPools,
+        cache: PrefixCache | None = None,
         chunked_prefill_size: int = 512,
-        max_running_requests: int = 64,
     ):
         self.model = model
         self.eos_token_id = eos_token_id
+        self.pools = pools
+        self.cache = cache or PrefixCache(pools, enabled=False)
         self.chunked_prefill_size = chunked_prefill_size
-        self.max_running_requests = max_running_requests
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._cv = threading.Condition()
@@ -74,6 +90,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="remnant-engine", daemon=True)
         self.steps = 0
         self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.error: str | None = None
 
     # Thread-safe API ------------------------------------------------------------------
 
@@ -101,46 +120,148 @@ class Engine:
             for r in (*self._waiting, *self._running):
                 if r.rid == rid:
                     r.aborted = True
+            self._cv.notify()
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) request counts."""
         with self._cv:
             return len(self._running), len(self._waiting)
 
+    def flush_cache(self) -> tuple[bool, str]:
+        """Empty the prefix cache; refused while requests run or wait (as SGLang)."""
+        with self._cv:
+            if self._running or self._waiting:
+                return False, f"{len(self._running)} running and {len(self._waiting)} waiting requests"
+            freed = self.cache.flush()
+            return True, f"freed {freed} pages"
+
+    def stats(self) -> dict:
+        with self._cv:
+            usage = self.pools.usage()
+            evictable = self.cache.evictable_pages()
+            return {
+                **usage,
+                "pages_cached": len(self.cache.entries),
+                "pages_evictable": evictable,
+                "token_usage": 1.0 - (usage["pages_free"] + evictable) / max(usage["pages_total"], 1),
+                "num_running_reqs": len(self._running),
+                "num_waiting_reqs": len(self._waiting),
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "generated_tokens": self.generated_tokens,
+                "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+                "engine_steps": self.steps,
+            }
+
     # Engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self._waiting and not self._running:
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    for r in [r for r in self._running if r.aborted]:
+                        self._release(r)
+                    self._admit()
+                    batch = list(self._running)
+                    if not batch and self._waiting:
+                        self._cv.wait(timeout=0.05)  # pools full of nothing: cannot happen; be safe
+                if batch:
+                    self._step(batch)
+        except BaseException as exc:  # the loop must never die silently: answer everyone
+            self.error = f"engine loop died: {exc!r}"
+            log.exception("engine loop died")
             with self._cv:
-                while not self._stop and not self._waiting and not self._running:
-                    self._cv.wait()
-                if self._stop:
-                    return
-                self._running = [r for r in self._running if not r.aborted]
-                while self._waiting and len(self._running) < self.max_running_requests:
-                    r = self._waiting.popleft()
-                    if not r.aborted:
-                        self._running.append(r)
-                batch = list(self._running)
-            if batch:
-                self._step(batch)
+                for r in (*self._waiting, *self._running):
+                    r.emit(TokenEvent(list(r.output_ids), self._abort_reason(self.error, 500)))
+                self._waiting.clear()
+                self._running.clear()
+            raise
+
+    @staticmethod
+    def _abort_reason(message: str, status: int, err_type: str = "EngineError") -> dict:
+        return {"type": "abort", "message": message, "status_code": status, "err_type": err_type}
+
+    def _admit(self) -> None:
+        """Move waiting requests to running while the pools have room (arrival order)."""
+        while self._waiting:
+            r = self._waiting[0]
+            if r.aborted:
+                self._waiting.popleft()
+                continue
+            verdict = self._reserve(r)
+            if verdict is None:
+                return  # wait for capacity
+            self._waiting.popleft()
+            if verdict:
+                self._running.append(r)
+
+    def _reserve(self, r: Request) -> bool | None:
+        """Give `r` its pages, SWA block and slot: True; refuse it for good: False; wait: None."""
+        pools, size = self.pools, self.pools.page_size
+        total = len(r.input_ids) + r.sampling.max_new_tokens
+        pages_needed = math.ceil(total / size)
+        if pages_needed > pools.num_pages or pools.slots.n == 0:
+            r.emit(TokenEvent([], self._abort_reason(
+                f"the request needs {total} tokens of KV ({len(r.input_ids)} prompt + "
+                f"{r.sampling.max_new_tokens} new); the pool holds {pools.num_pages * size} tokens",
+                400, "CapacityError")))
+            return False
+        if pools.slots.free == 0:
+            return None
+        hit, keys = self.cache.match(r.input_ids)
+        matched = self.cache.pin(keys)
+        fresh = pages_needed - len(matched)
+        if pools.pages.free < fresh:
+            self.cache.evict_pages(fresh - pools.pages.free)
+        if pools.swa_blocks.free == 0:
+            self.cache.evict_windows(1)
+        if pools.pages.free < fresh or pools.swa_blocks.free == 0:
+            self.cache.unpin(keys)
+            return None
+        block = pools.swa_blocks.alloc()[0]
+        seq = Sequence(matched + pools.pages.alloc(fresh), block, pools.slots.alloc()[0])
+        if hit:
+            checkpoint = self.cache.window_of(keys[-1])
+            w = pools.window
+            pools.swa[:, block * w : (block + 1) * w] = pools.swa[:, checkpoint * w : (checkpoint + 1) * w]
+            seq.length = hit
+            seq.token_ids = list(r.input_ids[:hit])
+        r.seq, r.prefilled, r.cached_tokens = seq, hit, hit
+        r.keys = list(keys)
+        r.cached_pages = set(matched)
+        seed = r.sampling.seed if r.sampling.seed is not None else zlib.crc32(r.rid.encode())
+        r.generator = torch.Generator().manual_seed(seed)
+        self.prompt_tokens += len(r.input_ids)
+        self.cached_tokens += hit
+        return True
+
+    def _release(self, r: Request) -> None:
+        """Give back everything `r` holds; its completed pages stay in the prefix cache."""
+        if r in self._running:
+            self._running.remove(r)
+        seq, r.seq = r.seq, None
+        if seq is None:
+            return
+        self.cache.unpin(r.keys)
+        self.pools.pages.release([p for p in seq.pages if p not in r.cached_pages])
+        self.pools.swa_blocks.release([seq.swa_block])
+        self.pools.slots.release([seq.slot])
 
     def _step(self, running: list[Request]) -> None:
         budget = self.chunked_prefill_size
+        size = self.pools.page_size
         batch, chunks = [], []
         for r in running:
-            if r.state is None:
-                r.state = SequenceState.empty(
-                    self.model.args.compress_ratios, self.model.args.index_head_dim,
-                    self.model.record_bytes(),
-                )
-                seed = r.sampling.seed if r.sampling.seed is not None else zlib.crc32(r.rid.encode())
-                r.generator = torch.Generator().manual_seed(seed)
             remaining = len(r.input_ids) - r.prefilled
             if remaining > 0:
                 if budget <= 0:
                     continue
-                take = min(remaining, budget)
+                to_page_end = size - r.prefilled % size
+                take = min(remaining, budget, to_page_end)
                 budget -= take
                 chunks.append(r.input_ids[r.prefilled : r.prefilled + take])
                 r.prefilled += take
@@ -151,42 +272,75 @@ class Engine:
             return
         try:
             with torch.inference_mode():
-                logits = self.model.forward([r.state for r in batch], chunks)
+                logits = self.model.forward([r.seq for r in batch], chunks, self.pools)
         except Exception as exc:  # noqa: BLE001 - a failed step must answer, not kill the loop
             log.exception("engine step failed")
-            for r in batch:
-                self._finish(r, {"type": "abort", "message": f"engine error: {exc}",
-                                 "status_code": 500, "err_type": type(exc).__name__})
+            with self._cv:
+                for r in batch:
+                    self._finish(r, self._abort_reason(f"engine error: {exc}", 500, type(exc).__name__))
             return
         self.steps += 1
-        for r, row in zip(batch, logits):
-            if r.prefilled < len(r.input_ids):
-                continue  # mid-prompt chunk: nothing to sample yet
-            if r.sampling.max_new_tokens == 0:
-                self._finish(r, {"type": "length", "length": 0})
-                continue
-            token = self._sample(r, row)
-            r.output_ids.append(token)
-            self.generated_tokens += 1
-            finish = None
-            if not r.sampling.ignore_eos and token == self.eos_token_id:
-                finish = {"type": "stop", "matched": token}
-            elif len(r.output_ids) >= r.sampling.max_new_tokens:
-                finish = {"type": "length", "length": r.sampling.max_new_tokens}
-            if finish:
-                self._finish(r, finish)
-            else:
-                r.emit(TokenEvent(list(r.output_ids), None))
+        with self._cv:
+            for r, row in zip(batch, logits):
+                self._cache_completed_pages(r)
+                if r.prefilled < len(r.input_ids):
+                    continue  # mid-prompt chunk: nothing to sample yet
+                if r.sampling.max_new_tokens == 0:
+                    self._finish(r, {"type": "length", "length": 0})
+                    continue
+                try:
+                    token = self._sample(r, row)
+                except (RuntimeError, ValueError) as exc:
+                    self._finish(r, self._abort_reason(f"sampling failed: {exc}", 400, "SamplingError"))
+                    continue
+                r.output_ids.append(token)
+                self.generated_tokens += 1
+                finish = None
+                if not r.sampling.ignore_eos and token == self.eos_token_id:
+                    finish = {"type": "stop", "matched": token}
+                elif len(r.output_ids) >= r.sampling.max_new_tokens:
+                    finish = {"type": "length", "length": r.sampling.max_new_tokens}
+                if finish:
+                    self._finish(r, finish)
+                else:
+                    r.emit(TokenEvent(list(r.output_ids), None, r.cached_tokens))
+
+    def _cache_completed_pages(self, r: Request) -> None:
+        """Offer pages the last step completed to the prefix cache, with a window checkpoint."""
+        seq, size = r.seq, self.pools.page_size
+        if not self.cache.enabled or seq.length % size:
+            return
+        done = seq.length // size
+        if done <= len(r.keys) or done > len(seq.pages):
+            return
+        keys = page_keys(seq.token_ids, size, done)
+        key, parent = keys[-1], (keys[-2] if done > 1 else None)
+        if len(r.keys) != done - 1 or (r.keys and r.keys[-1] != parent):
+            return  # an earlier page of this request is not cached: the chain is broken
+        window = self._checkpoint(seq)
+        page = seq.pages[done - 1]
+        if self.cache.insert(key, parent, page, window):
+            r.keys.append(key)
+            r.cached_pages.add(page)
+        elif window is not None:
+            self.pools.swa_blocks.release([window])
+
+    def _checkpoint(self, seq: Sequence) -> int | None:
+        pools = self.pools
+        if pools.swa_blocks.free == 0 and self.cache.evict_windows(1) == 0:
+            return None
+        block = pools.swa_blocks.alloc()[0]
+        w = pools.window
+        pools.swa[:, block * w : (block + 1) * w] = pools.swa[:, seq.swa_block * w : (seq.swa_block + 1) * w]
+        return block
 
     def _sample(self, r: Request, logits: torch.Tensor) -> int:
-        if r.sampling.temperature <= 0:
+        if r.sampling.temperature < GREEDY_BELOW:
             return int(logits.argmax())
         probs = torch.softmax(logits / r.sampling.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=r.generator))
 
     def _finish(self, r: Request, reason: dict) -> None:
-        with self._cv:
-            if r in self._running:
-                self._running.remove(r)
-        r.state = None  # free its KV
-        r.emit(TokenEvent(list(r.output_ids), reason))
+        """Called with the lock held: release, then answer."""
+        self._release(r)
+        r.emit(TokenEvent(list(r.output_ids), reason, r.cached_tokens))

@@ -180,13 +180,6 @@ class Model:
             raise ValueError(f"C4 formats given for layers {sorted(formats)}; the model's CSA layers are {self.csa_layers}")
         self.c4_formats = dict(formats)
 
-    def record_bytes(self) -> list[int]:
-        """Stored bytes of one compressed record per layer (0 for window-only layers)."""
-        return [
-            self.c4_formats[i].record_bytes if r == CSA_RATIO else (NATIVE_RECORD_BYTES if r else 0)
-            for i, r in enumerate(self.args.compress_ratios)
-        ]
-
     # Per-token projections, batched over any token set ------------------------------
 
     def queries(self, layer: Layer, x: torch.Tensor, pos: torch.Tensor):
@@ -197,10 +190,10 @@ class Model:
         q = rms_norm(q, torch.ones(HEAD_DIM), a.rms_norm_eps)
         return rope(q, pos, a.rope_theta), q_lora
 
-    def window_latents(self, layer: Layer, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] normed -> K=V latents [T, 512], as stored (through the FP8 record)."""
+    def window_records(self, layer: Layer, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] normed -> the tokens' K=V latents as native records uint8 [T, 584]."""
         kv = rms_norm(x @ layer.wkv, layer.kv_norm, self.args.rms_norm_eps)
-        return dequantize(quantize(rope(kv, pos, self.args.rope_theta)))
+        return quantize(rope(kv, pos, self.args.rope_theta))
 
     def ffn(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, layer.ffn_norm, self.args.rms_norm_eps)
@@ -279,73 +272,67 @@ class Model:
 
     # One engine step: extend several sequences by their new tokens ------------------
 
-    def forward(self, states: list, chunks: list[list[int]]) -> torch.Tensor:
+    def forward(self, seqs: list, chunks: list[list[int]], pools) -> torch.Tensor:
         """Extend each sequence by its chunk of new tokens (prefill chunks and decodes mixed).
 
-        states: SequenceState per sequence, updated in place.
+        seqs: remnant.engine.sequence.Sequence each, whose pages, SWA block and state slot
+        in `pools` (remnant.engine.pools.KVPools) receive the new KV; updated in place.
         chunks: new token ids per sequence (non-empty).
         Returns float32 [B, vocab] logits at the last new token of each sequence.
         """
         sizes = [len(c) for c in chunks]
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long)
-        pos = torch.cat(
-            [torch.arange(s.length, s.length + n, dtype=torch.long) for s, n in zip(states, sizes)]
-        )
+        pos = torch.cat([torch.arange(q.length, q.length + n, dtype=torch.long) for q, n in zip(seqs, sizes)])
         h = self.embed[ids]
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, self.args.rms_norm_eps)
             q, q_lora = self.queries(layer, x, pos)
-            kv = self.window_latents(layer, x, pos)
+            kv = self.window_records(layer, x, pos)
             c = x @ layer.wc if layer.ratio else None
             g = x @ layer.wg if layer.ratio else None
             ik = self.index_keys(layer, x) if layer.ratio == CSA_RATIO else None
             outs, start = [], 0
-            for state, n in zip(states, sizes):
+            for seq, n in zip(seqs, sizes):
                 sl = slice(start, start + n)
                 start += n
-                outs.append(
-                    self._attend_sequence(
-                        li,
-                        layer,
-                        state.layers[li],
-                        x[sl],
-                        q[sl],
-                        q_lora[sl],
-                        kv[sl],
-                        pos[sl],
-                        None if c is None else c[sl],
-                        None if g is None else g[sl],
-                        None if ik is None else ik[sl],
-                    )
-                )
+                step = _Step(x[sl], q[sl], q_lora[sl], kv[sl], pos[sl],
+                             None if c is None else c[sl], None if g is None else g[sl],
+                             None if ik is None else ik[sl])
+                outs.append(self._attend_sequence(li, layer, seq, pools, step))
             h = self.ffn(layer, self.output(layer, h, torch.cat(outs)))
-        for state, chunk in zip(states, chunks):
-            state.length += len(chunk)
-            state.token_ids.extend(chunk)
+        for seq, chunk in zip(seqs, chunks):
+            seq.length += len(chunk)
+            seq.token_ids.extend(chunk)
         last = torch.tensor(sizes).cumsum(0) - 1
         return self.logits(h[last])
 
-    def _attend_sequence(self, li, layer, ls, x, q, q_lora, kv, pos, c, g, ik) -> torch.Tensor:
+    def _attend_sequence(self, li: int, layer: Layer, seq, pools, st: "_Step") -> torch.Tensor:
         a = self.args
-        keys = torch.cat([ls.window, kv])
-        kpos = torch.cat([ls.window_pos, pos])
-        win_mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - a.window_size)
+        length = seq.length
+        # Sliding window: the ring holds the previous window - 1 tokens; the chunk's own
+        # tokens join from memory, then the last `window` of them go into the ring.
+        prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length)
+        prev = pools.swa[li, pools.swa_slots(seq.swa_block, prev_pos)]
+        keys = dequantize(torch.cat([prev, st.kv]))
+        kpos = torch.cat([prev_pos, st.pos])
+        win_mask = (kpos[None, :] <= st.pos[:, None]) & (kpos[None, :] > st.pos[:, None] - a.window_size)
+        tail = slice(max(0, st.kv.shape[0] - a.window_size), None)
+        pools.swa[li, pools.swa_slots(seq.swa_block, st.pos[tail])] = st.kv[tail]
         key_sets, masks = [(keys, None)], [win_mask]
-        ls.window, ls.window_pos = keys[-a.window_size :], kpos[-a.window_size :]
 
         if layer.ratio:
-            self._compress_new_blocks(li, layer, ls, c, g, ik)
-            n = ls.records.shape[0]
+            n = self._compress_new_blocks(li, layer, seq, pools, st)
             if self.capture is not None and layer.ratio == CSA_RATIO:
-                self.capture[li].append(q.detach().clone())
+                self.capture[li].append(st.q.detach().clone())
             if n:
+                pages = seq.page_tensor()
                 rec_end = (torch.arange(n) + 1) * layer.ratio - 1
-                visible = rec_end[None, :] <= pos[:, None]  # [T, n]
+                visible = rec_end[None, :] <= st.pos[:, None]  # [T, n]
                 if layer.ratio == CSA_RATIO:
-                    scores = self.index_scores(layer, x, q_lora, ls.index_keys)
+                    index_keys = _dequantize_index(pools.indexer[li].read(pages, torch.arange(n)))
+                    scores = self.index_scores(layer, st.x, st.q_lora, index_keys)
                     scores = scores.masked_fill(~visible, float("-inf"))
-                    k = min(a.index_topk, n)
-                    top = scores.topk(k, dim=-1).indices
+                    top = scores.topk(min(a.index_topk, n), dim=-1).indices
                     chosen = torch.zeros_like(visible).scatter_(1, top, True) & visible
                 else:
                     chosen = visible
@@ -353,31 +340,71 @@ class Model:
                 if used.numel():
                     # Only the selected records are read back from their stored bytes.
                     if layer.ratio == CSA_RATIO:
-                        key_sets.append(self.c4_formats[li].read(ls.records[used]))
+                        key_sets.append(self.c4_formats[li].read(pools.c4[li].read(pages, used)))
                     else:
-                        key_sets.append((dequantize(ls.records[used]), None))
+                        key_sets.append((dequantize(pools.c128[li].read(pages, used)), None))
                     masks.append(chosen[:, used])
-        return self.attend(layer, q, key_sets, masks)
+        return self.attend(layer, st.q, key_sets, masks)
 
-    def _compress_new_blocks(self, li, layer, ls, c, g, ik) -> None:
+    def _compress_new_blocks(self, li: int, layer: Layer, seq, pools, st: "_Step") -> int:
+        """Close the blocks this chunk completes into records; returns the record count."""
         r = layer.ratio
-        pc, pg = torch.cat([ls.pending_c, c]), torch.cat([ls.pending_g, g])
-        pik = torch.cat([ls.pending_ik, ik]) if ik is not None else None
+        length = seq.length
+        state = pools.c4_state[li] if r == CSA_RATIO else pools.c128_state[li]
+        open_rows = pools.state_rows(r, seq.slot, length % r)
+        pc = torch.cat([state[open_rows, 0, :HEAD_DIM], st.c])
+        pg = torch.cat([state[open_rows, 1, :HEAD_DIM], st.g])
+        pik = None
+        if r == CSA_RATIO:
+            d = self.args.index_head_dim
+            pik = torch.cat([pools.c4_index_state[li][open_rows, 0, :d], st.ik])
         full = pc.shape[0] // r
+        first = length // r
         if full:
-            first = ls.records.shape[0]
-            block_index = torch.arange(first, first + full)
-            new = self.compress(
-                layer,
-                pc[: full * r].view(full, r, -1),
-                pg[: full * r].view(full, r, -1),
-                block_index,
-            )
-            if layer.ratio == CSA_RATIO:
-                new = self.c4_formats[li].write(new)  # packed at the KV write
-            ls.records = torch.cat([ls.records, new])
-            if pik is not None:
-                ls.index_keys = torch.cat([ls.index_keys, pik[: full * r].view(full, r, -1).mean(1)])
-        ls.pending_c, ls.pending_g = pc[full * r :], pg[full * r :]
+            pages = seq.page_tensor()
+            index = torch.arange(first, first + full)
+            native = self.compress(layer, pc[: full * r].view(full, r, -1), pg[: full * r].view(full, r, -1), index)
+            if r == CSA_RATIO:
+                pools.c4[li].write(pages, index, self.c4_formats[li].write(native))  # packed at the KV write
+                keys = pik[: full * r].view(full, r, -1).mean(1)
+                pools.indexer[li].write(pages, index, _quantize_index(keys))
+            else:
+                pools.c128[li].write(pages, index, native)
+        left = pc.shape[0] - full * r
+        rows = pools.state_rows(r, seq.slot, left)
+        state[rows, 0, :HEAD_DIM] = pc[full * r :]
+        state[rows, 1, :HEAD_DIM] = pg[full * r :]
         if pik is not None:
-            ls.pending_ik = pik[full * r :]
+            pools.c4_index_state[li][rows, 0, : pik.shape[1]] = pik[full * r :]
+        return first + full
+
+
+@dataclass
+class _Step:
+    """One sequence's slice of a batched step, per layer (T new tokens)."""
+
+    x: torch.Tensor  # [T, hidden] normed input
+    q: torch.Tensor  # [T, H, 512]
+    q_lora: torch.Tensor  # [T, q_lora_rank]
+    kv: torch.Tensor  # uint8 [T, 584] window records of the new tokens
+    pos: torch.Tensor  # [T] positions
+    c: torch.Tensor | None  # [T, 512] compressor content
+    g: torch.Tensor | None  # [T, 512] compressor gate logits
+    ik: torch.Tensor | None  # [T, index_head_dim] indexer key parts
+
+
+def _quantize_index(keys: torch.Tensor) -> torch.Tensor:
+    """Indexer keys float [k, d] -> FP8 codes + one fp32 scale per 128 coords, uint8 [k, d + 4d/128]."""
+    k, d = keys.shape
+    blocks = keys.view(k, d // 128, 128)
+    scale = (blocks.abs().amax(-1) / 448.0).clamp_min(1e-12)
+    codes = (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(k, d)
+    return torch.cat([codes, scale.contiguous().view(torch.uint8).reshape(k, -1)], dim=1)
+
+
+def _dequantize_index(stored: torch.Tensor) -> torch.Tensor:
+    k, width = stored.shape
+    d = width * 128 // 132
+    codes = stored[:, :d].contiguous().view(torch.float8_e4m3fn).float().view(k, d // 128, 128)
+    scale = stored[:, d:].contiguous().view(torch.float32).view(k, d // 128, 1)
+    return (codes * scale).reshape(k, d)

@@ -14,7 +14,7 @@ import json
 import torch
 
 from remnant.engine.model import C4Format, Model
-from remnant.engine.sequence import SequenceState
+from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.kv.captures import Captures, LayerCapture
 from remnant.kv.retention import RetentionMap, profile_values
 
@@ -30,10 +30,12 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
     model.c4_formats = {i: C4Format() for i in model.csa_layers}
     model.capture = {i: [] for i in model.csa_layers}
     try:
-        state = SequenceState.empty(model.args.compress_ratios, model.args.index_head_dim)
+        pools = scratch_pools(model, tokens)
+        seq = new_sequence(pools, tokens)
         with torch.inference_mode():
-            model.forward([state], [ids.tolist()])
+            model.forward([seq], [ids.tolist()], pools)
         queries = {i: torch.cat(model.capture[i]) for i in model.csa_layers}
+        records = {i: pools.c4[i].read(seq.page_tensor(), torch.arange(tokens // 4)) for i in model.csa_layers}
     finally:
         model.capture = None
         model.c4_formats = saved
@@ -42,7 +44,7 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
     params = {"generator": "remnant.engine.retention_setup/1", "model_id": model_id,
               "tokens": tokens, "seed": seed, "weights_seed": model.args.seed}
     fingerprint = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
-    layers = {i: LayerCapture(q=queries[i].float(), k=dequantize(state.layers[i].records))
+    layers = {i: LayerCapture(q=queries[i].float(), k=dequantize(records[i]))
               for i in model.csa_layers}
     return Captures(model_id=model_id, source="engine-calibration", layers=layers,
                     fingerprint=fingerprint, params=params)

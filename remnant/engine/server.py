@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -69,7 +70,7 @@ def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[int], Sa
         raise BadRequest("sampling_params must be an object")
     try:
         params = SamplingParams(
-            max_new_tokens=int(sp.get("max_new_tokens", 128) if sp.get("max_new_tokens") is not None else 128),
+            max_new_tokens=int(128 if sp.get("max_new_tokens") is None else sp["max_new_tokens"]),
             temperature=float(sp.get("temperature", 1.0)),
             ignore_eos=bool(sp.get("ignore_eos", False)),
             seed=None if sp.get("sampling_seed") is None else int(sp["sampling_seed"]),
@@ -78,8 +79,8 @@ def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[int], Sa
         raise BadRequest(f"invalid sampling_params: {exc}") from None
     if params.max_new_tokens < 0:
         raise BadRequest(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
-    if params.temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {params.temperature}")
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise BadRequest(f"temperature must be a finite number >= 0, got {params.temperature}")
     rid = body.get("rid") or uuid.uuid4().hex
     return ids, params, bool(body.get("stream", False)), str(rid)
 
@@ -94,8 +95,20 @@ class RetentionArgs:
     policy: str = "attention"
 
 
+@dataclass
+class EngineArgs:
+    """Pool and scheduler settings (SGLang's DeepSeek-V4 defaults for page size and SWA ratio)."""
+
+    kv_budget_bytes: int = 96 << 20
+    page_size: int = 256
+    swa_ratio: float = 0.1
+    max_running_requests: int = 32
+    chunked_prefill_size: int = 512
+    prefix_cache: bool = True
+
+
 def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
-               chunked_prefill_size: int = 512, max_running_requests: int = 64) -> FastAPI:
+               engine_args: EngineArgs | None = None) -> FastAPI:
     """Load the model directory and build the FastAPI app (the engine starts with the app)."""
     import torch
     from tokenizers import Tokenizer
@@ -106,6 +119,7 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
     if mode not in MODES:
         raise ValueError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
     retention = retention or RetentionArgs()
+    engine_args = engine_args or EngineArgs()
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     try:
@@ -120,7 +134,35 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
                            retention.map_path, retention.policy)
     load_s = time.perf_counter() - t0
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    engine = Engine(model, hf["eos_token_id"], chunked_prefill_size, max_running_requests)
+    from remnant.engine.capacity import size_pools
+    from remnant.engine.pools import KVPools, geometry_of
+    from remnant.engine.prefix_cache import PrefixCache
+
+    geometry = geometry_of(model, engine_args.page_size, engine_args.swa_ratio, engine_args.max_running_requests)
+    sizes = size_pools(geometry, engine_args.kv_budget_bytes)
+    if sizes.full_tokens == 0 or sizes.swa_tokens < geometry.window_size:
+        raise ValueError(
+            f"kv budget {engine_args.kv_budget_bytes} bytes holds {sizes.full_tokens} tokens and "
+            f"{sizes.swa_tokens} window slots after {sum(sizes.fixed_bytes.values())} fixed bytes; "
+            f"raise the budget or lower max_running_requests"
+        )
+    pools = KVPools(geometry, sizes)
+    engine = Engine(model, hf["eos_token_id"], pools, PrefixCache(pools, engine_args.prefix_cache),
+                    engine_args.chunked_prefill_size)
+    capacity = {
+        "max_total_num_tokens": sizes.full_tokens,
+        "swa_max_total_num_tokens": sizes.swa_tokens,
+        "page_size": geometry.page_size,
+        "swa_full_tokens_ratio": geometry.swa_ratio,
+        "kv_budget_bytes": engine_args.kv_budget_bytes,
+        "bytes_per_token": sizes.bytes_per_full_token,
+        "fixed_bytes": sizes.fixed_bytes,
+        "accounted_bytes": pools.accounted_bytes(),
+        "allocated_bytes": pools.allocated_bytes(),
+        "c4_records": sizes.c4_records,
+        "c128_records": sizes.c128_records,
+        "max_running_requests": pools.slots.n,
+    }
     started = time.time()
     # Provenance is collected here, where the work runs, not by whoever started the server.
     from remnant.records.provenance import environment
@@ -132,8 +174,11 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
         "served_model_name": served_name,
         "dtype": "float32",
         "kv_cache_dtype": "fp8_e4m3",
-        "chunked_prefill_size": chunked_prefill_size,
-        "max_running_requests": max_running_requests,
+        "chunked_prefill_size": engine_args.chunked_prefill_size,
+        "max_running_requests": pools.slots.n,
+        "max_total_num_tokens": sizes.full_tokens,
+        "page_size": geometry.page_size,
+        "disable_radix_cache": not engine_args.prefix_cache,
         "remnant_mode": mode,
         "remnant_retention": None if rmap is None else {
             "per_layer": {str(i): rmap.retention(i) for i in model.csa_layers},
@@ -234,27 +279,32 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
                     engine.abort(rid)  # no-op when finished; frees a disconnected client's request
 
             return StreamingResponse(frames(), media_type="text/event-stream")
-        try:
-            ev = await _last(queue)
-        except asyncio.CancelledError:
+        ev = await _wait_or_disconnect(http, _last(queue))
+        if ev is None:  # the client went away: free the engine
             engine.abort(rid)
-            raise
+            return Response(status_code=499)
         out = frame(ev)
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":
-            return JSONResponse({"error": {"message": ev.finish_reason.get("message")}}, status_code=500)
+            return JSONResponse({"error": {"message": ev.finish_reason.get("message")}},
+                                status_code=ev.finish_reason.get("status_code") or 500)
         return JSONResponse(out)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        running, waiting = engine.load()
-        if running or waiting:
-            log.info("flush_cache refused: %d running, %d waiting requests", running, waiting)
+        ok, detail = engine.flush_cache()
+        log.info("flush_cache %s: %s", "done" if ok else "refused", detail)
+        if not ok:
             return Response(content="Flush cache failed.\n", status_code=400)
         return Response(content=FLUSH_OK, status_code=200)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(content=prometheus_text(engine.stats(), server_args["served_model_name"]),
+                        media_type="text/plain; version=0.0.4")
+
     @app.get("/server_info")
     async def server_info() -> dict:
-        running, waiting = engine.load()
+        stats = engine.stats()
         return {
             **server_args,
             "startup_time": started,
@@ -262,14 +312,8 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
             "engine": "remnant-embedded",
             "environment": server_environment,
             "model_config": {k: v for k, v in hf.items() if k != "remnant"},
-            "internal_states": [
-                {
-                    "num_running_reqs": running,
-                    "num_waiting_reqs": waiting,
-                    "engine_steps": engine.steps,
-                    "generated_tokens": engine.generated_tokens,
-                }
-            ],
+            "capacity": capacity,
+            "internal_states": [stats],
         }
 
     @app.get("/model_info")
@@ -298,6 +342,42 @@ def _submit(engine: Engine, ids: list[int], params: SamplingParams, rid: str) ->
     queue: asyncio.Queue = asyncio.Queue()
     engine.submit(Request(rid, ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev)))
     return queue
+
+
+async def _wait_or_disconnect(http: HttpRequest, waiting) -> TokenEvent | None:
+    """The final event, or None if the client disconnects first (Starlette does not cancel)."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                return None
+    finally:
+        task.cancel()
+
+
+def prometheus_text(stats: dict, model_name: str) -> str:
+    """/metrics in SGLang's metric names (a subset)."""
+    label = f'{{model_name="{model_name}"}}'
+    gauges = {
+        "sglang:token_usage": stats["token_usage"],
+        "sglang:num_running_reqs": stats["num_running_reqs"],
+        "sglang:num_queue_reqs": stats["num_waiting_reqs"],
+        "sglang:cache_hit_rate": stats["cache_hit_rate"],
+    }
+    counters = {
+        "sglang:prompt_tokens_total": stats["prompt_tokens"],
+        "sglang:generation_tokens_total": stats["generated_tokens"],
+        "sglang:cached_tokens_total": stats["cached_tokens"],
+    }
+    lines = []
+    for name, value in gauges.items():
+        lines += [f"# TYPE {name} gauge", f"{name}{label} {float(value)}"]
+    for name, value in counters.items():
+        lines += [f"# TYPE {name} counter", f"{name}{label} {float(value)}"]
+    return "\n".join(lines) + "\n"
 
 
 async def _last(queue: asyncio.Queue) -> TokenEvent:
@@ -347,7 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retention-policy", default="attention",
                    help="policy that chooses kept coordinates when no map is given")
     p.add_argument("--chunked-prefill-size", type=int, default=512)
-    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--kv-budget-mib", type=float, default=96.0, help="bytes for every KV pool together, MiB")
+    p.add_argument("--page-size", type=int, default=256, help="tokens per page (multiple of 128)")
+    p.add_argument("--swa-ratio", type=float, default=0.1, help="SWA pool tokens per full token")
+    p.add_argument("--disable-prefix-cache", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -361,11 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         per_layer = [int(v) for v in a.retention_per_layer.split(",")] if a.retention_per_layer else None
         retention = RetentionArgs(a.retention, per_layer, a.retention_map, a.retention_policy)
-        app = create_app(a.model_dir, a.mode, retention, a.chunked_prefill_size, a.max_running_requests)
+        engine_args = EngineArgs(int(a.kv_budget_mib * (1 << 20)), a.page_size, a.swa_ratio,
+                                 a.max_running_requests, a.chunked_prefill_size, not a.disable_prefix_cache)
+        sock = _bind(a.host, a.port)  # before loading: a taken port fails fast
+        app = create_app(a.model_dir, a.mode, retention, engine_args)
     except (ValueError, OSError) as exc:
         print(f"remnant-serve: error: {exc}", file=sys.stderr)
         return 2
-    sock = _bind(a.host, a.port)
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level=a.log_level, access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -13,6 +13,8 @@ import torch
 from remnant.config import ModelConfig
 from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
 from remnant.engine.model import Model, ModelArgs
+from remnant.engine.pools import scratch_pools
+from remnant.engine.prefix_cache import PrefixCache
 
 EOS = 257
 
@@ -24,7 +26,8 @@ def model() -> Model:
 
 @pytest.fixture
 def engine(model):
-    e = Engine(model, EOS, chunked_prefill_size=128)
+    pools = scratch_pools(model, 2048, sequences=8)
+    e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=128)
     e.start()
     yield e
     e.stop()

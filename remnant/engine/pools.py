@@ -1,0 +1,194 @@
+"""Paged KV pools of the embedded engine, laid out and sized as SGLang keeps DeepSeek-V4's.
+
+One "full" page of `page_size` tokens (256) owns, in every CSA layer, a C4 page of
+page_size / 4 records (native 584 B or packed R + 72 B, SGLang's split layout) and an
+indexer page of as many keys (FP8 codes + fp32 scale per 128, split layout); in every HCA
+layer a C128 page of page_size / 128 native records. The sliding window lives in the SWA
+pool: each running request owns a block of `window` record slots (a ring), and the prefix
+cache keeps window checkpoints there too. Compressor state (the open block's tokens) sits
+in per-request state rows. Sizes come from remnant.engine.capacity, so the bytes
+allocated here are the bytes accounted there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from remnant.engine.capacity import C4_RING, C128_RING, PoolGeometry, PoolSizes, pool_bytes
+from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
+
+INDEX_SCALE_BYTES = 4
+
+
+class FreeList:
+    """Ids 0..n-1 handed out lowest first; freeing an id twice is a bug and raises."""
+
+    def __init__(self, n: int, name: str):
+        self.n, self.name = n, name
+        self._free = list(range(n - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, count: int = 1) -> list[int] | None:
+        if count > len(self._free):
+            return None
+        ids = [self._free.pop() for _ in range(count)]
+        self._used.update(ids)
+        return ids
+
+    def release(self, ids: list[int]) -> None:
+        for i in ids:
+            if i not in self._used:
+                raise RuntimeError(f"{self.name} id {i} freed twice or never allocated")
+            self._used.remove(i)
+            self._free.append(i)
+
+
+class SplitPages:
+    """One layer's paged records in SGLang's split layout: uint8 [pages, page_bytes].
+
+    Record j of a sequence lives in page page_table[j // per_page], slot j % per_page:
+    its data part at slot * data_bytes, its 8 scale+pad bytes at per_page * data_bytes +
+    slot * 8 (for indexer keys: 4 scale bytes).
+    """
+
+    def __init__(self, pages: int, per_page: int, record_bytes: int, tail_bytes: int = SCALE_BYTES,
+                 row_bytes: int | None = None):
+        self.per_page, self.record_bytes, self.tail = per_page, record_bytes, tail_bytes
+        self.data = record_bytes - tail_bytes
+        raw = per_page * record_bytes
+        row = row_bytes or self.data
+        self.page_bytes = -(-raw // row) * row
+        self.buf = torch.zeros(pages, self.page_bytes, dtype=torch.uint8)
+
+    def _offsets(self, page_table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        page = page_table[index // self.per_page]
+        slot = index % self.per_page
+        base = page * self.page_bytes
+        data = (base + slot * self.data)[:, None] + torch.arange(self.data)
+        tail = (base + self.per_page * self.data + slot * self.tail)[:, None] + torch.arange(self.tail)
+        return data, tail
+
+    def write(self, page_table: torch.Tensor, index: torch.Tensor, records: torch.Tensor) -> None:
+        """records uint8 [k, record_bytes] to sequence record indices `index` [k]."""
+        data, tail = self._offsets(page_table, index)
+        flat = self.buf.view(-1)
+        flat[data] = records[:, : self.data]
+        flat[tail] = records[:, self.data :]
+
+    def read(self, page_table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """uint8 [k, record_bytes] of sequence record indices `index` [k]."""
+        data, tail = self._offsets(page_table, index)
+        flat = self.buf.view(-1)
+        return torch.cat([flat[data], flat[tail]], dim=1)
+
+
+class KVPools:
+    """Every pool of the engine, allocated from PoolSizes (bytes counted exactly)."""
+
+    def __init__(self, geometry: PoolGeometry, sizes: PoolSizes):
+        self.geometry, self.sizes = geometry, sizes
+        g = geometry
+        self.page_size = g.page_size
+        self.num_pages = sizes.full_tokens // g.page_size
+        self.pages = FreeList(self.num_pages, "page")
+        per4, per128 = g.page_size // 4, g.page_size // 128
+        csa = [i for i, r in enumerate(g.compress_ratios) if r == 4]
+        self.c4 = {li: SplitPages(self.num_pages, per4, rb) for li, rb in zip(csa, g.c4_record_bytes)}
+        self.indexer = {li: SplitPages(self.num_pages, per4, g.indexer_key_bytes(), INDEX_SCALE_BYTES)
+                        for li in csa}
+        self.c128 = {i: SplitPages(self.num_pages, per128, NATIVE_RECORD_BYTES, row_bytes=576)
+                     for i, r in enumerate(g.compress_ratios) if r == 128}
+        # SWA: blocks of `window` slots; a running request rings through one, a prefix-cache
+        # checkpoint holds one.
+        self.window = g.window_size
+        self.swa_blocks = FreeList(sizes.swa_tokens // g.window_size, "swa block")
+        self.swa = torch.zeros(len(g.compress_ratios), sizes.swa_tokens, NATIVE_RECORD_BYTES, dtype=torch.uint8)
+        # Compressor state, fp32 rows of (content, gate): C4_RING rows per request slot in
+        # every CSA layer (sized from the SWA pool, as SGLang sizes c4_state_pool_size) and
+        # C128_RING rows per slot in every HCA layer (the fixed c128_state rows); the
+        # indexer keys' open block rides in the C4 indexer state rows.
+        self.slots = FreeList(min(self.swa_blocks.n, g.max_running_requests), "request slot")
+        rows4 = sizes.c4_state_slots
+        rows128 = g.c128_state_fixed_bytes() // (2 * HEAD_DIM * 4 * max(g.n_c128, 1))
+        # A C4 state row holds (content, gate) for two overlapping blocks (2 x 2 x 512 fp32,
+        # as SGLang sizes it); the engine's compressor uses the first block's half.
+        self.c4_state = {li: torch.zeros(rows4, 2, 2 * HEAD_DIM) for li in csa}
+        self.c4_index_state = {li: torch.zeros(rows4, 2, 2 * g.index_head_dim) for li in csa}
+        self.c128_state = {i: torch.zeros(rows128, 2, HEAD_DIM) for i in self.c128}
+
+    def state_rows(self, ratio: int, slot: int, count: int) -> torch.Tensor:
+        """Rows of request slot `slot`'s compressor state for the first `count` open tokens."""
+        ring = C4_RING if ratio == 4 else C128_RING
+        return torch.arange(slot * ring, slot * ring + count)
+
+    def swa_slots(self, block: int, positions: torch.Tensor) -> torch.Tensor:
+        """SWA slots of token positions in a request's ring (position p -> p mod window)."""
+        return block * self.window + positions % self.window
+
+    def allocated_bytes(self) -> dict[str, int]:
+        """Bytes of the buffers actually allocated, per component (page padding included)."""
+        return {
+            "swa": self.swa.numel(),
+            "c4": sum(p.buf.numel() for p in self.c4.values()),
+            "c128": sum(p.buf.numel() for p in self.c128.values()),
+            "c4_indexer": sum(p.buf.numel() for p in self.indexer.values()),
+            "c4_state": sum(t.numel() * 4 for t in self.c4_state.values()),
+            "c4_indexer_state": sum(t.numel() * 4 for t in self.c4_index_state.values()),
+            "c128_state": sum(t.numel() * 4 for t in self.c128_state.values()),
+        }
+
+    def accounted_bytes(self) -> dict[str, int]:
+        return pool_bytes(self.geometry, self.sizes)
+
+    def usage(self) -> dict:
+        return {
+            "pages_total": self.num_pages,
+            "pages_free": self.pages.free,
+            "swa_blocks_total": self.swa_blocks.n,
+            "swa_blocks_free": self.swa_blocks.free,
+            "request_slots_total": self.slots.n,
+            "request_slots_free": self.slots.free,
+        }
+
+
+__all__ = ["FreeList", "KVPools", "SplitPages", "page_bytes"]
+
+
+def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 32) -> PoolGeometry:
+    """Pool geometry of an engine model (remnant.engine.model.Model) in its current mode."""
+    a = model.args
+    return PoolGeometry(
+        compress_ratios=list(a.compress_ratios),
+        c4_record_bytes=[model.c4_formats[i].record_bytes for i in model.csa_layers],
+        window_size=a.window_size,
+        index_head_dim=a.index_head_dim,
+        page_size=page_size,
+        swa_ratio=swa_ratio,
+        max_running_requests=max_running_requests,
+    )
+
+
+def scratch_pools(model, tokens: int, sequences: int = 1) -> KVPools:
+    """Pools just big enough for `sequences` sequences of `tokens` tokens (tests, calibration)."""
+    from remnant.engine.capacity import size_pools
+
+    geometry = geometry_of(model, swa_ratio=1.0, max_running_requests=sequences)
+    per_token = sum(geometry.bytes_per_full_token().values())
+    pages = sequences * -(-tokens // geometry.page_size) + sequences
+    budget = int(pages * geometry.page_size * per_token) + geometry.c128_state_fixed_bytes() + 1
+    return KVPools(geometry, size_pools(geometry, budget))
+
+
+def new_sequence(pools: KVPools, tokens: int):
+    """A Sequence holding pages for `tokens` tokens, an SWA block and a request slot."""
+    from remnant.engine.sequence import Sequence
+
+    pages = pools.pages.alloc(-(-tokens // pools.page_size))
+    block, slot = pools.swa_blocks.alloc(), pools.slots.alloc()
+    if pages is None or block is None or slot is None:
+        raise RuntimeError(f"pools cannot hold another sequence of {tokens} tokens: {pools.usage()}")
+    return Sequence(pages, block[0], slot[0])

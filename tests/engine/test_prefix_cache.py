@@ -1,0 +1,130 @@
+"""Prefix cache and admission: hits change no answer, pressure queues and evicts, every
+page comes back."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+
+import pytest
+import torch
+
+from remnant.config import ModelConfig
+from remnant.engine.capacity import size_pools
+from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
+from remnant.engine.model import Model, ModelArgs
+from remnant.engine.pools import KVPools, geometry_of
+from remnant.engine.prefix_cache import PrefixCache
+
+EOS = 257
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
+
+
+def _engine(model: Model, pages: int, slots: int = 4) -> Engine:
+    geometry = dataclasses.replace(geometry_of(model, max_running_requests=slots), swa_ratio=1.0)
+    per_token = sum(geometry.bytes_per_full_token().values())
+    budget = int(pages * 256 * per_token) + geometry.c128_state_fixed_bytes() + 1
+    pools = KVPools(geometry, size_pools(geometry, budget))
+    assert pools.num_pages == pages
+    e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=256)
+    e.start()
+    return e
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _submit(engine: Engine, rid: str, ids: list[int], n: int) -> "queue.Queue[TokenEvent]":
+    q: queue.Queue = queue.Queue()
+    engine.submit(Request(rid, ids, SamplingParams(n, 0.0, True), q.put))
+    return q
+
+
+def _final(q: "queue.Queue[TokenEvent]") -> TokenEvent:
+    while True:
+        ev = q.get(timeout=120)
+        if ev.finish_reason is not None:
+            return ev
+
+
+def _drained(engine: Engine) -> None:
+    ok, _ = engine.flush_cache()
+    assert ok
+    usage = engine.pools.usage()
+    assert usage["pages_free"] == usage["pages_total"]
+    assert usage["swa_blocks_free"] == usage["swa_blocks_total"]
+    assert usage["request_slots_free"] == usage["request_slots_total"]
+    assert engine.cache.entries == {}
+
+
+def test_a_hit_gives_the_same_answer(model):
+    engine = _engine(model, pages=16)
+    try:
+        prompt = _ids(700, 1)
+        cold = _final(_submit(engine, "cold", prompt, 12))
+        warm = _final(_submit(engine, "warm", prompt, 12))
+        assert cold.cached_tokens == 0 and warm.cached_tokens == 512  # two full pages, a token left
+        assert warm.output_ids == cold.output_ids
+        extended = prompt + cold.output_ids + _ids(300, 2)  # a next turn extends the conversation
+        turn = _final(_submit(engine, "turn", extended, 4))
+        assert turn.cached_tokens == 512
+        stats = engine.stats()
+        assert stats["cache_hit_rate"] == pytest.approx((512 + 512) / (700 + 700 + len(extended)))
+        _drained(engine)
+    finally:
+        engine.stop()
+
+
+def test_shared_prefix_hits_across_suffixes(model):
+    engine = _engine(model, pages=24)
+    try:
+        prefix = _ids(512, 3)
+        events = [_final(_submit(engine, f"s{i}", prefix + _ids(100, 10 + i), 3)) for i in range(4)]
+        assert [e.cached_tokens for e in events] == [0, 512, 512, 512]
+        _drained(engine)
+    finally:
+        engine.stop()
+
+
+def test_overload_queues_evicts_and_drains(model):
+    engine = _engine(model, pages=8, slots=3)
+    try:
+        # 12 requests of 2 pages each against 8 pages and 3 slots: most must wait.
+        queues = [_submit(engine, f"b{i}", _ids(400, 100 + i), 60) for i in range(12)]
+        finals = [_final(q) for q in queues]
+        assert all(f.finish_reason == {"type": "length", "length": 60} for f in finals)
+        assert len(engine.cache.entries) <= 8  # the cache was evicted to make room
+        _drained(engine)
+    finally:
+        engine.stop()
+
+
+def test_a_request_that_can_never_fit_is_answered(model):
+    engine = _engine(model, pages=4)
+    try:
+        ev = _final(_submit(engine, "huge", _ids(900, 5), 200))  # 5 pages > 4
+        assert ev.finish_reason["type"] == "abort" and ev.finish_reason["status_code"] == 400
+        assert "needs 1100 tokens of KV" in ev.finish_reason["message"]
+        assert "the pool holds 1024 tokens" in ev.finish_reason["message"]
+        assert len(_final(_submit(engine, "ok", _ids(100, 6), 3)).output_ids) == 3  # still serving
+        _drained(engine)
+    finally:
+        engine.stop()
+
+
+def test_flush_refused_while_running(model):
+    engine = _engine(model, pages=8)
+    try:
+        q = _submit(engine, "long", _ids(50, 7), 400)
+        q.get(timeout=60)  # first token: it runs
+        ok, detail = engine.flush_cache()
+        assert not ok and "1 running" in detail
+        _final(q)
+        _drained(engine)
+    finally:
+        engine.stop()
