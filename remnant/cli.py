@@ -76,7 +76,10 @@ def _run(cfg: DictConfig) -> None:
             print(path, flush=True)
             return
         _fail(str(exc).splitlines()[0])
-    outcome = execute_run(run_cfg, run_dir)
+    try:
+        outcome = execute_run(run_cfg, run_dir)
+    except FileExistsError as exc:
+        _fail(str(exc))
     if outcome.error:
         first, *rest = outcome.error["message"].splitlines() or [""]
         print(f"remnant-run: run {outcome.status} at {outcome.error['stage']}: {first}", file=sys.stderr)

@@ -7,12 +7,13 @@ module imports no heavy package.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from remnant.kv.formats import KERNEL_RETENTION, RETENTION_VALUES
-from remnant.kv.retention import POLICIES
+from remnant.kv.retention import POLICIES, profile_values
 
 MODES = ("native", "triton", "kernel")
 
@@ -122,6 +123,13 @@ class EmbeddedHostConfig(HostConfig):
     startup_timeout_s: float = 120.0
     threads: int = 2
     log_tail_lines: int = 40
+    #: Bytes for every KV pool together (SGLang sizes pools from what the GPU has left).
+    kv_budget_mib: float = 96.0
+    max_running_requests: int = 32
+    page_size: int = 256
+    swa_ratio: float = 0.1
+    chunked_prefill_size: int = 512
+    prefix_cache: bool = True
 
 
 @dataclass
@@ -151,15 +159,17 @@ def csa_layer_count(model: ModelConfig) -> int:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Enforce the mode/retention rules of DESIGN section 4; raise ConfigError on the first break."""
+    """Enforce the mode/retention rules of DESIGN section 4 and the fields' ranges;
+    raise ConfigError naming the first field that breaks one."""
     mode = cfg.mode.name
     if mode not in MODES:
         raise ConfigError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
     validate_model(cfg.model)
+    validate_workload(cfg.workload)
+    validate_host(cfg.host)
     if mode == "native":
         return  # native ignores retention
     ret = cfg.retention
-    allowed = ", ".join(map(str, RETENTION_VALUES))
     if ret.per_layer is not None:
         n_csa = csa_layer_count(cfg.model)
         if len(ret.per_layer) != n_csa:
@@ -167,13 +177,16 @@ def validate(cfg: RunConfig) -> None:
                 f"retention.per_layer has {len(ret.per_layer)} values; model={cfg.model.name} "
                 f"has {n_csa} CSA layers, so it needs {n_csa}"
             )
+        try:
+            profile_values(None, list(ret.per_layer), n_csa)
+        except ValueError as exc:
+            raise ConfigError(f"retention.{exc}") from None
     if ret.map_path is not None and not os.path.isfile(ret.map_path):
         raise ConfigError(f"retention.map_path={ret.map_path} is not a file")
     if ret.policy not in POLICIES:
         raise ConfigError(f"retention.policy={ret.policy} is not a policy; allowed: {', '.join(POLICIES)}")
-    for value in ret.values():
-        if value not in RETENTION_VALUES:
-            raise ConfigError(f"retention={value} is not allowed; allowed: {allowed}")
+    elif ret.retention not in RETENTION_VALUES:
+        raise ConfigError(f"retention={ret.retention} is not allowed; allowed: {', '.join(map(str, RETENTION_VALUES))}")
     if mode == "kernel" and any(v != KERNEL_RETENTION for v in ret.values()):
         bad = next(v for v in ret.values() if v != KERNEL_RETENTION)
         raise ConfigError(
@@ -184,6 +197,44 @@ def validate(cfg: RunConfig) -> None:
             f"hicache=true is not allowed with retention={ret.name}; "
             f"retention other than {KERNEL_RETENTION} requires hicache=false"
         )
+
+
+def _positive_finite(value: float, field: str) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{field}={value} must be a finite number > 0")
+
+
+def validate_workload(w: WorkloadConfig) -> None:
+    _positive_finite(w.request_timeout_s, "workload.request_timeout_s")
+    _positive_finite(w.flush_timeout_s, "workload.flush_timeout_s")
+    if w.concurrency < 1:
+        raise ConfigError(f"workload.concurrency={w.concurrency} must be >= 1")
+    for name in ("warmup_requests", "measured_requests"):
+        value = getattr(w, name, None)
+        if value is not None and value < 0:
+            raise ConfigError(f"workload.{name}={value} must be >= 0")
+
+
+def validate_host(h: HostConfig) -> None:
+    if h.kind == "external":
+        from urllib.parse import urlsplit
+
+        try:
+            url = urlsplit(h.base_url)
+            ok = url.scheme in ("http", "https") and bool(url.hostname) and (url.port or True)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"host.base_url={h.base_url} is not an http(s) URL like http://127.0.0.1:30000")
+    if h.kind == "embedded":
+        _positive_finite(h.startup_timeout_s, "host.startup_timeout_s")
+        _positive_finite(h.kv_budget_mib, "host.kv_budget_mib")
+        if h.page_size % 128 or h.page_size < 128:
+            raise ConfigError(f"host.page_size={h.page_size} must be a positive multiple of 128")
+        if not 0 < h.swa_ratio <= 1:
+            raise ConfigError(f"host.swa_ratio={h.swa_ratio} must be in (0, 1]")
+        if h.max_running_requests < 1:
+            raise ConfigError(f"host.max_running_requests={h.max_running_requests} must be >= 1")
 
 
 def validate_model(model: ModelConfig) -> None:

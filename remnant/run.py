@@ -7,6 +7,7 @@ reason), or interrupted (Ctrl-C / SIGTERM). requests.jsonl and server.log sit be
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -65,10 +66,12 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     from remnant.client.runner import LoadClient
     from remnant.hosts import HostError, ServerSpec, make_host
     from remnant.records.provenance import artifact, sources
-    from remnant.records.schema import write_validated
+    from remnant.records.schema import RecordError, write_validated
     from remnant.workloads import plan_workload
 
     run_dir = Path(run_dir)
+    if (run_dir / RUN_JSON).exists():
+        raise FileExistsError(f"{run_dir / RUN_JSON} exists: a run directory holds one run")
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = run_id or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
     requests_path = run_dir / REQUESTS_JSONL
@@ -94,7 +97,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         spec = ServerSpec(cfg.mode.name, None if native else cfg.retention, cfg.model, run_dir, run_dir / SERVER_LOG)
         with host.serve(spec) as endpoint:
             environment = endpoint.environment
-            server_info = _server_info(endpoint.base_url)
+            server_info = endpoint.server_info
             stage.name = "client"
             client = LoadClient(
                 endpoint.base_url, requests_path,
@@ -148,8 +151,18 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         "artifacts": artifacts,
         "limits": limits,
     }
-    path = write_validated(run_dir / RUN_JSON, doc)
-    return RunOutcome(path, status, error, doc["metrics"])
+    try:
+        path = write_validated(run_dir / RUN_JSON, doc)
+    except RecordError as exc:
+        # A record that breaks its own schema is a bug; still leave a valid run.json that
+        # says so, and keep the full document beside it for the post-mortem.
+        log.error("run.json failed validation: %s", exc)
+        (run_dir / "run.invalid.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        doc.update(status="failed", metrics=None, config={"unrecorded": str(exc)},
+                   error={"stage": "record", "type": "RecordError", "message": str(exc)},
+                   server_info=None, workload={**workload_rec, "params": {}})
+        path = write_validated(run_dir / RUN_JSON, doc)
+    return RunOutcome(path, doc["status"], doc["error"], doc["metrics"])
 
 
 def record_config_error(run_dir: Path, config: dict, message: str, run_id: str | None = None) -> Path:
@@ -182,13 +195,3 @@ def record_config_error(run_dir: Path, config: dict, message: str, run_id: str |
         "limits": ["nothing ran: the configuration broke a rule"],
     }
     return write_validated(Path(run_dir) / RUN_JSON, doc)
-
-
-def _server_info(base_url: str) -> dict | None:
-    import httpx
-
-    try:
-        r = httpx.get(f"{base_url}/server_info", timeout=10.0)
-        return r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None

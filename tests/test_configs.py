@@ -79,7 +79,7 @@ def test_hicache_requires_r256():
 def test_per_layer_retention_checks_length_and_values():
     with pytest.raises(ConfigError, match="retention.per_layer has 1 values; model=tiny has 2 CSA layers"):
         _compose(["mode=triton", "retention.per_layer=[128]"])
-    with pytest.raises(ConfigError, match="retention=100 is not allowed; allowed: 64, 128"):
+    with pytest.raises(ConfigError, match=r"retention.per_layer\[1\]=100 is not allowed; allowed: 64, 128"):
         _compose(["mode=triton", "retention.per_layer=[128,100]"])
     assert _compose(["mode=triton", "retention.per_layer=[128,384]"]).retention.values() == [128, 384]
 
@@ -117,3 +117,22 @@ def test_retention_map_path_and_policy(tmp_path):
     with pytest.raises(ConfigError, match="retention.policy=oracle is not a policy; allowed: magnitude"):
         _compose(["mode=kernel", "retention.policy=oracle"])
     assert _compose(["mode=kernel", "retention.policy=prefix"]).retention.policy == "prefix"
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("workload.request_timeout_s=inf", "workload.request_timeout_s=inf must be a finite number > 0"),
+    ("workload.flush_timeout_s=0", "workload.flush_timeout_s=0.0 must be a finite number > 0"),
+    ("workload.warmup_requests=-1", "workload.warmup_requests=-1 must be >= 0"),
+    ("host.kv_budget_mib=0", "host.kv_budget_mib=0.0 must be a finite number > 0"),
+    ("host.page_size=100", "host.page_size=100 must be a positive multiple of 128"),
+    ("host.swa_ratio=1.5", r"host.swa_ratio=1.5 must be in \(0, 1\]"),
+])
+def test_ranges_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _compose([override])
+
+
+@pytest.mark.parametrize("url", ["localhost:30000", "http://[::1", "ftp://127.0.0.1:1"])
+def test_external_base_url_must_be_http(url):
+    with pytest.raises(ConfigError, match="is not an http\\(s\\) URL"):
+        _compose(["host=external", f"host.base_url='{url}'"])

@@ -91,7 +91,7 @@ class LoadClient:
         limits = httpx.Limits(max_connections=max(p.concurrency for p in phases) + 4)
         timeout = httpx.Timeout(self.request_timeout_s, connect=10.0)
         results = []
-        with tqdm(total=total, unit="req", disable=self.progress is False or None, dynamic_ncols=True) as bar:
+        with tqdm(total=total, unit="req", disable=None if self.progress is None else not self.progress, dynamic_ncols=True) as bar:
             async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
                 for phase in phases:
                     bar.set_description(phase.name)
@@ -126,16 +126,26 @@ class LoadClient:
     async def _run_phase(self, client: httpx.AsyncClient, phase: Phase, bar: tqdm) -> PhaseResult:
         flush = await self.flush(client) if phase.flush_before else None
         started = self.now()
-        sem = asyncio.Semaphore(phase.concurrency)
+        # Closed loop: each of the C slots holds the time it became free; a request is due
+        # then, so dispatch delay shows how late the client really sent it.
+        free_since: asyncio.Queue[float] = asyncio.Queue()
+        for _ in range(phase.concurrency):
+            free_since.put_nowait(started)
         records: list[RequestRecord] = []
         gone: list[str] = []
 
         async def one(index: int, req: PlannedRequest) -> None:
-            async with sem:
+            intended = await free_since.get()
+            try:
                 if gone:
                     return
-                # Closed loop: a request is due the moment a concurrency slot frees.
-                rec = await self._send(client, req, phase.name, index, intended=self.now())
+                try:
+                    rec = await self._send(client, req, phase.name, index, intended=intended)
+                except Exception as exc:  # noqa: BLE001 - one odd answer must not sink the phase
+                    rec = RequestRecord(id=req.id, phase=phase.name, index=index, intended_start_s=intended,
+                                        start_s=self.now(), error=f"client error: {exc!r}")
+            finally:
+                free_since.put_nowait(self.now())
             self._append(rec)
             records.append(rec)
             bar.update(1)
@@ -183,22 +193,28 @@ class LoadClient:
                         break
                     frame = json.loads(data)
                     if "error" in frame:
-                        rec.error = f"server error: {frame['error'].get('message')}"
+                        err = frame["error"]
+                        rec.error = f"server error: {err.get('message') if isinstance(err, dict) else err}"
                         return rec
                     t = self.now()
-                    n = len(frame.get("output_ids") or [])
+                    meta = frame.get("meta_info") or {}
+                    # Tokens so far, as bench_serving counts them: completion_tokens (output_ids
+                    # holds only the new ids when SGLang streams incrementally).
+                    n = meta.get("completion_tokens")
+                    if n is None:
+                        n = len(frame.get("output_ids") or [])
                     if n > seen:
                         if rec.ttft_s is None:
                             rec.ttft_s = t - rec.start_s
                         rec.chunk_times_s.append(t)
                         rec.chunk_tokens.append(n - seen)
                         seen = n
-                    meta = frame.get("meta_info") or {}
                     rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
                     rec.completion_tokens = meta.get("completion_tokens", seen)
                     rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens) or 0
-                    if meta.get("finish_reason"):
-                        rec.finish_reason = meta["finish_reason"].get("type")
+                    reason = meta.get("finish_reason")
+                    if reason:
+                        rec.finish_reason = reason.get("type") if isinstance(reason, dict) else str(reason)
                 rec.end_s = self.now()
                 if rec.finish_reason == "abort":
                     rec.error = "server aborted the request"

@@ -16,6 +16,7 @@ import torch
 from remnant.engine.model import C4Format, Model
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.kv.captures import Captures, LayerCapture
+from remnant.kv.formats import KERNEL_RETENTION
 from remnant.kv.retention import RetentionMap, profile_values
 
 CALIBRATION_TOKENS = 512
@@ -71,5 +72,10 @@ def setup_retention(model: Model, mode: str, model_id: str, retention: int | Non
 
         values = profile_values(None if per_layer else retention, per_layer or None, len(model.csa_layers))
         rmap = build_map(calibration_captures(model, model_id), policy, values)
+    if mode == "kernel":
+        bad = [rmap.retention(i) for i in model.csa_layers if rmap.retention(i) != KERNEL_RETENTION]
+        if bad:
+            raise ValueError(f"retention={bad[0]} is not allowed with mode=kernel; kernel supports "
+                             f"retention={KERNEL_RETENTION}")
     model.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in model.csa_layers})
     return rmap

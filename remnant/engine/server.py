@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
 import sys
 import time
@@ -133,7 +132,10 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
     rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
                            retention.map_path, retention.policy)
     load_s = time.perf_counter() - t0
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer_path = model_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise ValueError(f"{tokenizer_path} does not exist; the model directory needs a tokenizer")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
     from remnant.engine.capacity import size_pools
     from remnant.engine.pools import KVPools, geometry_of
     from remnant.engine.prefix_cache import PrefixCache
@@ -460,7 +462,6 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(str(port))
         os.replace(tmp, a.port_file)
     log.info("remnant-serve listening on http://%s:%d (pid %d)", a.host, port, os.getpid())
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     server.run(sockets=[sock])
     return 0
 

@@ -36,6 +36,7 @@ class Endpoint:
     base_url: str
     environment: dict | None = None
     failure: Callable[[], str | None] = field(default=lambda: None)
+    server_info: dict | None = None
 
 
 class Host(Protocol):
@@ -68,6 +69,15 @@ def wait_healthy(
             if time.monotonic() > deadline:
                 raise HostError(f"{base_url}/health did not answer 200 within {timeout_s:g}s (last: {last})")
             time.sleep(interval_s)
+
+
+def fetch_server_info(base_url: str) -> dict | None:
+    """GET /server_info once the server is healthy (None if it has none)."""
+    try:
+        r = httpx.get(f"{base_url}/server_info", timeout=10.0)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def log_tail(path: Path, lines: int) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from remnant.config import EmbeddedHostConfig
-from remnant.hosts.base import Endpoint, HostError, ServerSpec, log_tail, wait_healthy
+from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, wait_healthy
 
 _STOP_GRACE_S = 10.0
 
@@ -30,16 +30,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: the finally-stop still covers normal exits and Ctrl-C
-
-
-def _server_environment(base_url: str) -> dict | None:
-    """The environment remnant-serve collected about itself (see /server_info)."""
-    import httpx
-
-    try:
-        return httpx.get(f"{base_url}/server_info", timeout=10.0).json().get("environment")
-    except (httpx.HTTPError, ValueError):
-        return None
 
 
 class EmbeddedHost:
@@ -74,7 +64,14 @@ class EmbeddedHost:
             "--port-file", str(port_file),
             "--mode", spec.mode,
             "--threads", str(self.cfg.threads),
+            "--kv-budget-mib", str(self.cfg.kv_budget_mib),
+            "--max-running-requests", str(self.cfg.max_running_requests),
+            "--page-size", str(self.cfg.page_size),
+            "--swa-ratio", str(self.cfg.swa_ratio),
+            "--chunked-prefill-size", str(self.cfg.chunked_prefill_size),
         ]
+        if not self.cfg.prefix_cache:
+            cmd.append("--disable-prefix-cache")
         if spec.retention is not None:
             ret = spec.retention
             if ret.per_layer:
@@ -111,7 +108,10 @@ class EmbeddedHost:
                     raise HostError(f"{exc}; last lines of {spec.log_path.name}:\n"
                                     + log_tail(spec.log_path, self.cfg.log_tail_lines)) from None
                 raise
-            yield Endpoint(base_url, environment=_server_environment(base_url), failure=failure)
+            info = fetch_server_info(base_url)
+            # remnant-serve collects its environment itself, where the work runs.
+            env = (info or {}).get("environment")
+            yield Endpoint(base_url, environment=env, failure=failure, server_info=info)
         finally:
             self._stop(proc)
             log.close()

@@ -6,7 +6,7 @@ import contextlib
 from typing import Iterator
 
 from remnant.config import ExternalHostConfig
-from remnant.hosts.base import Endpoint, ServerSpec, wait_healthy
+from remnant.hosts.base import Endpoint, ServerSpec, fetch_server_info, wait_healthy
 
 
 class ExternalHost:
@@ -21,4 +21,4 @@ class ExternalHost:
         base_url = self.cfg.base_url.rstrip("/")
         wait_healthy(base_url, self.cfg.health_timeout_s)
         # Where an external server runs is not ours to inspect: environment stays unknown.
-        yield Endpoint(base_url, environment=None)
+        yield Endpoint(base_url, environment=None, server_info=fetch_server_info(base_url))

@@ -104,7 +104,7 @@ def evaluate(captures: Captures, policies: list[str], retention_values: list[int
     results = []
     cells = [(layer, r, p) for layer in sorted(captures.layers) for r in retention_values for p in policies]
     prepared: dict[int, tuple] = {}
-    for layer, retention, policy in tqdm(cells, desc="fidelity", unit="cell", disable=progress is False or None):
+    for layer, retention, policy in tqdm(cells, desc="fidelity", unit="cell", disable=None if progress is None else not progress):
         if layer not in prepared:
             calibration, evaluation = split(captures.layers[layer])
             prepared[layer] = (calibration, evaluation, quantize(captures.layers[layer].k))
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         captures = synthetic_captures(seed=a.seed) if a.synthetic else load_captures(a.captures)
         doc = report(captures, policies, values, a.top_k, a.seed)
         path = write_validated(a.out, doc)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"fidelity: error: {exc}", file=sys.stderr)
         return 2
     print(table(doc), file=sys.stderr)

@@ -41,9 +41,8 @@ def test_concurrency_limit_is_respected(server, tmp_path):
     client = LoadClient(server.base_url, tmp_path / "r.jsonl", progress=False)
     (res,) = client.run([_phase("measured", 9, 3, tokens=6)])
     spans = [(r.start_s, r.end_s) for r in res.records]
-    for t, _ in spans:
-        in_flight = sum(1 for s, e in spans if s <= t < e)
-        assert in_flight <= 3
+    in_flight = [sum(1 for s, e in spans if s <= t < e) for t, _ in spans]
+    assert max(in_flight) == 3  # the limit is reached, never passed
 
 
 def test_flush_retries_while_requests_run(server, tmp_path):
@@ -90,3 +89,49 @@ def test_flush_404_is_recorded_not_retried(tmp_path):
     assert res.failed == 2
     recs = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert all(r["error"].startswith("HTTP 404") for r in recs)
+
+
+class _IncrementalSSE(BaseHTTPRequestHandler):
+    """A /generate that streams like SGLang with --incremental-streaming-output: each
+    frame's output_ids holds only the new ids; completion_tokens counts them all."""
+
+    def do_POST(self):  # noqa: N802
+        if self.path == "/flush_cache":
+            self.send_response(200)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(5):
+            frame = {"text": "x", "output_ids": [i], "meta_info": {
+                "id": "r", "prompt_tokens": 3, "completion_tokens": i + 1, "cached_tokens": 0,
+                "finish_reason": {"type": "length", "length": 5} if i == 4 else None}}
+            self.wfile.write(b"data: " + json.dumps(frame).encode() + b"\n\n")
+            self.wfile.flush()
+            time.sleep(0.01)
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_tokens_counted_by_completion_tokens(tmp_path):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _IncrementalSSE)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = LoadClient(f"http://127.0.0.1:{srv.server_port}", tmp_path / "r.jsonl", progress=False)
+        (res,) = client.run([_phase("measured", 1, 1, tokens=5)])
+    finally:
+        srv.shutdown()
+    rec = res.records[0]
+    assert rec.success and rec.chunk_tokens == [1, 1, 1, 1, 1] and rec.completion_tokens == 5
+
+
+def test_dispatch_delay_counts_from_when_the_slot_freed(server, tmp_path):
+    client = LoadClient(server.base_url, tmp_path / "r.jsonl", progress=False)
+    (res,) = client.run([_phase("measured", 4, 1, tokens=3)])
+    recs = sorted(res.records, key=lambda r: r.start_s)
+    for prev, rec in zip(recs, recs[1:]):
+        # One slot: each request was due when the previous one ended.
+        assert rec.intended_start_s >= prev.end_s and rec.start_s >= rec.intended_start_s

@@ -88,13 +88,18 @@ def test_finish_reasons(engine):
     assert ev.finish_reason == {"type": "length", "length": 3}
     ev = _run(engine, "zero", _ids(8, 3), 0).final()
     assert ev.finish_reason == {"type": "length", "length": 0} and ev.output_ids == []
+    # Seeded sampling at a high temperature reaches EOS; with EOS allowed the request stops
+    # there and the finish carries the matched id; ignore_eos runs past it.
     c = Collector()
-    # With EOS allowed, a stop finish carries the matched id when EOS is sampled.
     engine.submit(Request("eos", _ids(8, 4), SamplingParams(200, 5.0, False, seed=1), c))
     ev = c.final()
-    assert ev.finish_reason["type"] in ("length", "stop")
-    if ev.finish_reason["type"] == "stop":
-        assert ev.output_ids[-1] == EOS == ev.finish_reason["matched"]
+    assert ev.finish_reason == {"type": "stop", "matched": EOS} and ev.output_ids[-1] == EOS
+    n = len(ev.output_ids)
+    c = Collector()
+    engine.submit(Request("eos2", _ids(8, 4), SamplingParams(n + 5, 5.0, True, seed=1), c))
+    ev2 = c.final()
+    assert ev2.output_ids[:n] == ev.output_ids and len(ev2.output_ids) == n + 5
+    assert ev2.finish_reason == {"type": "length", "length": n + 5}
 
 
 def test_bad_request_answers_abort_and_engine_lives(engine):

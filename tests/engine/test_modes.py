@@ -64,7 +64,7 @@ def test_records_are_stored_packed(args):
     from remnant.kv import pack
 
     model = Model(args)
-    rmap = setup_retention(model, "kernel", "tiny", per_layer=[128, 384])
+    rmap = setup_retention(model, "triton", "tiny", per_layer=[128, 384])
     _, (_, pools, seq) = _greedy(model, PROMPTS[2], n=1)
     assert [pools.c4[i].record_bytes for i in (1, 3)] == [200, 456]  # R + 72
     assert pools.c128[2].record_bytes == 584  # C128 records stay native
@@ -107,3 +107,8 @@ def test_calibration_is_deterministic_and_native_is_untouched(args):
 def test_c4_format_rejects(mode, keep, message):
     with pytest.raises(ValueError, match=message):
         C4Format(mode, keep)
+
+
+def test_kernel_mode_accepts_only_256(args):
+    with pytest.raises(ValueError, match="retention=128 is not allowed with mode=kernel; kernel supports retention=256"):
+        setup_retention(Model(args), "kernel", "tiny", per_layer=[128, 256])

@@ -608,3 +608,32 @@ def test_transformers_autotokenizer_matches_server(server, tiny_model_dir, token
     assert by_ids["meta_info"]["prompt_tokens"] == len(ids)
     assert by_ids["output_ids"] == by_text["output_ids"]
     assert tok.decode(by_text["output_ids"], skip_special_tokens=True) == by_text["text"]
+
+
+def test_non_finite_temperature_is_refused(server):
+    for bad in ("NaN", "Infinity", -1):
+        r = httpx.post(f"{server.base_url}/generate", content=(
+            '{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": %s}}' % bad),
+            headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and "temperature must be a finite number >= 0" in r.json()["error"]["message"]
+    # A temperature below 1e-6 is greedy, as in SGLang: no overflow, an answer.
+    r = httpx.post(f"{server.base_url}/generate", json={"input_ids": [1, 2], "sampling_params": {
+        "max_new_tokens": 2, "temperature": 1e-45}}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+
+
+def test_non_stream_disconnect_frees_the_engine(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
+            "max_new_tokens": 5000, "ignore_eos": True}}, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while httpx.post(f"{server.base_url}/flush_cache", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "the abandoned request still runs"
+        time.sleep(0.2)
+
+
+def test_metrics_use_sglang_names(server):
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    for name in ("sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+                 "sglang:cache_hit_rate", "sglang:prompt_tokens_total", "sglang:generation_tokens_total"):
+        assert f'{name}{{model_name="tiny"}}' in text
