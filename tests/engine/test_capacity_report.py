@@ -1,0 +1,65 @@
+"""Capacity report command, and the engine's own capacity against the analytic formula."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from remnant.engine.capacity_report import load_model_preset, report
+from remnant.records.schema import validate
+from tests.conftest import start_server, stop_server
+
+
+def test_v4_flash_report():
+    doc = report(load_model_preset("dsv4_flash_attn"), 40 << 30, [4096, 32768, 131072], [256],
+                 max_running_requests=256)
+    validate(doc)
+    assert doc["model"]["csa_layers"] == 21 and doc["model"]["hca_layers"] == 20
+    assert doc["formula"]["capacity_ratio"] == pytest.approx(1.2113, abs=5e-5)
+    assert doc["token_ratio"] == pytest.approx(doc["formula"]["capacity_ratio"], rel=0.01)
+    by_len = {r["request_tokens"]: r for r in doc["lengths"]}
+    assert by_len[131072]["native"]["bound_by"] == "full_tokens"
+    assert by_len[131072]["packed"]["requests"] > by_len[131072]["native"]["requests"]
+
+
+def test_command_and_errors(tmp_path):
+    out = tmp_path / "capacity.json"
+    cmd = [sys.executable, "-m", "remnant.engine.capacity_report"]
+    p = subprocess.run([*cmd, "--model", "tiny", "--budget-gib", "0.1", "--lengths", "512,4096", "--out", str(out)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    validate(json.loads(out.read_text()))
+    for args, message in ((["--model", "huge"], "--model huge is not a model preset; allowed:"),
+                          (["--retention", "100"], "retention=100 is not allowed")):
+        p = subprocess.run([*cmd, *args, "--budget-gib", "1", "--out", str(tmp_path / "x.json")],
+                           capture_output=True, text=True)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_engine_capacity_matches_the_formula(tiny_model_dir, tmp_path):
+    """remnant-serve sizes its pools from the budget: packed/native tokens = the analytic ratio."""
+    infos = {}
+    for mode in ("native", "kernel"):
+        (tmp_path / mode).mkdir()
+        s = start_server(tiny_model_dir, tmp_path / mode, "--mode", mode, "--retention", "256",
+                         "--kv-budget-mib", "512", "--max-running-requests", "8")
+        try:
+            infos[mode] = httpx.get(f"{s.base_url}/server_info", timeout=10).json()["capacity"]
+        finally:
+            stop_server(s)
+    ratio = infos["kernel"]["max_total_num_tokens"] / infos["native"]["max_total_num_tokens"]
+    native_bpt = sum(infos["native"]["bytes_per_token"].values())
+    packed_bpt = sum(infos["kernel"]["bytes_per_token"].values())
+    assert infos["native"]["bytes_per_token"]["c4"] / infos["kernel"]["bytes_per_token"]["c4"] == pytest.approx(584 / 328)
+    assert ratio == pytest.approx(native_bpt / packed_bpt, rel=0.01)
+    for info in infos.values():
+        # What the engine allocated is what was accounted, but for page padding of C4/C128 pages.
+        alloc, acct = info["allocated_bytes"], info["accounted_bytes"]
+        for part in ("swa", "c4_indexer", "c4_state", "c4_indexer_state", "c128_state"):
+            assert alloc[part] == acct[part], part
+        assert acct["c4"] <= alloc["c4"] <= acct["c4"] * 1.01
+        assert sum(acct.values()) <= 512 << 20
