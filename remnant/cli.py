@@ -27,6 +27,7 @@ from remnant.config import (
     RandomWorkloadConfig,
     RetentionConfig,
     RunConfig,
+    SharedPrefixWorkloadConfig,
     validate,
 )
 
@@ -39,6 +40,7 @@ def register_configs() -> None:
     cs.store(group="retention", name="base_retention", node=RetentionConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
     cs.store(group="workload", name="base_random", node=RandomWorkloadConfig)
+    cs.store(group="workload", name="base_shared_prefix", node=SharedPrefixWorkloadConfig)
     cs.store(group="host", name="base_embedded", node=EmbeddedHostConfig)
     cs.store(group="host", name="base_external", node=ExternalHostConfig)
 

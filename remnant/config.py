@@ -111,6 +111,25 @@ class RandomWorkloadConfig(WorkloadConfig):
 
 
 @dataclass
+class SharedPrefixWorkloadConfig(WorkloadConfig):
+    """G prefix groups: each request is its group's prefix plus a unique suffix.
+
+    Warm-up sends one request per group after a cache flush; the measured requests
+    (requests_per_group per group, shuffled) then run on the warm cache, so the cache-hit
+    rate shows whether the groups' working set fits in the KV pool.
+    """
+
+    name: str = "shared_prefix"
+    kind: str = "shared_prefix"
+    concurrency: int = 16
+    groups: int = 16
+    prefix_len: int = 1024
+    suffix_len: int = 64
+    output_len: int = 16
+    requests_per_group: int = 4
+
+
+@dataclass
 class HostConfig:
     kind: str = MISSING
 
@@ -209,6 +228,10 @@ def validate_workload(w: WorkloadConfig) -> None:
     _positive_finite(w.flush_timeout_s, "workload.flush_timeout_s")
     if w.concurrency < 1:
         raise ConfigError(f"workload.concurrency={w.concurrency} must be >= 1")
+    for name in ("groups", "prefix_len", "suffix_len", "output_len", "requests_per_group"):
+        value = getattr(w, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"workload.{name}={value} must be >= 1")
     for name in ("warmup_requests", "measured_requests"):
         value = getattr(w, name, None)
         if value is not None and value < 0:

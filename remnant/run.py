@@ -51,7 +51,7 @@ def _base_limits(cfg: RunConfig) -> list[str]:
             "embedded reference engine with random weights: text output is meaningless; "
             "timing is the CPU/GPU reference engine's, not SGLang's"
         )
-    if cfg.workload.kind == "random":
+    if cfg.workload.kind in ("random", "shared_prefix"):
         limits.append("synthetic random-token prompts, not real text")
     return limits + list(cfg.limits)
 

@@ -178,3 +178,23 @@ def test_sweep_records_a_cell_that_breaks_a_rule(tmp_path):
     assert "kernel supports retention=256" in docs["kernel"]["error"]["message"]
     assert "retention=192 is not allowed with mode=kernel" in p.stderr
     assert check(tmp_path / "sweep").returncode == 0
+
+
+def test_packed_capacity_holds_a_working_set_native_cannot(tmp_path):
+    """At one budget, 9 groups x 1024-token prefixes (36 pages + 4 running) exceed native's
+    35 pages but fit packed's 40: the packed run's cache-hit rate is higher."""
+    p = remnant_run("-m", "mode=native,kernel", "workload=shared_prefix", "workload.groups=9",
+                    "workload.prefix_len=1024", "workload.suffix_len=32", "workload.output_len=4",
+                    "workload.requests_per_group=3", "workload.concurrency=4", "host.kv_budget_mib=13",
+                    "host.swa_ratio=0.2", "host.max_running_requests=4", f"hydra.sweep.dir={tmp_path}/sweep",
+                    cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    docs = {json.loads(f.read_text())["config"]["mode"]["name"]: json.loads(f.read_text())
+            for f in (tmp_path / "sweep").glob("*/run.json")}
+    native, kernel = docs["native"], docs["kernel"]
+    assert native["server_info"]["capacity"]["max_total_num_tokens"] == 35 * 256
+    assert kernel["server_info"]["capacity"]["max_total_num_tokens"] == 40 * 256
+    assert native["phases"][1]["flush"] is None  # measured on the warm cache
+    hit_native, hit_kernel = native["metrics"]["cache_hit_rate"], kernel["metrics"]["cache_hit_rate"]
+    assert hit_kernel > 0.9 and hit_kernel > hit_native + 0.2, (hit_native, hit_kernel)
+    assert check(tmp_path / "sweep").returncode == 0

@@ -67,6 +67,8 @@ class Request:
     #: prefix-cache keys this request pins (matched pages, then pages it completed)
     keys: list[bytes] = field(default_factory=list)
     cached_pages: set[int] = field(default_factory=set)
+    #: keys of the pages this request computed and inserted itself
+    inserted: set[bytes] = field(default_factory=set)
 
 
 class Engine:
@@ -322,6 +324,12 @@ class Engine:
         if self.cache.insert(key, parent, page, window):
             r.keys.append(key)
             r.cached_pages.add(page)
+            if window is not None and parent in r.inserted:
+                # A resume point one page deeper now exists on this chain: drop the one this
+                # request left at the parent, so checkpoints sit at branch points and chain
+                # ends (a prefix's end, a finished turn), not on every page.
+                self.cache.drop_window(parent)
+            r.inserted.add(key)
         elif window is not None:
             self.pools.swa_blocks.release([window])
 

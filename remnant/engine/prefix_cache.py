@@ -132,13 +132,24 @@ class PrefixCache:
         return freed
 
     def evict_windows(self, count: int) -> int:
-        """Free up to `count` SWA blocks held as checkpoints of unpinned pages (LRU)."""
+        """Free up to `count` SWA blocks held as checkpoints of unpinned pages.
+
+        Checkpoints of pages with cached children go first (a match resumes at the deepest
+        checkpoint of its chain, so those are the least useful), then least recently used.
+        """
         held = sorted((e for e in self.entries.values() if e.window is not None and e.refs == 0),
-                      key=lambda e: e.last_used)
+                      key=lambda e: (e.children == 0, e.last_used))
         for e in held[:count]:
             self.pools.swa_blocks.release([e.window])
             e.window = None
         return min(count, len(held))
+
+    def drop_window(self, key: bytes) -> None:
+        """Release the window checkpoint of `key`'s page (the page stays cached)."""
+        entry = self.entries.get(key)
+        if entry is not None and entry.window is not None:
+            self.pools.swa_blocks.release([entry.window])
+            entry.window = None
 
     def flush(self) -> int:
         """Drop every unpinned entry; returns how many pages were freed."""

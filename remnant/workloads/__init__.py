@@ -5,7 +5,7 @@ from __future__ import annotations
 from remnant.config import ModelConfig, WorkloadConfig
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
 
-KINDS = ("random",)
+KINDS = ("random", "shared_prefix")
 
 
 def plan_workload(cfg: WorkloadConfig, model: ModelConfig) -> WorkloadPlan:
@@ -14,6 +14,10 @@ def plan_workload(cfg: WorkloadConfig, model: ModelConfig) -> WorkloadPlan:
         from remnant.workloads import random
 
         return random.plan(cfg, model.prompt_vocab_size)
+    if cfg.kind == "shared_prefix":
+        from remnant.workloads import shared_prefix
+
+        return shared_prefix.plan(cfg, model.prompt_vocab_size)
     raise ValueError(f"workload.kind={cfg.kind} is not a workload; allowed: {', '.join(KINDS)}")
 
 
