@@ -26,7 +26,9 @@ from remnant.config import (
     ModelConfig,
     RandomWorkloadConfig,
     RetentionConfig,
+    LongContextWorkloadConfig,
     RunConfig,
+    ShareGPTWorkloadConfig,
     SharedPrefixWorkloadConfig,
     validate,
 )
@@ -41,6 +43,8 @@ def register_configs() -> None:
     cs.store(group="model", name="base_model", node=ModelConfig)
     cs.store(group="workload", name="base_random", node=RandomWorkloadConfig)
     cs.store(group="workload", name="base_shared_prefix", node=SharedPrefixWorkloadConfig)
+    cs.store(group="workload", name="base_sharegpt", node=ShareGPTWorkloadConfig)
+    cs.store(group="workload", name="base_long_context", node=LongContextWorkloadConfig)
     cs.store(group="host", name="base_embedded", node=EmbeddedHostConfig)
     cs.store(group="host", name="base_external", node=ExternalHostConfig)
 
@@ -69,7 +73,16 @@ def _run(cfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     try:
         run_cfg = to_run_config(cfg)
-    except (ConfigError, MissingMandatoryValue) as exc:
+    except MissingMandatoryValue as exc:
+        name = getattr(exc, "full_key", "") or str(exc).splitlines()[0]
+        message = f"{name} has no value; give it on the command line ({name}=...)"
+        if multirun:
+            path = record_config_error(run_dir, OmegaConf.to_container(cfg, resolve=False), message)
+            print(f"remnant-run: error: {message}", file=sys.stderr)
+            print(path, flush=True)
+            return
+        _fail(message)
+    except ConfigError as exc:
         if multirun:
             # One bad cell must not stop a sweep: record why and move to the next cell.
             message = str(exc).splitlines()[0]

@@ -130,6 +130,40 @@ class SharedPrefixWorkloadConfig(WorkloadConfig):
 
 
 @dataclass
+class ShareGPTWorkloadConfig(WorkloadConfig):
+    """Conversations from a ShareGPT-format JSON file (never downloaded).
+
+    The first human turn is the prompt and the first reply's token count the output length
+    (or output_len when set), as sglang.bench_serving samples ShareGPT; prompts are
+    truncated to max_input_len tokens and outputs capped at max_output_len. C warm-up
+    requests, then num_prompts measured, cache flushed before each phase.
+    """
+
+    name: str = "sharegpt"
+    kind: str = "sharegpt"
+    dataset_path: str = MISSING
+    num_prompts: int = 12
+    max_input_len: int = 1024
+    max_output_len: int = 128
+    output_len: int | None = None
+
+
+@dataclass
+class LongContextWorkloadConfig(WorkloadConfig):
+    """Long random prompts: input_len in, output_len out, at a fixed concurrency or at the
+    allocator ceiling (the most requests the server's max_total_num_tokens holds at once,
+    read from /server_info per mode and recorded)."""
+
+    name: str = "long_context"
+    kind: str = "long_context"
+    concurrency: int = 24
+    input_len: int = 131072
+    output_len: int = 8192
+    at_ceiling: bool = False
+    requests_per_slot: int = 1
+
+
+@dataclass
 class HostConfig:
     kind: str = MISSING
 
@@ -228,7 +262,8 @@ def validate_workload(w: WorkloadConfig) -> None:
     _positive_finite(w.flush_timeout_s, "workload.flush_timeout_s")
     if w.concurrency < 1:
         raise ConfigError(f"workload.concurrency={w.concurrency} must be >= 1")
-    for name in ("groups", "prefix_len", "suffix_len", "output_len", "requests_per_group"):
+    for name in ("groups", "prefix_len", "suffix_len", "output_len", "requests_per_group", "num_prompts",
+                 "max_input_len", "max_output_len", "input_len", "requests_per_slot"):
         value = getattr(w, name, None)
         if value is not None and value < 1:
             raise ConfigError(f"workload.{name}={value} must be >= 1")

@@ -51,7 +51,7 @@ def _base_limits(cfg: RunConfig) -> list[str]:
             "embedded reference engine with random weights: text output is meaningless; "
             "timing is the CPU/GPU reference engine's, not SGLang's"
         )
-    if cfg.workload.kind in ("random", "shared_prefix"):
+    if cfg.workload.kind in ("random", "shared_prefix", "long_context"):
         limits.append("synthetic random-token prompts, not real text")
     return limits + list(cfg.limits)
 
@@ -67,7 +67,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     from remnant.hosts import HostError, ServerSpec, make_host
     from remnant.records.provenance import artifact, sources
     from remnant.records.schema import RecordError, write_validated
-    from remnant.workloads import plan_workload
+    from remnant.workloads import needs_server_info, plan_workload
 
     run_dir = Path(run_dir)
     if (run_dir / RUN_JSON).exists():
@@ -98,6 +98,11 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         with host.serve(spec) as endpoint:
             environment = endpoint.environment
             server_info = endpoint.server_info
+            if needs_server_info(cfg.workload):
+                stage.name = "workload"
+                plan = plan_workload(cfg.workload, cfg.model, server_info)
+                workload_rec = {"name": plan.name, "seed": plan.seed, "fingerprint": plan.fingerprint(),
+                                "dataset": plan.dataset, "counts": plan.counts(), "params": plan.params}
             stage.name = "client"
             client = LoadClient(
                 endpoint.base_url, requests_path,

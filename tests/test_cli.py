@@ -198,3 +198,35 @@ def test_packed_capacity_holds_a_working_set_native_cannot(tmp_path):
     hit_native, hit_kernel = native["metrics"]["cache_hit_rate"], kernel["metrics"]["cache_hit_rate"]
     assert hit_kernel > 0.9 and hit_kernel > hit_native + 0.2, (hit_native, hit_kernel)
     assert check(tmp_path / "sweep").returncode == 0
+
+
+SMOKE_EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("*_smoke.yaml"))
+
+
+@pytest.mark.parametrize("experiment", SMOKE_EXPERIMENTS)
+def test_smoke_experiments_run(tmp_path, experiment):
+    p = remnant_run(f"experiment={experiment}", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert doc["status"] == "completed" and doc["workload"]["name"] == experiment
+    if "ceiling" in experiment:
+        ceiling = doc["workload"]["params"]["ceiling_concurrency"]
+        assert ceiling == doc["workload"]["counts"]["measured"] and ceiling > 1
+    assert check(tmp_path / "run" / "run.json").returncode == 0
+
+
+def test_sharegpt_run_from_the_environment(tmp_path):
+    sample = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt" / "sharegpt_test.json"
+    if not sample.is_file():
+        pytest.skip(f"the shared ShareGPT sample is not at {sample}")
+    env = {**os.environ, "BENCH_DATASET_PATH": str(sample)}
+    p = subprocess.run([str(BIN / "remnant-run"), "workload=sharegpt", "workload.num_prompts=4",
+                        "workload.max_input_len=200", "workload.max_output_len=8", f"hydra.run.dir={tmp_path}/run"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=180)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert doc["workload"]["dataset"]["path"] == str(sample) and doc["metrics"]["completed"] == 4
+    env.pop("BENCH_DATASET_PATH")
+    p = subprocess.run([str(BIN / "remnant-run"), "workload=sharegpt"], cwd=tmp_path, capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert p.returncode == 2 and "workload.dataset_path" in p.stderr and "Traceback" not in p.stderr

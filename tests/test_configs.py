@@ -14,9 +14,10 @@ from remnant.cli import register_configs, to_run_config
 from remnant.config import ConfigError, RandomWorkloadConfig, RunConfig
 
 CONF = resources.files("remnant.conf")
-GROUPS = ["mode", "retention", "workload", "host", "model"]
+GROUPS = ["mode", "retention", "workload", "host", "model", "experiment"]
 # Options that need a value only the user can give.
-REQUIRED = {("host", "external"): ["host.base_url=http://127.0.0.1:1"]}
+REQUIRED = {("host", "external"): ["host.base_url=http://127.0.0.1:1"],
+            ("workload", "sharegpt"): ["workload.dataset_path=/nonexistent/sharegpt.json"]}
 
 
 def _options(group: str) -> list[str]:
@@ -36,8 +37,9 @@ CASES = [(g, o) for g in GROUPS for o in _options(g)]
 @pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
 def test_every_conf_file_composes(group, option):
     cfg = _compose([f"{group}={option}", *REQUIRED.get((group, option), [])])
-    assert getattr(cfg, group) is not None
-    if group != "host":
+    if group == "experiment":
+        assert cfg.workload.name == option  # an experiment names its runs after itself
+    elif group != "host":
         assert getattr(cfg, group).name == option  # file name and `name` field agree
 
 

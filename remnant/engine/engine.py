@@ -324,10 +324,11 @@ class Engine:
         if self.cache.insert(key, parent, page, window):
             r.keys.append(key)
             r.cached_pages.add(page)
-            if window is not None and parent in r.inserted:
+            if window is not None and parent in r.inserted and done - 1 != (len(r.input_ids) - 1) // size:
                 # A resume point one page deeper now exists on this chain: drop the one this
-                # request left at the parent, so checkpoints sit at branch points and chain
-                # ends (a prefix's end, a finished turn), not on every page.
+                # request left at the parent, so checkpoints sit at chain ends (a prefix's end,
+                # a finished turn), not on every page. The page where the same prompt would
+                # resume (a token must be left to compute) keeps its checkpoint.
                 self.cache.drop_window(parent)
             r.inserted.add(key)
         elif window is not None:

@@ -5,11 +5,20 @@ from __future__ import annotations
 from remnant.config import ModelConfig, WorkloadConfig
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
 
-KINDS = ("random", "shared_prefix")
+
+def needs_server_info(cfg: WorkloadConfig) -> bool:
+    """Whether the plan depends on the server (planned again once it answers)."""
+    return cfg.kind == "long_context" and bool(getattr(cfg, "at_ceiling", False))
+
+KINDS = ("random", "shared_prefix", "sharegpt", "long_context")
 
 
-def plan_workload(cfg: WorkloadConfig, model: ModelConfig) -> WorkloadPlan:
-    """Plan the request stream of `cfg` for `model`; raises ValueError naming a bad field."""
+def plan_workload(cfg: WorkloadConfig, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:
+    """Plan the request stream of `cfg` for `model`; raises ValueError naming a bad field.
+
+    server_info: the server's /server_info, for workloads sized by the server (long_context
+    at the allocator ceiling); None plans without it (the ceiling is then unknown).
+    """
     if cfg.kind == "random":
         from remnant.workloads import random
 
@@ -18,7 +27,15 @@ def plan_workload(cfg: WorkloadConfig, model: ModelConfig) -> WorkloadPlan:
         from remnant.workloads import shared_prefix
 
         return shared_prefix.plan(cfg, model.prompt_vocab_size)
+    if cfg.kind == "sharegpt":
+        from remnant.workloads import sharegpt
+
+        return sharegpt.plan(cfg, model)
+    if cfg.kind == "long_context":
+        from remnant.workloads import long_context
+
+        return long_context.plan(cfg, model.prompt_vocab_size, server_info)
     raise ValueError(f"workload.kind={cfg.kind} is not a workload; allowed: {', '.join(KINDS)}")
 
 
-__all__ = ["Phase", "PlannedRequest", "WorkloadPlan", "plan_workload"]
+__all__ = ["Phase", "PlannedRequest", "WorkloadPlan", "needs_server_info", "plan_workload"]

@@ -80,6 +80,18 @@ def test_a_hit_gives_the_same_answer(model):
         engine.stop()
 
 
+def test_a_prompt_of_whole_pages_hits_all_but_its_last_page(model):
+    engine = _engine(model, pages=16)
+    try:
+        prompt = _ids(1024, 9)  # exactly 4 pages: a repeat resumes after 3 (a token must be left)
+        cold = _final(_submit(engine, "cold", prompt, 5))
+        warm = _final(_submit(engine, "warm", prompt, 5))
+        assert warm.cached_tokens == 768 and warm.output_ids == cold.output_ids
+        _drained(engine)
+    finally:
+        engine.stop()
+
+
 def test_shared_prefix_hits_across_suffixes(model):
     engine = _engine(model, pages=24)
     try:
