@@ -27,6 +27,7 @@ from remnant.config import (
     RandomWorkloadConfig,
     RetentionConfig,
     LongContextWorkloadConfig,
+    LongSWEWorkloadConfig,
     RunConfig,
     ShareGPTWorkloadConfig,
     SharedPrefixWorkloadConfig,
@@ -45,6 +46,7 @@ def register_configs() -> None:
     cs.store(group="workload", name="base_shared_prefix", node=SharedPrefixWorkloadConfig)
     cs.store(group="workload", name="base_sharegpt", node=ShareGPTWorkloadConfig)
     cs.store(group="workload", name="base_long_context", node=LongContextWorkloadConfig)
+    cs.store(group="workload", name="base_longswe", node=LongSWEWorkloadConfig)
     cs.store(group="host", name="base_embedded", node=EmbeddedHostConfig)
     cs.store(group="host", name="base_external", node=ExternalHostConfig)
 

@@ -164,6 +164,36 @@ class LongContextWorkloadConfig(WorkloadConfig):
 
 
 @dataclass
+class LongSWEWorkloadConfig(WorkloadConfig):
+    """Recorded multi-turn sessions replayed by `concurrency` active users.
+
+    Sessions come from sessions_path (remnant/sessions JSON), from trace_path (a
+    Mooncake-style JSONL trace, imported), or from the synthetic generator. Each user
+    replays one session's turns in order, the next turn starting when the previous answer
+    ends (plus recorded think time); a user whose session ends takes the next session.
+    token_scale shrinks recorded lengths (for small engines); replay_timestamps also holds
+    each turn until its recorded time. The first warmup_sessions sessions warm up.
+    """
+
+    name: str = "longswe"
+    kind: str = "longswe"
+    concurrency: int = 24
+    sessions_path: str | None = None
+    trace_path: str | None = None
+    num_sessions: int = 48
+    warmup_sessions: int = 4
+    #: Replay only sessions with at least this many turns (traces mix in single requests).
+    min_turns: int = 1
+    token_scale: float = 1.0
+    max_input_len: int = 1048576
+    replay_timestamps: bool = False
+    synthetic_turns: list[int] = field(default_factory=lambda: [3, 6])
+    synthetic_initial_tokens: list[int] = field(default_factory=lambda: [2048, 8192])
+    synthetic_turn_tokens: list[int] = field(default_factory=lambda: [256, 2048])
+    synthetic_output_tokens: list[int] = field(default_factory=lambda: [64, 512])
+
+
+@dataclass
 class HostConfig:
     kind: str = MISSING
 
@@ -263,11 +293,14 @@ def validate_workload(w: WorkloadConfig) -> None:
     if w.concurrency < 1:
         raise ConfigError(f"workload.concurrency={w.concurrency} must be >= 1")
     for name in ("groups", "prefix_len", "suffix_len", "output_len", "requests_per_group", "num_prompts",
-                 "max_input_len", "max_output_len", "input_len", "requests_per_slot"):
+                 "max_input_len", "max_output_len", "input_len", "requests_per_slot", "num_sessions", "min_turns"):
         value = getattr(w, name, None)
         if value is not None and value < 1:
             raise ConfigError(f"workload.{name}={value} must be >= 1")
-    for name in ("warmup_requests", "measured_requests"):
+    scale = getattr(w, "token_scale", None)
+    if scale is not None:
+        _positive_finite(scale, "workload.token_scale")
+    for name in ("warmup_requests", "measured_requests", "warmup_sessions"):
         value = getattr(w, name, None)
         if value is not None and value < 0:
             raise ConfigError(f"workload.{name}={value} must be >= 0")

@@ -51,7 +51,7 @@ def _base_limits(cfg: RunConfig) -> list[str]:
             "embedded reference engine with random weights: text output is meaningless; "
             "timing is the CPU/GPU reference engine's, not SGLang's"
         )
-    if cfg.workload.kind in ("random", "shared_prefix", "long_context"):
+    if cfg.workload.kind in ("random", "shared_prefix", "long_context", "longswe"):
         limits.append("synthetic random-token prompts, not real text")
     return limits + list(cfg.limits)
 
@@ -62,7 +62,7 @@ def _sigterm_as_interrupt(signum, frame):
 
 def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progress: bool | None = None) -> RunOutcome:
     """Run `cfg` with its files in `run_dir`; returns where run.json is and how it ended."""
-    from remnant.client.metrics import summarize
+    from remnant.client.metrics import per_turn, summarize
     from remnant.client.runner import LoadClient
     from remnant.hosts import HostError, ServerSpec, make_host
     from remnant.records.provenance import artifact, sources
@@ -114,6 +114,8 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         stage.name = "metrics"
         measured = next(r for r in results if r.name == "measured")
         metrics = summarize(measured.records, duration_s=measured.duration_s)
+        if any(r.turn is not None for r in measured.records):
+            metrics["per_turn"] = per_turn(measured.records)
         for r in results:
             if r.flush is not None and not r.flush.ok:
                 limits.append(f"prefix cache flush before {r.name} failed: {r.flush.message}")

@@ -230,3 +230,34 @@ def test_sharegpt_run_from_the_environment(tmp_path):
     p = subprocess.run([str(BIN / "remnant-run"), "workload=sharegpt"], cwd=tmp_path, capture_output=True,
                        text=True, env=env, timeout=60)
     assert p.returncode == 2 and "workload.dataset_path" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_longswe_replays_the_mooncake_trace(tmp_path):
+    """The public Mooncake trace, unchanged, replayed by 4 users with lengths scaled to the
+    tiny engine (multi-turn sessions only): later turns hit the cache."""
+    trace = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
+    if not trace.is_file():
+        pytest.skip(f"the shared Mooncake trace is not at {trace}")
+    p = remnant_run("workload=longswe", f"workload.trace_path={trace}", "workload.token_scale=0.1",
+                    "workload.min_turns=2", "workload.num_sessions=8", "workload.warmup_sessions=1",
+                    "workload.concurrency=4",
+                    f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert doc["workload"]["dataset"]["path"] == str(trace)
+    records = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    measured = [r for r in records if r["phase"] == "measured"]
+    assert all(r["session"] and r["turn"] is not None for r in measured)
+    per_turn = {t["turn"]: t for t in doc["metrics"]["per_turn"]}
+    assert per_turn[1]["cache_hit_rate"] > 0.3
+    assert check(tmp_path / "run" / "run.json").returncode == 0
+
+
+def test_longswe_later_turns_hit_the_cache(tmp_path):
+    p = remnant_run("experiment=longswe_c24_smoke", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    per_turn = json.loads((tmp_path / "run" / "run.json").read_text())["metrics"]["per_turn"]
+    assert [t["turn"] for t in per_turn] == [0, 1, 2]
+    assert per_turn[0]["cache_hit_rate"] == 0.0
+    assert all(t["cache_hit_rate"] > 0.3 for t in per_turn[1:])  # the second turn on extends a cached prompt
+    assert all(t["mean_prompt_tokens"] > per_turn[0]["mean_prompt_tokens"] for t in per_turn[1:])

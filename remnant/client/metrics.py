@@ -231,3 +231,27 @@ def load_requests_jsonl(path: str | PathLike) -> list[RequestRecord]:
         except TypeError as e:
             raise ValueError(f"{path}:{lineno}: not a request record ({e})") from e
     return out
+
+
+def per_turn(records: Iterable[RequestRecord | dict]) -> list[dict]:
+    """Metrics per turn index of session workloads (records with `turn` set), ascending.
+
+    Each: {"turn", "completed", "failed", "mean_prompt_tokens", "cache_hit_rate", "ttft_ms",
+    "e2e_ms"}; cache_hit_rate is sum(cached) / sum(prompt) over the turn's completed requests.
+    """
+    recs = [r for r in _as_records(records) if r.turn is not None]
+    out = []
+    for turn in sorted({r.turn for r in recs}):
+        group = [r for r in recs if r.turn == turn]
+        ok = [r for r in group if r.success]
+        prompt = sum(r.prompt_tokens for r in ok)
+        out.append({
+            "turn": int(turn),
+            "completed": len(ok),
+            "failed": len(group) - len(ok),
+            "mean_prompt_tokens": float(prompt / len(ok)) if ok else None,
+            "cache_hit_rate": float(sum(r.cached_tokens for r in ok) / prompt) if prompt else None,
+            "ttft_ms": distribution([r.ttft_s * 1000.0 for r in ok if r.ttft_s is not None]),
+            "e2e_ms": distribution([r.e2e_s * 1000.0 for r in ok if r.e2e_s is not None]),
+        })
+    return out

@@ -41,6 +41,8 @@ class RequestRecord:
     cached_tokens: int = 0
     finish_reason: str | None = None
     expected_output_tokens: int | None = None
+    session: str | None = None  # sessions workloads: which session and turn index
+    turn: int | None = None
 
     @property
     def e2e_s(self) -> float | None:

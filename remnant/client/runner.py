@@ -134,25 +134,51 @@ class LoadClient:
         records: list[RequestRecord] = []
         gone: list[str] = []
 
-        async def one(index: int, req: PlannedRequest) -> None:
-            intended = await free_since.get()
+        async def send(index: int, req: PlannedRequest, intended: float) -> RequestRecord:
             try:
-                if gone:
-                    return
-                try:
-                    rec = await self._send(client, req, phase.name, index, intended=intended)
-                except Exception as exc:  # noqa: BLE001 - one odd answer must not sink the phase
-                    rec = RequestRecord(id=req.id, phase=phase.name, index=index, intended_start_s=intended,
-                                        start_s=self.now(), error=f"client error: {exc!r}")
-            finally:
-                free_since.put_nowait(self.now())
+                rec = await self._send(client, req, phase.name, index, intended=intended)
+            except Exception as exc:  # noqa: BLE001 - one odd answer must not sink the phase
+                rec = RequestRecord(id=req.id, phase=phase.name, index=index, intended_start_s=intended,
+                                    start_s=self.now(), error=f"client error: {exc!r}")
+            rec.session, rec.turn = req.session, req.turn
             self._append(rec)
             records.append(rec)
             bar.update(1)
             if not rec.success and (why := self.server_failure()):
                 gone.append(why)
+            return rec
 
-        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(phase.requests)]
+        async def one(index: int, req: PlannedRequest) -> None:
+            intended = await free_since.get()
+            try:
+                if not gone:
+                    await send(index, req, intended)
+            finally:
+                free_since.put_nowait(self.now())
+
+        counter = iter(range(len(phase.requests)))
+        sessions = list(phase.sessions or [])
+
+        async def user() -> None:
+            """Replay sessions one after another: each turn after the previous answer."""
+            while sessions and not gone:
+                session = sessions.pop(0)
+                ready = self.now()
+                for req in session:
+                    due = ready + (req.think_time_s or 0.0)
+                    if req.not_before_s is not None:
+                        due = max(due, started + req.not_before_s)
+                    if due > self.now():
+                        await asyncio.sleep(due - self.now())
+                    rec = await send(next(counter), req, due)
+                    if gone or not rec.success:
+                        break  # a session without its previous turn is not the recorded one
+                    ready = self.now()
+
+        if phase.sessions is not None:
+            tasks = [asyncio.create_task(user()) for _ in range(phase.concurrency)]
+        else:
+            tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(phase.requests)]
         try:
             await asyncio.gather(*tasks)
         finally:

@@ -10,7 +10,7 @@ def needs_server_info(cfg: WorkloadConfig) -> bool:
     """Whether the plan depends on the server (planned again once it answers)."""
     return cfg.kind == "long_context" and bool(getattr(cfg, "at_ceiling", False))
 
-KINDS = ("random", "shared_prefix", "sharegpt", "long_context")
+KINDS = ("random", "shared_prefix", "sharegpt", "long_context", "longswe")
 
 
 def plan_workload(cfg: WorkloadConfig, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:
@@ -31,6 +31,10 @@ def plan_workload(cfg: WorkloadConfig, model: ModelConfig, server_info: dict | N
         from remnant.workloads import sharegpt
 
         return sharegpt.plan(cfg, model)
+    if cfg.kind == "longswe":
+        from remnant.workloads import longswe
+
+        return longswe.plan(cfg, model.prompt_vocab_size)
     if cfg.kind == "long_context":
         from remnant.workloads import long_context
 

@@ -15,6 +15,10 @@ class PlannedRequest:
     max_new_tokens: int
     input_ids: list[int] | None = None
     text: str | None = None
+    session: str | None = None
+    turn: int | None = None
+    think_time_s: float | None = None  # wait after the previous turn's answer (sessions)
+    not_before_s: float | None = None  # recorded time since the phase start (sessions)
 
 
 @dataclass
@@ -25,6 +29,9 @@ class Phase:
     requests: list[PlannedRequest]
     concurrency: int
     flush_before: bool = True
+    #: When set, the phase replays sessions: `concurrency` users each send one session's
+    #: turns in order (a turn after the previous answer), then take the next session.
+    sessions: list[list[PlannedRequest]] | None = None
 
 
 @dataclass
@@ -42,6 +49,8 @@ class WorkloadPlan:
             h.update(json.dumps([phase.name, phase.concurrency, phase.flush_before]).encode())
             for r in phase.requests:
                 h.update(json.dumps(asdict(r), sort_keys=True).encode())
+            for session in phase.sessions or []:
+                h.update(json.dumps([r.id for r in session]).encode())
         return h.hexdigest()
 
     def counts(self) -> dict:

@@ -1,0 +1,71 @@
+"""LongSWE workload: recorded multi-turn sessions replayed by a fixed number of users.
+
+See remnant.workloads.sessions for the format, the Mooncake import and the generator.
+Sessions are planned in order: the first warmup_sessions warm the cache up, the next
+num_sessions are measured; both phases start from a flushed cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+from remnant.config import LongSWEWorkloadConfig
+from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.sessions import (
+    MOONCAKE_BLOCK,
+    Session,
+    import_mooncake,
+    load_sessions,
+    prompt_tokens,
+    synthetic_sessions,
+)
+
+
+def _source(cfg: LongSWEWorkloadConfig) -> tuple[list[Session], dict | None, int]:
+    if cfg.sessions_path and cfg.trace_path:
+        raise ValueError("workload.sessions_path and workload.trace_path are both set; give one")
+    if cfg.sessions_path:
+        sessions, doc = load_sessions(Path(cfg.sessions_path))
+        path = Path(cfg.sessions_path)
+        return sessions, {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}, \
+            doc.get("block_size", MOONCAKE_BLOCK)
+    if cfg.trace_path:
+        path = Path(cfg.trace_path)
+        sessions = import_mooncake(path)
+        return sessions, {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}, MOONCAKE_BLOCK
+    total = cfg.warmup_sessions + cfg.num_sessions
+    return synthetic_sessions(total, cfg.seed, tuple(cfg.synthetic_turns), tuple(cfg.synthetic_initial_tokens),
+                              tuple(cfg.synthetic_turn_tokens), tuple(cfg.synthetic_output_tokens)), None, MOONCAKE_BLOCK
+
+
+def plan(cfg: LongSWEWorkloadConfig, prompt_vocab_size: int) -> WorkloadPlan:
+    sessions, dataset, block = _source(cfg)
+    sessions = [s for s in sessions if len(s.turns) >= cfg.min_turns]
+    need = cfg.warmup_sessions + cfg.num_sessions
+    if len(sessions) < need:
+        raise ValueError(f"workload needs {need} sessions (warmup_sessions + num_sessions); the source has "
+                         f"{len(sessions)} with >= {cfg.min_turns} turns")
+    block_scaled = max(1, round(block * cfg.token_scale))
+
+    def planned(session: Session, phase: str) -> list[PlannedRequest]:
+        out = []
+        for k, turn in enumerate(session.turns):
+            scaled = dataclasses.replace(turn, input_tokens=max(1, round(turn.input_tokens * cfg.token_scale)),
+                                         output_tokens=max(1, round(turn.output_tokens * cfg.token_scale)))
+            ids = prompt_tokens(session, scaled, prompt_vocab_size, cfg.seed, block_scaled)[: cfg.max_input_len]
+            out.append(PlannedRequest(
+                f"{phase}-{session.id}-t{k:03d}", scaled.output_tokens, input_ids=ids, session=session.id, turn=k,
+                think_time_s=turn.think_time_s,
+                not_before_s=turn.timestamp_s if cfg.replay_timestamps else None))
+        return out
+
+    warm = [planned(s, "warmup") for s in sessions[: cfg.warmup_sessions]]
+    measured = [planned(s, "measured") for s in sessions[cfg.warmup_sessions : need]]
+    phases = [
+        Phase("warmup", [r for s in warm for r in s], cfg.concurrency, sessions=warm),
+        Phase("measured", [r for s in measured for r in s], cfg.concurrency, sessions=measured),
+    ]
+    params = {**dataclasses.asdict(cfg), "turns_measured": sum(len(s) for s in measured)}
+    return WorkloadPlan(cfg.name, cfg.seed, phases, params=params, dataset=dataset)

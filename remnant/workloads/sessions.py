@@ -1,0 +1,145 @@
+"""Recorded multi-turn sessions: the format LongSWE replay reads (schema remnant/sessions).
+
+A session is a list of turns; turn k's prompt is the session's token stream up to
+input_tokens_k, so a later turn extends an earlier one and the prefix cache matters.
+Tokens are synthesized deterministically: from hash_ids (512-token blocks, Mooncake
+traces: equal ids give equal tokens, across sessions too) or, without them, from a stream
+seeded by the session id. Mooncake-style traces import into this format; a generator makes
+synthetic LongSWE-like sessions for tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+MOONCAKE_BLOCK = 512
+
+
+@dataclass
+class Turn:
+    input_tokens: int
+    output_tokens: int
+    think_time_s: float | None = None
+    timestamp_s: float | None = None
+    hash_ids: list[int] | None = None
+
+
+@dataclass
+class Session:
+    id: str
+    turns: list[Turn] = field(default_factory=list)
+
+
+def to_document(sessions: list[Session], source: str, block_size: int | None = None) -> dict:
+    doc = {"schema": "remnant/sessions", "schema_version": 1, "source": source,
+           "sessions": [{"id": s.id, "turns": [{k: v for k, v in t.__dict__.items() if v is not None}
+                                                for t in s.turns]} for s in sessions]}
+    if block_size is not None:
+        doc["block_size"] = block_size
+    return doc
+
+
+def load_sessions(path: Path) -> tuple[list[Session], dict]:
+    """Sessions of a remnant/sessions file (validated); ValueError names the file and field."""
+    from remnant.records.schema import validate
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"workload.sessions_path={path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    validate(doc, str(path))
+    sessions = [Session(s["id"], [Turn(**t) for t in s["turns"]]) for s in doc["sessions"]]
+    return sessions, doc
+
+
+def import_mooncake(path: Path) -> list[Session]:
+    """Sessions from a Mooncake trace (JSONL of timestamp ms, input_length, output_length,
+    hash_ids). A request continues the session whose last turn's hash_ids are the longest
+    prefix of its own (at least one block); otherwise it starts a session. Timestamps
+    become timestamp_s, relative to the first request."""
+    sessions: list[Session] = []
+    last_ids: dict[tuple, int] = {}  # a session's latest hash_ids prefix -> session index
+    t0 = None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"workload.trace_path={path}: no such file") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+        for key in ("input_length", "output_length", "hash_ids"):
+            if key not in rec:
+                raise ValueError(f"{path}:{n}: field '{key}' missing")
+        ids = rec["hash_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise ValueError(f"{path}:{n}: field 'hash_ids' must be a list of non-negative integers")
+        if not isinstance(rec["input_length"], int) or rec["input_length"] < 1:
+            raise ValueError(f"{path}:{n}: field 'input_length' must be a positive integer")
+        if not isinstance(rec["output_length"], int) or rec["output_length"] < 1:
+            raise ValueError(f"{path}:{n}: field 'output_length' must be a positive integer")
+        ts = rec.get("timestamp")
+        if ts is not None and not isinstance(ts, (int, float)):
+            raise ValueError(f"{path}:{n}: field 'timestamp' must be a number (ms)")
+        if ts is not None:
+            t0 = ts if t0 is None else t0
+        turn = Turn(rec["input_length"], rec["output_length"],
+                    timestamp_s=None if ts is None else (ts - t0) / 1000.0, hash_ids=list(ids))
+        owner = None
+        for k in range(len(ids), 0, -1):
+            owner = last_ids.get(tuple(ids[:k]))
+            if owner is not None:
+                break
+        if owner is None:
+            sessions.append(Session(f"mooncake-{len(sessions):05d}", [turn]))
+            owner = len(sessions) - 1
+        else:
+            sessions[owner].turns.append(turn)
+        last_ids[tuple(ids)] = owner
+    if not sessions:
+        raise ValueError(f"{path}: no requests")
+    return sessions
+
+
+def synthetic_sessions(count: int, seed: int = 0, turns: tuple[int, int] = (3, 6),
+                       initial_tokens: tuple[int, int] = (2048, 8192), turn_tokens: tuple[int, int] = (256, 2048),
+                       output_tokens: tuple[int, int] = (64, 512), think_time_s: float = 0.0) -> list[Session]:
+    """LongSWE-like sessions: a large initial context (repository, task), then turns that
+    each add tool output and the previous answer; every turn's prompt extends the last."""
+    rng = np.random.default_rng(seed)
+    sessions = []
+    for i in range(count):
+        length = int(rng.integers(initial_tokens[0], initial_tokens[1] + 1))
+        ts = []
+        for _ in range(int(rng.integers(turns[0], turns[1] + 1))):
+            out = int(rng.integers(output_tokens[0], output_tokens[1] + 1))
+            ts.append(Turn(length, out, think_time_s=think_time_s or None))
+            length += out + int(rng.integers(turn_tokens[0], turn_tokens[1] + 1))
+        sessions.append(Session(f"synthetic-{seed}-{i:05d}", ts))
+    return sessions
+
+
+def prompt_tokens(session: Session, turn: Turn, vocab: int, seed: int, block_size: int = MOONCAKE_BLOCK) -> list[int]:
+    """The token ids of a turn's prompt (deterministic; see the module docstring)."""
+    if turn.hash_ids:
+        out: list[int] = []
+        for block in turn.hash_ids:
+            rng = np.random.default_rng([seed, 1, block])
+            out.extend(rng.integers(0, vocab, block_size).tolist())
+        if len(out) < turn.input_tokens:  # a trace's last block may run past its ids
+            rng = np.random.default_rng([seed, 2, *turn.hash_ids[-1:], turn.input_tokens])
+            out.extend(rng.integers(0, vocab, turn.input_tokens - len(out)).tolist())
+        return out[: turn.input_tokens]
+    key = int.from_bytes(hashlib.blake2b(session.id.encode(), digest_size=8).digest(), "little")
+    rng = np.random.default_rng([seed, 3, key])
+    return rng.integers(0, vocab, turn.input_tokens).tolist()
