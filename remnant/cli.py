@@ -14,6 +14,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -58,6 +59,14 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return run_cfg
 
 
+def _plain(cfg: DictConfig) -> dict:
+    """The composed config as plain data, resolved where it can be (a missing value cannot)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - an unresolvable config is still worth recording
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
 def _fail(message: str, code: int = 2) -> None:
     print(f"remnant-run: error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -67,7 +76,7 @@ def _fail(message: str, code: int = 2) -> None:
 def _run(cfg: DictConfig) -> None:
     from omegaconf.errors import MissingMandatoryValue
 
-    from remnant.run import execute_run, record_config_error
+    from remnant.run import execute_run, previous_outcome, record_config_error, set_aside
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
     hc = HydraConfig.get()
@@ -75,28 +84,29 @@ def _run(cfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     try:
         run_cfg = to_run_config(cfg)
-    except MissingMandatoryValue as exc:
-        name = getattr(exc, "full_key", "") or str(exc).splitlines()[0]
-        message = f"{name} has no value; give it on the command line ({name}=...)"
+    except (MissingMandatoryValue, ConfigError) as exc:
+        if isinstance(exc, MissingMandatoryValue):
+            name = getattr(exc, "full_key", "") or str(exc).splitlines()[0]
+            message = f"{name} has no value; give it on the command line ({name}=...)"
+        else:
+            message = str(exc).splitlines()[0]
         if multirun:
-            path = record_config_error(run_dir, OmegaConf.to_container(cfg, resolve=False), message)
+            # One bad cell must not stop a sweep: record why and move to the next cell.
+            path = record_config_error(run_dir, _plain(cfg), message)
             print(f"remnant-run: error: {message}", file=sys.stderr)
             print(path, flush=True)
             return
         _fail(message)
-    except ConfigError as exc:
-        if multirun:
-            # One bad cell must not stop a sweep: record why and move to the next cell.
-            message = str(exc).splitlines()[0]
-            path = record_config_error(run_dir, OmegaConf.to_container(cfg, resolve=False), message)
-            print(f"remnant-run: error: {message}", file=sys.stderr)
-            print(path, flush=True)
+    previous = previous_outcome(run_dir)
+    if previous is not None:
+        if not multirun:
+            _fail(f"{run_dir / 'run.json'} exists: a run directory holds one run")
+        if previous == "completed" and not run_cfg.force:
+            print(f"remnant-run: {run_dir} is complete; skipped (force=true runs it again)", file=sys.stderr)
+            print(run_dir / "run.json", flush=True)
             return
-        _fail(str(exc).splitlines()[0])
-    try:
-        outcome = execute_run(run_cfg, run_dir)
-    except FileExistsError as exc:
-        _fail(str(exc))
+        set_aside(run_dir, previous)
+    outcome = execute_run(run_cfg, run_dir)
     if outcome.error:
         first, *rest = outcome.error["message"].splitlines() or [""]
         print(f"remnant-run: run {outcome.status} at {outcome.error['stage']}: {first}", file=sys.stderr)
@@ -118,6 +128,35 @@ def summary_line(m: dict) -> str:
         f"TTFT p50 {ms(m['ttft_ms'])} ms | TPOT p50 {ms(m['tpot_ms'])} ms | "
         f"output {m['output_throughput']:.1f} tok/s | cache hit {m['cache_hit_rate'] or 0:.0%}"
     )
+
+
+class SweepSummary(Callback):
+    """Ends a sweep (`-m`) with one line per cell: status and headline metrics."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        import json
+
+        sweep = Path(config.hydra.sweep.dir)
+        rows = []
+        for path in sorted(sweep.glob("*/run.json")):
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, ValueError):
+                rows.append((path.parent.name, "unreadable", "-", "-"))
+                continue
+            m = doc.get("metrics") or {}
+            ttft = (m.get("ttft_ms") or {}).get("p50")
+            rows.append((path.parent.name, doc.get("status", "?"),
+                         "-" if m.get("output_throughput") is None else f"{m['output_throughput']:.1f}",
+                         "-" if ttft is None else f"{ttft:.1f}"))
+        if not rows:
+            return
+        width = max(len(r[0]) for r in rows)
+        print(f"\n{'cell':<{width}}  {'status':<11}  {'out tok/s':>9}  {'TTFT p50 ms':>11}", file=sys.stderr)
+        for cell, status, tput, ttft in rows:
+            print(f"{cell:<{width}}  {status:<11}  {tput:>9}  {ttft:>11}", file=sys.stderr)
+        print(f"{sum(r[1] == 'completed' for r in rows)} of {len(rows)} cells completed; "
+              f"remnant-report {sweep} for tables and plots", file=sys.stderr)
 
 
 def run_main() -> None:

@@ -231,10 +231,14 @@ class RunConfig:
     workload: Any = MISSING
     host: Any = MISSING
     model: ModelConfig = field(default_factory=ModelConfig)
+    #: The run's seed; conf/workload/*.yaml take workload.seed from it.
+    seed: int = 0
     #: SGLang's hierarchical cache; any layer with retention != 256 requires it off.
     hicache: bool = False
     #: Extra caveats a reader of this run must see, added to run.json's limits.
     limits: list[str] = field(default_factory=list)
+    #: Run a sweep cell again even when its run.json says completed.
+    force: bool = False
 
 
 def csa_layer_count(model: ModelConfig) -> int:

@@ -45,7 +45,7 @@ def _now() -> str:
 
 
 def _base_limits(cfg: RunConfig) -> list[str]:
-    limits = ["single run per cell: no repeats, so no confidence interval"]
+    limits = ["a single run: its variance is not measured (sweep seed=0,1,2 and remnant-report for a confidence interval)"]
     if cfg.host.kind == "embedded":
         limits.append(
             "embedded reference engine with random weights: text output is meaningless; "
@@ -53,6 +53,9 @@ def _base_limits(cfg: RunConfig) -> list[str]:
         )
     if cfg.workload.kind in ("random", "shared_prefix", "long_context", "longswe"):
         limits.append("synthetic random-token prompts, not real text")
+    if cfg.workload.kind == "longswe":
+        limits.append("replayed turns carry recorded-length synthetic answers, not the server's own output, "
+                      "so pages cached during decode are not reused as real multi-turn serving would")
     return limits + list(cfg.limits)
 
 
@@ -91,6 +94,10 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         plan = plan_workload(cfg.workload, cfg.model)
         workload_rec = {"name": plan.name, "seed": plan.seed, "fingerprint": plan.fingerprint(),
                         "dataset": plan.dataset, "counts": plan.counts(), "params": plan.params}
+        reuse = plan.params.get("reuse_factor")
+        if reuse and reuse > 1:
+            limits.append(f"the dataset's usable conversations were reused {reuse:.2f}x: repeated prompts hit "
+                          "the prefix cache")
         stage.name = "serve"
         host = make_host(cfg.host)
         native = cfg.mode.name == "native"
@@ -172,6 +179,26 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     return RunOutcome(path, doc["status"], doc["error"], doc["metrics"])
 
 
+def previous_outcome(run_dir: Path) -> str | None:
+    """Status of the run already recorded in run_dir (None if none)."""
+    path = Path(run_dir) / RUN_JSON
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text()).get("status", "unknown")
+    except (OSError, ValueError):
+        return "unreadable"
+
+
+def set_aside(run_dir: Path, status: str) -> None:
+    """Keep an earlier attempt's records under new names before the cell runs again."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    for name in (RUN_JSON, REQUESTS_JSONL, SERVER_LOG):
+        path = Path(run_dir) / name
+        if path.exists():
+            path.rename(path.with_name(f"{path.stem}.{status}-{stamp}{path.suffix}"))
+
+
 def record_config_error(run_dir: Path, config: dict, message: str, run_id: str | None = None) -> Path:
     """run.json for a sweep cell whose config breaks a rule: nothing ran, the reason is kept."""
     from remnant.records.provenance import sources
@@ -193,7 +220,8 @@ def record_config_error(run_dir: Path, config: dict, message: str, run_id: str |
         "host": {"kind": str((config.get("host") or {}).get("kind", "unknown"))},
         "environment": None,
         "server_info": None,
-        "workload": {"name": str(workload.get("name", "unknown")), "seed": int(workload.get("seed", 0)),
+        "workload": {"name": str(workload.get("name", "unknown")),
+                     "seed": workload["seed"] if isinstance(workload.get("seed"), int) else 0,
                      "fingerprint": "0" * 64, "dataset": None, "counts": {"warmup": 0, "measured": 0},
                      "params": {}},
         "phases": [],

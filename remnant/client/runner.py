@@ -164,15 +164,27 @@ class LoadClient:
             while sessions and not gone:
                 session = sessions.pop(0)
                 ready = self.now()
-                for req in session:
-                    due = ready + (req.think_time_s or 0.0)
+                for k, req in enumerate(session):
+                    due = ready + (req.think_time_s or 0.0 if k else 0.0)
                     if req.not_before_s is not None:
                         due = max(due, started + req.not_before_s)
                     if due > self.now():
                         await asyncio.sleep(due - self.now())
                     rec = await send(next(counter), req, due)
-                    if gone or not rec.success:
-                        break  # a session without its previous turn is not the recorded one
+                    if gone:
+                        break
+                    if not rec.success:
+                        # A session without its previous turn is not the recorded one: the
+                        # rest of it is recorded as skipped, so planned and recorded agree.
+                        for later in session[k + 1 :]:
+                            skipped = RequestRecord(id=later.id, phase=phase.name, index=next(counter),
+                                                    intended_start_s=self.now(), start_s=self.now(),
+                                                    error=f"skipped: turn {req.turn} of the session failed",
+                                                    session=later.session, turn=later.turn)
+                            self._append(skipped)
+                            records.append(skipped)
+                            bar.update(1)
+                        break
                     ready = self.now()
 
         if phase.sessions is not None:

@@ -26,7 +26,7 @@ import torch
 
 from remnant.engine.model import Model
 from remnant.engine.pools import KVPools
-from remnant.engine.prefix_cache import PrefixCache, page_keys
+from remnant.engine.prefix_cache import PrefixCache, chain_key
 from remnant.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,6 @@ class Request:
     #: prefix-cache keys this request pins (matched pages, then pages it completed)
     keys: list[bytes] = field(default_factory=list)
     cached_pages: set[int] = field(default_factory=set)
-    #: keys of the pages this request computed and inserted itself
-    inserted: set[bytes] = field(default_factory=set)
 
 
 class Engine:
@@ -113,15 +111,19 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         with self._cv:
+            if self.error is not None or not self._thread.is_alive():
+                request.emit(TokenEvent([], self._abort_reason(self.error or "the engine is not running", 503)))
+                return
             self._waiting.append(request)
             self._cv.notify()
 
-    def abort(self, rid: str) -> None:
-        """Stop a request (client went away); it is dropped at the next step."""
+    def abort(self, request: Request) -> None:
+        """Stop a request (its client went away): a waiting one leaves the queue now, a running
+        one is dropped at the next step."""
         with self._cv:
-            for r in (*self._waiting, *self._running):
-                if r.rid == rid:
-                    r.aborted = True
+            request.aborted = True
+            if request in self._waiting:
+                self._waiting.remove(request)
             self._cv.notify()
 
     def load(self) -> tuple[int, int]:
@@ -217,6 +219,9 @@ class Engine:
         hit, keys = self.cache.match(r.input_ids)
         matched = self.cache.pin(keys)
         fresh = pages_needed - len(matched)
+        if pools.pages.free + self.cache.evictable_pages() < fresh:
+            self.cache.unpin(keys)
+            return None  # evicting would not make room: wait, and keep the cache
         if pools.pages.free < fresh:
             self.cache.evict_pages(fresh - pools.pages.free)
         if pools.swa_blocks.free == 0:
@@ -308,31 +313,26 @@ class Engine:
                     r.emit(TokenEvent(list(r.output_ids), None, r.cached_tokens))
 
     def _cache_completed_pages(self, r: Request) -> None:
-        """Offer pages the last step completed to the prefix cache, with a window checkpoint."""
+        """Offer the page the last step completed to the prefix cache, with a window checkpoint."""
         seq, size = r.seq, self.pools.page_size
         if not self.cache.enabled or seq.length % size:
             return
         done = seq.length // size
-        if done <= len(r.keys) or done > len(seq.pages):
-            return
-        keys = page_keys(seq.token_ids, size, done)
-        key, parent = keys[-1], (keys[-2] if done > 1 else None)
-        if len(r.keys) != done - 1 or (r.keys and r.keys[-1] != parent):
-            return  # an earlier page of this request is not cached: the chain is broken
+        if done != len(r.keys) + 1 or done > len(seq.pages):
+            return  # already offered, or an earlier page of this request is not cached
+        parent = r.keys[-1] if r.keys else None
+        key = chain_key(parent, seq.token_ids[(done - 1) * size : done * size])
         window = self._checkpoint(seq)
         page = seq.pages[done - 1]
         if self.cache.insert(key, parent, page, window):
-            r.keys.append(key)
             r.cached_pages.add(page)
-            if window is not None and parent in r.inserted and done - 1 != (len(r.input_ids) - 1) // size:
-                # A resume point one page deeper now exists on this chain: drop the one this
-                # request left at the parent, so checkpoints sit at chain ends (a prefix's end,
-                # a finished turn), not on every page. The page where the same prompt would
-                # resume (a token must be left to compute) keeps its checkpoint.
-                self.cache.drop_window(parent)
-            r.inserted.add(key)
-        elif window is not None:
-            self.pools.swa_blocks.release([window])
+        else:
+            # Another request cached the same prefix first: follow its chain (our own copy of
+            # the page stays private), and lend it our window if it has none.
+            if window is not None and not self.cache.adopt_window(key, window):
+                self.pools.swa_blocks.release([window])
+            self.cache.pin([key])
+        r.keys.append(key)
 
     def _checkpoint(self, seq: Sequence) -> int | None:
         pools = self.pools

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,23 +32,17 @@ class Entry:
     last_used: int = 0
 
 
-@dataclass
-class Match:
-    pages: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    window: int | None = None
-
-    @property
-    def tokens(self) -> int:
-        return 0 if not self.pages else -1  # set by PrefixCache.match
+def chain_key(parent: bytes | None, page_tokens: list[int]) -> bytes:
+    """Key of a page: a hash of its parent's key and its own token ids."""
+    chunk = torch.tensor(page_tokens, dtype=torch.int64).numpy().tobytes()
+    return hashlib.blake2b((parent or b"") + chunk, digest_size=16).digest()
 
 
 def page_keys(token_ids: list[int], page_size: int, pages: int) -> list[bytes]:
     """Hash-chain keys of the first `pages` full pages of token_ids."""
-    keys, prev = [], b""
+    keys, prev = [], None
     for i in range(pages):
-        chunk = torch.tensor(token_ids[i * page_size : (i + 1) * page_size], dtype=torch.int64).numpy().tobytes()
-        prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
+        prev = chain_key(prev, token_ids[i * page_size : (i + 1) * page_size])
         keys.append(prev)
     return keys
 
@@ -131,25 +125,28 @@ class PrefixCache:
             freed += 1
         return freed
 
-    def evict_windows(self, count: int) -> int:
-        """Free up to `count` SWA blocks held as checkpoints of unpinned pages.
+    def adopt_window(self, key: bytes, window: int) -> bool:
+        """Give `key`'s page the checkpoint `window` if it has none; False if it has one."""
+        entry = self.entries[key]
+        if entry.window is not None:
+            return False
+        entry.window = window
+        return True
 
-        Checkpoints of pages with cached children go first (a match resumes at the deepest
-        checkpoint of its chain, so those are the least useful), then least recently used.
+    def evict_windows(self, count: int) -> int:
+        """Free up to `count` SWA blocks held as window checkpoints.
+
+        A checkpoint only serves future matches (a request copies it at admission), so
+        pinned pages may lose theirs too. Checkpoints inside a chain (one cached child: a
+        match can go deeper) go first; chain ends and branch points (no child, or several)
+        are kept longer; least recently used first within each class.
         """
-        held = sorted((e for e in self.entries.values() if e.window is not None and e.refs == 0),
-                      key=lambda e: (e.children == 0, e.last_used))
+        held = sorted((e for e in self.entries.values() if e.window is not None),
+                      key=lambda e: (e.children != 1, e.last_used))
         for e in held[:count]:
             self.pools.swa_blocks.release([e.window])
             e.window = None
         return min(count, len(held))
-
-    def drop_window(self, key: bytes) -> None:
-        """Release the window checkpoint of `key`'s page (the page stays cached)."""
-        entry = self.entries.get(key)
-        if entry is not None and entry.window is not None:
-            self.pools.swa_blocks.release([entry.window])
-            entry.window = None
 
     def flush(self) -> int:
         """Drop every unpinned entry; returns how many pages were freed."""

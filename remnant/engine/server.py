@@ -211,10 +211,14 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
     async def health_generate() -> Response:
         if not engine.alive:
             return Response(status_code=503)
-        queue = _submit(engine, [hf["bos_token_id"]], SamplingParams(1, 0.0, True), f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        queue, req = _submit(engine, [hf["bos_token_id"]], SamplingParams(1, 0.0, True),
+                             f"HEALTH_CHECK_{uuid.uuid4().hex}")
         try:
-            await asyncio.wait_for(_last(queue), timeout=20)
+            ev = await asyncio.wait_for(_last(queue), timeout=20)
         except asyncio.TimeoutError:
+            engine.abort(req)
+            return Response(status_code=503)
+        if ev.finish_reason.get("type") == "abort":
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -239,7 +243,7 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
                 return _error_stream(str(exc))
             return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
 
-        queue = _submit(engine, ids, params, rid)
+        queue, req = _submit(engine, ids, params, rid)
         emitted = [""]
 
         def frame(ev: TokenEvent) -> dict:
@@ -278,12 +282,12 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
                             break
                     yield b"data: [DONE]\n\n"
                 finally:
-                    engine.abort(rid)  # no-op when finished; frees a disconnected client's request
+                    engine.abort(req)  # no-op when finished; frees a disconnected client's request
 
             return StreamingResponse(frames(), media_type="text/event-stream")
         ev = await _wait_or_disconnect(http, _last(queue))
         if ev is None:  # the client went away: free the engine
-            engine.abort(rid)
+            engine.abort(req)
             return Response(status_code=499)
         out = frame(ev)
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":
@@ -339,11 +343,12 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
     return app
 
 
-def _submit(engine: Engine, ids: list[int], params: SamplingParams, rid: str) -> asyncio.Queue:
+def _submit(engine: Engine, ids: list[int], params: SamplingParams, rid: str) -> tuple[asyncio.Queue, Request]:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    engine.submit(Request(rid, ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev)))
-    return queue
+    request = Request(rid, ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+    engine.submit(request)
+    return queue, request
 
 
 async def _wait_or_disconnect(http: HttpRequest, waiting) -> TokenEvent | None:

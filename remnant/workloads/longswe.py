@@ -40,6 +40,19 @@ def _source(cfg: LongSWEWorkloadConfig) -> tuple[list[Session], dict | None, int
                               tuple(cfg.synthetic_turn_tokens), tuple(cfg.synthetic_output_tokens)), None, MOONCAKE_BLOCK
 
 
+def _rebased(sessions: list[list[PlannedRequest]]) -> list[list[PlannedRequest]]:
+    """Recorded times relative to the phase's first turn, so a phase does not sit idle
+    until the trace time of its first session."""
+    times = [r.not_before_s for s in sessions for r in s if r.not_before_s is not None]
+    if times:
+        t0 = min(times)
+        for s in sessions:
+            for r in s:
+                if r.not_before_s is not None:
+                    r.not_before_s -= t0
+    return sessions
+
+
 def plan(cfg: LongSWEWorkloadConfig, prompt_vocab_size: int) -> WorkloadPlan:
     sessions, dataset, block = _source(cfg)
     sessions = [s for s in sessions if len(s.turns) >= cfg.min_turns]
@@ -61,8 +74,8 @@ def plan(cfg: LongSWEWorkloadConfig, prompt_vocab_size: int) -> WorkloadPlan:
                 not_before_s=turn.timestamp_s if cfg.replay_timestamps else None))
         return out
 
-    warm = [planned(s, "warmup") for s in sessions[: cfg.warmup_sessions]]
-    measured = [planned(s, "measured") for s in sessions[cfg.warmup_sessions : need]]
+    warm = _rebased([planned(s, "warmup") for s in sessions[: cfg.warmup_sessions]])
+    measured = _rebased([planned(s, "measured") for s in sessions[cfg.warmup_sessions : need]])
     phases = [
         Phase("warmup", [r for s in warm for r in s], cfg.concurrency, sessions=warm),
         Phase("measured", [r for s in measured for r in s], cfg.concurrency, sessions=measured),

@@ -61,11 +61,15 @@ def load_sessions(path: Path) -> tuple[list[Session], dict]:
 
 def import_mooncake(path: Path) -> list[Session]:
     """Sessions from a Mooncake trace (JSONL of timestamp ms, input_length, output_length,
-    hash_ids). A request continues the session whose last turn's hash_ids are the longest
-    prefix of its own (at least one block); otherwise it starts a session. Timestamps
-    become timestamp_s, relative to the first request."""
+    hash_ids). A request continues the session whose latest turn's full blocks are the
+    longest prefix of its own hash_ids (at least one block), if its prompt is longer;
+    otherwise it starts a session. Requests that merely share a prefix (a system prompt)
+    still share tokens through their hash_ids. Timestamps become timestamp_s, relative to
+    the first request."""
     sessions: list[Session] = []
-    last_ids: dict[tuple, int] = {}  # a session's latest hash_ids prefix -> session index
+    # Each session is keyed by the full 512-token blocks of its latest turn (the last,
+    # partial block gets a new hash once it fills, so it cannot link turns).
+    open_by_blocks: dict[tuple, int] = {}
     t0 = None
     try:
         lines = Path(path).read_text().splitlines()
@@ -97,15 +101,20 @@ def import_mooncake(path: Path) -> list[Session]:
                     timestamp_s=None if ts is None else (ts - t0) / 1000.0, hash_ids=list(ids))
         owner = None
         for k in range(len(ids), 0, -1):
-            owner = last_ids.get(tuple(ids[:k]))
-            if owner is not None:
+            candidate = open_by_blocks.get(tuple(ids[:k]))
+            if candidate is not None and sessions[candidate].turns[-1].input_tokens < turn.input_tokens:
+                owner = candidate  # a longer prompt extending that session's latest one
                 break
         if owner is None:
             sessions.append(Session(f"mooncake-{len(sessions):05d}", [turn]))
             owner = len(sessions) - 1
         else:
+            previous = sessions[owner].turns[-1]
+            open_by_blocks.pop(tuple(previous.hash_ids[: previous.input_tokens // MOONCAKE_BLOCK]), None)
             sessions[owner].turns.append(turn)
-        last_ids[tuple(ids)] = owner
+        full = tuple(ids[: turn.input_tokens // MOONCAKE_BLOCK])
+        if full:
+            open_by_blocks[full] = owner
     if not sessions:
         raise ValueError(f"{path}: no requests")
     return sessions

@@ -135,3 +135,20 @@ def test_dispatch_delay_counts_from_when_the_slot_freed(server, tmp_path):
     for prev, rec in zip(recs, recs[1:]):
         # One slot: each request was due when the previous one ended.
         assert rec.intended_start_s >= prev.end_s and rec.start_s >= rec.intended_start_s
+
+
+def test_a_failed_turn_records_the_rest_of_its_session_as_skipped(tmp_path):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _NoFlush)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    session = [PlannedRequest(f"s-t{k}", 2, input_ids=[1, 2, 3], session="s", turn=k) for k in range(3)]
+    phase = Phase("measured", session, 1, sessions=[session])
+    try:
+        client = LoadClient(f"http://127.0.0.1:{srv.server_port}", tmp_path / "r.jsonl", progress=False)
+        (res,) = client.run([phase])
+    finally:
+        srv.shutdown()
+    recs = load_requests_jsonl(tmp_path / "r.jsonl")
+    assert [(r.turn, r.success) for r in recs] == [(0, False), (1, False), (2, False)]
+    assert recs[0].error.startswith("HTTP 404")
+    assert all(r.error == "skipped: turn 0 of the session failed" for r in recs[1:])
+    assert res.requests == 3 and res.failed == 3

@@ -110,11 +110,22 @@ def test_bad_request_answers_abort_and_engine_lives(engine):
 
 
 def test_abort_drops_request(engine):
-    c = _run(engine, "gone", _ids(8, 6), 10_000)
+    c = Collector()
+    gone = Request("gone", _ids(8, 6), SamplingParams(10_000, 0.0, True), c)
+    engine.submit(gone)
     assert c.first.wait(30)
-    engine.abort("gone")
+    engine.abort(gone)
     for _ in range(200):
         if engine.load() == (0, 0):
             break
         threading.Event().wait(0.01)
     assert engine.load() == (0, 0)
+
+
+def test_a_dead_engine_answers_at_once(model):
+    pools = scratch_pools(model, 512, sequences=2)
+    e = Engine(model, EOS, pools, PrefixCache(pools))
+    e.start()
+    e.stop()  # the loop has ended: a request must not wait for it
+    ev = _run(e, "late", _ids(8, 7), 2).final(timeout=5)
+    assert ev.finish_reason["type"] == "abort" and ev.finish_reason["status_code"] == 503

@@ -92,6 +92,34 @@ def test_a_prompt_of_whole_pages_hits_all_but_its_last_page(model):
         engine.stop()
 
 
+def test_a_prefix_shorter_than_the_prompts_resume_point_hits(model):
+    engine = _engine(model, pages=24)
+    try:
+        prefix = _ids(512, 11)  # prompts of 812 tokens resume after 768; the shared part is 512
+        events = [_final(_submit(engine, f"u{i}", prefix + _ids(300, 20 + i), 3)) for i in range(3)]
+        assert [e.cached_tokens for e in events] == [0, 512, 512]
+        unaligned = _ids(1000, 12)  # 1000 shared tokens: 3 whole pages (768) can be reused
+        events = [_final(_submit(engine, f"v{i}", unaligned + _ids(64, 30 + i), 3)) for i in range(3)]
+        assert [e.cached_tokens for e in events] == [0, 768, 768]
+        _drained(engine)
+    finally:
+        engine.stop()
+
+
+def test_concurrent_identical_prompts_share_one_chain(model):
+    engine = _engine(model, pages=24, slots=4)
+    try:
+        prompt = _ids(900, 13)
+        queues = [_submit(engine, f"c{i}", prompt, 3) for i in range(3)]  # computed side by side
+        cold = [_final(q) for q in queues]
+        warm = _final(_submit(engine, "after", prompt, 3))
+        assert warm.cached_tokens == 768 and warm.output_ids == cold[0].output_ids
+        assert len(engine.cache.entries) == 3  # one chain of 3 pages, not three
+        _drained(engine)
+    finally:
+        engine.stop()
+
+
 def test_shared_prefix_hits_across_suffixes(model):
     engine = _engine(model, pages=24)
     try:

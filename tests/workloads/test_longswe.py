@@ -62,8 +62,9 @@ def test_mooncake_import_of_the_real_trace(trace):
     assert multi
     for s in multi:
         for prev, cur in zip(s.turns, s.turns[1:]):
-            assert cur.hash_ids[: len(prev.hash_ids)] == prev.hash_ids
-            assert cur.timestamp_s >= prev.timestamp_s
+            full = prev.input_tokens // 512
+            assert full >= 1 and cur.hash_ids[:full] == prev.hash_ids[:full]
+            assert cur.input_tokens > prev.input_tokens and cur.timestamp_s >= prev.timestamp_s
     assert sessions[0].turns[0].timestamp_s == 0.0
 
 
@@ -76,6 +77,35 @@ def test_mooncake_blocks_give_shared_tokens(trace):
         for r in session:
             first.setdefault(tuple(r.input_ids[:10]), []).append(r.id)
     assert any(len(ids) > 1 for ids in first.values())  # requests sharing hash_ids share tokens
+
+
+def test_mooncake_linking_rules(tmp_path):
+    path = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]},
+        {"timestamp": 10, "input_length": 1500, "output_length": 5, "hash_ids": [0, 2, 3]},  # extends the first
+        {"timestamp": 20, "input_length": 1100, "output_length": 5, "hash_ids": [9, 8, 7]},  # a new session
+        {"timestamp": 30, "input_length": 1200, "output_length": 5, "hash_ids": [9, 8, 6]},  # extends the third
+        {"timestamp": 40, "input_length": 1200, "output_length": 5, "hash_ids": [9, 8, 5]},  # a sibling: new
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    sessions = import_mooncake(path)
+    assert [[t.input_tokens for t in s.turns] for s in sessions] == [[700, 1500], [1100, 1200], [1200]]
+    assert [t.timestamp_s for t in sessions[0].turns] == [0.0, 0.01]
+
+
+def test_replayed_times_start_at_each_phase(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 1000 * i, "input_length": 600 + 600 * (i % 2), "output_length": 4,
+             "hash_ids": [i // 2, 100 + i]} for i in range(6)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    cfg = LongSWEWorkloadConfig(trace_path=str(path), num_sessions=2, warmup_sessions=1, replay_timestamps=True,
+                                token_scale=0.1)
+    plan = plan_workload(cfg, ModelConfig())
+    for phase in plan.phases:
+        times = [r.not_before_s for s in phase.sessions for r in s]
+        assert min(times) == 0.0
+    assert [r.not_before_s for r in plan.phases[1].sessions[0]] == [0.0, 1.0]
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -1,0 +1,1 @@
+"""Reports over run directories: tables with confidence intervals, paired deltas, plots."""

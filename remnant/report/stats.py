@@ -1,0 +1,81 @@
+"""Means with 95 % confidence intervals (Student t) and paired per-request deltas."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+# Two-sided 95 % Student t quantiles for 1..30 degrees of freedom; beyond, the normal 1.96.
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+         2.052, 2.048, 2.045, 2.042]
+
+
+def t975(df: int) -> float:
+    return _T975[df - 1] if 1 <= df <= len(_T975) else 1.96
+
+
+def mean_ci(values) -> tuple[float | None, float | None, int]:
+    """(mean, 95 % CI half-width, n) of the finite values; half-width None for n < 2."""
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
+    if v.size == 0:
+        return None, None, 0
+    if v.size == 1:
+        return float(v[0]), None, 1
+    return float(v.mean()), float(t975(v.size - 1) * v.std(ddof=1) / math.sqrt(v.size)), int(v.size)
+
+
+def _requests(run_dir: str) -> pd.DataFrame:
+    rows = [json.loads(line) for line in Path(run_dir, "requests.jsonl").read_text().splitlines() if line.strip()]
+    df = pd.DataFrame(rows)
+    df = df[(df["phase"] == "measured") & df["success"]]
+    return df.set_index("id")[["ttft_s", "e2e_s"]]
+
+
+def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
+    """Per-request deltas of each completed run against the baseline-mode run with the same
+    workload fingerprint (an identical request stream), joined by request id.
+
+    Returns one row per compared run: its identity, the requests joined, mean TTFT and E2E
+    deltas (ms, run - baseline) with 95 % CIs, or `refused` with the reason.
+    """
+    done = runs[runs["status"] == "completed"]
+    out = []
+    for _, run in done[done["mode"] != baseline].iterrows():
+        row = {"mode": run["mode"], "retention": run["retention"], "workload": run["workload"], "seed": run["seed"]}
+        base = done[(done["mode"] == baseline) & (done["workload"] == run["workload"]) & (done["seed"] == run["seed"])]
+        same = base[base["fingerprint"] == run["fingerprint"]]
+        if base.empty:
+            row["refused"] = f"no completed {baseline} run of {run['workload']} seed {run['seed']}"
+        elif same.empty:
+            row["refused"] = (f"request streams differ: fingerprint {run['fingerprint'][:12]} vs "
+                              f"{baseline} {base.iloc[0]['fingerprint'][:12]}")
+        else:
+            a, b = _requests(run["run_dir"]), _requests(same.iloc[0]["run_dir"])
+            joined = a.join(b, lsuffix="_run", rsuffix="_base", how="inner")
+            row["joined"] = len(joined)
+            for metric in ("ttft", "e2e"):
+                d = (joined[f"{metric}_s_run"] - joined[f"{metric}_s_base"]) * 1000.0
+                mean, ci, _ = mean_ci(d.tolist())
+                row[f"delta_{metric}_ms"], row[f"delta_{metric}_ci_ms"] = mean, ci
+            row["refused"] = None
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def summary(runs: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """Per (workload, mode, retention): mean and 95 % CI of each column over repeated runs."""
+    rows = []
+    done = runs[runs["status"] == "completed"]
+    for key, group in done.groupby(["workload", "mode", "retention"], sort=True):
+        row = dict(zip(["workload", "mode", "retention"], key))
+        row["runs"] = len(group)
+        for column in columns:
+            mean, ci, _ = mean_ci(group[column].tolist())
+            row[column], row[f"{column}_ci"] = mean, ci
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,95 @@
+"""remnant-report over a real sweep: tables with CIs, paired deltas, plots; sweeps resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from remnant.report.stats import mean_ci, t975
+
+BIN = Path(sys.executable).parent
+
+
+def _run(*args, cwd):
+    return subprocess.run([str(BIN / args[0]), *args[1:]], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_mean_ci_by_hand():
+    mean, half, n = mean_ci([1.0, 2.0, 3.0])
+    assert (mean, n) == (2.0, 3) and half == pytest.approx(4.303 * 1.0 / 3 ** 0.5)
+    assert mean_ci([5.0]) == (5.0, None, 1) and mean_ci([]) == (None, None, 0)
+    assert t975(1) == 12.706 and t975(100) == 1.96
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    p = _run("remnant-run", "-m", "mode=native,triton,kernel", "seed=0,1", "workload=smoke",
+             f"hydra.sweep.dir={root}/sweep", cwd=root)
+    assert p.returncode == 0, p.stderr
+    assert "6 of 6 cells completed" in p.stderr
+    return root
+
+
+def test_report_tables_deltas_and_plots(sweep):
+    out = sweep / "report"
+    p = _run("remnant-report", str(sweep / "sweep"), "--out", str(out), cwd=sweep)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == str(out / "report.md")
+    text = (out / "report.md").read_text()
+    for mode in ("native", "triton", "kernel"):
+        assert f"| smoke | {mode} |" in text
+    assert text.count("| smoke | 0 |") == 2 and text.count("| smoke | 1 |") == 2  # paired rows per seed
+    assert "refused" not in text and "±" in text
+    assert "a single run" not in text  # two seeds per cell answer that caveat
+    for png in ("latency.png", "throughput_vs_concurrency.png", "capacity_by_mode.png"):
+        assert (out / png).stat().st_size > 5000
+
+
+def test_rerunning_the_sweep_runs_nothing_new(sweep):
+    before = {f: f.stat().st_mtime for f in (sweep / "sweep").glob("*/run.json")}
+    t0 = time.monotonic()
+    p = _run("remnant-run", "-m", "mode=native,triton,kernel", "seed=0,1", "workload=smoke",
+             f"hydra.sweep.dir={sweep}/sweep", cwd=sweep)
+    assert p.returncode == 0 and time.monotonic() - t0 < 30
+    assert p.stderr.count("is complete; skipped") == 6
+    assert {f: f.stat().st_mtime for f in (sweep / "sweep").glob("*/run.json")} == before
+
+
+def test_paired_comparison_refused_for_different_streams(tmp_path):
+    for mode, length in (("native", 64), ("kernel", 72)):
+        p = _run("remnant-run", f"mode={mode}", "workload=smoke", f"workload.input_len={length}",
+                 f"hydra.run.dir={tmp_path}/{mode}", cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+    p = _run("remnant-report", str(tmp_path / "native"), str(tmp_path / "kernel"), "--out", str(tmp_path / "r"),
+             cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "refused: request streams differ" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_report_errors(tmp_path):
+    p = _run("remnant-report", str(tmp_path / "nothing"), cwd=tmp_path)
+    assert p.returncode == 2 and "does not exist" in p.stderr
+    (tmp_path / "empty").mkdir()
+    p = _run("remnant-report", str(tmp_path / "empty"), cwd=tmp_path)
+    assert p.returncode == 2 and "no run.json under" in p.stderr
+
+
+def test_slurm_launcher_composes():
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from remnant.cli import register_configs
+
+    GlobalHydra.instance().clear()
+    register_configs()
+    with initialize_config_module(config_module="remnant.conf", version_base=None):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=remnant_slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher.gpus_per_node, launcher.tasks_per_node) == (4, 1)
