@@ -1,0 +1,110 @@
+"""Curate a sweep into a collection under benchmarks/ and index it.
+
+    python -m remnant.report.curate multirun/modes --name smoke-three-modes-cpu \\
+        --description "Three modes on the embedded engine, CPU" --benchmarks benchmarks
+
+Copies every run.json of the sweep (with its requests.jsonl) into
+benchmarks/<name>/runs/<cell>/, writes benchmarks/<name>/collection.json (schema
+remnant/collection: what ran, provenance, the runs' limits, members with sha256, the
+report table) and rebuilds benchmarks/index.json over every curated file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from remnant.records.provenance import sha256_file, sources
+from remnant.records.schema import validate, write_validated
+
+INDEX = "index.json"
+_DESCRIBE = {"remnant/fidelity": "fidelity report", "remnant/capacity": "capacity report",
+             "remnant/kernel-bench": "kernel benchmark"}
+
+
+def curate(sweep: Path, name: str, description: str, benchmarks: Path) -> Path:
+    from remnant.report.main import summary_markdown
+    from remnant.report.main import COLUMNS
+    from remnant.report.runs import find_runs, load_runs
+    from remnant.report.stats import summary
+
+    runs = find_runs([sweep])
+    target = benchmarks / name
+    if target.exists():
+        raise ValueError(f"{target} exists: a collection is curated once (choose another --name)")
+    members, limits, workloads, hosts, modes, env = [], set(), set(), set(), set(), None
+    for path in runs:
+        doc = json.loads(path.read_text())
+        validate(doc, str(path))
+        cell = path.parent.name
+        dest = target / "runs" / cell
+        dest.mkdir(parents=True)
+        shutil.copy2(path, dest / "run.json")
+        if (path.parent / "requests.jsonl").exists():
+            shutil.copy2(path.parent / "requests.jsonl", dest / "requests.jsonl")
+        cfg = doc["config"]
+        members.append({
+            "path": f"runs/{cell}/run.json", "sha256": sha256_file(dest / "run.json"), "run_id": doc["run_id"],
+            "status": doc["status"], "mode": cfg["mode"]["name"],
+            "retention": "-" if cfg["mode"]["name"] == "native" else (cfg.get("retention") or {}).get("name", "?"),
+            "workload": doc["workload"]["name"], "seed": doc["workload"]["seed"],
+        })
+        limits.update(doc["limits"])
+        workloads.add(doc["workload"]["name"])
+        hosts.add(doc["host"].get("kind", "?"))
+        modes.add(cfg["mode"]["name"])
+        env = env or doc.get("environment")
+    table = summary(load_runs([target / "runs"]), COLUMNS)
+    collection = {
+        "schema": "remnant/collection", "schema_version": 1, "name": name, "description": description,
+        "created_at": datetime.now(timezone.utc).isoformat(), "sources": sources(),
+        "what_ran": {"modes": sorted(modes), "workloads": sorted(workloads), "hosts": sorted(hosts),
+                     "runs": len(members), "environment": env},
+        "limits": sorted(limits), "members": members, "summary": summary_markdown(table),
+    }
+    path = write_validated(target / "collection.json", collection)
+    write_index(benchmarks)
+    return path
+
+
+def write_index(benchmarks: Path) -> Path:
+    """benchmarks/index.json over every schema'd JSON file there (collections' members excluded)."""
+    entries = []
+    for path in sorted(benchmarks.rglob("*.json")):
+        rel = path.relative_to(benchmarks)
+        if rel.name == INDEX or "runs" in rel.parts:
+            continue
+        doc = json.loads(path.read_text())
+        kind = doc.get("schema")
+        if kind not in ("remnant/collection", *_DESCRIBE):
+            continue
+        description = doc.get("description") or _DESCRIBE[kind]
+        entries.append({"path": str(rel), "kind": kind, "sha256": sha256_file(path), "description": description})
+    return write_validated(benchmarks / INDEX, {"schema": "remnant/index", "schema_version": 1, "entries": entries})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m remnant.report.curate", description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep", type=Path, nargs="?", help="a sweep or run directory")
+    p.add_argument("--name", required=True, help="collection name (lowercase, digits, . _ -)")
+    p.add_argument("--description", required=True)
+    p.add_argument("--benchmarks", type=Path, default=Path("benchmarks"))
+    p.add_argument("--index-only", action="store_true", help="only rebuild benchmarks/index.json")
+    a = p.parse_args(argv)
+    if not a.index_only and a.sweep is None:
+        p.error("give the sweep directory to curate (or --index-only)")
+    try:
+        path = write_index(a.benchmarks) if a.index_only else curate(a.sweep, a.name, a.description, a.benchmarks)
+    except (ValueError, OSError) as exc:
+        print(f"curate: error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
