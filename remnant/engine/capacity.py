@@ -17,6 +17,10 @@ Per full token, with L layers, L4 CSA layers, L128 HCA layers, r = swa_ratio, w 
 Fixed: c128_state = rows * (2 * 512 * 4) * L128 with rows = ceil((slots * 128 + 129) / 128) * 128
 and slots = max_running_requests + 1.
 
+Sized as SGLang does when --max-running-requests is given (the embedded engine always
+gives it). Without it SGLang estimates at least 2048 request slots for the fixed C128
+state (and divides by the attention DP size); that path is not modelled here.
+
 Packing changes only the c4 term, so the token-capacity ratio packed/native is
 bpt_native / bpt_packed, independent of the budget (up to page rounding and the fixed
 state). At V4-Flash attention dimensions this is 1.2113 at R = 256.

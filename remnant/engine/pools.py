@@ -190,5 +190,8 @@ def new_sequence(pools: KVPools, tokens: int):
     pages = pools.pages.alloc(-(-tokens // pools.page_size))
     block, slot = pools.swa_blocks.alloc(), pools.slots.alloc()
     if pages is None or block is None or slot is None:
+        for free_list, got in ((pools.pages, pages), (pools.swa_blocks, block), (pools.slots, slot)):
+            if got is not None:
+                free_list.release(got)
         raise RuntimeError(f"pools cannot hold another sequence of {tokens} tokens: {pools.usage()}")
     return Sequence(pages, block[0], slot[0])

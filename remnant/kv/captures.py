@@ -25,13 +25,13 @@ import math
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from remnant.kv.formats import HEAD_DIM, NOPE_DIM
+from remnant.records.files import atomic_write
 
 FORMAT = "remnant-capture/1"
 SYNTHETIC_GENERATOR = "remnant.kv.captures.synthetic_captures/1"
@@ -112,21 +112,7 @@ def save_captures(c: Captures, path: str | os.PathLike) -> Path:
             offset += len(blob)
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
     head += b" " * (-len(head) % 8)  # safetensors pads its header to 8-byte alignment
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(len(head).to_bytes(8, "little"))
-            f.write(head)
-            for blob in blobs:
-                f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, [len(head).to_bytes(8, "little"), head, *blobs])
     return path
 
 

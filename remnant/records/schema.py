@@ -13,11 +13,12 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from remnant.records.files import atomic_write
 
 PREFIX = "remnant/"
 _SCHEMA_FILE = re.compile(r"^v([1-9][0-9]*)\.schema\.json$")
@@ -204,17 +205,5 @@ def write_validated(path: str | os.PathLike, doc: dict) -> Path:
     path = Path(path)
     validate(doc, source=str(path))
     text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates the file 0600; a record is meant to be read by others.
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, text.encode("utf-8"))
     return path

@@ -53,23 +53,32 @@ def latency_distributions(runs: pd.DataFrame, out: Path) -> Path | None:
     return out
 
 
-def throughput_vs_concurrency(runs: pd.DataFrame, out: Path) -> Path | None:
-    done = runs[(runs["status"] == "completed") & runs["concurrency"].notna()]
-    if done.empty:
-        return None
+def _lines_by_mode(df: pd.DataFrame, x: str, y: str, xlabel: str, ylabel: str, out: Path,
+                   ylim: tuple[float, float] | None = None) -> Path:
+    """One line per mode: the mean of y at each x."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, group in done.groupby("mode"):
-        g = group.groupby("concurrency")["output_throughput"].mean().sort_index()
+    for mode, group in df.groupby("mode"):
+        g = group.groupby(x)[y].mean().sort_index()
         ax.plot(g.index, g.values, marker="o", label=mode)
-    ax.set_xlabel("concurrency (requests in flight)")
-    ax.set_ylabel("output throughput (tok/s)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if ylim:
+        ax.set_ylim(*ylim)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def throughput_vs_concurrency(runs: pd.DataFrame, out: Path) -> Path | None:
+    done = runs[(runs["status"] == "completed") & runs["concurrency"].notna()]
+    if done.empty:
+        return None
+    return _lines_by_mode(done, "concurrency", "output_throughput", "concurrency (requests in flight)",
+                          "output throughput (tok/s)", out)
 
 
 def cache_hit_vs_working_set(runs: pd.DataFrame, out: Path) -> Path | None:
@@ -82,21 +91,8 @@ def cache_hit_vs_working_set(runs: pd.DataFrame, out: Path) -> Path | None:
                          "hit": run["cache_hit_rate"], "capacity": run["max_total_num_tokens"]})
     if not rows:
         return None
-    df = pd.DataFrame(rows)
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, group in df.groupby("mode"):
-        g = group.groupby("working_set")["hit"].mean().sort_index()
-        ax.plot(g.index, g.values, marker="o", label=mode)
-    ax.set_xlabel("working set (groups x prefix tokens)")
-    ax.set_ylabel("cache-hit rate")
-    ax.set_ylim(0, 1)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _lines_by_mode(pd.DataFrame(rows), "working_set", "hit", "working set (groups x prefix tokens)",
+                          "cache-hit rate", out, ylim=(0, 1))
 
 
 def capacity_by_mode(runs: pd.DataFrame, out: Path) -> Path | None:
