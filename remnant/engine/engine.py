@@ -6,8 +6,8 @@ requests in arrival order while the pools have room for them (a request reserves
 pages of its prompt plus max_new_tokens, less what the prefix cache already holds, one
 SWA block and one request slot; the cache gives up least-recently-used pages when short),
 gives each running request either its next prefill chunk (at most
-`chunked_prefill_size` prompt tokens per step over all requests, cut at page ends so the
-cache can checkpoint there) or one decode token, runs them as one batch, samples, and
+`chunked_prefill_size` prompt tokens per step over all requests, ending at a page end when
+the prompt goes on, so the cache can checkpoint there) or one decode token, runs them as one batch, samples, and
 reports tokens through each request's `emit` callback. A request that could never fit
 is answered with an error; under pressure requests wait, they never crash the engine.
 """
@@ -267,8 +267,11 @@ class Engine:
             if remaining > 0:
                 if budget <= 0:
                     continue
-                to_page_end = size - r.prefilled % size
-                take = min(remaining, budget, to_page_end)
+                take = min(remaining, budget)
+                if take < remaining:
+                    # Stop at the last page end the budget reaches, so the cache can checkpoint there.
+                    aligned = (r.prefilled + take) // size * size - r.prefilled
+                    take = aligned if aligned > 0 else take
                 budget -= take
                 chunks.append(r.input_ids[r.prefilled : r.prefilled + take])
                 r.prefilled += take
@@ -313,26 +316,26 @@ class Engine:
                     r.emit(TokenEvent(list(r.output_ids), None, r.cached_tokens))
 
     def _cache_completed_pages(self, r: Request) -> None:
-        """Offer the page the last step completed to the prefix cache, with a window checkpoint."""
+        """Offer the pages the last step completed to the prefix cache; the page ending
+        where the step ended gets a window checkpoint (the ring holds that window)."""
         seq, size = r.seq, self.pools.page_size
-        if not self.cache.enabled or seq.length % size:
+        if not self.cache.enabled:
             return
-        done = seq.length // size
-        if done != len(r.keys) + 1 or done > len(seq.pages):
-            return  # already offered, or an earlier page of this request is not cached
-        parent = r.keys[-1] if r.keys else None
-        key = chain_key(parent, seq.token_ids[(done - 1) * size : done * size])
-        window = self._checkpoint(seq)
-        page = seq.pages[done - 1]
-        if self.cache.insert(key, parent, page, window):
-            r.cached_pages.add(page)
-        else:
-            # Another request cached the same prefix first: follow its chain (our own copy of
-            # the page stays private), and lend it our window if it has none.
-            if window is not None and not self.cache.adopt_window(key, window):
-                self.pools.swa_blocks.release([window])
-            self.cache.pin([key])
-        r.keys.append(key)
+        while len(r.keys) < min(seq.length // size, len(seq.pages)):
+            done = len(r.keys) + 1
+            parent = r.keys[-1] if r.keys else None
+            key = chain_key(parent, seq.token_ids[(done - 1) * size : done * size])
+            window = self._checkpoint(seq) if done * size == seq.length else None
+            page = seq.pages[done - 1]
+            if self.cache.insert(key, parent, page, window):
+                r.cached_pages.add(page)
+            else:
+                # Another request cached the same prefix first: follow its chain (our own
+                # copy of the page stays private), and lend it our window if it has none.
+                if window is not None and not self.cache.adopt_window(key, window):
+                    self.pools.swa_blocks.release([window])
+                self.cache.pin([key])
+            r.keys.append(key)
 
     def _checkpoint(self, seq: Sequence) -> int | None:
         pools = self.pools
