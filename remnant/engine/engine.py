@@ -5,9 +5,8 @@ One engine thread owns the model and the pools' contents. Each step it admits wa
 requests in arrival order while the pools have room for them (a request reserves the
 pages of its prompt plus max_new_tokens, less what the prefix cache already holds, one
 SWA block and one request slot; the cache gives up least-recently-used pages when short),
-gives each running request either its next prefill chunk (at most
-`chunked_prefill_size` prompt tokens per step over all requests, ending at a page end when
-the prompt goes on, so the cache can checkpoint there) or one decode token, runs them as one batch, samples, and
+gives each running request either its next prefill chunk (at most one page of it, and at
+most `chunked_prefill_size` prompt tokens per step over all requests) or one decode token, runs them as one batch, samples, and
 reports tokens through each request's `emit` callback. A request that could never fit
 is answered with an error; under pressure requests wait, they never crash the engine.
 """
@@ -125,11 +124,6 @@ class Engine:
             if request in self._waiting:
                 self._waiting.remove(request)
             self._cv.notify()
-
-    def load(self) -> tuple[int, int]:
-        """(running, waiting) request counts."""
-        with self._cv:
-            return len(self._running), len(self._waiting)
 
     def flush_cache(self) -> tuple[bool, str]:
         """Empty the prefix cache; refused while requests run or wait (as SGLang)."""
@@ -267,11 +261,10 @@ class Engine:
             if remaining > 0:
                 if budget <= 0:
                     continue
-                take = min(remaining, budget)
-                if take < remaining:
-                    # Stop at the last page end the budget reaches, so the cache can checkpoint there.
-                    aligned = (r.prefilled + take) // size * size - r.prefilled
-                    take = aligned if aligned > 0 else take
+                # At most to the next page end: every page of a prompt then ends a step, where
+                # its window can be checkpointed for the prefix cache (a shared prefix may end
+                # at any page). chunked_prefill_size bounds the tokens of all requests per step.
+                take = min(remaining, budget, size - r.prefilled % size)
                 budget -= take
                 chunks.append(r.input_ids[r.prefilled : r.prefilled + take])
                 r.prefilled += take

@@ -116,10 +116,10 @@ def test_abort_drops_request(engine):
     assert c.first.wait(30)
     engine.abort(gone)
     for _ in range(200):
-        if engine.load() == (0, 0):
+        if (engine.stats()["num_running_reqs"], engine.stats()["num_waiting_reqs"]) == (0, 0):
             break
         threading.Event().wait(0.01)
-    assert engine.load() == (0, 0)
+    assert (engine.stats()["num_running_reqs"], engine.stats()["num_waiting_reqs"]) == (0, 0)
 
 
 def test_a_dead_engine_answers_at_once(model):
