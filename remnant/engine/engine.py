@@ -66,6 +66,8 @@ class Request:
     #: prefix-cache keys this request pins (matched pages, then pages it completed)
     keys: list[bytes] = field(default_factory=list)
     cached_pages: set[int] = field(default_factory=set)
+    #: hash keys of the prompt's pages, computed once (see PrefixCache.resume_keys)
+    prompt_keys: list[bytes] | None = None
 
 
 class Engine:
@@ -210,7 +212,9 @@ class Engine:
             return False
         if pools.slots.free == 0:
             return None
-        hit, keys = self.cache.match(r.input_ids)
+        if r.prompt_keys is None:  # a request waiting for room is matched again each step
+            r.prompt_keys = self.cache.resume_keys(r.input_ids) if self.cache.enabled else []
+        hit, keys = self.cache.match(r.prompt_keys)
         matched = self.cache.pin(keys)
         fresh = pages_needed - len(matched)
         if pools.pages.free + self.cache.evictable_pages() < fresh:

@@ -58,15 +58,16 @@ class PrefixCache:
 
     # Lookup and pinning ------------------------------------------------------------------
 
-    def match(self, token_ids: list[int]) -> tuple[int, list[bytes]]:
-        """Longest cached prefix usable to resume `token_ids`: (tokens, keys of its pages).
+    def resume_keys(self, token_ids: list[int]) -> list[bytes]:
+        """Keys of the prompt's pages a match may cover: at least one token is left to
+        compute (its logits start the answer). Compute once per request."""
+        return page_keys(token_ids, self.pools.page_size, (len(token_ids) - 1) // self.pools.page_size)
 
-        At least one prompt token is left to compute (its logits start the answer).
-        """
+    def match(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
+        """Longest cached prefix among a prompt's resume_keys: (tokens, keys of its pages)."""
         if not self.enabled:
             return 0, []
         size = self.pools.page_size
-        keys = page_keys(token_ids, size, (len(token_ids) - 1) // size)
         best = 0
         for i, key in enumerate(keys):
             entry = self.entries.get(key)

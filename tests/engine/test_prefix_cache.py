@@ -3,8 +3,10 @@ page comes back."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,7 +26,9 @@ def model() -> Model:
     return Model(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
 
 
-def _engine(model: Model, pages: int, slots: int = 4) -> Engine:
+@contextlib.contextmanager
+def _engine(model: Model, pages: int, slots: int = 4) -> Iterator[Engine]:
+    """A started engine whose pools hold exactly `pages` pages; stopped on exit."""
     geometry = dataclasses.replace(geometry_of(model, max_running_requests=slots), swa_ratio=1.0)
     per_token = sum(geometry.bytes_per_full_token().values())
     budget = int(pages * 256 * per_token) + geometry.c128_state_fixed_bytes() + 1
@@ -32,7 +36,10 @@ def _engine(model: Model, pages: int, slots: int = 4) -> Engine:
     assert pools.num_pages == pages
     e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=256)
     e.start()
-    return e
+    try:
+        yield e
+    finally:
+        e.stop()
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -63,8 +70,7 @@ def _drained(engine: Engine) -> None:
 
 
 def test_a_hit_gives_the_same_answer(model):
-    engine = _engine(model, pages=16)
-    try:
+    with _engine(model, pages=16) as engine:
         prompt = _ids(700, 1)
         cold = _final(_submit(engine, "cold", prompt, 12))
         warm = _final(_submit(engine, "warm", prompt, 12))
@@ -76,25 +82,19 @@ def test_a_hit_gives_the_same_answer(model):
         stats = engine.stats()
         assert stats["cache_hit_rate"] == pytest.approx((512 + 512) / (700 + 700 + len(extended)))
         _drained(engine)
-    finally:
-        engine.stop()
 
 
 def test_a_prompt_of_whole_pages_hits_all_but_its_last_page(model):
-    engine = _engine(model, pages=16)
-    try:
+    with _engine(model, pages=16) as engine:
         prompt = _ids(1024, 9)  # exactly 4 pages: a repeat resumes after 3 (a token must be left)
         cold = _final(_submit(engine, "cold", prompt, 5))
         warm = _final(_submit(engine, "warm", prompt, 5))
         assert warm.cached_tokens == 768 and warm.output_ids == cold.output_ids
         _drained(engine)
-    finally:
-        engine.stop()
 
 
 def test_a_prefix_shorter_than_the_prompts_resume_point_hits(model):
-    engine = _engine(model, pages=24)
-    try:
+    with _engine(model, pages=24) as engine:
         prefix = _ids(512, 11)  # prompts of 812 tokens resume after 768; the shared part is 512
         events = [_final(_submit(engine, f"u{i}", prefix + _ids(300, 20 + i), 3)) for i in range(3)]
         assert [e.cached_tokens for e in events] == [0, 512, 512]
@@ -102,13 +102,10 @@ def test_a_prefix_shorter_than_the_prompts_resume_point_hits(model):
         events = [_final(_submit(engine, f"v{i}", unaligned + _ids(64, 30 + i), 3)) for i in range(3)]
         assert [e.cached_tokens for e in events] == [0, 768, 768]
         _drained(engine)
-    finally:
-        engine.stop()
 
 
 def test_concurrent_identical_prompts_share_one_chain(model):
-    engine = _engine(model, pages=24, slots=4)
-    try:
+    with _engine(model, pages=24, slots=4) as engine:
         prompt = _ids(900, 13)
         queues = [_submit(engine, f"c{i}", prompt, 3) for i in range(3)]  # computed side by side
         cold = [_final(q) for q in queues]
@@ -116,55 +113,41 @@ def test_concurrent_identical_prompts_share_one_chain(model):
         assert warm.cached_tokens == 768 and warm.output_ids == cold[0].output_ids
         assert len(engine.cache.entries) == 3  # one chain of 3 pages, not three
         _drained(engine)
-    finally:
-        engine.stop()
 
 
 def test_shared_prefix_hits_across_suffixes(model):
-    engine = _engine(model, pages=24)
-    try:
+    with _engine(model, pages=24) as engine:
         prefix = _ids(512, 3)
         events = [_final(_submit(engine, f"s{i}", prefix + _ids(100, 10 + i), 3)) for i in range(4)]
         assert [e.cached_tokens for e in events] == [0, 512, 512, 512]
         _drained(engine)
-    finally:
-        engine.stop()
 
 
 def test_overload_queues_evicts_and_drains(model):
-    engine = _engine(model, pages=8, slots=3)
-    try:
+    with _engine(model, pages=8, slots=3) as engine:
         # 12 requests of 2 pages each against 8 pages and 3 slots: most must wait.
         queues = [_submit(engine, f"b{i}", _ids(400, 100 + i), 60) for i in range(12)]
         finals = [_final(q) for q in queues]
         assert all(f.finish_reason == {"type": "length", "length": 60} for f in finals)
         assert len(engine.cache.entries) <= 8  # the cache was evicted to make room
         _drained(engine)
-    finally:
-        engine.stop()
 
 
 def test_a_request_that_can_never_fit_is_answered(model):
-    engine = _engine(model, pages=4)
-    try:
+    with _engine(model, pages=4) as engine:
         ev = _final(_submit(engine, "huge", _ids(900, 5), 200))  # 5 pages > 4
         assert ev.finish_reason["type"] == "abort" and ev.finish_reason["status_code"] == 400
         assert "needs 1100 tokens of KV" in ev.finish_reason["message"]
         assert "the pool holds 1024 tokens" in ev.finish_reason["message"]
         assert len(_final(_submit(engine, "ok", _ids(100, 6), 3)).output_ids) == 3  # still serving
         _drained(engine)
-    finally:
-        engine.stop()
 
 
 def test_flush_refused_while_running(model):
-    engine = _engine(model, pages=8)
-    try:
+    with _engine(model, pages=8) as engine:
         q = _submit(engine, "long", _ids(50, 7), 400)
         q.get(timeout=60)  # first token: it runs
         ok, detail = engine.flush_cache()
         assert not ok and "1 running" in detail
         _final(q)
         _drained(engine)
-    finally:
-        engine.stop()
