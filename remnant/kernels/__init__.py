@@ -1,0 +1,12 @@
+"""Triton kernels for C4 records in paged pools (SGLang's split page layout).
+
+- `store`: quantize bf16 latents to native records, or quantize and pack to R + 72-byte
+  records, written at given pool locations;
+- `reconstruct`: packed -> native records for selected locations (the triton mode);
+- `decode`: sparse decode attention of one CSA layer (H heads, selected C4 records, the
+  sliding window and the attention sink, V = K) over native or packed C4 records.
+
+Each has its plain torch reference in `remnant.kv.paged`, which dispatches here for CUDA
+tensors; tests compare the two (float64 reference, poisoned outputs, odd sizes).
+`remnant.kernels.bench` is the `remnant-kernels` microbenchmark.
+"""

@@ -1,0 +1,449 @@
+"""remnant-kernels: time store, reconstruct and decode on one CUDA GPU, against its own ceilings.
+
+Every number comes from this run: the copy bandwidth (device-to-device copy, bytes read
+plus written) and the bf16 matrix rate are measured first and serve as the roofline.
+Each case is timed as CUDA-graph replays of a rotation of input sets whose bytes exceed
+three times the L2 cache (so the cache does not serve repeated reads), with CUDA events,
+after warm-up; the median replay over the rotation length is the time of one call.
+
+Bytes are the fewest a call must move (each input read once, each output written once);
+FLOPs count the tensor-core work the kernel issues (padding included: a packed kernel
+at R = 256 multiplies 256 kept columns, 64 RoPE columns and, for window tokens, 256
+dropped columns). The JSON (schema remnant/kernels-bench v1) is validated before it is
+written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HEADS = 64
+WINDOW = 128
+TOPK = 512
+KERNEL_R = 256
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float
+    matmul_tflops: float
+    l2_bytes: int
+
+
+def _sync_time_graph(calls: list, reps: int) -> float:
+    """Median seconds of one call: graph of `calls` (rotation), replayed `reps` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[: min(3, len(calls))]:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def _rotations(call_bytes: int, l2_bytes: int, most: int = 256) -> int:
+    return max(2, min(most, math.ceil(3 * l2_bytes / max(call_bytes, 1))))
+
+
+def measure_ceilings(reps: int) -> Ceilings:
+    props = torch.cuda.get_device_properties(0)
+    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+    n = 2 * 2**30  # 2 GiB each way: far past L2
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = _sync_time_graph([lambda: dst.copy_(src)], reps)
+    del src, dst
+    size = 8192
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    t_mm = _sync_time_graph([lambda: a @ b], max(5, reps // 4))
+    del a, b
+    torch.cuda.empty_cache()
+    return Ceilings(copy_gbps=2 * n / t_copy / 1e9, matmul_tflops=2 * size**3 / t_mm / 1e12, l2_bytes=l2)
+
+
+def _keep(retention: int, gen: torch.Generator) -> torch.Tensor | None:
+    if retention == 512:
+        return None
+    return torch.randperm(448, generator=gen)[: retention - 64].sort().values
+
+
+def _roofline(seconds: float, nbytes: int, flops: float, ceil: Ceilings) -> dict:
+    t_bytes = nbytes / (ceil.copy_gbps * 1e9)
+    t_flops = flops / (ceil.matmul_tflops * 1e12)
+    return {
+        "time_us": seconds * 1e6,
+        "bytes": nbytes,
+        "flops": flops,
+        "achieved_gbps": nbytes / seconds / 1e9,
+        "fraction_of_copy_bandwidth": t_bytes / seconds,
+        "fraction_of_matmul_rate": t_flops / seconds,
+        "floor_us": max(t_bytes, t_flops) * 1e6,
+        "floor_bound": "memory" if t_bytes >= t_flops else "tensor-core",
+    }
+
+
+def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
+    from remnant.kernels.common import KeptColumns
+    from remnant.kernels.store import store
+    from remnant.kv.paged import PageLayout
+
+    rows = []
+    per_page = 64
+    for retention in retentions:
+        keep = KeptColumns.of(_keep(retention, gen), torch.device("cuda"))
+        layout = PageLayout.sglang(per_page, retention)
+        for n in sizes:
+            call_bytes = n * (1024 + layout.record_bytes + 4)
+            sets = _rotations(call_bytes, ceil.l2_bytes, most=64)
+            pages_needed = -(-n // per_page) * sets
+            pool = torch.empty(pages_needed, layout.page_stride, dtype=torch.uint8, device="cuda")
+            page_order = torch.randperm(pages_needed, generator=gen).to("cuda")
+            calls = []
+            for s in range(sets):
+                x = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
+                # Prefill writes whole pages: shuffled pages, slots in order within each.
+                pages = page_order[s * (-(-n // per_page)) : (s + 1) * (-(-n // per_page))]
+                locs = (pages[:, None] * per_page + torch.arange(per_page, device="cuda")).flatten()[:n].to(torch.int32)
+                calls.append(lambda x=x, locs=locs: store(x, pool, layout, locs, keep))
+            seconds = _sync_time_graph(calls, reps)
+            rows.append({"kernel": "store", "retention": retention, "records": n,
+                         "record_bytes": layout.record_bytes, **_roofline(seconds, call_bytes, 0.0, ceil)})
+            del pool, calls
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_reconstruct(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
+    from remnant.kernels.common import KeptColumns
+    from remnant.kernels.reconstruct import reconstruct
+    from remnant.kv.paged import PageLayout
+
+    rows = []
+    for retention in retentions:
+        keep = KeptColumns.of(_keep(retention, gen), torch.device("cuda"))
+        layout = PageLayout.sglang(64, retention)
+        pool_records = 8 * 2**20  # random picks from a pool of 8M records (1.5-3.6 GB)
+        pool = torch.randint(0, 255, (pool_records // 64, layout.page_stride), dtype=torch.uint8, device="cuda")
+        for k in sizes:
+            call_bytes = k * (layout.record_bytes + 584 + 4)
+            sets = _rotations(call_bytes, ceil.l2_bytes, most=64)
+            calls = []
+            for _ in range(sets):
+                locs = torch.randint(0, pool_records, (k,), generator=gen).to(device="cuda", dtype=torch.int32)
+                out = torch.empty(k, 584, dtype=torch.uint8, device="cuda")
+                out_locs = torch.arange(k, dtype=torch.int32, device="cuda")
+                rows_layout = PageLayout.rows(584)
+                calls.append(lambda locs=locs, out=out, ol=out_locs: reconstruct(pool, layout, locs, keep, out, rows_layout, ol))
+            seconds = _sync_time_graph(calls, reps)
+            rows.append({"kernel": "reconstruct", "retention": retention, "records": k,
+                         "record_bytes": layout.record_bytes, **_roofline(seconds, call_bytes, 0.0, ceil)})
+            del calls
+        del pool
+        torch.cuda.empty_cache()
+    return rows
+
+
+@dataclass
+class DecodeCase:
+    variant: str  # "native" or "packed"
+    retention: int
+    batch: int
+    topk: int
+    window: int
+
+
+def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:
+    rb = 584 if case.variant == "native" else case.retention + 72
+    io = 2 * case.batch * HEADS * 512 * 2  # q read, out written (bf16)
+    nbytes = case.batch * (case.topk * (rb + 4) + case.window * (584 + 4)) + io
+    # Columns the tensor cores multiply (scores and P.V), padding included.
+    c4_cols = 512 + 64 if case.variant == "native" else 2 ** math.ceil(math.log2(case.retention - 64)) + 64
+    win_cols = 512 + 64 if case.variant == "native" else c4_cols + 2 ** math.ceil(math.log2(512 - case.retention)) 
+    flops = 2 * 2 * case.batch * HEADS * (case.topk * c4_cols + case.window * win_cols)
+    return nbytes, float(flops)
+
+
+class DecodeInputs:
+    """Pools shared by all decode cases (native and packed C4, native window), random locs."""
+
+    def __init__(self, gen: torch.Generator, c4_records: int = 4 * 2**20, window_records: int = 2**20):
+        from remnant.kv.paged import PageLayout
+
+        self.gen = gen
+        self.window_layout = PageLayout.sglang(64)
+        self.window = self._random_records(self.window_layout, window_records)
+        self.c4_records = c4_records
+        self.pools: dict[int, tuple] = {}
+
+    def _random_records(self, layout, records: int) -> torch.Tensor:
+        # Random codes with realistic scales: byte 120..134 exponents, codes any finite FP8.
+        per_page, data_bytes = layout.per_page, layout.data_bytes
+        pool = torch.randint(0, 255, (records // per_page, layout.page_stride), dtype=torch.uint8, device="cuda")
+        data = per_page * data_bytes
+        tail = pool[:, data : data + per_page * 8].unflatten(1, (per_page, 8))
+        tail[:, :, :7] = torch.randint(120, 135, tail[:, :, :7].shape, dtype=torch.uint8, device="cuda")
+        tail[:, :, 7] = 0
+        body = pool[:, :data].unflatten(1, (per_page, data_bytes))
+        n_codes = data_bytes - 128
+        body[:, :, :n_codes] &= 0xBF  # FP8 e4m3 with the top exponent bit clear: no NaN, |x| < 2
+        rope = body[:, :, n_codes:].view(torch.bfloat16)
+        rope.copy_(torch.randn(rope.shape, device="cuda").to(torch.bfloat16))
+        return pool
+
+    def pool(self, retention: int):
+        from remnant.kernels.common import KeptColumns
+        from remnant.kv.paged import PageLayout
+
+        if retention not in self.pools:
+            layout = PageLayout.sglang(64, retention)
+            keep = KeptColumns.of(_keep(retention, self.gen), torch.device("cuda"))
+            self.pools[retention] = (layout, self._random_records(layout, self.c4_records), keep)
+        return self.pools[retention]
+
+    def call_sets(self, case: DecodeCase, l2_bytes: int, config: dict, compiled: list | None = None) -> list:
+        from remnant.kernels.decode import decode
+
+        layout, pool, keep = self.pool(512 if case.variant == "native" else case.retention)
+        nbytes, _ = _decode_bytes_flops(case)
+        calls = []
+        sink = torch.randn(HEADS, device="cuda")
+        for _ in range(_rotations(nbytes, l2_bytes)):
+            q = torch.randn(case.batch, HEADS, 512, device="cuda", dtype=torch.bfloat16)
+            c4_locs = torch.randint(0, self.c4_records, (case.batch, case.topk), device="cuda", dtype=torch.int32)
+            base = torch.randint(0, self.window_layout.capacity(self.window) - case.window, (case.batch, 1), device="cuda")
+            win_locs = (base + torch.arange(case.window, device="cuda")).to(torch.int32)
+            out = torch.empty_like(q)
+            calls.append(lambda q=q, c=c4_locs, w=win_locs, out=out: decode(
+                q, pool, layout, c, self.window, self.window_layout, w, sink,
+                keep if case.variant == "packed" else None, out=out, compiled=compiled, **config))
+        return calls
+
+
+def _compiled_info(compiled: list) -> dict:
+    kernel = compiled[-1] if compiled else None
+    info = {}
+    for key in ("n_regs", "n_spills"):
+        value = getattr(kernel, key, None)
+        if isinstance(value, int):
+            info[key] = value
+    shared = getattr(getattr(kernel, "metadata", None), "shared", None)
+    if isinstance(shared, int):
+        info["shared_bytes"] = shared
+    return info
+
+
+DECODE_CONFIGS = [
+    dict(h_block=64, block_n=32, num_warps=8, num_stages=1),
+    dict(h_block=64, block_n=16, num_warps=8, num_stages=1),
+    dict(h_block=64, block_n=32, num_warps=8, num_stages=2),
+    dict(h_block=64, block_n=64, num_warps=8, num_stages=1),
+    dict(h_block=32, block_n=32, num_warps=4, num_stages=1),
+    dict(h_block=32, block_n=64, num_warps=8, num_stages=1),
+    dict(h_block=32, block_n=32, num_warps=8, num_stages=2),
+    dict(h_block=16, block_n=64, num_warps=4, num_stages=1),
+]
+
+
+def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, configs: list[dict], batch: int) -> tuple[list[dict], dict]:
+    """Time every config for both variants; each variant keeps its own best (equal care)."""
+    rows, best = [], {}
+    for variant in ("native", "packed"):
+        case = DecodeCase(variant, 512 if variant == "native" else KERNEL_R, batch, TOPK, WINDOW)
+        nbytes, flops = _decode_bytes_flops(case)
+        for config in configs:
+            compiled: list = []
+            try:
+                seconds = _sync_time_graph(inputs.call_sets(case, ceil.l2_bytes, config, compiled), reps)
+            except Exception as exc:  # a config that does not compile or launch is recorded, not fatal
+                rows.append({"variant": variant, "config": config, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                continue
+            row = {"variant": variant, "config": config, **_compiled_info(compiled),
+                   **_roofline(seconds, nbytes, flops, ceil)}
+            rows.append(row)
+            if variant not in best or seconds * 1e6 < best[variant][1]:
+                best[variant] = (config, seconds * 1e6)
+    if set(best) != {"native", "packed"}:
+        raise RuntimeError(f"no decode config ran for {sorted({'native', 'packed'} - set(best))}: {rows}")
+    return rows, {v: c for v, (c, _) in best.items()}
+
+
+def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, cases: list[DecodeCase]) -> list[dict]:
+    rows = []
+    for case in cases:
+        config = best[case.variant]
+        nbytes, flops = _decode_bytes_flops(case)
+        compiled: list = []
+        seconds = _sync_time_graph(inputs.call_sets(case, ceil.l2_bytes, config, compiled), reps)
+        rows.append({"variant": case.variant, "retention": case.retention, "batch": case.batch, "topk": case.topk,
+                     "window": case.window, "heads": HEADS, "config": config, **_compiled_info(compiled),
+                     **_roofline(seconds, nbytes, flops, ceil)})
+    return rows
+
+
+def decode_cases(quick: bool) -> list[DecodeCase]:
+    batches = [16, 64, 128] if quick else [1, 16, 64, 128, 256, 512]
+    cases = []
+    for batch in batches:
+        for window in (WINDOW, 0):
+            cases.append(DecodeCase("native", 512, batch, TOPK, window))
+            cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window))
+    for topk in ([128, 2048] if not quick else [2048]):
+        cases.append(DecodeCase("native", 512, 128, topk, WINDOW))
+        cases.append(DecodeCase("packed", KERNEL_R, 128, topk, WINDOW))
+    for retention in ([128, 384] if not quick else [128]):
+        cases.append(DecodeCase("packed", retention, 128, TOPK, WINDOW))
+    return cases
+
+
+def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: list[dict]) -> list[dict]:
+    """The issue's targets, each with its measured value (ratios from this run only)."""
+    out = []
+    by = {(r["variant"], r["retention"], r["batch"], r["topk"], r["window"]): r for r in decode_rows}
+    for window in (WINDOW, 0):
+        for batch in sorted({r["batch"] for r in decode_rows if r["batch"] >= 64}):
+            native = by.get(("native", 512, batch, TOPK, window))
+            packed = by.get(("packed", KERNEL_R, batch, TOPK, window))
+            if native and packed:
+                ratio = packed["time_us"] / native["time_us"]
+                byte_ratio = packed["bytes"] / native["bytes"]
+                out.append({"name": f"decode packed/native time, batch {batch}, top-k {TOPK}, window {window}",
+                            "value": ratio, "target": "<= 0.62", "met": ratio <= 0.62,
+                            "note": f"byte ratio of this case {byte_ratio:.3f} (C4 records alone: {(KERNEL_R + 72) / 584:.3f})"})
+    for kernel, rows in (("store", store_rows), ("reconstruct", reconstruct_rows)):
+        largest = max((r["records"] for r in rows), default=None)
+        for r in rows:
+            if r["records"] == largest:
+                f = r["fraction_of_copy_bandwidth"]
+                out.append({"name": f"{kernel} R={r['retention']}, {largest} records: fraction of copy bandwidth",
+                            "value": f, "target": ">= 0.80", "met": f >= 0.80, "note": ""})
+    for r in decode_rows:
+        if r["batch"] >= 64 and r["topk"] == TOPK and r["window"] == WINDOW:
+            f = r["fraction_of_copy_bandwidth"]
+            bound = (f"floor is {r['floor_bound']}: {r['floor_us']:.2f} us; "
+                     f"tensor-core fraction {r['fraction_of_matmul_rate']:.2f}")
+            out.append({"name": f"decode {r['variant']} R={r['retention']} batch {r['batch']}: fraction of copy bandwidth",
+                        "value": f, "target": ">= 0.75 or a named bound", "met": f >= 0.75, "note": bound})
+    return out
+
+
+def gpu_provenance() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    gpu = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+           "multiprocessors": props.multi_processor_count, "memory_bytes": props.total_memory,
+           "l2_bytes": int(getattr(props, "L2_cache_size", 0))}
+    query = "driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,temperature.gpu"
+    try:
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        values = [v.strip() for v in line.split(",")]
+        gpu["nvidia_smi"] = dict(zip(query.split(","), values))
+    except (OSError, subprocess.SubprocessError, IndexError) as exc:
+        gpu["nvidia_smi"] = {"error": str(exc)[:200]}
+    import triton
+
+    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "python": platform.python_version(), "host": socket.gethostname(),
+            "git_commit": os.environ.get("REMNANT_GIT_COMMIT", "unknown")}
+
+
+def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    started = dt.datetime.now(dt.timezone.utc)
+    progress("ceilings: copy bandwidth and bf16 matmul")
+    ceil = measure_ceilings(reps)
+    progress(f"  copy {ceil.copy_gbps:.0f} GB/s, matmul {ceil.matmul_tflops:.0f} TFLOP/s, L2 {ceil.l2_bytes >> 20} MiB")
+    big = [2**16, 2**20] if quick else [2**14, 2**17, 2**20, 2**22]
+    progress("store")
+    store_rows = bench_store(ceil, big, [512, KERNEL_R] if quick else [512, 128, KERNEL_R, 384], reps, gen)
+    progress("reconstruct")
+    reconstruct_rows = bench_reconstruct(ceil, big, [KERNEL_R] if quick else [64, KERNEL_R, 448], reps, gen)
+    inputs = DecodeInputs(gen)
+    progress("decode: tuning")
+    tuning, best = tune_decode(inputs, ceil, reps, DECODE_CONFIGS[:3] if quick else DECODE_CONFIGS, batch=128)
+    progress(f"  best: {best}")
+    progress("decode: sweep")
+    decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick))
+    return {
+        "schema": "remnant/kernels-bench",
+        "schema_version": 1,
+        "created_at": started.isoformat(timespec="seconds"),
+        "seed": seed,
+        "provenance": gpu_provenance(),
+        "method": {"timing": "CUDA graph of a rotation of input sets (> 3x L2), replayed; CUDA events; median",
+                   "replays": reps, "quick": quick, "heads": HEADS},
+        "ceilings": {"copy_gbps": ceil.copy_gbps, "matmul_bf16_tflops": ceil.matmul_tflops, "l2_bytes": ceil.l2_bytes},
+        "store": store_rows,
+        "reconstruct": reconstruct_rows,
+        "decode_tuning": tuning,
+        "decode": decode_rows,
+        "targets": targets(decode_rows, store_rows, reconstruct_rows),
+    }
+
+
+def table(doc: dict) -> str:
+    lines = [f"{doc['provenance']['gpu']['name']}: copy {doc['ceilings']['copy_gbps']:.0f} GB/s, "
+             f"bf16 {doc['ceilings']['matmul_bf16_tflops']:.0f} TFLOP/s"]
+    for r in doc["store"] + doc["reconstruct"]:
+        lines.append(f"{r['kernel']:<12} R={r['retention']:<3} n={r['records']:<8} {r['time_us']:9.1f} us "
+                     f"{r['achieved_gbps']:7.0f} GB/s  {100 * r['fraction_of_copy_bandwidth']:5.1f}% copy")
+    for r in doc["decode"]:
+        lines.append(f"decode {r['variant']:<6} R={r['retention']:<3} B={r['batch']:<4} k={r['topk']:<5} W={r['window']:<3} "
+                     f"{r['time_us']:9.1f} us {100 * r['fraction_of_copy_bandwidth']:5.1f}% copy "
+                     f"{100 * r['fraction_of_matmul_rate']:5.1f}% mma regs={r.get('n_regs', '?')} spills={r.get('n_spills', '?')}")
+    for t in doc["targets"]:
+        lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.3f} (target {t['target']}) {t['note']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="remnant-kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("kernels-bench.json"), help="JSON file to write")
+    parser.add_argument("--quick", action="store_true", help="a short sweep (minutes less)")
+    parser.add_argument("--reps", type=int, default=30, help="graph replays per case (median taken)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("remnant-kernels: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    doc = run(args.quick, args.reps, args.seed, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    from remnant.records.schema import write_validated
+
+    write_validated(args.out, doc)
+    print(table(doc))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

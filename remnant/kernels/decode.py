@@ -1,0 +1,243 @@
+"""decode: sparse decode attention of one CSA layer over native or packed C4 records.
+
+For each decode token b and each block of H_BLOCK query heads, one program runs one online
+softmax over [attention sink | W window tokens | K selected C4 records], V = K (the same
+512-vector), as DeepSeek-V4's sparse MLA decode does. Window tokens are native records;
+C4 records are native (the stock baseline) or packed (kernel mode).
+
+Both variants share this code and its care: records are read once per program with wide
+loads (the codes of a record are one contiguous run), scales are applied by building the
+float32 2^(s-127) from the UE8M0 byte (exact), keys are dequantized to bf16 (exact: FP8
+e4m3 times a power of two), and both matrix products run on the tensor cores in bf16 with
+float32 accumulation.
+
+Packed C4 records hold only the kept NoPE coordinates, so the packed variant works in
+"kept order": q is gathered to the kept columns once, scores of C4 records use those
+columns and RoPE only, and the output accumulates in three parts (kept, dropped, RoPE)
+that are written back to their native coordinates at the end. Window records, which are
+native, are split into kept and dropped columns in registers (tl.gather) after one
+contiguous load.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from remnant.kernels.common import KeptColumns, check_locs
+from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
+from remnant.kv.paged import PageLayout
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _addresses(base_ptr, loc, per_page, stride, DATA: tl.constexpr):
+    """Data and tail (scales) byte pointers of records at flat locations `loc`."""
+    loc = loc.to(tl.int64)
+    page_base = base_ptr + (loc // per_page) * stride
+    slot = loc % per_page
+    return page_base + slot * DATA, page_base + per_page * DATA + slot * 8
+
+
+@triton.jit
+def _dequant(codes, word, shifts):
+    """FP8 codes [BN, C] (uint8) times 2^(s-127), s the byte of `word` [BN] at `shifts` [C]."""
+    s = (word[:, None] >> shifts[None, :]) & 0xFF
+    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _load_rope_and_word(data, tail, valid, N: tl.constexpr):
+    r = tl.arange(0, 64)
+    rope = tl.load((data + N).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+    word = tl.load(tail.to(tl.pointer_type(tl.int64)), mask=valid, other=0)
+    return rope, word
+
+
+@triton.jit
+def _mma(a, b, INTERPRETED: tl.constexpr):
+    """a @ b with bf16 operands and float32 accumulation.
+
+    Triton 3.9's CPU interpreter returns garbage for tl.dot on bf16 operands (measured here:
+    error 2.6e10 on a 16 x 16 product of N(0,1) values), so interpreted runs multiply the
+    same bf16-rounded values as float32; compiled runs use the tensor cores.
+    """
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, q_sb, q_sh,
+    out_ptr, o_sb, o_sh,
+    sink_ptr, H,
+    win_ptr, win_locs_ptr, win_sb, W, win_per_page, win_stride,
+    c4_ptr, c4_locs_ptr, c4_sb, K, c4_per_page, c4_stride,
+    kept_ptr, drop_ptr, qk_scale,
+    N: tl.constexpr, NP: tl.constexpr, ND: tl.constexpr, DP: tl.constexpr,
+    PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
+    h_ok = heads < H
+    q_row = q_ptr + b * q_sb + heads * q_sh
+    o_row = out_ptr + b * o_sb + heads * o_sh
+    d = tl.arange(0, 512)
+    r = tl.arange(0, 64)
+    n_off = tl.arange(0, BN)
+
+    # Columns in "kept order" (native: all 448 NoPE columns in order) and scale shifts.
+    j = tl.arange(0, NP)
+    kept = tl.load(kept_ptr + j)
+    kept_ok = j < N
+    kept_shift = (kept // 64 * 8).to(tl.int64)
+    q_kept = tl.load(q_row[:, None] + kept[None, :], mask=h_ok[:, None] & kept_ok[None, :], other=0.0).to(tl.bfloat16)
+    q_rope = tl.load(q_row[:, None] + 448 + r[None, :], mask=h_ok[:, None], other=0.0).to(tl.bfloat16)
+    if PACKED:
+        dj = tl.arange(0, DP)
+        drop = tl.load(drop_ptr + dj)
+        drop_ok = dj < ND
+        drop_shift = (drop // 64 * 8).to(tl.int64)
+        q_drop = tl.load(q_row[:, None] + drop[None, :], mask=h_ok[:, None] & drop_ok[None, :], other=0.0).to(tl.bfloat16)
+        acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
+
+    # The sink takes softmax mass and gives no value: it starts the running max and sum.
+    m = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    l = tl.full((H_BLOCK,), 1.0, dtype=tl.float32)
+    acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
+    acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
+
+    # Window tokens: native records.
+    for start in range(0, W, BN):
+        n = start + n_off
+        loc = tl.load(win_locs_ptr + b * win_sb + n, mask=n < W, other=-1)
+        valid = loc >= 0
+        data, tail = _addresses(win_ptr, tl.maximum(loc, 0), win_per_page, win_stride, 576)
+        rope, word = _load_rope_and_word(data, tail, valid, 448)
+        k_rope = rope.to(tl.bfloat16)
+        if PACKED:
+            codes = tl.load(data[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < 448), other=0)
+            k_kept = _dequant(tl.gather(codes, tl.broadcast_to(kept[None, :], (BN, NP)), axis=1), word, kept_shift)
+            k_drop = _dequant(tl.gather(codes, tl.broadcast_to(drop[None, :], (BN, DP)), axis=1), word, drop_shift)
+            k_kept = tl.where(kept_ok[None, :], k_kept, 0.0)
+            k_drop = tl.where(drop_ok[None, :], k_drop, 0.0)
+            s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_drop, tl.trans(k_drop), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
+        else:
+            codes = tl.load(data[:, None] + j[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
+            k_kept = _dequant(codes, word, kept_shift)
+            s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        pb = p.to(tl.bfloat16)
+        acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+        acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+        if PACKED:
+            acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
+        m = m_new
+
+    # Selected C4 records: native or packed.
+    C4_DATA: tl.constexpr = N + 128
+    for start in range(0, K, BN):
+        n = start + n_off
+        loc = tl.load(c4_locs_ptr + b * c4_sb + n, mask=n < K, other=-1)
+        valid = loc >= 0
+        data, tail = _addresses(c4_ptr, tl.maximum(loc, 0), c4_per_page, c4_stride, C4_DATA)
+        rope, word = _load_rope_and_word(data, tail, valid, N)
+        k_rope = rope.to(tl.bfloat16)
+        codes = tl.load(data[:, None] + j[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
+        k_kept = _dequant(codes, word, kept_shift)
+        s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        pb = p.to(tl.bfloat16)
+        acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+        acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+        if PACKED:
+            acc_drop = acc_drop * alpha[:, None]
+        m = m_new
+
+    inv_l = 1.0 / l
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(o_row[:, None] + kept[None, :], (acc_kept * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & kept_ok[None, :])
+    tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
+    if PACKED:
+        tl.store(o_row[:, None] + drop[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
+                 mask=h_ok[:, None] & drop_ok[None, :])
+
+
+def _check_layout(layout: PageLayout, pages: torch.Tensor, width: int, name: str) -> None:
+    layout.check(pages, name)
+    if layout.record_bytes != width:
+        raise ValueError(f"{name} layout holds {layout.record_bytes}-byte records, expected {width}")
+
+
+def decode(
+    q: torch.Tensor,
+    c4: torch.Tensor,
+    c4_layout: PageLayout,
+    c4_locs: torch.Tensor,
+    window: torch.Tensor,
+    window_layout: PageLayout,
+    window_locs: torch.Tensor,
+    sink: torch.Tensor,
+    keep: "torch.Tensor | KeptColumns | None" = None,
+    scale: float = 1.0 / math.sqrt(HEAD_DIM),
+    out: torch.Tensor | None = None,
+    check_range: bool = False,
+    h_block: int = 64,
+    block_n: int = 32,
+    num_warps: int = 8,
+    num_stages: int = 1,
+    compiled: list | None = None,
+) -> torch.Tensor:
+    """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
+
+    q: bf16/float [B, H, 512]; c4_locs int [B, K], window_locs int [B, W] (-1 = padding);
+    sink float [H]; keep None for native C4 records, int64 [N] for packed. Returns out
+    [B, H, 512] in q's dtype (or writes the given `out`).
+    """
+    if q.ndim != 3 or q.shape[2] != HEAD_DIM:
+        raise ValueError(f"q must be [B, H, {HEAD_DIM}], got {tuple(q.shape)}")
+    batch, heads, _ = q.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    cols = KeptColumns.of(keep, q.device)
+    _check_layout(c4_layout, c4, cols.record_bytes, "c4")
+    _check_layout(window_layout, window, NATIVE_RECORD_BYTES, "window")
+    if c4_locs.ndim != 2 or c4_locs.shape[0] != batch or window_locs.ndim != 2 or window_locs.shape[0] != batch:
+        raise ValueError(f"c4_locs and window_locs must be [B={batch}, *], got {tuple(c4_locs.shape)} and {tuple(window_locs.shape)}")
+    if sink.shape != (heads,):
+        raise ValueError(f"sink must be [H] = [{heads}], got {tuple(sink.shape)}")
+    c4_locs = check_locs(c4_locs, "c4_locs", c4_layout.capacity(c4), check_range)
+    window_locs = check_locs(window_locs, "window_locs", window_layout.capacity(window), check_range)
+    if out is None:
+        out = torch.empty_like(q)
+    sink = sink.float().contiguous()
+    grid = (batch, triton.cdiv(heads, h_block))
+    kernel = _decode_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        sink, heads,
+        window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.per_page, window_layout.page_stride,
+        c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.per_page, c4_layout.page_stride,
+        cols.kept, cols.dropped, scale * LOG2E,
+        N=cols.n_kept, NP=cols.kept.numel(), ND=cols.n_dropped, DP=cols.dropped.numel(),
+        PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if compiled is not None:  # the benchmark records registers and spills
+        compiled.append(kernel)
+    return out

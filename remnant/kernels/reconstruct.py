@@ -1,0 +1,104 @@
+"""reconstruct: packed C4 records -> native records for selected pool locations.
+
+The triton mode's gather: each selected packed record (R + 72 bytes) becomes a native
+record (584 bytes) whose kept NoPE codes sit at their coordinates, dropped codes are FP8
+zero, and RoPE, scales and pad are copied. The result goes to a plain [k, 584] tensor or
+into native pages at given locations (so stock attention reads it unchanged).
+
+The kept codes are read as one contiguous run per record and permuted into native order
+in registers (tl.gather), so global memory sees only wide loads and stores.
+Bytes: read R + 72, write 584 per record.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from remnant.kernels.common import KeptColumns, check_locs
+from remnant.kv.formats import NATIVE_RECORD_BYTES
+from remnant.kv.paged import PageLayout
+
+
+@triton.jit
+def _reconstruct_kernel(
+    src_ptr, src_locs_ptr, src_per_page, src_stride,
+    dst_ptr, dst_locs_ptr, dst_per_page, dst_stride,
+    slot_of_ptr, n_rows,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < n_rows
+    SRC_DATA: tl.constexpr = N + 128
+    DST_DATA: tl.constexpr = 576
+
+    src_loc = tl.load(src_locs_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    src_data = src_ptr + (src_loc // src_per_page) * src_stride + (src_loc % src_per_page) * SRC_DATA
+    src_tail = src_ptr + (src_loc // src_per_page) * src_stride + src_per_page * SRC_DATA + (src_loc % src_per_page) * 8
+    dst_loc = tl.load(dst_locs_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    dst_data = dst_ptr + (dst_loc // dst_per_page) * dst_stride + (dst_loc % dst_per_page) * DST_DATA
+    dst_tail = dst_ptr + (dst_loc // dst_per_page) * dst_stride + dst_per_page * DST_DATA + (dst_loc % dst_per_page) * 8
+
+    # Kept codes, contiguous; native coordinate c takes kept slot slot_of[c] (or zero).
+    j = tl.arange(0, NP)
+    kept = tl.load(src_data[:, None] + j[None, :], mask=row_ok[:, None] & (j[None, :] < N), other=0)
+    c = tl.arange(0, 512)
+    slot_of = tl.load(slot_of_ptr + c)
+    native = tl.gather(kept, tl.broadcast_to(tl.maximum(slot_of, 0)[None, :], (BLOCK_ROWS, 512)), axis=1)
+    native = tl.where(slot_of[None, :] >= 0, native, 0)
+    tl.store(dst_data[:, None] + c[None, :], native, mask=row_ok[:, None] & (c[None, :] < 448))
+
+    r = tl.arange(0, 64)
+    rope = tl.load((src_data + N).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=row_ok[:, None])
+    tl.store((dst_data + 448).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], rope, mask=row_ok[:, None])
+    t = tl.arange(0, 8)
+    tail = tl.load(src_tail[:, None] + t[None, :], mask=row_ok[:, None])
+    tl.store(dst_tail[:, None] + t[None, :], tail, mask=row_ok[:, None])
+
+
+def reconstruct(
+    pages: torch.Tensor,
+    layout: PageLayout,
+    locs: torch.Tensor,
+    keep: "torch.Tensor | KeptColumns",
+    out: torch.Tensor | None = None,
+    out_layout: PageLayout | None = None,
+    out_locs: torch.Tensor | None = None,
+    check_range: bool = False,
+    block_rows: int = 16,
+) -> torch.Tensor:
+    """Packed records at `locs` [k] of `pages` -> native records.
+
+    Without `out`: returns uint8 [k, 584]. With `out` (native pages), `out_layout` and
+    `out_locs` [k]: writes record i at out_locs[i] there and returns `out`.
+    """
+    layout.check(pages)
+    cols = KeptColumns.of(keep, pages.device)
+    if cols.record_bytes != layout.record_bytes:
+        raise ValueError(f"keep holds {cols.n_kept} codes ({cols.record_bytes}-byte records), but the layout holds {layout.record_bytes}")
+    if locs.ndim != 1:
+        raise ValueError(f"locs must be [k], got {tuple(locs.shape)}")
+    k = locs.shape[0]
+    src_locs = check_locs(locs, "locs", layout.capacity(pages), check_range)
+    if out is None:
+        out_layout = PageLayout.rows(NATIVE_RECORD_BYTES)
+        out = torch.empty(k, NATIVE_RECORD_BYTES, dtype=torch.uint8, device=pages.device)
+        out_locs = torch.arange(k, dtype=torch.int32, device=pages.device)
+    if out_layout.record_bytes != NATIVE_RECORD_BYTES:
+        raise ValueError(f"out_layout must hold native {NATIVE_RECORD_BYTES}-byte records, got {out_layout.record_bytes}")
+    out_layout.check(out, "out")
+    if out_locs.shape != (k,):
+        raise ValueError(f"out_locs must be [{k}] like locs, got {tuple(out_locs.shape)}")
+    dst_locs = check_locs(out_locs, "out_locs", out_layout.capacity(out), check_range)
+    if k == 0:
+        return out
+    grid = (triton.cdiv(k, block_rows),)
+    _reconstruct_kernel[grid](
+        pages, src_locs, layout.per_page, layout.page_stride,
+        out, dst_locs, out_layout.per_page, out_layout.page_stride,
+        cols.slot_of, k,
+        N=cols.n_kept, NP=cols.kept.numel(), BLOCK_ROWS=block_rows,
+    )
+    return out

@@ -1,0 +1,236 @@
+"""Records in paged pools, SGLang's split page layout: the reference for remnant.kernels.
+
+A pool buffer is uint8 [pages, page_stride]. A record lives at a flat location
+`loc = page * per_page + slot`: its data part (NoPE codes + RoPE) at byte
+`page * page_stride + slot * data_bytes`, its 8 scale+pad bytes at
+`page * page_stride + per_page * data_bytes + slot * 8` (DeepSeekV4SingleKVPool's layout;
+`loc` is SGLang's `out_cache_loc`). A plain [n, record_bytes] tensor is the layout with
+per_page = 1 and page_stride = record_bytes.
+
+Every function here is the plain torch version; on CUDA tensors `store`, `reconstruct`
+and the two decodes dispatch to the Triton kernels of remnant.kernels, which tests check
+against these references (`reference=True` forces the torch path on any device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from remnant.kv.attention import SOFTMAX_SCALE, decode_native as _decode_native_records
+from remnant.kv.attention import decode_packed as _decode_packed_records
+from remnant.kv.codec import quantize
+from remnant.kv.formats import NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
+from remnant.kv.packing import check_keep, pack, unpack
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Where records sit in a pool buffer (bytes; see the module docstring)."""
+
+    per_page: int
+    record_bytes: int
+    page_stride: int
+
+    def __post_init__(self):
+        if self.per_page < 1 or self.record_bytes <= SCALE_BYTES:
+            raise ValueError(f"bad page layout: per_page={self.per_page}, record_bytes={self.record_bytes}")
+        if self.page_stride < self.per_page * self.record_bytes:
+            raise ValueError(
+                f"page_stride={self.page_stride} is smaller than per_page x record_bytes = "
+                f"{self.per_page * self.record_bytes}"
+            )
+
+    @property
+    def data_bytes(self) -> int:
+        return self.record_bytes - SCALE_BYTES
+
+    @classmethod
+    def sglang(cls, per_page: int, retention: int = 512) -> "PageLayout":
+        """SGLang's pages of `per_page` records, padded to a multiple of the data row."""
+        from remnant.kv.formats import packed_record_bytes
+
+        width = NATIVE_RECORD_BYTES if retention == 512 else packed_record_bytes(retention)
+        return cls(per_page, width, page_bytes(per_page, retention))
+
+    @classmethod
+    def rows(cls, record_bytes: int) -> "PageLayout":
+        """A plain [n, record_bytes] tensor of records."""
+        return cls(1, record_bytes, record_bytes)
+
+    def check(self, pages: torch.Tensor, name: str = "pages") -> None:
+        if pages.dtype != torch.uint8 or pages.ndim != 2 or pages.shape[1] != self.page_stride:
+            raise ValueError(
+                f"{name} must be uint8 [pages, {self.page_stride}] for this layout, got {pages.dtype} {tuple(pages.shape)}"
+            )
+        if not pages.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+    def capacity(self, pages: torch.Tensor) -> int:
+        return pages.shape[0] * self.per_page
+
+    def byte_offsets(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Byte offsets [k, data_bytes] and [k, 8] of records at `locs` [k] in the flat buffer."""
+        locs = locs.long()
+        page, slot = locs // self.per_page, locs % self.per_page
+        base = page * self.page_stride
+        data = (base + slot * self.data_bytes)[:, None] + torch.arange(self.data_bytes, device=locs.device)
+        tail = (base + self.per_page * self.data_bytes + slot * SCALE_BYTES)[:, None] + torch.arange(
+            SCALE_BYTES, device=locs.device
+        )
+        return data, tail
+
+
+def _check_locs(locs: torch.Tensor, layout: PageLayout, pages: torch.Tensor, name: str) -> None:
+    if locs.dtype not in (torch.int32, torch.int64) or locs.ndim != 1:
+        raise ValueError(f"{name} must be an int tensor [k], got {locs.dtype} {tuple(locs.shape)}")
+    if locs.numel() and (int(locs.min()) < 0 or int(locs.max()) >= layout.capacity(pages)):
+        raise ValueError(f"{name} must lie in [0, {layout.capacity(pages)}), got [{int(locs.min())}, {int(locs.max())}]")
+
+
+def write(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor, records: torch.Tensor) -> None:
+    """Write records uint8 [k, record_bytes] to `locs` [k]."""
+    layout.check(pages)
+    _check_locs(locs, layout, pages, "locs")
+    data, tail = layout.byte_offsets(locs.to(pages.device))
+    flat = pages.view(-1)
+    flat[data] = records[:, : layout.data_bytes]
+    flat[tail] = records[:, layout.data_bytes :]
+
+
+def gather(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor) -> torch.Tensor:
+    """Records at `locs` [k] as uint8 [k, record_bytes]."""
+    layout.check(pages)
+    _check_locs(locs, layout, pages, "locs")
+    data, tail = layout.byte_offsets(locs.to(pages.device))
+    flat = pages.view(-1)
+    return torch.cat([flat[data], flat[tail]], dim=1)
+
+
+def _use_kernels(*tensors: torch.Tensor, reference: bool) -> bool:
+    return not reference and all(t.is_cuda for t in tensors)
+
+
+def store(
+    x: torch.Tensor,
+    pages: torch.Tensor,
+    layout: PageLayout,
+    locs: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    reference: bool = False,
+) -> None:
+    """Quantize latents x float [n, 512] and write them at `locs` [n].
+
+    keep None: native records (layout.record_bytes 584); keep int64 [N]: packed records of
+    R = N + 64 coordinates (layout.record_bytes R + 72).
+    """
+    if _use_kernels(x, pages, reference=reference):
+        from remnant.kernels.store import store as store_kernel
+
+        return store_kernel(x, pages, layout, locs, keep)
+    records = quantize(x)
+    if keep is not None:
+        records = pack(records, keep)
+    if records.shape[1] != layout.record_bytes:
+        raise ValueError(f"records are {records.shape[1]} bytes but the layout holds {layout.record_bytes}-byte records")
+    write(pages, layout, locs, records)
+
+
+def reconstruct(
+    pages: torch.Tensor,
+    layout: PageLayout,
+    locs: torch.Tensor,
+    keep: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_layout: PageLayout | None = None,
+    out_locs: torch.Tensor | None = None,
+    reference: bool = False,
+) -> torch.Tensor:
+    """Packed records at `locs` [k] -> native records (dropped NoPE codes = FP8 zero).
+
+    Without `out`: returns uint8 [k, 584]. With `out` (native pages), `out_layout` and
+    `out_locs` [k]: writes record i to out_locs[i] there (the triton mode's gather into
+    pages the stock attention reads) and returns `out`.
+    """
+    if (out is None) != (out_locs is None) or (out is None) != (out_layout is None):
+        raise ValueError("reconstruct: give out, out_layout and out_locs together, or none of them")
+    if _use_kernels(pages, reference=reference):
+        from remnant.kernels.reconstruct import reconstruct as reconstruct_kernel
+
+        return reconstruct_kernel(pages, layout, locs, keep, out, out_layout, out_locs)
+    check_keep(keep)
+    native = unpack(gather(pages, layout, locs), keep)
+    if out is None:
+        return native
+    write(out, out_layout, out_locs, native)
+    return out
+
+
+def _valid(row: torch.Tensor) -> torch.Tensor:
+    return row[row >= 0]
+
+
+def decode_native(
+    q: torch.Tensor,
+    c4: torch.Tensor,
+    c4_layout: PageLayout,
+    c4_locs: torch.Tensor,
+    window: torch.Tensor,
+    window_layout: PageLayout,
+    window_locs: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float = SOFTMAX_SCALE,
+    reference: bool = False,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Sparse decode over native C4 records in pages, for a batch of B decode tokens.
+
+    q: [B, H, 512] (RoPE applied); c4_locs: int [B, K] selected records' locations
+    (-1 = padding); window_locs: int [B, W] window tokens' locations in the window pool
+    (-1 = padding); sink: [H]. Returns [B, H, 512] (`dtype` on the reference path,
+    q's dtype from the kernel).
+    """
+    if _use_kernels(q, c4, window, reference=reference):
+        from remnant.kernels.decode import decode
+
+        return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, None, scale)
+    out = []
+    for b in range(q.shape[0]):
+        c4_rows = gather(c4, c4_layout, _valid(c4_locs[b]))
+        win_rows = gather(window, window_layout, _valid(window_locs[b]))
+        out.append(_decode_native_records(q[b], win_rows, c4_rows, torch.arange(c4_rows.shape[0]), sink, scale, dtype))
+    return torch.stack(out)
+
+
+def decode_packed(
+    q: torch.Tensor,
+    c4: torch.Tensor,
+    c4_layout: PageLayout,
+    c4_locs: torch.Tensor,
+    keep: torch.Tensor,
+    window: torch.Tensor,
+    window_layout: PageLayout,
+    window_locs: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float = SOFTMAX_SCALE,
+    reference: bool = False,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Sparse decode directly over packed C4 records in pages (the kernel mode).
+
+    As decode_native, with c4 holding packed records (R + 72 bytes) and keep int64 [N] the
+    layer's kept NoPE indices.
+    """
+    if _use_kernels(q, c4, window, reference=reference):
+        from remnant.kernels.decode import decode
+
+        return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale)
+    out = []
+    for b in range(q.shape[0]):
+        c4_rows = gather(c4, c4_layout, _valid(c4_locs[b]))
+        win_rows = gather(window, window_layout, _valid(window_locs[b]))
+        out.append(
+            _decode_packed_records(q[b], win_rows, c4_rows, keep, torch.arange(c4_rows.shape[0]), sink, scale, dtype)
+        )
+    return torch.stack(out)

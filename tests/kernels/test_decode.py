@@ -1,0 +1,83 @@
+"""remnant.kernels.decode against the float64 reference decode of remnant.kv.paged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remnant.kernels.decode import decode
+from remnant.kv.paged import PageLayout, decode_native, decode_packed
+from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
+
+# bf16 operands and a bf16 output: errors of a few 1e-3 (METHOD: 1e-3..1e-2).
+TOLERANCE = 1e-2
+
+
+def check_decode(batch, heads, topk, window, retention, seed, **config) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    keep = keep_map(retention, gen)
+    c4_layout = PageLayout.sglang(64, retention)
+    c4 = filled_pool(c4_layout, -(-4 * topk // 64) + 1, keep, gen)
+    win_layout = PageLayout.sglang(64)
+    win = filled_pool(win_layout, -(-2 * max(window, 1) // 64) + 1, None, gen)
+    c4_locs = torch.stack([torch.randperm(c4_layout.capacity(c4), generator=gen)[:topk] for _ in range(batch)])
+    win_locs = torch.stack([torch.randperm(win_layout.capacity(win), generator=gen)[:window] for _ in range(batch)])
+    if topk > 3:
+        c4_locs[0, -3:] = -1  # the indexer pads short selections with -1
+    if window > 2 and batch > 1:
+        win_locs[1, :2] = -1
+    c4_locs, win_locs = c4_locs.to(DEVICE), win_locs.to(DEVICE)
+    q = (torch.randn(batch, heads, 512, generator=gen) * 2).to(torch.bfloat16).to(DEVICE)
+    sink = torch.randn(heads, generator=gen).to(DEVICE)
+
+    args = (c4_locs, win, win_layout, win_locs, sink)
+    if keep is None:
+        want = decode_native(q, c4, c4_layout, *args, reference=True)
+    else:
+        want = decode_packed(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink, reference=True)
+    out = torch.full_like(q, float("nan"))
+    decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=out, check_range=True, **config)
+    assert not out.isnan().any(), "an output element was not written (or is NaN)"
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < TOLERANCE, f"relative error {err:.2e}"
+    return err
+
+
+SMALL = dict(h_block=16, block_n=16, num_warps=4)
+
+
+@pytest.mark.parametrize("retention", [256, 512, 128, 384])
+def test_decode_matches_float64_reference(retention):
+    check_decode(batch=3, heads=20, topk=37, window=13, retention=retention, seed=retention, **SMALL)
+
+
+def test_decode_with_no_window_and_all_padding():
+    # Only the sink is left in the softmax: the output is zero, and still written.
+    gen = torch.Generator().manual_seed(0)
+    layout = PageLayout.sglang(64, 256)
+    keep = keep_map(256, gen)
+    c4 = filled_pool(layout, 1, keep, gen)
+    win_layout = PageLayout.sglang(64)
+    win = filled_pool(win_layout, 1, None, gen)
+    q = torch.randn(2, 16, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    decode(q, c4, layout, torch.full((2, 5), -1, device=DEVICE), win, win_layout, torch.zeros(2, 0, dtype=torch.long, device=DEVICE),
+           torch.zeros(16, device=DEVICE), keep, out=out, **SMALL)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_decode_refuses_a_window_of_packed_records():
+    layout = PageLayout.sglang(64, 256)
+    pool = torch.zeros(1, layout.page_stride, dtype=torch.uint8, device=DEVICE)
+    locs = torch.zeros(1, 1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="window layout holds 328-byte records, expected 584"):
+        decode(torch.zeros(1, 16, 512, device=DEVICE), pool, layout, locs, pool, layout, locs,
+               torch.zeros(16, device=DEVICE), torch.arange(192))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("retention", [256, 512, 128])
+@pytest.mark.parametrize("config", [dict(h_block=64, block_n=32, num_warps=8), dict(h_block=32, block_n=64, num_warps=4)])
+def test_decode_on_gpu_at_v4_shape(retention, config):
+    check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)

@@ -1,0 +1,79 @@
+"""remnant.kernels.store against remnant.kv.paged.store (the torch reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remnant.kernels.store import store as store_kernel
+from remnant.kv.formats import NOPE_DIM
+from remnant.kv.paged import PageLayout, gather, store
+from tests.kernels.inputs import DEVICE, ON_GPU, keep_map, latents, poisoned_pages, triton_fp8_codes
+
+
+def _scaled_kept(x: torch.Tensor, keep) -> torch.Tensor:
+    """x / 2^e per tile, at the kept columns: the values the kernel casts to FP8."""
+    nope = x[:, :NOPE_DIM].float().view(-1, 7, 64)
+    e = torch.ceil(torch.log2(nope.abs().amax(-1).clamp_min(1e-8) / 448.0))
+    scaled = (nope * torch.exp2(-e)[..., None]).reshape(-1, NOPE_DIM)
+    return scaled if keep is None else scaled[:, keep.to(scaled.device)]
+
+
+def check_store(n: int, retention: int, per_page: int, pages: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    keep = keep_map(retention, gen)
+    layout = PageLayout.sglang(per_page, retention) if per_page > 1 else PageLayout.rows(
+        PageLayout.sglang(2, retention).record_bytes)
+    x = latents(n, gen).to(DEVICE)
+    locs = torch.randperm(per_page * pages, generator=gen)[:n].to(DEVICE)
+    want = poisoned_pages(layout, pages)
+    store(x, want, layout, locs, keep, reference=True)
+    got = poisoned_pages(layout, pages)
+    store_kernel(x, got, layout, locs, keep, check_range=True)
+
+    if ON_GPU:
+        assert torch.equal(got, want)
+        return
+    # Interpreter: every byte equal except FP8 codes where Triton 3.9's interpreted cast
+    # differs from torch's; those must be exactly the interpreter's cast of the same value.
+    codes_n = NOPE_DIM if keep is None else keep.numel()
+    got_rec, want_rec = gather(got, layout, locs), gather(want, layout, locs)
+    assert torch.equal(got_rec[:, codes_n:], want_rec[:, codes_n:]), "RoPE, scales or pad differ"
+    differ = got_rec[:, :codes_n] != want_rec[:, :codes_n]
+    interpreted = triton_fp8_codes(_scaled_kept(x, keep))
+    assert torch.equal(got_rec[:, :codes_n][differ], interpreted[differ])
+    assert differ.float().mean() < 0.1
+    untouched = torch.ones(layout.capacity(got), dtype=torch.bool)
+    untouched[locs.cpu()] = False
+    rest = untouched.nonzero().flatten()
+    assert torch.equal(gather(got, layout, rest), gather(want, layout, rest)), "bytes outside locs were written"
+
+
+@pytest.mark.parametrize("retention", [512, 256, 128, 448])
+def test_store_matches_reference_in_split_pages(retention):
+    check_store(n=37, retention=retention, per_page=16, pages=5, seed=retention)
+
+
+def test_store_into_plain_rows():
+    check_store(n=13, retention=256, per_page=1, pages=21, seed=3)
+
+
+def test_store_refuses_a_layout_of_other_width():
+    layout = PageLayout.sglang(16, 256)
+    with pytest.raises(ValueError, match="kept codes make 584-byte records, but the layout holds 328"):
+        store_kernel(torch.zeros(2, 512, device=DEVICE), poisoned_pages(layout, 1), layout,
+                     torch.arange(2, device=DEVICE), None)
+
+
+def test_store_refuses_locations_outside_the_pool():
+    layout = PageLayout.sglang(16)
+    with pytest.raises(ValueError, match=r"locs must lie in \[0, 16\)"):
+        store_kernel(torch.ones(1, 512, device=DEVICE), poisoned_pages(layout, 1), layout,
+                     torch.tensor([16], device=DEVICE), None, check_range=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the compiled FP8 cast")
+@pytest.mark.parametrize("retention", [512, 64, 256, 384])
+def test_store_bit_exact_on_gpu_at_size(retention):
+    check_store(n=100_003, retention=retention, per_page=64, pages=2000, seed=11 + retention)
