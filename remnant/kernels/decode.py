@@ -84,8 +84,10 @@ def _decode_kernel(
     N: tl.constexpr, NP: tl.constexpr, ND: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
+    # Head blocks of one token are adjacent in launch order, so they run together and the
+    # second and later blocks read the token's records from L2, not memory.
+    b = tl.program_id(1).to(tl.int64)
+    heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
     h_ok = heads < H
     q_row = q_ptr + b * q_sb + heads * q_sh
     o_row = out_ptr + b * o_sb + heads * o_sh
@@ -197,9 +199,9 @@ def decode(
     scale: float = 1.0 / math.sqrt(HEAD_DIM),
     out: torch.Tensor | None = None,
     check_range: bool = False,
-    h_block: int = 64,
+    h_block: int = 32,
     block_n: int = 32,
-    num_warps: int = 8,
+    num_warps: int = 4,
     num_stages: int = 1,
     compiled: list | None = None,
 ) -> torch.Tensor:
@@ -226,7 +228,7 @@ def decode(
     if out is None:
         out = torch.empty_like(q)
     sink = sink.float().contiguous()
-    grid = (batch, triton.cdiv(heads, h_block))
+    grid = (triton.cdiv(heads, h_block), batch)
     kernel = _decode_kernel[grid](
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(1),

@@ -78,6 +78,6 @@ def test_decode_refuses_a_window_of_packed_records():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("retention", [256, 512, 128])
-@pytest.mark.parametrize("config", [dict(h_block=64, block_n=32, num_warps=8), dict(h_block=32, block_n=64, num_warps=4)])
+@pytest.mark.parametrize("config", [dict(h_block=32, block_n=32, num_warps=8), dict(h_block=16, block_n=64, num_warps=4)])
 def test_decode_on_gpu_at_v4_shape(retention, config):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)

@@ -1,0 +1,70 @@
+"""remnant-kernels' accounting (bytes, FLOPs, targets) and its record, without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from remnant.kernels.bench import Ceilings, DecodeCase, _decode_bytes_flops, _roofline, main, table, targets
+from remnant.records.schema import RecordError, validate
+
+
+def test_decode_bytes_count_records_locations_and_io():
+    nbytes, flops = _decode_bytes_flops(DecodeCase("packed", 256, batch=2, topk=512, window=128))
+    io = 2 * 2 * 64 * 512 * 2
+    assert nbytes == 2 * (512 * (328 + 4) + 128 * (584 + 4)) + io
+    # kept 192 -> 256 padded + 64 RoPE columns for C4; window adds 256 dropped columns.
+    assert flops == 4 * 2 * 64 * (512 * 320 + 128 * 576)
+    native_bytes, _ = _decode_bytes_flops(DecodeCase("native", 512, batch=2, topk=512, window=128))
+    assert native_bytes == 2 * (640 * 588) + io
+
+
+def _doc() -> dict:
+    ceil = Ceilings(copy_gbps=4000.0, matmul_tflops=800.0, l2_bytes=60 << 20)
+    config = dict(h_block=32, block_n=32, num_warps=4, num_stages=1)
+    decode = []
+    for variant, retention, us in (("native", 512, 20.0), ("packed", 256, 12.0)):
+        case = DecodeCase(variant, retention, 64, 512, 128)
+        nbytes, flops = _decode_bytes_flops(case)
+        decode.append({"variant": variant, "retention": retention, "batch": 64, "topk": 512, "window": 128,
+                       "heads": 64, "config": config, **_roofline(us / 1e6, nbytes, flops, ceil)})
+    store = [{"kernel": "store", "retention": 256, "records": 1 << 20, "record_bytes": 328,
+              **_roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
+    recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328,
+              **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
+    return {
+        "schema": "remnant/kernels-bench", "schema_version": 1, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
+        "provenance": {"gpu": {"name": "test", "capability": "9.0", "multiprocessors": 132, "l2_bytes": 60 << 20,
+                               "nvidia_smi": {}},
+                       "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},
+        "method": {"timing": "graph", "replays": 30},
+        "ceilings": {"copy_gbps": 4000.0, "matmul_bf16_tflops": 800.0, "l2_bytes": 60 << 20},
+        "store": store, "reconstruct": recon,
+        "decode_tuning": [{"variant": "native", "config": config, "error": "did not compile"}],
+        "decode": decode, "targets": targets(decode, store, recon),
+    }
+
+
+def test_targets_are_ratios_of_this_run():
+    doc = _doc()
+    ratio = next(t for t in doc["targets"] if t["name"].startswith("decode packed/native time, batch 64"))
+    assert ratio["value"] == pytest.approx(12.0 / 20.0) and ratio["met"]
+    store = next(t for t in doc["targets"] if t["name"].startswith("store"))
+    assert store["value"] == pytest.approx((1 << 20) * 1356 / 500e-6 / 4000e9)
+    validate(doc)
+    assert "decode packed R=256 B=64" in table(doc)
+
+
+def test_schema_refuses_a_decode_row_without_its_config():
+    doc = _doc()
+    del doc["decode"][0]["config"]
+    with pytest.raises(RecordError, match=r"decode\[0\]"):
+        validate(doc)
+
+
+def test_needs_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["--out", "/nonexistent/x.json"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
