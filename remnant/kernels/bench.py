@@ -172,12 +172,14 @@ def bench_reconstruct(ceil: Ceilings, sizes: list[int], retentions: list[int], r
             call_bytes = k * (layout.record_bytes + 584 + 4)
             sets = _rotations(call_bytes, ceil.l2_bytes, most=64)
             calls = []
+            native = PageLayout.sglang(64)
             for _ in range(sets):
+                # Selected records (random picks) into native pages, as the triton mode
+                # gathers them for the stock attention.
                 locs = torch.randint(0, pool_records, (k,), generator=gen).to(device="cuda", dtype=torch.int32)
-                out = torch.empty(k, 584, dtype=torch.uint8, device="cuda")
+                out = torch.empty(-(-k // 64), native.page_stride, dtype=torch.uint8, device="cuda")
                 out_locs = torch.arange(k, dtype=torch.int32, device="cuda")
-                rows_layout = PageLayout.rows(584)
-                calls.append(lambda locs=locs, out=out, ol=out_locs: reconstruct(pool, layout, locs, keep, out, rows_layout, ol))
+                calls.append(lambda locs=locs, out=out, ol=out_locs: reconstruct(pool, layout, locs, keep, out, native, ol))
             seconds = _sync_time_graph(calls, reps)
             rows.append({"kernel": "reconstruct", "retention": retention, "records": k,
                          "record_bytes": layout.record_bytes, **_roofline(seconds, call_bytes, 0.0, ceil)})
@@ -269,6 +271,34 @@ class DecodeInputs:
         return calls
 
 
+def check_copies(gen: torch.Generator) -> list[dict]:
+    """store and reconstruct against remnant.kv.paged's references: bytes must be equal."""
+    from remnant.kernels.reconstruct import reconstruct
+    from remnant.kernels.store import store
+    from remnant.kv import paged
+
+    checks = []
+    n = 100_003
+    for retention in (512, 256, 64, 448):
+        keep = _keep(retention, gen)
+        layout = paged.PageLayout.sglang(64, retention)
+        x = (torch.randn(n, 512, device="cuda") * torch.exp(torch.randn(n, 1, device="cuda") * 2)).to(torch.bfloat16)
+        locs = torch.randperm(n + 997, device="cuda")[:n]
+        want = torch.full((-(-(n + 997) // 64), layout.page_stride), 0xAB, dtype=torch.uint8, device="cuda")
+        got = want.clone()
+        paged.store(x, want, layout, locs, keep, reference=True)
+        store(x, got, layout, locs, keep, check_range=True)
+        checks.append({"kernel": "store", "retention": retention, "records": n,
+                       "bytes_differing": int((got != want).sum())})
+        if keep is not None:
+            picks = torch.randint(0, n + 997, (n,), device="cuda")
+            ref = paged.reconstruct(want, layout, picks, keep, reference=True)
+            out = reconstruct(want, layout, picks, keep, check_range=True)
+            checks.append({"kernel": "reconstruct", "retention": retention, "records": n,
+                           "bytes_differing": int((out != ref).sum())})
+    return checks
+
+
 def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> float:
     """Worst relative error of the kernel against remnant.kv.paged's float64 reference.
 
@@ -291,7 +321,7 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> flo
     if case.variant == "native":
         ref = decode_native(q, pool, layout, c4_locs, inputs.window, inputs.window_layout, win_locs, sink, reference=True)
     else:
-        keep_idx = keep.kept[: keep.n_kept].long()
+        keep_idx = keep.kept[: keep.n_kept].long().cpu()
         ref = decode_packed(q, pool, layout, c4_locs, keep_idx, inputs.window, inputs.window_layout, win_locs, sink,
                             reference=True)
     if out.isnan().any():
@@ -319,7 +349,9 @@ def _compiled_info(compiled: list) -> dict:
 DECODE_CONFIGS = [
     dict(h_block=32, block_n=32, num_warps=8, num_stages=1),
     dict(h_block=16, block_n=32, num_warps=4, num_stages=1),
-    dict(h_block=16, block_n=64, num_warps=4, num_stages=1),
+    dict(h_block=32, block_n=16, num_warps=4, num_stages=1),
+    dict(h_block=64, block_n=16, num_warps=8, num_stages=1),
+    dict(h_block=16, block_n=16, num_warps=4, num_stages=1),
     dict(h_block=32, block_n=64, num_warps=8, num_stages=2),
 ]
 
@@ -438,6 +470,11 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     ceil = measure_ceilings(reps)
     progress(f"  copy {ceil.copy_gbps:.0f} GB/s, matmul {ceil.matmul_tflops:.0f} TFLOP/s, L2 {ceil.l2_bytes >> 20} MiB")
     big = [2**16, 2**20] if quick else [2**14, 2**17, 2**20, 2**22]
+    progress("checks: store and reconstruct against the references")
+    checks = check_copies(gen)
+    progress(json.dumps(checks))
+    if any(c["bytes_differing"] for c in checks):
+        raise RuntimeError(f"store or reconstruct differ from the reference: {checks}")
     progress("store")
     store_rows = bench_store(ceil, big, [512, KERNEL_R] if quick else [512, 128, KERNEL_R, 384], reps, gen)
     progress("reconstruct")
@@ -457,6 +494,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
         "method": {"timing": "CUDA graph of a rotation of input sets (> 3x L2), replayed; CUDA events; median",
                    "replays": reps, "quick": quick, "heads": HEADS},
         "ceilings": {"copy_gbps": ceil.copy_gbps, "matmul_bf16_tflops": ceil.matmul_tflops, "l2_bytes": ceil.l2_bytes},
+        "checks": checks,
         "store": store_rows,
         "reconstruct": reconstruct_rows,
         "decode_tuning": tuning,

@@ -45,19 +45,24 @@ def _addresses(base_ptr, loc, per_page, stride, DATA: tl.constexpr):
 
 
 @triton.jit
-def _dequant(codes, word, shifts):
-    """FP8 codes [BN, C] (uint8) times 2^(s-127), s the byte of `word` [BN] at `shifts` [C]."""
-    s = (word[:, None] >> shifts[None, :]) & 0xFF
-    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(tl.bfloat16)
+def _dequant(codes, scales, col_tile):
+    """FP8 codes [BN, C] (uint8) times their tile's scale: scales float32 [BN, 8], col_tile [C].
+
+    The per-column scale comes from an in-register gather of the record's 8 scale values,
+    so no [BN, C] integer temporaries are formed (a shift-per-column version spilled).
+    """
+    s = tl.gather(scales, tl.broadcast_to(col_tile[None, :], codes.shape), axis=1)
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(tl.bfloat16)
 
 
 @triton.jit
-def _load_rope_and_word(data, tail, valid, N: tl.constexpr):
+def _load_rope_and_scales(data, tail, valid, N: tl.constexpr):
+    """RoPE bf16 [BN, 64] and the UE8M0 scales as float32 2^(s-127) [BN, 8] (exact)."""
     r = tl.arange(0, 64)
     rope = tl.load((data + N).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=valid[:, None], other=0.0)
-    word = tl.load(tail.to(tl.pointer_type(tl.int64)), mask=valid, other=0)
-    return rope, word
+    t = tl.arange(0, 8)
+    s = tl.load(tail[:, None] + t[None, :], mask=valid[:, None], other=127)
+    return rope, (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -95,18 +100,18 @@ def _decode_kernel(
     r = tl.arange(0, 64)
     n_off = tl.arange(0, BN)
 
-    # Columns in "kept order" (native: all 448 NoPE columns in order) and scale shifts.
+    # Columns in "kept order" (native: all 448 NoPE columns in order) and their scale tiles.
     j = tl.arange(0, NP)
     kept = tl.load(kept_ptr + j)
     kept_ok = j < N
-    kept_shift = (kept // 64 * 8).to(tl.int64)
+    kept_tile = kept // 64
     q_kept = tl.load(q_row[:, None] + kept[None, :], mask=h_ok[:, None] & kept_ok[None, :], other=0.0).to(tl.bfloat16)
     q_rope = tl.load(q_row[:, None] + 448 + r[None, :], mask=h_ok[:, None], other=0.0).to(tl.bfloat16)
     if PACKED:
         dj = tl.arange(0, DP)
         drop = tl.load(drop_ptr + dj)
         drop_ok = dj < ND
-        drop_shift = (drop // 64 * 8).to(tl.int64)
+        drop_tile = drop // 64
         q_drop = tl.load(q_row[:, None] + drop[None, :], mask=h_ok[:, None] & drop_ok[None, :], other=0.0).to(tl.bfloat16)
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
 
@@ -122,18 +127,18 @@ def _decode_kernel(
         loc = tl.load(win_locs_ptr + b * win_sb + n, mask=n < W, other=-1)
         valid = loc >= 0
         data, tail = _addresses(win_ptr, tl.maximum(loc, 0), win_per_page, win_stride, 576)
-        rope, word = _load_rope_and_word(data, tail, valid, 448)
+        rope, scales = _load_rope_and_scales(data, tail, valid, 448)
         k_rope = rope.to(tl.bfloat16)
         if PACKED:
             codes = tl.load(data[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < 448), other=0)
-            k_kept = _dequant(tl.gather(codes, tl.broadcast_to(kept[None, :], (BN, NP)), axis=1), word, kept_shift)
-            k_drop = _dequant(tl.gather(codes, tl.broadcast_to(drop[None, :], (BN, DP)), axis=1), word, drop_shift)
+            k_kept = _dequant(tl.gather(codes, tl.broadcast_to(kept[None, :], (BN, NP)), axis=1), scales, kept_tile)
+            k_drop = _dequant(tl.gather(codes, tl.broadcast_to(drop[None, :], (BN, DP)), axis=1), scales, drop_tile)
             k_kept = tl.where(kept_ok[None, :], k_kept, 0.0)
             k_drop = tl.where(drop_ok[None, :], k_drop, 0.0)
             s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_drop, tl.trans(k_drop), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
         else:
             codes = tl.load(data[:, None] + j[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
-            k_kept = _dequant(codes, word, kept_shift)
+            k_kept = _dequant(codes, scales, kept_tile)
             s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -154,10 +159,10 @@ def _decode_kernel(
         loc = tl.load(c4_locs_ptr + b * c4_sb + n, mask=n < K, other=-1)
         valid = loc >= 0
         data, tail = _addresses(c4_ptr, tl.maximum(loc, 0), c4_per_page, c4_stride, C4_DATA)
-        rope, word = _load_rope_and_word(data, tail, valid, N)
+        rope, scales = _load_rope_and_scales(data, tail, valid, N)
         k_rope = rope.to(tl.bfloat16)
         codes = tl.load(data[:, None] + j[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
-        k_kept = _dequant(codes, word, kept_shift)
+        k_kept = _dequant(codes, scales, kept_tile)
         s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))

@@ -25,7 +25,7 @@ def _store_kernel(
     x_ptr, x_stride, n_rows,
     pages_ptr, locs_ptr, per_page, page_stride,
     cols_ptr,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -33,27 +33,22 @@ def _store_kernel(
     tiles = tl.arange(0, 8)
     lanes = tl.arange(0, 64)
 
-    # Per-tile scale exponents from the full latent (tile 7 is RoPE and unused), with the
-    # exact operations of SGLang's _quant_k_cache_fused_kernel.
+    # One contiguous load of each latent as 8 tiles of 64 (tile 7 is RoPE, not quantized),
+    # then the exact operations of SGLang's _quant_k_cache_fused_kernel per NoPE tile.
     x_rows = x_ptr + rows[:, None, None].to(tl.int64) * x_stride
-    tile_x = tl.load(x_rows + tiles[None, :, None] * 64 + lanes[None, None, :],
-                     mask=row_ok[:, None, None], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(tile_x), axis=2), 1e-8)          # [BR, 8]
-    ceil_log2 = tl.math.ceil(tl.log2(amax / 448.0))                  # [BR, 8]
-
-    # Codes of the kept columns (all 448 for native records).
+    x = tl.load(x_rows + tiles[None, :, None] * 64 + lanes[None, None, :],
+                mask=row_ok[:, None, None], other=0.0).to(tl.float32)      # [BR, 8, 64]
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-8)                      # [BR, 8]
+    ceil_log2 = tl.math.ceil(tl.log2(amax / 448.0))
+    scale_inv = 1.0 / tl.exp2(ceil_log2)
+    scaled = x * scale_inv[:, :, None]
+    codes = tl.clamp(scaled, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    codes = tl.reshape(codes, (BLOCK_ROWS, 512))                            # native order
     j = tl.arange(0, NP)
-    col_ok = j < N
-    cols = tl.load(cols_ptr + j)
-    col_tile = cols // 64
-    col_exp = tl.zeros((BLOCK_ROWS, NP), dtype=tl.float32)
-    for t in tl.static_range(7):
-        e_t = tl.sum(tl.where(tiles[None, :] == t, ceil_log2, 0.0), axis=1)
-        col_exp = tl.where(col_tile[None, :] == t, e_t[:, None], col_exp)
-    x_kept = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + cols[None, :],
-                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    scale_inv = 1.0 / tl.exp2(col_exp)
-    codes = tl.clamp(x_kept * scale_inv, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if PACKED:
+        # The kept codes in map order, permuted in registers: stores stay contiguous.
+        kept = tl.load(cols_ptr + j)
+        codes = tl.gather(codes, tl.broadcast_to(kept[None, :], (BLOCK_ROWS, NP)), axis=1)
 
     # Split-layout addresses: data part (codes then RoPE), then the 8-byte tail.
     DATA: tl.constexpr = N + 128
@@ -62,7 +57,7 @@ def _store_kernel(
     slot = locs % per_page
     data = pages_ptr + page * page_stride + slot * DATA
     tail = pages_ptr + page * page_stride + per_page * DATA + slot * 8
-    tl.store(data[:, None] + j[None, :], codes, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(data[:, None] + j[None, :], codes, mask=row_ok[:, None] & (j[None, :] < N))
 
     r = tl.arange(0, 64)
     rope = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + 448 + r[None, :], mask=row_ok[:, None], other=0.0)
@@ -105,5 +100,5 @@ def store(
         xb, xb.stride(0), x.shape[0],
         pages, locs, layout.per_page, layout.page_stride,
         cols.kept,
-        N=cols.n_kept, NP=cols.kept.numel(), BLOCK_ROWS=block_rows,
+        N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, BLOCK_ROWS=block_rows,
     )

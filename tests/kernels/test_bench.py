@@ -38,6 +38,7 @@ def _doc() -> dict:
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},
         "method": {"timing": "graph", "replays": 30},
         "ceilings": {"copy_gbps": 4000.0, "matmul_bf16_tflops": 800.0, "l2_bytes": 60 << 20},
+        "checks": [{"kernel": "store", "retention": 256, "records": 10, "bytes_differing": 0}],
         "store": store, "reconstruct": recon,
         "decode_tuning": [{"variant": "native", "config": config, "error": "did not compile"}],
         "decode": decode, "targets": targets(decode, store, recon),
