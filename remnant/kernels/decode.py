@@ -13,10 +13,10 @@ float32 accumulation.
 
 Packed C4 records hold only the kept NoPE coordinates, so the packed variant works in
 "kept order": q is gathered to the kept columns once, scores of C4 records use those
-columns and RoPE only, and the output accumulates in three parts (kept, dropped, RoPE)
-that are written back to their native coordinates at the end. Window records, which are
-native, are split into kept and dropped columns in registers (tl.gather) after one
-contiguous load.
+columns and RoPE only, and their output accumulates in acc_kept. Window records (native)
+use all 512 coordinates; their kept columns' output goes to acc_kept too (a second,
+L1-served read of those codes), so every output column has exactly one accumulator and
+is rounded to bf16 once.
 """
 
 from __future__ import annotations
@@ -45,24 +45,31 @@ def _addresses(base_ptr, loc, per_page, stride, DATA: tl.constexpr):
 
 
 @triton.jit
-def _dequant(codes, scales, col_tile):
-    """FP8 codes [BN, C] (uint8) times their tile's scale: scales float32 [BN, 8], col_tile [C].
+def _column_scales(tail, valid, col_tile):
+    """float32 [BN, C]: each column's UE8M0 scale 2^(s-127) (exact), col_tile [C] sorted.
 
-    The per-column scale comes from an in-register gather of the record's 8 scale values,
-    so no [BN, C] integer temporaries are formed (a shift-per-column version spilled).
+    The 7 scale bytes are read as [BN] vectors and chosen per column by a select chain
+    (kept columns are sorted, so their tiles rise). No [BN, C] gather or integer shift
+    tile is formed: both spilled registers on the H200 (see benchmarks/kernels/NOTES.md).
     """
-    s = tl.gather(scales, tl.broadcast_to(col_tile[None, :], codes.shape), axis=1)
-    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(tl.bfloat16)
+    s = tl.load(tail, mask=valid, other=127).to(tl.int32)
+    scale = tl.broadcast_to(s[:, None], (s.shape[0], col_tile.shape[0]))
+    for t in tl.static_range(1, 7):
+        s_t = tl.load(tail + t, mask=valid, other=127).to(tl.int32)
+        scale = tl.where(col_tile[None, :] >= t, s_t[:, None], scale)
+    return (scale << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _load_rope_and_scales(data, tail, valid, N: tl.constexpr):
-    """RoPE bf16 [BN, 64] and the UE8M0 scales as float32 2^(s-127) [BN, 8] (exact)."""
+def _dequant(codes, scales):
+    """FP8 codes [BN, C] (uint8) times float32 scales [BN, C] -> bf16 (exact)."""
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scales).to(tl.bfloat16)
+
+
+@triton.jit
+def _load_rope(data, valid, N: tl.constexpr):
     r = tl.arange(0, 64)
-    rope = tl.load((data + N).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=valid[:, None], other=0.0)
-    t = tl.arange(0, 8)
-    s = tl.load(tail[:, None] + t[None, :], mask=valid[:, None], other=127)
-    return rope, (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return tl.load((data + N).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=valid[:, None], other=0.0)
 
 
 @triton.jit
@@ -85,8 +92,8 @@ def _decode_kernel(
     sink_ptr, H,
     win_ptr, win_locs_ptr, win_sb, W, win_per_page, win_stride,
     c4_ptr, c4_locs_ptr, c4_sb, K, c4_per_page, c4_stride,
-    kept_ptr, drop_ptr, qk_scale,
-    N: tl.constexpr, NP: tl.constexpr, ND: tl.constexpr, DP: tl.constexpr,
+    kept_ptr, slot_of_ptr, qk_scale,
+    N: tl.constexpr, NP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
@@ -97,59 +104,53 @@ def _decode_kernel(
     q_row = q_ptr + b * q_sb + heads * q_sh
     o_row = out_ptr + b * o_sb + heads * o_sh
     d = tl.arange(0, 512)
+    d_ok = d < 448
+    d_tile = d // 64
     r = tl.arange(0, 64)
     n_off = tl.arange(0, BN)
 
-    # Columns in "kept order" (native: all 448 NoPE columns in order) and their scale tiles.
-    j = tl.arange(0, NP)
-    kept = tl.load(kept_ptr + j)
-    kept_ok = j < N
-    kept_tile = kept // 64
-    q_kept = tl.load(q_row[:, None] + kept[None, :], mask=h_ok[:, None] & kept_ok[None, :], other=0.0).to(tl.bfloat16)
+    q_full = tl.load(q_row[:, None] + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.bfloat16)
     q_rope = tl.load(q_row[:, None] + 448 + r[None, :], mask=h_ok[:, None], other=0.0).to(tl.bfloat16)
+    acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
+    acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
     if PACKED:
-        dj = tl.arange(0, DP)
-        drop = tl.load(drop_ptr + dj)
-        drop_ok = dj < ND
-        drop_tile = drop // 64
-        q_drop = tl.load(q_row[:, None] + drop[None, :], mask=h_ok[:, None] & drop_ok[None, :], other=0.0).to(tl.bfloat16)
-        acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
+        # Packed C4 records hold the kept columns only, in map order: their scores use q
+        # at those columns, and their output accumulates in acc_kept (kept order).
+        j = tl.arange(0, NP)
+        kept = tl.load(kept_ptr + j)
+        kept_ok = j < N
+        kept_tile = kept // 64
+        q_kept = tl.load(q_row[:, None] + kept[None, :], mask=h_ok[:, None] & kept_ok[None, :], other=0.0).to(tl.bfloat16)
+        acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
 
     # The sink takes softmax mass and gives no value: it starts the running max and sum.
     m = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     l = tl.full((H_BLOCK,), 1.0, dtype=tl.float32)
-    acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
-    acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
 
-    # Window tokens: native records.
+    # Window tokens: native records, all 512 coordinates.
     for start in range(0, W, BN):
         n = start + n_off
         loc = tl.load(win_locs_ptr + b * win_sb + n, mask=n < W, other=-1)
         valid = loc >= 0
         data, tail = _addresses(win_ptr, tl.maximum(loc, 0), win_per_page, win_stride, 576)
-        rope, scales = _load_rope_and_scales(data, tail, valid, 448)
-        k_rope = rope.to(tl.bfloat16)
-        if PACKED:
-            codes = tl.load(data[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < 448), other=0)
-            k_kept = _dequant(tl.gather(codes, tl.broadcast_to(kept[None, :], (BN, NP)), axis=1), scales, kept_tile)
-            k_drop = _dequant(tl.gather(codes, tl.broadcast_to(drop[None, :], (BN, DP)), axis=1), scales, drop_tile)
-            k_kept = tl.where(kept_ok[None, :], k_kept, 0.0)
-            k_drop = tl.where(drop_ok[None, :], k_drop, 0.0)
-            s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_drop, tl.trans(k_drop), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
-        else:
-            codes = tl.load(data[:, None] + j[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
-            k_kept = _dequant(codes, scales, kept_tile)
-            s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
+        k_rope = _load_rope(data, valid, 448).to(tl.bfloat16)
+        codes = tl.load(data[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0)
+        k_full = _dequant(codes, _column_scales(tail, valid, d_tile))
+        s = _mma(q_full, tl.trans(k_full), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         pb = p.to(tl.bfloat16)
-        acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
         acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
         if PACKED:
-            acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
+            # The kept columns' share goes to acc_kept (so each output column has one
+            # accumulator); the record is in L1 from the load above.
+            kcodes = tl.load(data[:, None] + kept[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
+            k_kept = _dequant(kcodes, _column_scales(tail, valid, kept_tile))
+            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+        acc_full = acc_full * alpha[:, None] + _mma(pb, k_full, INTERPRETED)
         m = m_new
 
     # Selected C4 records: native or packed.
@@ -159,30 +160,38 @@ def _decode_kernel(
         loc = tl.load(c4_locs_ptr + b * c4_sb + n, mask=n < K, other=-1)
         valid = loc >= 0
         data, tail = _addresses(c4_ptr, tl.maximum(loc, 0), c4_per_page, c4_stride, C4_DATA)
-        rope, scales = _load_rope_and_scales(data, tail, valid, N)
-        k_rope = rope.to(tl.bfloat16)
-        codes = tl.load(data[:, None] + j[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
-        k_kept = _dequant(codes, scales, kept_tile)
-        s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
+        k_rope = _load_rope(data, valid, N).to(tl.bfloat16)
+        if PACKED:
+            codes = tl.load(data[:, None] + j[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
+            k_kept = _dequant(codes, _column_scales(tail, valid, kept_tile))
+            s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
+        else:
+            codes = tl.load(data[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0)
+            k_full = _dequant(codes, _column_scales(tail, valid, d_tile))
+            s = _mma(q_full, tl.trans(k_full), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         pb = p.to(tl.bfloat16)
-        acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
         acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
         if PACKED:
-            acc_drop = acc_drop * alpha[:, None]
+            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+            acc_full = acc_full * alpha[:, None]
+        else:
+            acc_full = acc_full * alpha[:, None] + _mma(pb, k_full, INTERPRETED)
         m = m_new
 
     inv_l = 1.0 / l
     out_ty = out_ptr.dtype.element_ty
-    tl.store(o_row[:, None] + kept[None, :], (acc_kept * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & kept_ok[None, :])
-    tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
+    full_cols = d_ok
     if PACKED:
-        tl.store(o_row[:, None] + drop[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
-                 mask=h_ok[:, None] & drop_ok[None, :])
+        full_cols = d_ok & (tl.load(slot_of_ptr + d) < 0)  # dropped columns only
+        tl.store(o_row[:, None] + kept[None, :], (acc_kept * inv_l[:, None]).to(out_ty),
+                 mask=h_ok[:, None] & kept_ok[None, :])
+    tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & full_cols[None, :])
+    tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
 
 
 def _check_layout(layout: PageLayout, pages: torch.Tensor, width: int, name: str) -> None:
@@ -240,8 +249,8 @@ def decode(
         sink, heads,
         window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.per_page, window_layout.page_stride,
         c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.per_page, c4_layout.page_stride,
-        cols.kept, cols.dropped, scale * LOG2E,
-        N=cols.n_kept, NP=cols.kept.numel(), ND=cols.n_dropped, DP=cols.dropped.numel(),
+        cols.kept, cols.slot_of, scale * LOG2E,
+        N=cols.n_kept, NP=cols.kept.numel(),
         PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -5,8 +5,9 @@ record (584 bytes) whose kept NoPE codes sit at their coordinates, dropped codes
 zero, and RoPE, scales and pad are copied. The result goes to a plain [k, 584] tensor or
 into native pages at given locations (so stock attention reads it unchanged).
 
-The kept codes are read as one contiguous run per record and permuted into native order
-in registers (tl.gather), so global memory sees only wide loads and stores.
+Two ways to permute the kept codes into native order, measured against each other by
+remnant-kernels: one contiguous load per record then tl.gather in registers, or one load
+per native coordinate from its kept slot (L1-served after the first touch).
 Bytes: read R + 72, write 584 per record.
 """
 
@@ -26,7 +27,7 @@ def _reconstruct_kernel(
     src_ptr, src_locs_ptr, src_per_page, src_stride,
     dst_ptr, dst_locs_ptr, dst_per_page, dst_stride,
     slot_of_ptr, n_rows,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, GATHER: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -42,12 +43,15 @@ def _reconstruct_kernel(
     dst_tail = dst_ptr + (dst_loc // dst_per_page) * dst_stride + dst_per_page * DST_DATA + (dst_loc % dst_per_page) * 8
 
     # Kept codes, contiguous; native coordinate c takes kept slot slot_of[c] (or zero).
-    j = tl.arange(0, NP)
-    kept = tl.load(src_data[:, None] + j[None, :], mask=row_ok[:, None] & (j[None, :] < N), other=0)
     c = tl.arange(0, 512)
     slot_of = tl.load(slot_of_ptr + c)
-    native = tl.gather(kept, tl.broadcast_to(tl.maximum(slot_of, 0)[None, :], (BLOCK_ROWS, 512)), axis=1)
-    native = tl.where(slot_of[None, :] >= 0, native, 0)
+    if GATHER:
+        j = tl.arange(0, NP)
+        kept = tl.load(src_data[:, None] + j[None, :], mask=row_ok[:, None] & (j[None, :] < N), other=0)
+        native = tl.gather(kept, tl.broadcast_to(tl.maximum(slot_of, 0)[None, :], (BLOCK_ROWS, 512)), axis=1)
+        native = tl.where(slot_of[None, :] >= 0, native, 0)
+    else:
+        native = tl.load(src_data[:, None] + slot_of[None, :], mask=row_ok[:, None] & (slot_of[None, :] >= 0), other=0)
     tl.store(dst_data[:, None] + c[None, :], native, mask=row_ok[:, None] & (c[None, :] < 448))
 
     r = tl.arange(0, 64)
@@ -68,12 +72,17 @@ def reconstruct(
     out_locs: torch.Tensor | None = None,
     check_range: bool = False,
     block_rows: int = 16,
+    permute: str = "registers",
 ) -> torch.Tensor:
     """Packed records at `locs` [k] of `pages` -> native records.
 
     Without `out`: returns uint8 [k, 584]. With `out` (native pages), `out_layout` and
-    `out_locs` [k]: writes record i at out_locs[i] there and returns `out`.
+    `out_locs` [k]: writes record i at out_locs[i] there and returns `out`. permute: how
+    codes reach native order, "registers" (one contiguous load, then tl.gather) or "loads"
+    (each native coordinate loaded from its kept slot); both give the same bytes.
     """
+    if permute not in ("registers", "loads"):
+        raise ValueError(f"permute={permute!r} is not allowed; allowed: 'registers', 'loads'")
     layout.check(pages)
     cols = KeptColumns.of(keep, pages.device)
     if cols.record_bytes != layout.record_bytes:
@@ -99,6 +108,6 @@ def reconstruct(
         pages, src_locs, layout.per_page, layout.page_stride,
         out, dst_locs, out_layout.per_page, out_layout.page_stride,
         cols.slot_of, k,
-        N=cols.n_kept, NP=cols.kept.numel(), BLOCK_ROWS=block_rows,
+        N=cols.n_kept, NP=cols.kept.numel(), GATHER=permute == "registers", BLOCK_ROWS=block_rows,
     )
     return out

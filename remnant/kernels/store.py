@@ -25,7 +25,7 @@ def _store_kernel(
     x_ptr, x_stride, n_rows,
     pages_ptr, locs_ptr, per_page, page_stride,
     cols_ptr,
-    N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, GATHER: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -42,13 +42,26 @@ def _store_kernel(
     ceil_log2 = tl.math.ceil(tl.log2(amax / 448.0))
     scale_inv = 1.0 / tl.exp2(ceil_log2)
     scaled = x * scale_inv[:, :, None]
-    codes = tl.clamp(scaled, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    codes = tl.reshape(codes, (BLOCK_ROWS, 512))                            # native order
     j = tl.arange(0, NP)
-    if PACKED:
-        # The kept codes in map order, permuted in registers: stores stay contiguous.
+    if PACKED and not GATHER:
+        # The kept columns read again by index (L1-served), each scaled by its tile's
+        # exponent chosen by a select chain (kept columns are sorted, tiles rise).
         kept = tl.load(cols_ptr + j)
-        codes = tl.gather(codes, tl.broadcast_to(kept[None, :], (BLOCK_ROWS, NP)), axis=1)
+        kept_tile = kept // 64
+        x_kept = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + kept[None, :],
+                         mask=row_ok[:, None] & (j[None, :] < N), other=0.0).to(tl.float32)
+        inv = tl.broadcast_to(tl.sum(tl.where(tiles[None, :] == 0, scale_inv, 0.0), axis=1)[:, None], (BLOCK_ROWS, NP))
+        for t in tl.static_range(1, 7):
+            inv_t = tl.sum(tl.where(tiles[None, :] == t, scale_inv, 0.0), axis=1)
+            inv = tl.where(kept_tile[None, :] >= t, inv_t[:, None], inv)
+        codes = tl.clamp(x_kept * inv, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        codes = tl.clamp(scaled, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        codes = tl.reshape(codes, (BLOCK_ROWS, 512))                        # native order
+        if PACKED:
+            # The kept codes in map order, permuted in registers: stores stay contiguous.
+            kept = tl.load(cols_ptr + j)
+            codes = tl.gather(codes, tl.broadcast_to(kept[None, :], (BLOCK_ROWS, NP)), axis=1)
 
     # Split-layout addresses: data part (codes then RoPE), then the 8-byte tail.
     DATA: tl.constexpr = N + 128
@@ -76,13 +89,18 @@ def store(
     keep: "torch.Tensor | KeptColumns | None" = None,
     check_range: bool = False,
     block_rows: int = 16,
+    permute: str = "registers",
 ) -> None:
     """Quantize x [n, 512] (bf16 or float; rounded to bf16 as SGLang stores K) into `pages`.
 
     keep None: native records; keep int64 [N]: packed records of R = N + 64. Writes record
     i at locs[i] (flat pool location). Non-finite latents are not checked here (the
-    reference refuses them; SGLang's kernel gives undefined scales).
+    reference refuses them; SGLang's kernel gives undefined scales). permute: how packed
+    codes reach map order, "registers" (tl.gather of the quantized tile) or "loads" (the
+    kept latents re-read by index); both give the same bytes.
     """
+    if permute not in ("registers", "loads"):
+        raise ValueError(f"permute={permute!r} is not allowed; allowed: 'registers', 'loads'")
     if x.ndim != 2 or x.shape[1] != HEAD_DIM or not x.is_floating_point():
         raise ValueError(f"store expects float [n, {HEAD_DIM}] latents, got {x.dtype} {tuple(x.shape)}")
     layout.check(pages)
@@ -100,5 +118,5 @@ def store(
         xb, xb.stride(0), x.shape[0],
         pages, locs, layout.per_page, layout.page_stride,
         cols.kept,
-        N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, BLOCK_ROWS=block_rows,
+        N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, GATHER=permute == "registers", BLOCK_ROWS=block_rows,
     )

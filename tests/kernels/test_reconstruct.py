@@ -11,7 +11,7 @@ from remnant.kv.paged import PageLayout, gather, reconstruct
 from tests.kernels.inputs import DEVICE, ON_GPU, POISON, filled_pool, keep_map, poisoned_pages
 
 
-def check_reconstruct(k: int, retention: int, pages: int, seed: int) -> None:
+def check_reconstruct(k: int, retention: int, pages: int, seed: int, permute: str = "registers") -> None:
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(retention, gen)
     layout = PageLayout.sglang(64, retention)
@@ -19,22 +19,23 @@ def check_reconstruct(k: int, retention: int, pages: int, seed: int) -> None:
     locs = torch.randint(0, layout.capacity(pool), (k,), generator=gen).to(DEVICE)
     want = reconstruct(pool, layout, locs, keep, reference=True)
 
-    rows = reconstruct_kernel(pool, layout, locs, keep, check_range=True)
+    rows = reconstruct_kernel(pool, layout, locs, keep, check_range=True, permute=permute)
     assert torch.equal(rows, want)
 
     native = PageLayout.sglang(64)
     out = poisoned_pages(native, -(-k // 64) + 1)
     out_locs = torch.randperm(native.capacity(out), generator=gen)[:k].to(DEVICE)
-    reconstruct_kernel(pool, layout, locs, keep, out, native, out_locs, check_range=True)
+    reconstruct_kernel(pool, layout, locs, keep, out, native, out_locs, check_range=True, permute=permute)
     assert torch.equal(gather(out, native, out_locs), want)
     others = torch.ones(native.capacity(out), dtype=torch.bool)
     others[out_locs.cpu()] = False
     assert bool((gather(out, native, others.nonzero().flatten().to(DEVICE)) == POISON).all())
 
 
+@pytest.mark.parametrize("permute", ["registers", "loads"])
 @pytest.mark.parametrize("retention", RETENTION_VALUES)
-def test_reconstruct_matches_reference(retention):
-    check_reconstruct(k=29, retention=retention, pages=3, seed=retention)
+def test_reconstruct_matches_reference(retention, permute):
+    check_reconstruct(k=29, retention=retention, pages=3, seed=retention, permute=permute)
 
 
 def test_reconstruct_refuses_a_keep_of_other_size():
@@ -45,6 +46,7 @@ def test_reconstruct_refuses_a_keep_of_other_size():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("permute", ["registers", "loads"])
 @pytest.mark.parametrize("retention", [64, 256, 448])
-def test_reconstruct_exact_on_gpu_at_size(retention):
-    check_reconstruct(k=50_001, retention=retention, pages=3000, seed=5 + retention)
+def test_reconstruct_exact_on_gpu_at_size(retention, permute):
+    check_reconstruct(k=50_001, retention=retention, pages=3000, seed=5 + retention, permute=permute)

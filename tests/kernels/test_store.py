@@ -19,7 +19,7 @@ def _scaled_kept(x: torch.Tensor, keep) -> torch.Tensor:
     return scaled if keep is None else scaled[:, keep.to(scaled.device)]
 
 
-def check_store(n: int, retention: int, per_page: int, pages: int, seed: int) -> None:
+def check_store(n: int, retention: int, per_page: int, pages: int, seed: int, permute: str = "registers") -> None:
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(retention, gen)
     layout = PageLayout.sglang(per_page, retention) if per_page > 1 else PageLayout.rows(
@@ -29,7 +29,7 @@ def check_store(n: int, retention: int, per_page: int, pages: int, seed: int) ->
     want = poisoned_pages(layout, pages)
     store(x, want, layout, locs, keep, reference=True)
     got = poisoned_pages(layout, pages)
-    store_kernel(x, got, layout, locs, keep, check_range=True)
+    store_kernel(x, got, layout, locs, keep, check_range=True, permute=permute)
 
     if ON_GPU:
         assert torch.equal(got, want)
@@ -49,9 +49,10 @@ def check_store(n: int, retention: int, per_page: int, pages: int, seed: int) ->
     assert torch.equal(gather(got, layout, rest), gather(want, layout, rest)), "bytes outside locs were written"
 
 
+@pytest.mark.parametrize("permute", ["registers", "loads"])
 @pytest.mark.parametrize("retention", [512, 256, 128, 448])
-def test_store_matches_reference_in_split_pages(retention):
-    check_store(n=37, retention=retention, per_page=16, pages=5, seed=retention)
+def test_store_matches_reference_in_split_pages(retention, permute):
+    check_store(n=37, retention=retention, per_page=16, pages=5, seed=retention, permute=permute)
 
 
 def test_store_into_plain_rows():
@@ -74,6 +75,7 @@ def test_store_refuses_locations_outside_the_pool():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the compiled FP8 cast")
+@pytest.mark.parametrize("permute", ["registers", "loads"])
 @pytest.mark.parametrize("retention", [512, 64, 256, 384])
-def test_store_bit_exact_on_gpu_at_size(retention):
-    check_store(n=100_003, retention=retention, per_page=64, pages=2000, seed=11 + retention)
+def test_store_bit_exact_on_gpu_at_size(retention, permute):
+    check_store(n=100_003, retention=retention, per_page=64, pages=2000, seed=11 + retention, permute=permute)
