@@ -153,7 +153,10 @@ def _decode_kernel(
         acc_full = acc_full * alpha[:, None] + _mma(pb, k_full, INTERPRETED)
         m = m_new
 
-    # Selected C4 records: native or packed.
+    # Selected C4 records: native or packed. A packed record adds nothing to acc_full
+    # (dropped columns), so acc_full is not rescaled per block: it is brought to the final
+    # max once at the end (fewer live registers in the loop; it spilled otherwise).
+    m_window = m
     C4_DATA: tl.constexpr = N + 128
     for start in range(0, K, BN):
         n = start + n_off
@@ -178,7 +181,6 @@ def _decode_kernel(
         acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
         if PACKED:
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
-            acc_full = acc_full * alpha[:, None]
         else:
             acc_full = acc_full * alpha[:, None] + _mma(pb, k_full, INTERPRETED)
         m = m_new
@@ -187,6 +189,7 @@ def _decode_kernel(
     out_ty = out_ptr.dtype.element_ty
     full_cols = d_ok
     if PACKED:
+        acc_full = acc_full * tl.exp2(m_window - m)[:, None]
         full_cols = d_ok & (tl.load(slot_of_ptr + d) < 0)  # dropped columns only
         tl.store(o_row[:, None] + kept[None, :], (acc_kept * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & kept_ok[None, :])

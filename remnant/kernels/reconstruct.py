@@ -72,7 +72,7 @@ def reconstruct(
     out_locs: torch.Tensor | None = None,
     check_range: bool = False,
     block_rows: int = 16,
-    permute: str = "registers",
+    permute: str = "loads",
 ) -> torch.Tensor:
     """Packed records at `locs` [k] of `pages` -> native records.
 
