@@ -9,7 +9,7 @@ after warm-up; the median replay over the rotation length is the time of one cal
 Bytes are the fewest a call must move (each input read once, each output written once);
 FLOPs count the tensor-core work the kernel issues (padding included: a packed kernel
 at R = 256 multiplies 256 kept columns, 64 RoPE columns and, for window tokens, 256
-dropped columns). The JSON (schema remnant/kernels-bench v1) is validated before it is
+dropped columns). The JSON (schema remnant/kernel-bench v1) is validated before it is
 written.
 """
 
@@ -521,7 +521,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     progress("decode: sweep")
     decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick))
     return {
-        "schema": "remnant/kernels-bench",
+        "schema": "remnant/kernel-bench",
         "schema_version": 1,
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
@@ -555,7 +555,7 @@ def table(doc: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remnant-kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("kernels-bench.json"), help="JSON file to write")
+    parser.add_argument("--out", type=Path, default=Path("kernel-bench.json"), help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="a short sweep (minutes less)")
     parser.add_argument("--reps", type=int, default=30, help="graph replays per case (median taken)")
     parser.add_argument("--seed", type=int, default=0)

@@ -216,16 +216,18 @@ def decode(
     scale: float = 1.0 / math.sqrt(HEAD_DIM),
     out: torch.Tensor | None = None,
     check_range: bool = False,
-    h_block: int = 32,
-    block_n: int = 32,
-    num_warps: int = 4,
+    h_block: int = 64,
+    block_n: int = 16,
+    num_warps: int = 8,
     num_stages: int = 1,
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
 
     q: bf16/float [B, H, 512]; c4_locs int [B, K], window_locs int [B, W] (-1 = padding);
-    sink float [H]; keep None for native C4 records, int64 [N] for packed. Returns out
+    sink float [H]; keep None for native C4 records, int64 [N] for packed. The default
+    config (64 heads per program, 16 records per step, 8 warps) was the fastest of the
+    remnant-kernels tuning sweep for both variants on an H200 (benchmarks/kernels/). Returns out
     [B, H, 512] in q's dtype (or writes the given `out`).
     """
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:

@@ -44,6 +44,15 @@ class RecordError(ValueError):
         super().__init__(f"{source}: {field}: {reason}")
 
 
+def _schema_root():
+    """remnant.schemas when installed; the checkout's schemas/ when run from a source tree
+    on PYTHONPATH (as on the GPU machine, where nothing is installed)."""
+    try:
+        return resources.files("remnant.schemas")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "schemas"
+
+
 def known_schemas() -> dict[str, list[int]]:
     """Schema ids found under remnant.schemas, each with its sorted versions."""
     return {name: sorted(versions) for name, versions in _scan().items()}
@@ -52,7 +61,7 @@ def known_schemas() -> dict[str, list[int]]:
 @functools.cache
 def _scan() -> dict[str, tuple[int, ...]]:
     found: dict[str, list[int]] = {}
-    for folder in resources.files("remnant.schemas").iterdir():
+    for folder in _schema_root().iterdir():
         if not folder.is_dir():
             continue
         for entry in folder.iterdir():
@@ -70,7 +79,7 @@ def load_schema(schema: str, version: int) -> dict:
     """
     _check_known(schema, version, source="<schema registry>")
     name = schema[len(PREFIX):]
-    text = resources.files("remnant.schemas").joinpath(name, f"v{version}.schema.json").read_text(
+    text = _schema_root().joinpath(name, f"v{version}.schema.json").read_text(
         encoding="utf-8")
     return json.loads(text)
 
