@@ -23,6 +23,8 @@ from remnant.config import (
     ConfigError,
     EmbeddedHostConfig,
     ExternalHostConfig,
+    LocalHostConfig,
+    ModalHostConfig,
     ModeConfig,
     ModelConfig,
     RandomWorkloadConfig,
@@ -50,6 +52,8 @@ def register_configs() -> None:
     cs.store(group="workload", name="base_longswe", node=LongSWEWorkloadConfig)
     cs.store(group="host", name="base_embedded", node=EmbeddedHostConfig)
     cs.store(group="host", name="base_external", node=ExternalHostConfig)
+    cs.store(group="host", name="base_local", node=LocalHostConfig)
+    cs.store(group="host", name="base_modal", node=ModalHostConfig)
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:

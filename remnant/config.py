@@ -75,6 +75,10 @@ class ModelConfig:
     rope_theta: int = 10000
     compress_rope_theta: int = 40000
     seed: int = 0
+    #: Tensor-parallel GPUs a real server shards the model over (SGLang's --tp-size).
+    tp_size: int = 1
+    #: Server arguments this model needs (SGLang flags; host=local appends them).
+    server_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -225,6 +229,102 @@ class ExternalHostConfig(HostConfig):
 
 
 @dataclass
+class LocalHostConfig(HostConfig):
+    """A Docker container on this Linux host, from the image runners/docker/Dockerfile builds.
+
+    `server` picks what the image serves: sglang (SGLang with Remnant's plugin, on the GPUs
+    in `gpus`) or embedded (remnant-serve, CPU). The image is tagged by a hash of its build
+    context and built when missing (or always, with rebuild=true).
+    """
+
+    kind: str = "local"
+    server: str = "sglang"
+    #: The image the Dockerfile builds on (BASE_IMAGE): a tag or a digest.
+    base_image: str = "lmsysorg/sglang:v0.5.18"
+    rebuild: bool = False
+    #: GPU ids as this host numbers them, comma-separated ("0,1,2,3"); empty: no GPU.
+    gpus: str = ""
+    shm_size: str = "32g"
+    #: The server's port and the distributed rendezvous port (SGLang's NCCL port), on
+    #: this host's network; 0 picks a free one.
+    port: int = 0
+    master_port: int = 0
+    startup_timeout_s: float = 1800.0
+    stop_timeout_s: float = 30.0
+    log_tail_lines: int = 40
+    #: Shell command run before the container starts, e.g. to reserve the GPUs of a shared
+    #: node; GPUS and REMNANT_RUN_ID are in its environment, a non-zero exit stops the run.
+    reserve_command: str | None = None
+    #: Extra environment of the server (SGLANG_* switches, HF_TOKEN, ...).
+    env: dict[str, str] = field(default_factory=dict)
+    #: Server arguments after the model's server_args.
+    server_args: list[str] = field(default_factory=list)
+
+    def gpu_ids(self) -> list[int]:
+        """`gpus` as a list of ids; raises ConfigError naming the field when it is not one."""
+        text = str(self.gpus).strip()
+        if not text:
+            return []
+        parts = [p.strip() for p in text.split(",")]
+        if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+            raise ConfigError(f"host.gpus={self.gpus} is not a list of distinct GPU ids like 0,1,2,3 (GPUS)")
+        return [int(p) for p in parts]
+
+
+LOCAL_SERVERS = ("sglang", "embedded")
+
+
+@dataclass
+class ModalHostConfig(HostConfig):
+    """The same SGLang server on Modal GPUs (runners/modal/app.py), reached through a tunnel.
+
+    The fields from `app_name` to `port` are the app's settings (runners/modal/app.py
+    `Settings`, same names): the host deploys the app with them. Planned GPU time is
+    gpu_count x serve_timeout_s (Modal stops `serve` at its timeout), and
+    kernels_gpu_count x kernels_timeout_s for `benchmark_kernels`; a plan over
+    budget_gpu_hours is refused before anything starts.
+    """
+
+    kind: str = "modal"
+    app_name: str = "remnant"
+    gpu: str = "H100"
+    #: GPUs of `serve`, and SGLang's --tp-size (model.tp_size must match).
+    gpu_count: int = 4
+    serve_timeout_s: int = 7200
+    kernels_gpu_count: int = 1
+    kernels_timeout_s: int = 1800
+    download_timeout_s: int = 14400
+    inspect_timeout_s: int = 300
+    budget_gpu_hours: float = 8.0
+    model_repo: str = "deepseek-ai/DeepSeek-V4-Flash"
+    #: The checkpoint's commit on the hub; `serve` refuses to start without one.
+    model_revision: str | None = None
+    model_volume: str = "remnant-models"
+    runs_volume: str = "remnant-runs"
+    base_image: str = "lmsysorg/sglang:v0.5.18"
+    port: int = 30000
+    #: `modal deploy` the app before the run (quick when nothing changed); false reuses
+    #: the deployed app, which must have been deployed with the same settings.
+    deploy: bool = True
+    #: Modal environment (null: the profile's default).
+    environment: str | None = None
+    #: runners/modal/app.py of a remnant checkout (null: the one remnant is imported from).
+    app_path: str | None = None
+    #: Until /health answers through the tunnel: container start, weights, CUDA graphs.
+    startup_timeout_s: float = 1800.0
+    log_tail_lines: int = 40
+    #: Extra environment of the server (SGLANG_* switches, ...).
+    env: dict[str, str] = field(default_factory=dict)
+    #: Server arguments after the model's server_args.
+    server_args: list[str] = field(default_factory=list)
+
+    def planned_gpu_hours(self) -> dict[str, float]:
+        """GPU-hours each GPU function may bill at most: GPUs x timeout."""
+        return {"serve": self.gpu_count * self.serve_timeout_s / 3600,
+                "benchmark_kernels": self.kernels_gpu_count * self.kernels_timeout_s / 3600}
+
+
+@dataclass
 class RunConfig:
     mode: ModeConfig = field(default_factory=ModeConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
@@ -254,6 +354,10 @@ def validate(cfg: RunConfig) -> None:
     validate_model(cfg.model)
     validate_workload(cfg.workload)
     validate_host(cfg.host)
+    if cfg.host.kind == "local":
+        validate_local(cfg.host, cfg.model)
+    if cfg.host.kind == "modal":
+        validate_modal(cfg.host)
     if mode == "native":
         return  # native ignores retention
     ret = cfg.retention
@@ -274,14 +378,23 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"retention.policy={ret.policy} is not a policy; allowed: {', '.join(POLICIES)}")
     elif ret.retention not in RETENTION_VALUES:
         raise ConfigError(f"retention={ret.retention} is not allowed; allowed: {', '.join(map(str, RETENTION_VALUES))}")
-    if mode == "kernel" and any(v != KERNEL_RETENTION for v in ret.values()):
-        bad = next(v for v in ret.values() if v != KERNEL_RETENTION)
+    check_packed_rules(mode, ret.values(), cfg.hicache, ret.name)
+
+
+def check_packed_rules(mode: str, values: list[int], hicache: bool, name: str) -> None:
+    """DESIGN section 4's rules for the packed modes, shared by run configs and the SGLang
+    plugin: kernel supports R=256 only; any layer with R != 256 requires HiCache off.
+
+    values: R per CSA layer (or one uniform R); name: how the retention is called in errors.
+    """
+    if mode == "kernel" and any(v != KERNEL_RETENTION for v in values):
+        bad = next(v for v in values if v != KERNEL_RETENTION)
         raise ConfigError(
             f"retention={bad} is not allowed with mode=kernel; kernel supports retention={KERNEL_RETENTION}"
         )
-    if cfg.hicache and any(v != KERNEL_RETENTION for v in ret.values()):
+    if hicache and any(v != KERNEL_RETENTION for v in values):
         raise ConfigError(
-            f"hicache=true is not allowed with retention={ret.name}; "
+            f"hicache=true is not allowed with retention={name}; "
             f"retention other than {KERNEL_RETENTION} requires hicache=false"
         )
 
@@ -330,6 +443,63 @@ def validate_host(h: HostConfig) -> None:
             raise ConfigError(f"host.swa_ratio={h.swa_ratio} must be in (0, 1]")
         if h.max_running_requests < 1:
             raise ConfigError(f"host.max_running_requests={h.max_running_requests} must be >= 1")
+
+
+def validate_local(h: LocalHostConfig, model: ModelConfig) -> None:
+    """host=local's fields, and what its server needs of the model."""
+    import re
+
+    if h.server not in LOCAL_SERVERS:
+        raise ConfigError(f"host.server={h.server} is not a server; allowed: {', '.join(LOCAL_SERVERS)}")
+    if not str(h.base_image).strip():
+        raise ConfigError("host.base_image is empty; give an image tag or digest like lmsysorg/sglang:v0.5.18")
+    gpus = h.gpu_ids()
+    for name in ("port", "master_port"):
+        value = getattr(h, name)
+        if not 0 <= value <= 65535:
+            raise ConfigError(f"host.{name}={value} must be a port in 1..65535, or 0 for a free one")
+    if h.port and h.port == h.master_port:
+        raise ConfigError(f"host.master_port={h.master_port} is host.port too; they must differ")
+    if not re.fullmatch(r"[1-9][0-9]*[bkmg]?", str(h.shm_size)):
+        raise ConfigError(f"host.shm_size={h.shm_size} is not a size like 32g, 512m")
+    _positive_finite(h.startup_timeout_s, "host.startup_timeout_s")
+    _positive_finite(h.stop_timeout_s, "host.stop_timeout_s")
+    if model.tp_size < 1:
+        raise ConfigError(f"model.tp_size={model.tp_size} must be >= 1")
+    if model.path is not None and not os.path.isdir(model.path):
+        raise ConfigError(f"model.path={model.path} is not a directory (MODEL_PATH)")
+    if h.server == "sglang":
+        if model.path is None:
+            raise ConfigError(
+                f"model.path is not set; host.server=sglang serves a checkpoint: set MODEL_PATH "
+                f"(or model.path=...) to model={model.name}'s directory"
+            )
+        if len(gpus) != model.tp_size:
+            raise ConfigError(
+                f"host.gpus={h.gpus or '(none)'} gives {len(gpus)} GPUs; model={model.name} has "
+                f"tp_size={model.tp_size}, so it needs {model.tp_size} (GPUS=0,1,2,3 style)"
+            )
+
+
+def validate_modal(h: ModalHostConfig) -> None:
+    """host=modal's fields and its budget guard: the planned GPU-hours must fit the budget."""
+    for name in ("gpu_count", "kernels_gpu_count", "serve_timeout_s", "kernels_timeout_s",
+                 "download_timeout_s", "inspect_timeout_s"):
+        if getattr(h, name) < 1:
+            raise ConfigError(f"host.{name}={getattr(h, name)} must be >= 1")
+    _positive_finite(h.startup_timeout_s, "host.startup_timeout_s")
+    _positive_finite(h.budget_gpu_hours, "host.budget_gpu_hours")
+    if not 1 <= h.port <= 65535:
+        raise ConfigError(f"host.port={h.port} must be a port in 1..65535")
+    for function, (count, timeout) in {"serve": ("gpu_count", "serve_timeout_s"),
+                                       "benchmark_kernels": ("kernels_gpu_count", "kernels_timeout_s")}.items():
+        planned = h.planned_gpu_hours()[function]
+        if planned > h.budget_gpu_hours:
+            raise ConfigError(
+                f"host.{count}={getattr(h, count)} x host.{timeout}={getattr(h, timeout)} plans "
+                f"{planned:.2f} GPU-hours for {function}, over host.budget_gpu_hours={h.budget_gpu_hours:g}; "
+                f"lower host.{timeout} or raise host.budget_gpu_hours"
+            )
 
 
 def validate_model(model: ModelConfig) -> None:

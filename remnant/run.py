@@ -101,7 +101,8 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         stage.name = "serve"
         host = make_host(cfg.host)
         native = cfg.mode.name == "native"
-        spec = ServerSpec(cfg.mode.name, None if native else cfg.retention, cfg.model, run_dir, run_dir / SERVER_LOG)
+        spec = ServerSpec(cfg.mode.name, None if native else cfg.retention, cfg.model, run_dir, run_dir / SERVER_LOG,
+                          run_id=run_id)
         with host.serve(spec) as endpoint:
             environment = endpoint.environment
             server_info = endpoint.server_info
@@ -145,6 +146,11 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         signal.signal(signal.SIGTERM, previous)
 
     artifacts = [artifact(p, run_dir) for p in (requests_path, run_dir / SERVER_LOG) if p.is_file()]
+    host_info = host.describe() if host is not None else {"kind": cfg.host.kind}
+    # A container host knows the image that ran and the SGLang inside it; sources() cannot.
+    run_sources = {**sources(), "image_digest": host_info.get("image_id")}
+    if "sglang_version" in host_info:
+        run_sources["sglang_version"] = host_info["sglang_version"]
     doc = {
         "schema": "remnant/run",
         "schema_version": 1,
@@ -155,8 +161,8 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         "ended_at": _now(),
         "duration_s": time.monotonic() - t_start,
         "config": recorded_config(cfg),
-        "sources": sources(),
-        "host": host.describe() if host is not None else {"kind": cfg.host.kind},
+        "sources": run_sources,
+        "host": host_info,
         "environment": environment,
         "server_info": server_info,
         "workload": workload_rec,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from importlib import resources
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -17,6 +18,9 @@ CONF = resources.files("remnant.conf")
 GROUPS = ["mode", "retention", "workload", "host", "model", "experiment"]
 # Options that need a value only the user can give.
 REQUIRED = {("host", "external"): ["host.base_url=http://127.0.0.1:1"],
+            # SGLang in a container needs a checkpoint directory and GPUs (any directory
+            # and id pass the rules; nothing starts).
+            ("host", "local"): ["host.gpus=0", f"model.path={Path(__file__).parent}"],
             ("workload", "sharegpt"): ["workload.dataset_path=/nonexistent/sharegpt.json"]}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from remnant.config import HostConfig
 from remnant.hosts.base import Endpoint, Host, HostError, ServerSpec
 
-KINDS = ("embedded", "external")
+KINDS = ("embedded", "external", "local", "modal")
 
 
 def make_host(cfg: HostConfig) -> Host:
@@ -17,6 +17,14 @@ def make_host(cfg: HostConfig) -> Host:
         from remnant.hosts.external import ExternalHost
 
         return ExternalHost(cfg)
+    if cfg.kind == "local":
+        from remnant.hosts.local import LocalHost
+
+        return LocalHost(cfg)
+    if cfg.kind == "modal":
+        from remnant.hosts.modal import ModalHost
+
+        return ModalHost(cfg)
     raise ValueError(f"host.kind={cfg.kind} is not a host; allowed: {', '.join(KINDS)}")
 
 

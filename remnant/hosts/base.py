@@ -27,6 +27,8 @@ class ServerSpec:
     model: ModelConfig
     run_dir: Path
     log_path: Path
+    #: The run's id (run.json's run_id): container hosts label what they start with it.
+    run_id: str | None = None
 
 
 @dataclass
