@@ -1,0 +1,1 @@
+"""The Modal app: app.py (`modal run runners/modal/app.py::kernels`)."""
