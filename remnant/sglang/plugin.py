@@ -1,0 +1,348 @@
+"""SGLang general plugin: Remnant's packed C4 records inside SGLang's DeepSeek-V4 runtime.
+
+SGLang (0.5.18) calls `register` through the entry point group `sglang.srt.plugins`
+(pyproject.toml) in every process it starts, then applies the hooks registered with its
+HookRegistry. With REMNANT_MODE=native (the default) `register` registers nothing, so
+SGLang runs untouched. In triton and kernel mode it registers (TARGETS):
+
+- DeepSeekV4TokenToKVPool._make_kv_pool (AROUND): the C4 pool becomes a PackedC4Pool.
+- DeepSeekV4TokenToKVPool.__init__ (AFTER): refuses a KV pool without the packed C4 pool.
+- DSV4PoolConfigurator._get_bytes_per_full_token (AROUND): the C4 term counts R + 72
+  bytes per record instead of 584, so the freed bytes become tokens.
+- CompressorBackendMixin._forward_compress_all_in_one (AROUND): the C4 compressor's fused
+  kernel writes its bf16 latents to a scratch (its own bf16_store path) and
+  remnant.kv.paged.store quantizes and packs them into the pool.
+- DeepseekV4AttnBackend.forward (AROUND), CSA layers on the FlashMLA decode path:
+  triton mode reconstructs each query's selected records into native pages and runs the
+  stock forward on them; kernel mode attends the packed records directly
+  (remnant.kv.paged.decode_packed). Window-only and C128 layers run unchanged.
+- dequantize_k_cache_paged (AROUND), the sparse-prefill path (both modes): the C4
+  records a prefill chunk reads are reconstructed into native pages first.
+- ServerArgs.check_server_args (AFTER): HiCache, HiSparse, context parallelism and
+  sparse prefill against the mode and retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from remnant.config import ConfigError, check_packed_rules
+from remnant.sglang.settings import ENV_RETENTION, Settings, check_sglang_version, from_env
+
+logger = logging.getLogger(__name__)
+
+_POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool"
+_CONFIGURATOR = "sglang.srt.model_executor.pool_configurator.DSV4PoolConfigurator"
+_COMPRESSOR = "sglang.srt.layers.attention.dsv4.compressor_v2.CompressorBackendMixin"
+_BACKEND = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
+_DEQUANT = "sglang.kernels.ops.attention.dsv4.dequant_k_cache.dequantize_k_cache_paged"
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+#: The settings the hooks act on; set by register().
+_settings: Settings | None = None
+
+
+def settings() -> Settings:
+    if _settings is None:
+        raise RuntimeError("the Remnant plugin is not registered (remnant.sglang.plugin.register was not called)")
+    return _settings
+
+
+def installed_sglang_version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")
+
+
+def register() -> None:
+    """SGLang's entry point: read the settings, and in triton or kernel mode register hooks.
+
+    A bad setting or an unsupported sglang raises SystemExit with a one-line reason:
+    SGLang's loader logs and swallows ordinary exceptions, which would serve native
+    records while the user asked for packed ones.
+    """
+    try:
+        s = from_env()
+        if s.packed:
+            check_sglang_version(installed_sglang_version())
+    except (ConfigError, RuntimeError) as e:
+        raise SystemExit(f"remnant: {e}") from None
+    configure(s)
+    if not s.packed:
+        logger.info("remnant: REMNANT_MODE=native; no hooks registered, SGLang runs unchanged")
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for target, hook, hook_type in targets():
+        HookRegistry.register(target, hook, hook_type)
+    logger.info("remnant: mode=%s retention=%s map=%s: %d hooks registered", s.mode,
+                ",".join(map(str, s.retention)), s.map_path, len(TARGETS))
+
+
+def configure(s: Settings) -> None:
+    """Set the settings the hooks act on (register() does this from the environment)."""
+    global _settings
+    _settings = s
+
+
+def targets() -> list[tuple[str, object, object]]:
+    """(dotted target, hook, HookType) of every hook, as HookRegistry.register takes them."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    kinds = {"around": HookType.AROUND, "after": HookType.AFTER}
+    return [(target, hook, kinds[kind]) for target, hook, kind in TARGETS]
+
+
+# ---------------------------------------------------------------------------------------
+# Retention per CSA layer
+
+
+def _csa_layers(compression_ratios: list[int]) -> list[int]:
+    return [i for i, r in enumerate(compression_ratios) if r == 4]
+
+
+def retention_plan(s: Settings, compression_ratios: list[int]) -> tuple[dict[int, int], dict[int, "object"]]:
+    """R and kept NoPE indices (int64 [R - 64]) per CSA model layer.
+
+    From the retention map when one is given (its R must agree with an explicit
+    REMNANT_RETENTION), else R from the profile and the `prefix` baseline's coordinates.
+    """
+    import os
+
+    import torch
+
+    from remnant.kv.retention import RetentionMap
+
+    csa = _csa_layers(compression_ratios)
+    if s.map_path is not None:
+        rmap = RetentionMap.load(s.map_path)
+        rmap.check(csa)
+        values = {i: rmap.retention(i) for i in csa}
+        if os.environ.get(ENV_RETENTION, "").strip():
+            wanted = s.values(len(csa))
+            if wanted != [values[i] for i in csa]:
+                raise ConfigError(f"retention map {s.map_path} keeps R={[values[i] for i in csa]} per CSA layer; "
+                                  f"{ENV_RETENTION} asks for {wanted}")
+        check_packed_rules(s.mode, list(values.values()), False, s.map_path)
+        keeps = {i: rmap.keep_tensor(i) for i in csa}
+    else:
+        values = dict(zip(csa, s.values(len(csa))))
+        logger.warning("remnant: no REMNANT_RETENTION_MAP: CSA layers keep the first R - 64 NoPE coordinates "
+                       "(the `prefix` baseline); give a calibrated map for real runs")
+        keeps = {i: torch.arange(r - 64, dtype=torch.int64) for i, r in values.items()}
+    return values, keeps
+
+
+# ---------------------------------------------------------------------------------------
+# Hooks
+
+
+def make_kv_pool(original, pool, **kwargs):
+    """DeepSeekV4TokenToKVPool._make_kv_pool: only the C4 call passes `cls`; build it packed."""
+    if "cls" not in kwargs:
+        return original(pool, **kwargs)
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool
+
+    from remnant.sglang.pool import PackedC4Pool
+
+    if kwargs["cls"] is not DeepSeekV4SingleKVPool:
+        raise ConfigError(f"remnant: the C4 pool class {kwargs['cls'].__name__} (HiSparse) is not supported with "
+                          f"REMNANT_MODE={settings().mode}; allowed: SGLang's DeepSeekV4SingleKVPool")
+    ratios = list(pool.compression_ratios)
+    values, keeps = retention_plan(settings(), ratios)
+    stage = [i for i in range(pool._stage_start, pool._stage_end) if ratios[i] == 4]
+    if len(stage) != kwargs["layer_num"]:
+        raise RuntimeError(f"remnant: C4 pool of {kwargs['layer_num']} layers, but the stage has CSA layers {stage}")
+    return PackedC4Pool(
+        kwargs["size"], kwargs["page_size"], kwargs["dtype"], pool.qk_nope_head_dim, pool.qk_rope_head_dim,
+        kwargs["layer_num"], kwargs["device"], kwargs["enable_memory_saver"],
+        retentions=[values[i] for i in stage], keeps=[keeps[i] for i in stage], mode=settings().mode,
+    )
+
+
+def check_token_pool(result, pool, *args, **kwargs):
+    """DeepSeekV4TokenToKVPool.__init__: a stage with CSA layers must hold the packed pool."""
+    from remnant.sglang.pool import PackedC4Pool
+
+    has_csa = any(r == 4 for r in pool.compression_ratios[pool._stage_start:pool._stage_end])
+    if has_csa and not isinstance(pool.c4_kv_pool, PackedC4Pool):
+        raise RuntimeError(f"remnant: REMNANT_MODE={settings().mode} needs SGLang's paged C4 pool, but this KV pool "
+                           f"has c4_kv_pool={type(pool.c4_kv_pool).__name__} (unified KV layout?)")
+
+
+def packed_c4_bytes(compression_ratios: list[int], s: Settings) -> list[int]:
+    """Stored bytes of one C4 record per CSA layer of this stage (R + 72)."""
+    from remnant.kv.formats import packed_record_bytes
+
+    n = sum(1 for r in compression_ratios if r == 4)
+    if s.map_path is not None:
+        from remnant.kv.retention import RetentionMap
+
+        rmap = RetentionMap.load(s.map_path)
+        values = [rmap.retention(i) for i in rmap.csa_layers]
+    else:
+        values = s.values(n) if len(s.retention) == 1 or len(s.retention) == n else list(s.retention)
+    if len(set(values)) == 1:
+        values = [values[0]] * n
+    elif len(values) != n:
+        raise ConfigError(f"remnant: a per-layer retention ({len(values)} CSA layers) cannot be split across "
+                          f"pipeline stages here ({n} CSA layers in this stage); use a uniform retention with "
+                          f"pipeline parallelism")
+    return [packed_record_bytes(v) for v in values]
+
+
+def bytes_per_full_token(original, configurator):
+    """DSV4PoolConfigurator._get_bytes_per_full_token with the C4 term at packed size."""
+    bpt = original(configurator)
+    n_c4 = configurator.num_layers_ca4
+    if n_c4 == 0:
+        return bpt
+    native = configurator.qk_nope_head_dim + configurator.qk_rope_head_dim * 2 + 8
+    c4_frac = 1 / (4 * configurator.c4_shrink_factor)
+    packed = packed_c4_bytes(list(configurator.compression_ratios), settings())
+    return bpt - c4_frac * (native * n_c4 - sum(packed))
+
+
+def compress_store(original, backend, **kwargs):
+    """CompressorBackendMixin._forward_compress_all_in_one: C4 records into the packed pool.
+
+    SGLang's fused kernel (compress, norm, RoPE) writes the bf16 latents of this step's
+    tokens to a scratch through its own bf16_store path, row i for token i; then
+    remnant.kv.paged.store quantizes (SGLang's UE8M0 FP8 quantizer) and packs them at
+    the tokens' C4 locations. Tokens that close no C4 record carry location 0, SGLang's
+    null slot, exactly as in the native write.
+    """
+    import torch
+
+    from remnant.sglang.pool import pool_of
+
+    found = None
+    if not kwargs.get("is_indexer") and kwargs.get("compress_ratio") == 4:
+        found = pool_of(kwargs["kv_cache"])
+    if found is None:
+        return original(backend, **kwargs)
+    pool, layer = found
+    out_loc = kwargs["out_loc"]
+    n = out_loc.shape[0]
+    latents = torch.zeros(n, 512, dtype=torch.bfloat16, device=out_loc.device)
+    rows = torch.arange(n, dtype=out_loc.dtype, device=out_loc.device)
+    original(backend, **{**kwargs, "kv_cache": latents.view(torch.uint8), "page_size": 1, "out_loc": rows,
+                         "bf16_store": True})
+    pool.set_key_buffer_fused(layer, out_loc, latents)
+
+
+def _rows(x, n: int, fill: int):
+    """x [m, ...] flattened to [m, w], cut or padded (with `fill`) to n rows, as the backend's
+    match_num_queries does for its FlashMLA arguments."""
+    import torch
+
+    if x is None:
+        return None
+    x = x.reshape(x.shape[0], -1)
+    if x.shape[0] >= n:
+        return x[:n]
+    pad = torch.full((n - x.shape[0], x.shape[1]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad])
+
+
+def takes_sparse_prefill(q, forward_batch) -> bool:
+    """Whether DeepseekV4AttnBackend.forward goes to _forward_prefill_sparse (its own test)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.layers.attention import deepseek_v4_backend as b
+
+    return bool(forward_batch.forward_mode.is_extend_without_speculative() and not b._is_sm120
+                and (q.shape[0] > b._LARGE_INDEXER_QUERY_THRESHOLD or envs.SGLANG_OPT_FLASHMLA_SPARSE_PREFILL.get()))
+
+
+def attention_forward(original, backend, q, k, v, layer, forward_batch, compress_ratio, save_kv_cache=True,
+                      attn_sink=None, **kwargs):
+    """DeepseekV4AttnBackend.forward for CSA layers over packed records (see the module doc)."""
+    import torch
+    from sglang.srt.layers.attention.deepseek_v4_backend import DSV4AttnMetadata
+
+    from remnant.sglang.buffers import decode_c4_packed, native_layout, stage_selected
+    from remnant.sglang.pool import PackedC4Pool
+
+    def stock():
+        return original(backend, q, k, v, layer, forward_batch, compress_ratio, save_kv_cache=save_kv_cache,
+                        attn_sink=attn_sink, **kwargs)
+
+    kv = backend.token_to_kv_pool
+    pool = getattr(kv, "c4_kv_pool", None)
+    meta = getattr(backend.forward_metadata, "core_attn_metadata", None)
+    if (compress_ratio != 4 or not isinstance(pool, PackedC4Pool) or not isinstance(meta, DSV4AttnMetadata)
+            or forward_batch.forward_mode.is_idle() or takes_sparse_prefill(q, forward_batch)):
+        return stock()
+    c4_layer = kv.layer_mapping[layer.layer_id].compress_layer_id
+    queries = q.reshape(q.shape[0], q.shape[-2], q.shape[-1])
+    n = queries.shape[0]
+    indices = _rows(meta.c4_sparse_page_indices, n, -1)
+    if pool.mode == "kernel":
+        if save_kv_cache:
+            backend.store_cache(layer.layer_id, k, forward_batch)
+        return decode_c4_packed(
+            queries, pool.kv_buffer[c4_layer], pool.layouts[c4_layer], pool.keeps[c4_layer],
+            indices, _rows(meta.c4_sparse_topk_lengths, n, 1),
+            kv.get_swa_key_buffer_radix(layer.layer_id), kv.swa_kv_pool.page_size,
+            _rows(meta.swa_page_indices, n, 0), _rows(meta.swa_topk_lengths, n, 1),
+            attn_sink, backend.softmax_scale,
+        )
+    layout = native_layout(pool.page_size)
+    pages = math.ceil(indices.numel() / pool.page_size)
+    scratch = torch.empty(max(pages, 1), layout.page_stride, dtype=torch.uint8, device=indices.device)
+    remapped = stage_selected(pool.kv_buffer[c4_layer], pool.layouts[c4_layer], pool.keeps[c4_layer], indices,
+                              scratch, pool.page_size)
+    saved = meta.c4_sparse_page_indices
+    meta.c4_sparse_page_indices = remapped
+    try:
+        with pool.staged(c4_layer, scratch):
+            return stock()
+    finally:
+        meta.c4_sparse_page_indices = saved
+
+
+def dequantize_paged(original, quant_k_cache, page_table_1_flattened, page_size, out=None):
+    """dequantize_k_cache_paged: a packed C4 buffer is first reconstructed into native pages."""
+    from remnant.sglang.buffers import reconstruct_rows
+    from remnant.sglang.pool import pool_of
+
+    found = pool_of(quant_k_cache)
+    if found is None:
+        return original(quant_k_cache, page_table_1_flattened, page_size, out=out)
+    pool, layer = found
+    pages, ids = reconstruct_rows(pool.kv_buffer[layer], pool.layouts[layer], pool.keeps[layer],
+                                  page_table_1_flattened, page_size)
+    return original(pages, ids, page_size, out=out)
+
+
+def check_server_args(result, server_args, *args, **kwargs):
+    """ServerArgs.check_server_args: what the packed modes need of the server."""
+    from sglang.srt.environ import envs
+
+    s = settings()
+    try:
+        s.check_hicache(bool(server_args.enable_hierarchical_cache))
+    except ConfigError as e:
+        raise ConfigError(f"remnant: {e} (SGLang's --enable-hierarchical-cache)") from None
+    if getattr(server_args, "enable_hisparse", False):
+        raise ConfigError(f"remnant: --enable-hisparse is not allowed with REMNANT_MODE={s.mode}; "
+                          f"packed C4 records need hisparse off")
+    if getattr(server_args, "enable_prefill_cp", False):
+        raise ConfigError(f"remnant: --enable-prefill-cp is not allowed with REMNANT_MODE={s.mode}; "
+                          f"prefill context parallelism turns off the sparse prefill the packed modes read through")
+    if s.mode == "triton" and not envs.SGLANG_OPT_FLASHMLA_SPARSE_PREFILL.get():
+        raise ConfigError("remnant: SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=0 is not allowed with REMNANT_MODE=triton; "
+                          "allowed: 1 (SGLang's default on CUDA)")
+
+
+#: (target, hook, kind): everything the plugin patches.
+TARGETS = [
+    (f"{_POOL}._make_kv_pool", make_kv_pool, "around"),
+    (f"{_POOL}.__init__", check_token_pool, "after"),
+    (f"{_CONFIGURATOR}._get_bytes_per_full_token", bytes_per_full_token, "around"),
+    (f"{_COMPRESSOR}._forward_compress_all_in_one", compress_store, "around"),
+    (f"{_BACKEND}.forward", attention_forward, "around"),
+    (_DEQUANT, dequantize_paged, "around"),
+    (f"{_SERVER_ARGS}.check_server_args", check_server_args, "after"),
+]

@@ -1,0 +1,112 @@
+"""The packed C4 record pool inside SGLang's DeepSeek-V4 KV pool (imports sglang).
+
+PackedC4Pool takes the place of the DeepSeekV4SingleKVPool that
+DeepSeekV4TokenToKVPool builds for its CSA layers: same constructor, same page size, same
+C4 locations, but R + 72-byte records (remnant.sglang.buffers lays them out). It answers
+the calls SGLang makes on that pool:
+
+- set_key_buffer(layer, loc, NopeFp8RopeBf16Pack): SGLang's quantized records, packed.
+- set_key_buffer_fused(layer, loc, cache_k bf16 [n, 512]): quantized and packed in one step.
+- get_key_buffer(layer): the packed buffer, or, while the triton mode has staged the
+  records a decode step selected, the native pages it reconstructed them into (what
+  FlashMLA reads).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager, nullcontext
+
+import torch
+from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool
+
+from remnant.kv.formats import NATIVE_RECORD_BYTES
+from remnant.kv.packing import check_keep
+from remnant.sglang.buffers import make_packed_buffers, native_records, store_latents, store_native
+
+#: Live packed pools, so a hook that sees only a buffer can find the pool it belongs to.
+_POOLS: "weakref.WeakSet[PackedC4Pool]" = weakref.WeakSet()
+
+
+class PackedC4Pool(DeepSeekV4SingleKVPool):
+    """C4 records of the CSA layers of one pipeline stage, packed.
+
+    retentions: R per CSA layer of this pool (in SGLang's C4 layer order); keeps: the
+    kept NoPE indices per layer, int64 [R - 64]; mode: triton | kernel.
+    """
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, layer_num: int, device: str, enable_memory_saver: bool,
+                 start_layer: int | None = None, end_layer: int | None = None, *,
+                 retentions: list[int], keeps: list[torch.Tensor], mode: str):
+        if len(retentions) != layer_num or len(keeps) != layer_num:
+            raise ValueError(f"PackedC4Pool has {layer_num} CSA layers but {len(retentions)} retentions "
+                             f"and {len(keeps)} keeps")
+        for i, (r, keep) in enumerate(zip(retentions, keeps)):
+            check_keep(keep, name=f"keeps[{i}]")
+            if keep.numel() != r - 64:
+                raise ValueError(f"keeps[{i}] has {keep.numel()} indices; retention {r} keeps R - 64 = {r - 64}")
+        self.retentions = list(retentions)
+        self.mode = mode
+        self._keeps_cpu = keeps
+        self._staged: dict[int, torch.Tensor] = {}
+        super().__init__(size, page_size, dtype, qk_nope_head_dim, qk_rope_head_dim, layer_num, device,
+                         enable_memory_saver, start_layer, end_layer)
+        _POOLS.add(self)
+
+    def _create_buffers(self):
+        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
+            with (torch.cuda.use_mem_pool(self.custom_mem_pool) if self.custom_mem_pool else nullcontext()):
+                self.kv_buffer, self.layouts = make_packed_buffers(
+                    self.size, self.page_size, self.retentions, self.device)
+        self.keeps = [k.to(self.device) for k in self._keeps_cpu]
+        # The record SGLang's code believes in; FlashMLA reads staged native pages only.
+        self.kv_cache_total_dim = NATIVE_RECORD_BYTES
+        strides = {layout.page_stride for layout in self.layouts}
+        # HiCache and PD transfer copy whole pages of one size; a per-layer profile has several
+        # (it needs HiCache off, which the plugin's server-args check enforces).
+        self.bytes_per_page_padded = strides.pop() if len(strides) == 1 else None
+        self._layer_by_ptr = {buf.data_ptr(): i for i, buf in enumerate(self.kv_buffer)}
+
+    def get_bytes_per_token(self) -> int:
+        """Stored bytes per C4 record, averaged over the pool's layers (R + 72 when uniform)."""
+        return round(sum(layout.record_bytes for layout in self.layouts) / len(self.layouts))
+
+    def record_bytes(self) -> int:
+        """Bytes every layer's records take together per C4 location: sum of R + 72."""
+        return sum(layout.record_bytes for layout in self.layouts)
+
+    def layer_of(self, tensor: torch.Tensor) -> int | None:
+        """This pool's C4 layer whose packed buffer `tensor` views (same first byte), else None."""
+        return self._layer_by_ptr.get(tensor.data_ptr())
+
+    def set_key_buffer(self, layer_id: int, loc: torch.Tensor, cache_nope_fp8_rope_bf16_pack) -> None:
+        p = cache_nope_fp8_rope_bf16_pack
+        records = native_records(p.k_nope_fp8, p.k_rope_bf16, p.scale_k_nope_ue8m0)
+        store_native(records, self.kv_buffer[layer_id], self.layouts[layer_id], loc, self.keeps[layer_id])
+
+    def set_key_buffer_fused(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
+        store_latents(cache_k, self.kv_buffer[layer_id], self.layouts[layer_id], loc, self.keeps[layer_id])
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        staged = self._staged.get(layer_id)
+        return staged if staged is not None else self.kv_buffer[layer_id]
+
+    @contextmanager
+    def staged(self, layer_id: int, native_pages: torch.Tensor):
+        """While open, get_key_buffer(layer_id) answers `native_pages` (triton mode's decode)."""
+        self._staged[layer_id] = native_pages
+        try:
+            yield native_pages
+        finally:
+            self._staged.pop(layer_id, None)
+
+
+def pool_of(tensor: torch.Tensor) -> tuple[PackedC4Pool, int] | None:
+    """(pool, C4 layer) whose packed buffer `tensor` views, or None."""
+    for pool in list(_POOLS):
+        layer = pool.layer_of(tensor)
+        if layer is not None:
+            return pool, layer
+    return None

@@ -1,0 +1,131 @@
+"""The plugin's settings: mode and retention, read from the environment.
+
+SGLang loads plugins in every process it starts (the launcher, each scheduler process),
+so the settings travel as environment variables, which child processes inherit;
+`python -m remnant.sglang.launch` turns its --remnant-* flags into them.
+
+    REMNANT_MODE           native (default) | triton | kernel
+    REMNANT_RETENTION      R for every CSA layer (e.g. 256), or one R per CSA layer
+                           ("256,256,192,..."); default 256
+    REMNANT_RETENTION_MAP  a remnant/retention-map JSON file naming the kept coordinates
+                           (and R) per CSA layer; without one the `prefix` baseline keeps
+                           the first R - 64 NoPE coordinates
+
+Rules (the run configs' own, remnant.config.check_packed_rules): kernel supports R=256
+only; any R != 256 requires HiCache off (checked against SGLang's
+--enable-hierarchical-cache when the server arguments are checked).
+
+Plain Python: importing this module imports neither torch nor sglang.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from remnant.config import MODES, ConfigError, check_packed_rules
+from remnant.kv.formats import KERNEL_RETENTION, RETENTION_VALUES
+
+ENV_MODE = "REMNANT_MODE"
+ENV_RETENTION = "REMNANT_RETENTION"
+ENV_RETENTION_MAP = "REMNANT_RETENTION_MAP"
+
+#: SGLang's entry-point group for general plugins, and the name Remnant registers there.
+GENERAL_PLUGINS_GROUP = "sglang.srt.plugins"
+PLUGIN_NAME = "remnant"
+
+#: The sglang releases whose internals the plugin's hooks are written against.
+SUPPORTED_SGLANG_VERSIONS = ("0.5.18",)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """mode: native | triton | kernel. retention: R per CSA layer, or a 1-tuple for a
+    uniform R (the model's CSA layer count is known only when its pools are built).
+    map_path: retention map file, or None."""
+
+    mode: str = "native"
+    retention: tuple[int, ...] = (KERNEL_RETENTION,)
+    map_path: str | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.mode != "native"
+
+    def values(self, n_csa: int) -> list[int]:
+        """R of each of the model's `n_csa` CSA layers."""
+        if len(self.retention) == 1:
+            return [self.retention[0]] * n_csa
+        if len(self.retention) != n_csa:
+            raise ConfigError(
+                f"{ENV_RETENTION} has {len(self.retention)} values; the model has {n_csa} CSA layers, "
+                f"so it needs {n_csa} (or one uniform value)"
+            )
+        return list(self.retention)
+
+    def check_hicache(self, hicache: bool) -> None:
+        """ConfigError unless HiCache is allowed with this retention (R != 256 needs it off)."""
+        if self.packed:
+            check_packed_rules(self.mode, list(self.retention), hicache, _retention_label(self.retention))
+
+
+def _retention_label(values: tuple[int, ...]) -> str:
+    return str(values[0]) if len(values) == 1 else ",".join(map(str, values))
+
+
+def parse_retention(text: str) -> tuple[int, ...]:
+    """'256' -> (256,); '256,192' -> (256, 192). ConfigError names the bad item."""
+    items = [item.strip() for item in text.split(",")]
+    values = []
+    for i, item in enumerate(items):
+        try:
+            value = int(item)
+        except ValueError:
+            value = None
+        if value not in RETENTION_VALUES:
+            where = ENV_RETENTION if len(items) == 1 else f"{ENV_RETENTION}[{i}]"
+            raise ConfigError(
+                f"{where}={item!r} is not allowed; allowed: {', '.join(map(str, RETENTION_VALUES))}"
+            )
+        values.append(value)
+    return tuple(values)
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from REMNANT_* variables, checked with the run configs' rules.
+
+    ConfigError (a ValueError) names the variable, its value and what is allowed.
+    """
+    env = os.environ if environ is None else environ
+    mode = env.get(ENV_MODE, "native").strip() or "native"
+    if mode not in MODES:
+        raise ConfigError(f"{ENV_MODE}={mode} is not a mode; allowed: {', '.join(MODES)}")
+    if mode == "native":
+        return Settings()  # native ignores retention, as run configs do
+    retention = parse_retention(env.get(ENV_RETENTION, "").strip() or str(KERNEL_RETENTION))
+    map_path = env.get(ENV_RETENTION_MAP, "").strip() or None
+    if map_path is not None and not os.path.isfile(map_path):
+        raise ConfigError(f"{ENV_RETENTION_MAP}={map_path} is not a file")
+    settings = Settings(mode=mode, retention=retention, map_path=map_path)
+    check_packed_rules(mode, list(retention), False, _retention_label(retention))
+    return settings
+
+
+def to_env(mode: str, retention: str | None = None, map_path: str | None = None) -> dict[str, str]:
+    """The REMNANT_* variables for these settings (what the launcher exports)."""
+    env = {ENV_MODE: mode}
+    if retention is not None:
+        env[ENV_RETENTION] = retention
+    if map_path is not None:
+        env[ENV_RETENTION_MAP] = os.path.abspath(map_path)
+    return env
+
+
+def check_sglang_version(version: str) -> None:
+    """RuntimeError naming the supported versions unless `version` is one of them."""
+    if version not in SUPPORTED_SGLANG_VERSIONS:
+        raise RuntimeError(
+            f"sglang=={version} is not supported by the Remnant plugin; supported: "
+            f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} (its hooks patch that release's internals)"
+        )

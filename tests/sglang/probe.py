@@ -1,0 +1,149 @@
+"""Checks that need a real sglang process of their own: `python -m tests.sglang.probe CHECK`.
+
+Each runs in a fresh interpreter because SGLang's plugin loader patches classes for the
+life of the process; the test passes the REMNANT_* variables in the environment. Prints
+one JSON line. The DeepSeek-V4 server arguments come from a config.json written to a
+temporary directory (no weights: sglang reads only the config here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pkgutil
+import sys
+import tempfile
+from pathlib import Path
+
+#: V4-Flash attention geometry (conf/model/dsv4_flash_attn.yaml).
+FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]
+TINY_RATIOS = [0, 0, 4, 128, 4, 128, 4]
+
+
+def write_config(ratios: list[int]) -> str:
+    d = tempfile.mkdtemp(prefix="dsv4cfg")
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 256,
+        "num_hidden_layers": len(ratios), "num_attention_heads": 64, "vocab_size": 258,
+        "compress_ratios": ratios, "window_size": 128, "sliding_window": 128, "index_head_dim": 128,
+        "index_n_heads": 4, "index_topk": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 448,
+        "head_dim": 512, "v_head_dim": 512, "q_lora_rank": 128, "kv_lora_rank": 512,
+        "intermediate_size": 512, "moe_intermediate_size": 256, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "num_key_value_heads": 1, "hc_mult": 4, "max_position_embeddings": 65536, "torch_dtype": "bfloat16",
+    }
+    Path(d, "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def server_args(ratios: list[int], **extra):
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(model_path=write_config(ratios), device="cpu", skip_tokenizer_init=True, **extra)
+    publish(sa, role="scheduler")
+    return sa
+
+
+def patched() -> dict:
+    """Load plugins with SGLang's own loader; report which targets carry a wrapper."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from remnant.sglang.plugin import TARGETS
+
+    out = {}
+    for target, _, _ in TARGETS:
+        obj = pkgutil.resolve_name(target)
+        out[target] = hasattr(obj, "__wrapped__")
+    from sglang.srt.layers.attention import deepseek_v4_backend as backend
+
+    out["backend.dequantize_k_cache_paged"] = hasattr(backend.dequantize_k_cache_paged, "__wrapped__")
+    return out
+
+
+def token_pool(ratios=TINY_RATIOS, c4_size=1024):
+    import torch
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    return DeepSeekV4TokenToKVPool(
+        max_num_reqs=4, swa_size=1024, c4_size=c4_size, c128_size=c4_size // 32, c4_state_pool_size=64,
+        c128_state_pool_size=0, page_size=256, swa_page_size=128, dtype=torch.float8_e4m3fn,
+        c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
+        qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(ratios), device="cpu",
+        enable_memory_saver=False, compression_ratios=ratios)
+
+
+def pool() -> dict:
+    """The token pool SGLang builds, with the plugin loaded: what the C4 pool is and holds."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    server_args(TINY_RATIOS)
+    p = token_pool()
+    c4 = p.c4_kv_pool
+    return {
+        "c4_class": type(c4).__name__,
+        "c4_buffers": [list(b.shape) for b in c4.kv_buffer],
+        "c4_record_bytes": [layout.record_bytes for layout in getattr(c4, "layouts", [])],
+        "c4_page_size": c4.page_size,
+        "c128_class": type(p.c128_kv_pool).__name__,
+        "c128_buffers": [list(b.shape) for b in p.c128_kv_pool.kv_buffer],
+        "swa_buffers": [list(b.shape) for b in p.swa_kv_pool.kv_buffer],
+        "mapping": [[m.compress_ratio, m.compress_layer_id] for m in p.layer_mapping],
+    }
+
+
+def configurator(budget: int) -> dict:
+    """Token capacity SGLang's DSV4PoolConfigurator computes for `budget` bytes at V4-Flash geometry."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import torch
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    sa = server_args(FLASH_RATIOS)
+    mc = ModelConfig.from_server_args(sa)
+    ps = ParallelState(**{f.name: (1 if f.name.endswith("_size") else 0) for f in dataclasses.fields(ParallelState)})
+    n = len(FLASH_RATIOS)
+    kvc = KVCacheConfigurator(
+        device="cpu", gpu_id=0, ps=ps, pp_group=None, model=None, model_config=mc, server_args=sa,
+        kv_cache_dtype=torch.float8_e4m3fn, model_dtype=torch.bfloat16, page_size=sa.page_size,
+        sliding_window_size=128, spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False,
+        post_capture_kv_active=False, spec_aux_config=None, is_hybrid_swa=True, is_hybrid_swa_compress=True,
+        use_mla_backend=False, layer_info=ModelLayerInfo(start_layer=0, end_layer=n, num_effective_layers=n),
+        forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None,
+        kv_cache_dtype_str="fp8_e4m3")
+    conf = create_memory_pool_configurator(kvc)
+    sizes = conf.calculate_pool_sizes(budget, sa.page_size)
+    return {"class": type(conf).__name__, "bytes_per_full_token": conf.bytes_per_full_token,
+            "max_total_num_tokens": sizes.max_total_num_tokens, "c4_tokens": sizes.c4_max_total_num_tokens,
+            "max_running_requests": sa.max_running_requests, "page_size": sa.page_size,
+            "swa_ratio": sa.swa_full_tokens_ratio}
+
+
+def server_check(hicache: str) -> dict:
+    """check_server_args with --enable-hierarchical-cache on or off: the error, if any."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    try:
+        sa = server_args(TINY_RATIOS, enable_hierarchical_cache=hicache == "on")
+        sa.check_server_args()
+    except ValueError as e:
+        return {"error": str(e)}
+    except Exception as e:  # SGLang's own checks unrelated to Remnant
+        return {"other": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
+if __name__ == "__main__":
+    check, *args = sys.argv[1:]
+    fn = {"patched": patched, "pool": pool, "configurator": configurator, "server_check": server_check}[check]
+    result = fn(*[int(a) if a.isdigit() else a for a in args])
+    print("PROBE " + json.dumps(result))

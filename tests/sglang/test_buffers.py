@@ -1,0 +1,129 @@
+"""The packed pool's buffers and steps on CPU (remnant.kv.paged's torch path)."""
+
+import pytest
+import torch
+
+from remnant.kv.attention import SOFTMAX_SCALE
+from remnant.kv.codec import quantize
+from remnant.kv.formats import page_bytes
+from remnant.kv.packing import pack, unpack
+from remnant.kv.paged import decode_native, gather
+from remnant.sglang.buffers import (
+    decode_c4_packed,
+    make_packed_buffers,
+    mask_by_length,
+    native_layout,
+    native_records,
+    num_pages,
+    reconstruct_rows,
+    stage_selected,
+    store_latents,
+    store_native,
+)
+
+PER_PAGE = 64  # SGLang's C4 page at page_size 256
+
+
+def keep_of(r: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(448, generator=g)[: r - 64].sort().values
+
+
+def latents(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, 512, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("retentions", [[256, 256], [64, 448, 192]])
+def test_buffers_count_packed_bytes(retentions):
+    size = 1000
+    buffers, layouts = make_packed_buffers(size, PER_PAGE, retentions)
+    pages = num_pages(size, PER_PAGE)
+    assert pages == (size + PER_PAGE + 1) // PER_PAGE  # DeepSeekV4SingleKVPool's page count
+    for buf, layout, r in zip(buffers, layouts, retentions):
+        assert layout.record_bytes == r + 72 and layout.per_page == PER_PAGE
+        assert buf.dtype == torch.uint8 and tuple(buf.shape) == (pages, page_bytes(PER_PAGE, r))
+        assert int(buf.count_nonzero()) == 0
+    native = native_layout(PER_PAGE)
+    # SGLang's native C4 page: 64 x 584 bytes padded to a multiple of 576.
+    assert native.page_stride == -(-PER_PAGE * 584 // 576) * 576 == 37440
+    assert buffers[0].numel() < pages * native.page_stride
+
+
+def test_fused_and_unfused_writes_store_the_same_packed_records():
+    keep = keep_of(256)
+    (buf_a, buf_b), (layout, _) = make_packed_buffers(300, PER_PAGE, [256, 256])
+    x = latents(40)
+    locs = torch.randperm(300)[:40] + 1
+    store_latents(x, buf_a, layout, locs, keep)
+    rec = quantize(x)  # what SGLang's quantizer writes natively
+    fields = dict(k_nope_fp8=rec[:, :448].view(torch.float8_e4m3fn), k_rope_bf16=rec[:, 448:576].view(torch.bfloat16),
+                  scale_ue8m0=rec[:, 576:583])
+    assert torch.equal(native_records(**fields), rec)
+    store_native(native_records(**fields), buf_b, layout, locs, keep)
+    assert torch.equal(buf_a, buf_b)
+    assert torch.equal(gather(buf_a, layout, locs), pack(rec, keep))
+
+
+def test_triton_stage_reconstructs_each_selection_into_native_pages():
+    keep = keep_of(192)
+    (buf,), (layout,) = make_packed_buffers(500, PER_PAGE, [192])
+    locs = torch.arange(1, 201)
+    x = latents(200)
+    store_latents(x, buf, layout, locs, keep)
+    indices = torch.full((3, 128), -1, dtype=torch.int32)  # FlashMLA pads to a multiple of 64
+    indices[0, :5] = torch.tensor([1, 7, 7, 200, 33])
+    indices[2, :2] = torch.tensor([150, 2])
+    scratch = torch.full((num_pages(3 * 128, PER_PAGE), native_layout(PER_PAGE).page_stride), 0xAB, dtype=torch.uint8)
+    remapped = stage_selected(buf, layout, keep, indices, scratch, PER_PAGE)
+    assert remapped.dtype == indices.dtype and remapped.shape == indices.shape
+    assert torch.equal(remapped < 0, indices < 0)
+    want = unpack(pack(quantize(x), keep), keep)  # native records, dropped coordinates zero
+    got = gather(scratch, native_layout(PER_PAGE), remapped[remapped >= 0].long())
+    assert torch.equal(got, want[indices[indices >= 0].long() - 1])
+    # The view DeepseekV4AttnBackend.forward takes of the C4 cache works on the scratch.
+    view = scratch[:, : PER_PAGE * 584].view(scratch.shape[0], PER_PAGE, 1, 584)
+    assert view.shape[1:] == (PER_PAGE, 1, 584)
+
+
+def test_sparse_prefill_rows_and_too_small_scratch():
+    keep = keep_of(256)
+    (buf,), (layout,) = make_packed_buffers(200, PER_PAGE, [256])
+    locs = torch.tensor([5, 9, 100, 3])
+    x = latents(4)
+    store_latents(x, buf, layout, locs, keep)
+    pages, ids = reconstruct_rows(buf, layout, keep, locs.to(torch.int32), PER_PAGE)
+    assert ids.dtype == torch.int32 and ids.tolist() == [0, 1, 2, 3]
+    assert torch.equal(gather(pages, native_layout(PER_PAGE), ids.long()), unpack(pack(quantize(x), keep), keep))
+    with pytest.raises(ValueError, match="scratch holds 64 records; 2 x 64 = 128 are needed"):
+        stage_selected(buf, layout, keep, torch.zeros(2, 64, dtype=torch.int32), pages[:1], PER_PAGE)
+
+
+def test_kernel_decode_equals_native_decode_of_reconstructed_records():
+    keep = keep_of(256)
+    (buf,), (layout,) = make_packed_buffers(400, PER_PAGE, [256])
+    c4_locs = torch.arange(1, 101)
+    x = latents(100)
+    store_latents(x, buf, layout, c4_locs, keep)
+    swa_layout = native_layout(128)
+    swa = torch.zeros(4, swa_layout.page_stride, dtype=torch.uint8)
+    from remnant.kv.paged import store
+
+    win = latents(130, seed=5)
+    store(win, swa, swa_layout, torch.arange(130))
+    q = torch.randn(2, 8, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    sink = torch.randn(8)
+    c4_idx = torch.full((2, 64), 7, dtype=torch.int32)
+    c4_idx[0, :10] = torch.arange(1, 11)
+    c4_idx[1, :64] = torch.arange(30, 94)
+    c4_len = torch.tensor([10, 64])  # entries past the length are not read
+    swa_idx = torch.arange(128, dtype=torch.int32).repeat(2, 1)
+    swa_len = torch.tensor([5, 128])
+    out = decode_c4_packed(q, buf, layout, keep, c4_idx, c4_len, swa, 128, swa_idx, swa_len, sink, SOFTMAX_SCALE)
+    assert out.dtype == q.dtype and out.shape == (2, 8, 512)
+    native = torch.zeros(num_pages(400, PER_PAGE), native_layout(PER_PAGE).page_stride, dtype=torch.uint8)
+    from remnant.kv.paged import reconstruct, write
+
+    write(native, native_layout(PER_PAGE), c4_locs, reconstruct(buf, layout, c4_locs, keep))
+    want = decode_native(q, native, native_layout(PER_PAGE), mask_by_length(c4_idx, c4_len), swa, swa_layout,
+                         mask_by_length(swa_idx, swa_len), sink)
+    torch.testing.assert_close(out.double(), want.to(q.dtype).double())

@@ -1,0 +1,25 @@
+import os
+
+import pytest
+
+from remnant.sglang.launch import enable_plugin, split_args
+
+
+def test_remnant_flags_become_env_and_the_rest_goes_to_sglang(tmp_path):
+    env, rest = split_args(["--model-path", "/m", "--remnant-mode", "triton", "--tp", "4",
+                            "--remnant-retention", "192", "--remnant-retention-map", "map.json"])
+    assert rest == ["--model-path", "/m", "--tp", "4"]
+    assert env["REMNANT_MODE"] == "triton" and env["REMNANT_RETENTION"] == "192"
+    assert env["REMNANT_RETENTION_MAP"] == os.path.abspath("map.json")
+
+
+def test_bad_mode_flag_is_refused():
+    with pytest.raises(SystemExit):
+        split_args(["--remnant-mode", "packed"])
+
+
+def test_plugin_stays_allowed_under_a_sglang_plugins_whitelist(monkeypatch):
+    monkeypatch.setenv("SGLANG_PLUGINS", "other")
+    monkeypatch.setenv("REMNANT_MODE", "native")  # so the undo removes what enable_plugin sets
+    enable_plugin({"REMNANT_MODE": "kernel"})
+    assert os.environ["SGLANG_PLUGINS"] == "other,remnant" and os.environ["REMNANT_MODE"] == "kernel"

@@ -1,0 +1,107 @@
+"""SGLang's own plugin loader against the real sglang 0.5.18 (each check in a fresh process)."""
+
+import pkgutil
+
+import pytest
+
+from tests.sglang.env import needs_sglang, probe, run_loader
+
+pytestmark = needs_sglang
+
+BUDGET = 30 * 2**30  # bytes for the KV pools of one GPU
+
+
+def test_entry_point_is_in_sglangs_group():
+    from importlib.metadata import entry_points
+
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP
+
+    eps = [ep for ep in entry_points(group=GENERAL_PLUGINS_GROUP) if ep.name == "remnant"]
+    assert [ep.value for ep in eps] == ["remnant.sglang.plugin:register"]
+
+
+def test_every_patched_symbol_exists():
+    from remnant.sglang.plugin import TARGETS
+
+    assert len(TARGETS) == 7
+    for target, hook, kind in TARGETS:
+        assert callable(pkgutil.resolve_name(target)), target
+        assert callable(hook) and kind in ("around", "after")
+
+
+def test_kernel_mode_loader_patches_every_target():
+    patched = probe("patched", REMNANT_MODE="kernel")
+    assert patched and all(patched.values()), patched
+
+
+def test_native_mode_leaves_sglang_untouched():
+    patched = probe("patched", REMNANT_MODE="native")
+    assert not any(patched.values()), patched
+    assert not any(probe("patched").values())  # no REMNANT_MODE at all
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"REMNANT_MODE": "kernel", "REMNANT_RETENTION": "192"},
+     "remnant: retention=192 is not allowed with mode=kernel; kernel supports retention=256"),
+    ({"REMNANT_MODE": "fast"}, "remnant: REMNANT_MODE=fast is not a mode; allowed: native, triton, kernel"),
+])
+def test_bad_settings_stop_the_loader(env, message):
+    proc = run_loader(**env)
+    assert proc.returncode != 0 and "LOADED" not in proc.stdout
+    assert message in proc.stderr
+
+
+def test_packed_capacity_equals_the_engines_analytic_capacity():
+    from remnant.engine.capacity import PoolGeometry, size_pools
+    from tests.sglang.probe import FLASH_RATIOS
+
+    native = probe("configurator", BUDGET, REMNANT_MODE="native")
+    packed = probe("configurator", BUDGET, REMNANT_MODE="kernel")
+    assert native["class"] == packed["class"] == "DSV4PoolConfigurator"
+    n_csa = FLASH_RATIOS.count(4)
+    for got, record in ((native, 584), (packed, 328)):
+        geometry = PoolGeometry(FLASH_RATIOS, [record] * n_csa, window_size=128, index_head_dim=128,
+                                page_size=got["page_size"], swa_ratio=got["swa_ratio"],
+                                max_running_requests=got["max_running_requests"])
+        assert got["bytes_per_full_token"] == pytest.approx(sum(geometry.bytes_per_full_token().values()), rel=1e-12)
+        assert got["max_total_num_tokens"] == size_pools(geometry, BUDGET).full_tokens
+    ratio = packed["max_total_num_tokens"] / native["max_total_num_tokens"]
+    assert ratio == pytest.approx(native["bytes_per_full_token"] / packed["bytes_per_full_token"], abs=2e-4)
+    assert ratio == pytest.approx(1.2113, abs=2e-4)
+
+
+def test_triton_per_layer_capacity_counts_each_layers_bytes():
+    from tests.sglang.probe import FLASH_RATIOS
+
+    values = [64, 448] * 10 + [192]
+    got = probe("configurator", BUDGET, REMNANT_MODE="triton", REMNANT_RETENTION=",".join(map(str, values)))
+    native = probe("configurator", BUDGET, REMNANT_MODE="native")
+    freed = sum(584 - (r + 72) for r in values) / 4
+    assert got["bytes_per_full_token"] == pytest.approx(native["bytes_per_full_token"] - freed, rel=1e-12)
+    assert FLASH_RATIOS.count(4) == len(values)
+
+
+def test_hicache_rule_at_server_args_check():
+    on = probe("server_check", "on", REMNANT_MODE="triton", REMNANT_RETENTION="192")
+    assert "hicache=true is not allowed with retention=192" in (on.get("error") or ""), on
+    assert probe("server_check", "off", REMNANT_MODE="triton", REMNANT_RETENTION="192") == {"error": None}
+    assert probe("server_check", "on", REMNANT_MODE="kernel") == {"error": None}  # R=256 may keep HiCache
+
+
+def test_what_the_hooks_read_exists():
+    """Names the hooks read from SGLang's objects besides the patched targets."""
+    import dataclasses
+
+    from sglang.srt.layers.attention import deepseek_v4_backend as backend
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4LayerItem, DeepSeekV4TokenToKVPool
+    from sglang.srt.model_executor.pool_configurator import DSV4PoolConfigurator
+
+    assert isinstance(backend._is_sm120, bool) and backend._LARGE_INDEXER_QUERY_THRESHOLD > 0
+    fields = {f.name for f in dataclasses.fields(backend.DSV4AttnMetadata)}
+    assert {"c4_sparse_page_indices", "c4_sparse_topk_lengths", "swa_page_indices", "swa_topk_lengths"} <= fields
+    for name in ("store_cache", "forward", "_forward_prefill_sparse"):
+        assert callable(getattr(backend.DeepseekV4AttnBackend, name))
+    for name in ("get_swa_key_buffer_radix", "get_extra_key_buffer", "set_extra_key_buffer_fused"):
+        assert callable(getattr(DeepSeekV4TokenToKVPool, name))
+    assert "compress_layer_id" in DeepSeekV4LayerItem._fields
+    assert callable(DSV4PoolConfigurator.calculate_pool_sizes)
