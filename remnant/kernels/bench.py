@@ -387,6 +387,9 @@ DECODE_CONFIGS = [
     dict(h_block=32, block_n=32, num_warps=8, num_stages=1),
     dict(h_block=64, block_n=16, num_warps=8, num_stages=1),
     dict(h_block=64, block_n=16, num_warps=8, num_stages=2),
+    # 16 warps: a 64-head accumulator at half the registers per thread.
+    dict(h_block=64, block_n=16, num_warps=16, num_stages=1),
+    dict(h_block=64, block_n=32, num_warps=16, num_stages=1),
 ]
 
 
