@@ -361,6 +361,13 @@ def validate(cfg: RunConfig) -> None:
     if mode == "native":
         return  # native ignores retention
     ret = cfg.retention
+    serves_sglang = cfg.host.kind == "modal" or (cfg.host.kind == "local" and cfg.host.server == "sglang")
+    if serves_sglang and ret.map_path is None and ret.policy != "prefix":
+        # The SGLang plugin cannot calibrate at load as the embedded engine does.
+        raise ConfigError(
+            f"retention.policy={ret.policy} needs calibration, which host={cfg.host.kind} (SGLang) cannot do at load; "
+            "give retention.map_path (a map built with python -m remnant.kv.build_map) or retention.policy=prefix"
+        )
     if ret.per_layer is not None:
         n_csa = csa_layer_count(cfg.model)
         if len(ret.per_layer) != n_csa:

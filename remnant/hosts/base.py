@@ -3,8 +3,11 @@ always stop it. Hosts never interpret metrics; the client never starts or stops 
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -88,3 +91,17 @@ def log_tail(path: Path, lines: int) -> str:
     except FileNotFoundError:
         return "(no server log)"
     return "\n".join(text[-lines:]) or "(server log is empty)"
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while cleaning up, so a second Ctrl-C cannot leave a
+    container or a remote call behind; they are delivered when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -22,7 +22,6 @@ import hashlib
 import io
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from remnant.config import LocalHostConfig
-from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, wait_healthy
+from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred, wait_healthy
 
 #: Labels on every container this host starts; cleanup finds containers by them.
 LABEL_RUN_ID = "remnant.run_id"
@@ -144,20 +143,6 @@ def _free_port(avoid: int = 0) -> int:
             port = s.getsockname()[1]
         if port != avoid:
             return port
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while cleaning up, so a second Ctrl-C cannot leave a
-    container behind; they are delivered when the block ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class LocalHost:
@@ -371,7 +356,7 @@ class LocalHost:
             env = (info or {}).get("environment") or inside.get("environment")
             yield Endpoint(base_url, environment=env, failure=failure, server_info=info)
         finally:
-            with _signals_deferred():
+            with signals_deferred():
                 self._remove(client, container, run_id)
                 if streamer is not None:
                     streamer.join(timeout=10)

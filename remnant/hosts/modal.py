@@ -18,7 +18,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +28,8 @@ from pathlib import Path
 from typing import Iterator
 
 from remnant.config import MODES, ModalHostConfig
-from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, wait_healthy
+from remnant.hosts.base import (Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred,
+                                wait_healthy)
 
 log = logging.getLogger(__name__)
 
@@ -260,21 +260,17 @@ class ModalHost:
             time.sleep(_POLL_S)
 
     def _stop(self, call) -> None:
-        """Cancel the call and its containers; a second Ctrl-C must not skip this."""
-        in_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
-        try:
-            call.cancel(terminate_containers=True)
-            self._info["stopped"] = True
-        except Exception as exc:  # noqa: BLE001 - say so loudly; Modal's timeout is the backstop
-            self._info["stopped"] = False
-            self._info["stop_error"] = f"{type(exc).__name__}: {exc}"
-            log.error("could not cancel modal call %s (%s); stop it with `modal app stop %s` or it runs "
-                      "until host.serve_timeout_s=%s", call.object_id, exc, self.cfg.app_name,
-                      self.cfg.serve_timeout_s)
-        finally:
-            if in_main:
-                signal.signal(signal.SIGINT, previous)
+        """Cancel the call and its containers; a second Ctrl-C or SIGTERM must not skip this."""
+        with signals_deferred():
+            try:
+                call.cancel(terminate_containers=True)
+                self._info["stopped"] = True
+            except Exception as exc:  # noqa: BLE001 - say so loudly; Modal's timeout is the backstop
+                self._info["stopped"] = False
+                self._info["stop_error"] = f"{type(exc).__name__}: {exc}"
+                log.error("could not cancel modal call %s (%s); stop it with `modal app stop %s` or it runs "
+                          "until host.serve_timeout_s=%s", call.object_id, exc, self.cfg.app_name,
+                          self.cfg.serve_timeout_s)
 
 
 def _pump_logs(call, logfile) -> None:

@@ -151,7 +151,7 @@ SLOW_VARIANT_MAX_RECORDS = 2**14
 
 
 def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
-    from remnant.kernels.common import KeptColumns
+    from remnant.kv.paged import KeptColumns
     from remnant.kernels.store import store
     from remnant.kv.paged import PageLayout
 
@@ -188,7 +188,7 @@ def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: i
 
 
 def bench_reconstruct(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
-    from remnant.kernels.common import KeptColumns
+    from remnant.kv.paged import KeptColumns
     from remnant.kernels.reconstruct import reconstruct
     from remnant.kv.paged import PageLayout
 
@@ -271,7 +271,7 @@ class DecodeInputs:
         return pool
 
     def pool(self, retention: int):
-        from remnant.kernels.common import KeptColumns
+        from remnant.kv.paged import KeptColumns
         from remnant.kv.paged import PageLayout
 
         if retention not in self.pools:

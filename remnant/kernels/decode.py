@@ -28,11 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import KeptColumns, check_locs
+from remnant.kernels.common import check_locs
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
-from remnant.kv.paged import PageLayout
+from remnant.kv.paged import KeptColumns, PageLayout
 
 LOG2E = 1.4426950408889634
+LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -124,7 +125,7 @@ def _decode_kernel(
         acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
 
     # The sink takes softmax mass and gives no value: it starts the running max and sum.
-    m = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_IN_KERNEL
     l = tl.full((H_BLOCK,), 1.0, dtype=tl.float32)
 
     # Window tokens: native records, all 512 coordinates.

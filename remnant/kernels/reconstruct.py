@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import KeptColumns, check_locs
+from remnant.kernels.common import check_locs
 from remnant.kv.formats import NATIVE_RECORD_BYTES
-from remnant.kv.paged import PageLayout
+from remnant.kv.paged import KeptColumns, PageLayout
 
 
 @triton.jit

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import KeptColumns, check_locs
+from remnant.kernels.common import check_locs
 from remnant.kv.formats import HEAD_DIM
-from remnant.kv.paged import PageLayout
+from remnant.kv.paged import KeptColumns, PageLayout
 
 
 @triton.jit

@@ -8,8 +8,9 @@ A pool buffer is uint8 [pages, page_stride]. A record lives at a flat location
 per_page = 1 and page_stride = record_bytes.
 
 Every function here is the plain torch version; on CUDA tensors `store`, `reconstruct`
-and the two decodes dispatch to the Triton kernels of remnant.kernels, which tests check
-against these references (`reference=True` forces the torch path on any device).
+and the two decodes dispatch to the Triton kernels of remnant.kernels (imported only
+then), which tests check against these references (`reference=True` forces the torch path
+on any device). A keep list may be given as a tensor or as a KeptColumns table built once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from remnant.kv.attention import SOFTMAX_SCALE, decode_native as _decode_native_records
 from remnant.kv.attention import decode_packed as _decode_packed_records
 from remnant.kv.codec import quantize
-from remnant.kv.formats import NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
+from remnant.kv.formats import NATIVE_RECORD_BYTES, NOPE_DIM, SCALE_BYTES, page_bytes
 from remnant.kv.packing import check_keep, pack, unpack
 
 
@@ -82,6 +83,66 @@ class PageLayout:
         return data, tail
 
 
+def _padded(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int32 values padded with zeros to a power of two of at least 16 (tl.dot's minimum)."""
+    size = max(16, 1 << max(values.numel() - 1, 0).bit_length())
+    out = torch.zeros(size, dtype=torch.int32, device=device)
+    out[: values.numel()] = values.to(device=device, dtype=torch.int32)
+    return out
+
+
+@dataclass(frozen=True)
+class KeptColumns:
+    """One layer's kept NoPE columns in the forms the kernels read, built once per layer.
+
+    Serving code builds it when the pool is made and passes it wherever a keep tensor is
+    taken: validating a keep tensor reads it back to the host, which a CUDA graph being
+    captured (SGLang's decode) does not allow.
+
+    kept: int32 [NP] kept indices in map order, zero-padded; n_kept: N.
+    dropped: int32 [DP] the other NoPE indices, zero-padded; n_dropped: 448 - N.
+    slot_of: int32 [512] for native coordinate c < 448 its position in kept, else -1.
+    packed: False when every NoPE coordinate is kept (native records).
+    """
+
+    kept: torch.Tensor
+    n_kept: int
+    dropped: torch.Tensor
+    n_dropped: int
+    slot_of: torch.Tensor
+
+    @property
+    def packed(self) -> bool:
+        return self.n_kept < NOPE_DIM
+
+    @property
+    def record_bytes(self) -> int:
+        return self.n_kept + 136
+
+    @classmethod
+    def of(cls, keep: "torch.Tensor | KeptColumns | None", device: torch.device) -> "KeptColumns":
+        """From a keep tensor (int64 [N], sorted NoPE indices), or None for native records."""
+        if isinstance(keep, KeptColumns):
+            return keep
+        if keep is None:
+            keep = torch.arange(NOPE_DIM)
+        else:
+            check_keep(keep)
+        keep = keep.cpu().long()
+        mask = torch.ones(NOPE_DIM, dtype=torch.bool)
+        mask[keep] = False
+        dropped = mask.nonzero().flatten()
+        slot_of = torch.full((512,), -1, dtype=torch.int32)
+        slot_of[keep] = torch.arange(keep.numel(), dtype=torch.int32)
+        return cls(_padded(keep, device), keep.numel(), _padded(dropped, device), dropped.numel(),
+                   slot_of.to(device))
+
+
+def keep_tensor(keep: "torch.Tensor | KeptColumns") -> torch.Tensor:
+    """The kept NoPE indices int64 [N] of a keep tensor or a KeptColumns table."""
+    return keep.kept[: keep.n_kept].long() if isinstance(keep, KeptColumns) else keep
+
+
 def _check_locs(locs: torch.Tensor, layout: PageLayout, pages: torch.Tensor, name: str) -> None:
     if locs.dtype not in (torch.int32, torch.int64) or locs.ndim != 1:
         raise ValueError(f"{name} must be an int tensor [k], got {locs.dtype} {tuple(locs.shape)}")
@@ -90,9 +151,13 @@ def _check_locs(locs: torch.Tensor, layout: PageLayout, pages: torch.Tensor, nam
 
 
 def write(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor, records: torch.Tensor) -> None:
-    """Write records uint8 [k, record_bytes] to `locs` [k]."""
+    """Write records uint8 [k, record_bytes] to `locs` [k].
+
+    Locations are range-checked on the CPU only: on CUDA the check would read them back to
+    the host (a sync, and an error inside CUDA-graph capture)."""
     layout.check(pages)
-    _check_locs(locs, layout, pages, "locs")
+    if not pages.is_cuda:
+        _check_locs(locs, layout, pages, "locs")
     data, tail = layout.byte_offsets(locs.to(pages.device))
     flat = pages.view(-1)
     flat[data] = records[:, : layout.data_bytes]
@@ -117,7 +182,7 @@ def store(
     pages: torch.Tensor,
     layout: PageLayout,
     locs: torch.Tensor,
-    keep: torch.Tensor | None = None,
+    keep: "torch.Tensor | KeptColumns | None" = None,
     reference: bool = False,
 ) -> None:
     """Quantize latents x float [n, 512] and write them at `locs` [n].
@@ -131,7 +196,7 @@ def store(
         return store_kernel(x, pages, layout, locs, keep)
     records = quantize(x)
     if keep is not None:
-        records = pack(records, keep)
+        records = pack(records, keep_tensor(keep))
     if records.shape[1] != layout.record_bytes:
         raise ValueError(f"records are {records.shape[1]} bytes but the layout holds {layout.record_bytes}-byte records")
     write(pages, layout, locs, records)
@@ -141,7 +206,7 @@ def reconstruct(
     pages: torch.Tensor,
     layout: PageLayout,
     locs: torch.Tensor,
-    keep: torch.Tensor,
+    keep: "torch.Tensor | KeptColumns",
     out: torch.Tensor | None = None,
     out_layout: PageLayout | None = None,
     out_locs: torch.Tensor | None = None,
@@ -159,6 +224,7 @@ def reconstruct(
         from remnant.kernels.reconstruct import reconstruct as reconstruct_kernel
 
         return reconstruct_kernel(pages, layout, locs, keep, out, out_layout, out_locs)
+    keep = keep_tensor(keep)
     check_keep(keep)
     native = unpack(gather(pages, layout, locs), keep)
     if out is None:
@@ -208,7 +274,7 @@ def decode_packed(
     c4: torch.Tensor,
     c4_layout: PageLayout,
     c4_locs: torch.Tensor,
-    keep: torch.Tensor,
+    keep: "torch.Tensor | KeptColumns",
     window: torch.Tensor,
     window_layout: PageLayout,
     window_locs: torch.Tensor,
@@ -231,6 +297,7 @@ def decode_packed(
         c4_rows = gather(c4, c4_layout, _valid(c4_locs[b]))
         win_rows = gather(window, window_layout, _valid(window_locs[b]))
         out.append(
-            _decode_packed_records(q[b], win_rows, c4_rows, keep, torch.arange(c4_rows.shape[0]), sink, scale, dtype)
+            _decode_packed_records(q[b], win_rows, c4_rows, keep_tensor(keep), torch.arange(c4_rows.shape[0]), sink,
+                                   scale, dtype)
         )
     return torch.stack(out)

@@ -17,7 +17,7 @@ import torch
 
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_BYTES
 from remnant.kv.packing import pack
-from remnant.kv.paged import PageLayout, decode_packed, reconstruct, store, write
+from remnant.kv.paged import KeptColumns, PageLayout, decode_packed, reconstruct, write
 
 NATIVE = HEAD_DIM  # retention 512: the native record
 
@@ -64,16 +64,18 @@ def native_records(k_nope_fp8: torch.Tensor, k_rope_bf16: torch.Tensor, scale_ue
     return out
 
 
-def store_latents(latents: torch.Tensor, buffer: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
-                  keep: torch.Tensor) -> None:
-    """Quantize compressed latents float [n, 512] and write them packed at C4 locations `locs` [n]."""
-    store(latents, buffer, layout, locs, keep)
-
-
 def store_native(records: torch.Tensor, buffer: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
-                 keep: torch.Tensor) -> None:
-    """Pack native records uint8 [n, 584] (already quantized by SGLang) and write them at `locs`."""
-    write(buffer, layout, locs, pack(records, keep))
+                 keep: "torch.Tensor | KeptColumns") -> None:
+    """Pack native records uint8 [n, 584] (already quantized by SGLang) and write them at `locs`.
+
+    With a KeptColumns table nothing is read back to the host (CUDA-graph safe); a keep
+    tensor is validated first."""
+    if isinstance(keep, KeptColumns):
+        kept = keep.kept[: keep.n_kept].long()
+        packed = torch.cat([records.index_select(1, kept), records[:, NOPE_DIM:]], dim=1)
+    else:
+        packed = pack(records, keep)
+    write(buffer, layout, locs, packed)
 
 
 def _valid_or_null(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +147,8 @@ def decode_c4_packed(
     """
     c4_locs = mask_by_length(c4_indices, c4_lengths)
     win_locs = mask_by_length(swa_indices, swa_lengths)
+    if swa.dtype != torch.uint8:
+        swa = swa.view(torch.uint8)  # SGLang hands the window pool out as an FP8 view of its bytes
     out = decode_packed(q, buffer, layout, c4_locs, keep, swa, native_layout(swa_per_page), win_locs, sink, scale)
     return out.to(q.dtype)
 
@@ -159,6 +163,5 @@ __all__ = [
     "packed_layouts",
     "reconstruct_rows",
     "stage_selected",
-    "store_latents",
     "store_native",
 ]

@@ -22,8 +22,10 @@ from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool
 
 from remnant.kv.formats import NATIVE_RECORD_BYTES
+from remnant.kv.paged import KeptColumns
 from remnant.kv.packing import check_keep
-from remnant.sglang.buffers import make_packed_buffers, native_records, store_latents, store_native
+from remnant.kv.paged import store
+from remnant.sglang.buffers import make_packed_buffers, native_records, store_native
 
 #: Live packed pools, so a hook that sees only a buffer can find the pool it belongs to.
 _POOLS: "weakref.WeakSet[PackedC4Pool]" = weakref.WeakSet()
@@ -60,7 +62,9 @@ class PackedC4Pool(DeepSeekV4SingleKVPool):
             with (torch.cuda.use_mem_pool(self.custom_mem_pool) if self.custom_mem_pool else nullcontext()):
                 self.kv_buffer, self.layouts = make_packed_buffers(
                     self.size, self.page_size, self.retentions, self.device)
-        self.keeps = [k.to(self.device) for k in self._keeps_cpu]
+        # Column tables built once: the hooks pass them to the kernels, which then never read
+        # a keep list back to the host (SGLang captures decode in CUDA graphs).
+        self.keeps = [KeptColumns.of(k, torch.device(self.device)) for k in self._keeps_cpu]
         # The record SGLang's code believes in; FlashMLA reads staged native pages only.
         self.kv_cache_total_dim = NATIVE_RECORD_BYTES
         strides = {layout.page_stride for layout in self.layouts}
@@ -87,7 +91,7 @@ class PackedC4Pool(DeepSeekV4SingleKVPool):
         store_native(records, self.kv_buffer[layer_id], self.layouts[layer_id], loc, self.keeps[layer_id])
 
     def set_key_buffer_fused(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
-        store_latents(cache_k, self.kv_buffer[layer_id], self.layouts[layer_id], loc, self.keeps[layer_id])
+        store(cache_k, self.kv_buffer[layer_id], self.layouts[layer_id], loc, self.keeps[layer_id])
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         staged = self._staged.get(layer_id)

@@ -30,6 +30,9 @@ from remnant.kv.formats import KERNEL_RETENTION, RETENTION_VALUES
 ENV_MODE = "REMNANT_MODE"
 ENV_RETENTION = "REMNANT_RETENTION"
 ENV_RETENTION_MAP = "REMNANT_RETENTION_MAP"
+#: Without a map SGLang keeps the `prefix` coordinates: it cannot calibrate, so another
+#: policy named here (the run config's) is refused rather than silently not used.
+ENV_RETENTION_POLICY = "REMNANT_RETENTION_POLICY"
 
 #: SGLang's entry-point group for general plugins, and the name Remnant registers there.
 GENERAL_PLUGINS_GROUP = "sglang.srt.plugins"
@@ -65,9 +68,20 @@ class Settings:
         return list(self.retention)
 
     def check_hicache(self, hicache: bool) -> None:
-        """ConfigError unless HiCache is allowed with this retention (R != 256 needs it off)."""
-        if self.packed:
-            check_packed_rules(self.mode, list(self.retention), hicache, _retention_label(self.retention))
+        """ConfigError unless HiCache is allowed with this retention (R != 256 needs it off).
+
+        With a retention map, the map's R values are the ones checked (REMNANT_RETENTION may
+        be unset then)."""
+        if not self.packed:
+            return
+        if self.map_path is not None:
+            from remnant.kv.retention import RetentionMap
+
+            rmap = RetentionMap.load(self.map_path)
+            values = sorted({rmap.retention(layer) for layer in rmap.csa_layers})
+            check_packed_rules(self.mode, values, hicache, self.map_path)
+            return
+        check_packed_rules(self.mode, list(self.retention), hicache, _retention_label(self.retention))
 
 
 def _retention_label(values: tuple[int, ...]) -> str:
@@ -107,6 +121,11 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     map_path = env.get(ENV_RETENTION_MAP, "").strip() or None
     if map_path is not None and not os.path.isfile(map_path):
         raise ConfigError(f"{ENV_RETENTION_MAP}={map_path} is not a file")
+    policy = env.get(ENV_RETENTION_POLICY, "").strip() or None
+    if map_path is None and policy not in (None, "prefix"):
+        raise ConfigError(
+            f"{ENV_RETENTION_POLICY}={policy} needs calibration captures, which the SGLang server does not take; "
+            f"give {ENV_RETENTION_MAP} (built with python -m remnant.kv.build_map) or {ENV_RETENTION_POLICY}=prefix")
     settings = Settings(mode=mode, retention=retention, map_path=map_path)
     check_packed_rules(mode, list(retention), False, _retention_label(retention))
     return settings

@@ -328,7 +328,8 @@ def test_retention_reaches_the_container_environment(tmp_path):
 
 
 def test_readme_command_composes_from_the_environment(tmp_path, monkeypatch):
-    """GPUS=0,1,2,3 MODEL_PATH=... remnant-run host=local model=dsv4_flash_0731 mode=kernel workload=longswe"""
+    """GPUS=0,1,2,3 MODEL_PATH=... remnant-run host=local model=dsv4_flash_0731 mode=kernel workload=longswe
+    retention.map_path=map.json"""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
@@ -339,8 +340,12 @@ def test_readme_command_composes_from_the_environment(tmp_path, monkeypatch):
     GlobalHydra.instance().clear()
     register_configs()
     with initialize_config_module(config_module="remnant.conf", version_base=None):
-        cfg = to_run_config(compose(config_name="config", overrides=[
-            "host=local", "model=dsv4_flash_0731", "mode=kernel", "workload=longswe"]))
+        overrides = ["host=local", "model=dsv4_flash_0731", "mode=kernel", "workload=longswe"]
+        # SGLang cannot calibrate at load: without a map the default policy is refused.
+        with pytest.raises(ConfigError, match="retention.policy=attention needs calibration"):
+            to_run_config(compose(config_name="config", overrides=overrides))
+        (tmp_path / "map.json").write_text("{}")
+        cfg = to_run_config(compose(config_name="config", overrides=[*overrides, f"retention.map_path={tmp_path / 'map.json'}"]))
     assert isinstance(cfg.host, LocalHostConfig) and cfg.host.server == "sglang"
     assert cfg.host.gpu_ids() == [0, 1, 2, 3] and (cfg.host.port, cfg.host.master_port) == (31234, 31235)
     assert cfg.host.base_image == "lmsysorg/sglang:v0.5.18"

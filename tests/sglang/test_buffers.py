@@ -7,7 +7,7 @@ from remnant.kv.attention import SOFTMAX_SCALE
 from remnant.kv.codec import quantize
 from remnant.kv.formats import page_bytes
 from remnant.kv.packing import pack, unpack
-from remnant.kv.paged import decode_native, gather
+from remnant.kv.paged import KeptColumns, decode_native, gather, store
 from remnant.sglang.buffers import (
     decode_c4_packed,
     make_packed_buffers,
@@ -17,7 +17,6 @@ from remnant.sglang.buffers import (
     num_pages,
     reconstruct_rows,
     stage_selected,
-    store_latents,
     store_native,
 )
 
@@ -54,7 +53,7 @@ def test_fused_and_unfused_writes_store_the_same_packed_records():
     (buf_a, buf_b), (layout, _) = make_packed_buffers(300, PER_PAGE, [256, 256])
     x = latents(40)
     locs = torch.randperm(300)[:40] + 1
-    store_latents(x, buf_a, layout, locs, keep)
+    store(x, buf_a, layout, locs, keep)
     rec = quantize(x)  # what SGLang's quantizer writes natively
     fields = dict(k_nope_fp8=rec[:, :448].view(torch.float8_e4m3fn), k_rope_bf16=rec[:, 448:576].view(torch.bfloat16),
                   scale_ue8m0=rec[:, 576:583])
@@ -69,7 +68,7 @@ def test_triton_stage_reconstructs_each_selection_into_native_pages():
     (buf,), (layout,) = make_packed_buffers(500, PER_PAGE, [192])
     locs = torch.arange(1, 201)
     x = latents(200)
-    store_latents(x, buf, layout, locs, keep)
+    store(x, buf, layout, locs, keep)
     indices = torch.full((3, 128), -1, dtype=torch.int32)  # FlashMLA pads to a multiple of 64
     indices[0, :5] = torch.tensor([1, 7, 7, 200, 33])
     indices[2, :2] = torch.tensor([150, 2])
@@ -90,7 +89,7 @@ def test_sparse_prefill_rows_and_too_small_scratch():
     (buf,), (layout,) = make_packed_buffers(200, PER_PAGE, [256])
     locs = torch.tensor([5, 9, 100, 3])
     x = latents(4)
-    store_latents(x, buf, layout, locs, keep)
+    store(x, buf, layout, locs, keep)
     pages, ids = reconstruct_rows(buf, layout, keep, locs.to(torch.int32), PER_PAGE)
     assert ids.dtype == torch.int32 and ids.tolist() == [0, 1, 2, 3]
     assert torch.equal(gather(pages, native_layout(PER_PAGE), ids.long()), unpack(pack(quantize(x), keep), keep))
@@ -103,11 +102,9 @@ def test_kernel_decode_equals_native_decode_of_reconstructed_records():
     (buf,), (layout,) = make_packed_buffers(400, PER_PAGE, [256])
     c4_locs = torch.arange(1, 101)
     x = latents(100)
-    store_latents(x, buf, layout, c4_locs, keep)
+    store(x, buf, layout, c4_locs, keep)
     swa_layout = native_layout(128)
     swa = torch.zeros(4, swa_layout.page_stride, dtype=torch.uint8)
-    from remnant.kv.paged import store
-
     win = latents(130, seed=5)
     store(win, swa, swa_layout, torch.arange(130))
     q = torch.randn(2, 8, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -120,6 +117,12 @@ def test_kernel_decode_equals_native_decode_of_reconstructed_records():
     swa_len = torch.tensor([5, 128])
     out = decode_c4_packed(q, buf, layout, keep, c4_idx, c4_len, swa, 128, swa_idx, swa_len, sink, SOFTMAX_SCALE)
     assert out.dtype == q.dtype and out.shape == (2, 8, 512)
+    # As the plugin calls it: the pool's column table, and the window as SGLang hands it
+    # out (an FP8 view of the uint8 pool).
+    fp8_window = swa.view(torch.float8_e4m3fn)
+    again = decode_c4_packed(q, buf, layout, KeptColumns.of(keep, buf.device), c4_idx, c4_len, fp8_window, 128,
+                             swa_idx, swa_len, sink, SOFTMAX_SCALE)
+    assert torch.equal(again, out)
     native = torch.zeros(num_pages(400, PER_PAGE), native_layout(PER_PAGE).page_stride, dtype=torch.uint8)
     from remnant.kv.paged import reconstruct, write
 
@@ -127,3 +130,58 @@ def test_kernel_decode_equals_native_decode_of_reconstructed_records():
     want = decode_native(q, native, native_layout(PER_PAGE), mask_by_length(c4_idx, c4_len), swa, swa_layout,
                          mask_by_length(swa_idx, swa_len), sink)
     torch.testing.assert_close(out.double(), want.to(q.dtype).double())
+
+
+def test_store_native_with_a_column_table_packs_as_pack_does():
+    keep = keep_of(192, seed=2)
+    (a, b), (layout, _) = make_packed_buffers(300, PER_PAGE, [192, 192])
+    rec = quantize(latents(30, seed=4))
+    locs = torch.randperm(300)[:30]
+    store_native(rec, a, layout, locs, keep)
+    store_native(rec, b, layout, locs, KeptColumns.of(keep, b.device))
+    assert torch.equal(a, b)
+    assert torch.equal(gather(a, layout, locs), pack(rec, keep))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_hooks_steps_run_inside_cuda_graph_capture():
+    """SGLang captures decode in CUDA graphs: store, stage and decode, called as the hooks
+    call them (column table, FP8-viewed window), must not read anything back to the host."""
+    dev = torch.device("cuda")
+    keep = keep_of(256)
+    cols = KeptColumns.of(keep, dev)
+    (buf,), (layout,) = make_packed_buffers(4096, PER_PAGE, [256], device=dev)
+    x = latents(64).to(dev).to(torch.bfloat16)
+    locs = torch.arange(1, 65, device=dev)
+    rec = quantize(latents(64, seed=2)).to(dev)
+    locs_native = torch.arange(100, 164, device=dev)
+    swa_layout = native_layout(128)
+    swa = torch.zeros(2, swa_layout.page_stride, dtype=torch.uint8, device=dev)
+    store(latents(256, seed=5).to(dev), swa, swa_layout, torch.arange(256, device=dev), reference=True)
+    q = torch.randn(4, 64, 512, device=dev).to(torch.bfloat16)
+    c4_idx = torch.randint(1, 65, (4, 64), device=dev, dtype=torch.int32)
+    swa_idx = torch.arange(128, device=dev, dtype=torch.int32).repeat(4, 1)
+    lengths = torch.full((4,), 64, device=dev, dtype=torch.int32)
+    sink = torch.randn(64, device=dev)
+    scratch = torch.zeros(4, native_layout(PER_PAGE).page_stride, dtype=torch.uint8, device=dev)
+    out = torch.empty_like(q)
+
+    def steps():
+        store(x, buf, layout, locs, cols)
+        store_native(rec, buf, layout, locs_native, cols)
+        stage_selected(buf, layout, cols, c4_idx, scratch, PER_PAGE)
+        out.copy_(decode_c4_packed(q, buf, layout, cols, c4_idx, lengths, swa.view(torch.float8_e4m3fn), 128,
+                                   swa_idx, None, sink, SOFTMAX_SCALE))
+
+    steps()  # compiles the kernels
+    torch.cuda.synchronize()
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert torch.equal(gather(buf, layout, locs_native), pack(rec.cpu(), keep).to(dev))

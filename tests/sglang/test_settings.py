@@ -1,5 +1,7 @@
 import json
 
+from pathlib import Path
+
 import pytest
 
 from remnant.config import ConfigError
@@ -69,3 +71,22 @@ def test_parse_and_export():
     env = to_env("triton", "192", "map.json")
     assert env["REMNANT_MODE"] == "triton" and env["REMNANT_RETENTION"] == "192"
     assert env["REMNANT_RETENTION_MAP"].endswith("/map.json")
+
+
+def test_a_policy_sglang_cannot_calibrate_is_refused_without_a_map(tmp_path):
+    with pytest.raises(ValueError, match="REMNANT_RETENTION_POLICY=attention needs calibration captures"):
+        from_env({"REMNANT_MODE": "kernel", "REMNANT_RETENTION_POLICY": "attention"})
+    assert from_env({"REMNANT_MODE": "kernel", "REMNANT_RETENTION_POLICY": "prefix"}).packed
+    map_file = tmp_path / "map.json"
+    map_file.write_text("{}")
+    s = from_env({"REMNANT_MODE": "kernel", "REMNANT_RETENTION_POLICY": "attention", "REMNANT_RETENTION_MAP": str(map_file)})
+    assert s.map_path == str(map_file)
+
+
+def test_hicache_rule_reads_the_maps_retention():
+    # A valid schema example: R = 64 and 128 on its two layers, neither 256.
+    path = Path(__file__).resolve().parents[2] / "schemas/retention-map/examples/valid/attention-two-layers.json"
+    s = from_env({"REMNANT_MODE": "triton", "REMNANT_RETENTION_MAP": str(path)})
+    s.check_hicache(False)
+    with pytest.raises(ValueError, match="hicache=true is not allowed"):
+        s.check_hicache(True)
