@@ -437,14 +437,24 @@ def _orchestrator_alive(labels: dict) -> bool:
 def cleanup(run_id: str | None = None, everything: bool = False) -> list[str]:
     """Remove containers remnant started: those of `run_id`, every one (`everything`), or
     by default those whose remnant-run is gone. Returns the names removed."""
+    import docker
+
     client = docker_client()
     label = f"{LABEL_RUN_ID}={run_id}" if run_id else LABEL_RUN_ID
-    removed = []
+    removed, failed = [], []
     for c in client.containers.list(all=True, filters={"label": label}):
         if run_id is None and not everything and _orchestrator_alive(c.labels):
             continue
-        c.remove(force=True)
+        try:
+            c.remove(force=True)
+        except docker.errors.NotFound:
+            continue  # gone meanwhile (its run's own cleanup got there first)
+        except docker.errors.DockerException as exc:
+            failed.append(f"{c.name} ({exc})")
+            continue
         removed.append(c.name)
+    if failed:
+        raise HostError(f"could not remove {', '.join(failed)}; removed {len(removed)}: {', '.join(removed) or 'none'}")
     return removed
 
 

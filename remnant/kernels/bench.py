@@ -7,9 +7,9 @@ three times the L2 cache (so the cache does not serve repeated reads), with CUDA
 after warm-up; the median replay over the rotation length is the time of one call.
 
 Bytes are the fewest a call must move (each input read once, each output written once);
-FLOPs count the tensor-core work the kernel issues (padding included: a packed kernel
-at R = 256 multiplies 256 kept columns, 64 RoPE columns and, for window tokens, 256
-dropped columns). The JSON (schema remnant/kernel-bench v1) is validated before it is
+FLOPs count the tensor-core work the kernel issues (padding included: a packed kernel at
+R = 256 multiplies 256 padded kept columns and 64 RoPE columns per C4 record, and for
+window tokens the full 576 plus the kept columns again). The JSON (schema remnant/kernel-bench v1) is validated before it is
 written.
 """
 
@@ -236,10 +236,17 @@ def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:
     rb = 584 if case.variant == "native" else case.retention + 72
     io = 2 * case.batch * HEADS * 512 * 2  # q read, out written (bf16)
     nbytes = case.batch * (case.topk * (rb + 4) + case.window * (584 + 4)) + io
-    # Columns the tensor cores multiply (scores and P.V), padding included.
-    c4_cols = 512 + 64 if case.variant == "native" else 2 ** math.ceil(math.log2(case.retention - 64)) + 64
-    win_cols = 512 + 64 if case.variant == "native" else c4_cols + 2 ** math.ceil(math.log2(512 - case.retention)) 
-    flops = 2 * 2 * case.batch * HEADS * (case.topk * c4_cols + case.window * win_cols)
+    # Multiply-adds the kernel issues per (head, record), padding included (x 2 FLOPs):
+    # native: 512 + 64 columns for the score and for P.V. Packed C4 records: kept columns
+    # padded to a power of two, plus RoPE, for both. Packed window tokens: 576 for the score,
+    # and P.V into both the full and the kept accumulators (576 + kept padded).
+    if case.variant == "native":
+        c4_macs = win_macs = 2 * (512 + 64)
+    else:
+        kept_padded = 2 ** math.ceil(math.log2(case.retention - 64))
+        c4_macs = 2 * (kept_padded + 64)
+        win_macs = (512 + 64) + (512 + 64 + kept_padded)
+    flops = 2 * case.batch * HEADS * (case.topk * c4_macs + case.window * win_macs)
     return nbytes, float(flops)
 
 
