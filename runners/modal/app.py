@@ -94,14 +94,11 @@ class Settings:
         return f"{self.gpu}:{count}"
 
     def check_budget(self) -> None:
-        """Refuse settings whose GPU functions could bill more than budget_gpu_hours each."""
-        for function, count, timeout in (("serve", "gpu_count", "serve_timeout_s"),
-                                         ("benchmark_kernels", "kernels_gpu_count", "kernels_timeout_s")):
-            hours = getattr(self, count) * getattr(self, timeout) / 3600
-            if hours > self.budget_gpu_hours:
-                raise ValueError(
-                    f"{count}={getattr(self, count)} x {timeout}={getattr(self, timeout)} plans {hours:.2f} "
-                    f"GPU-hours for {function}, over budget_gpu_hours={self.budget_gpu_hours:g}")
+        """The host config's budget guard (remnant.config.validate_modal) on these settings:
+        one rule, whichever side reads it."""
+        from remnant.config import ModalHostConfig, validate_modal
+
+        validate_modal(ModalHostConfig(**dataclasses.asdict(self)))
 
     def mismatch(self, expected: dict) -> str | None:
         """Why these settings are not the ones a run expects (None when they are)."""

@@ -136,12 +136,12 @@ def test_budget_guard_refuses_at_compose_time():
 
 
 def test_budget_guard_in_the_app(tmp_path):
-    with pytest.raises(ValueError, match="gpu_count=4 x serve_timeout_s=36000 plans 40.00 GPU-hours for serve"):
+    with pytest.raises(ValueError, match="host.gpu_count=4 x host.serve_timeout_s=36000 plans 40.00 GPU-hours for serve"):
         app.Settings(serve_timeout_s=36000).check_budget()
     env = {**_no_modal_env(tmp_path), app.SETTINGS_ENV: json.dumps({"serve_timeout_s": 36000})}
     p = subprocess.run([sys.executable, "-c", "import runners.modal.app"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "over budget_gpu_hours=8" in p.stderr
+    assert p.returncode != 0 and "over host.budget_gpu_hours=8" in p.stderr
 
 
 def test_request_round_trips_to_the_server_launch(tmp_path):
