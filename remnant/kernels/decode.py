@@ -87,6 +87,18 @@ def _mma(a, b, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, valid, qk_scale, m, l):
+    """One block of the online softmax (base 2): scores s [H, BN] of `valid` records
+    against the running max m and sum l [H]. Returns the new max, the factor alpha that
+    rescales earlier accumulators, the block's probabilities as bf16, and the new sum."""
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p.to(tl.bfloat16), l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, q_sb, q_sh,
     out_ptr, o_sb, o_sh,
@@ -138,12 +150,7 @@ def _decode_kernel(
         codes = tl.load(data[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0)
         k_full = _dequant(codes, _column_scales(tail, valid, d_tile))
         s = _mma(q_full, tl.trans(k_full), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        pb = p.to(tl.bfloat16)
+        m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
         acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
         if PACKED:
             # The kept columns' share goes to acc_kept (so each output column has one
@@ -173,12 +180,7 @@ def _decode_kernel(
             codes = tl.load(data[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0)
             k_full = _dequant(codes, _column_scales(tail, valid, d_tile))
             s = _mma(q_full, tl.trans(k_full), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        pb = p.to(tl.bfloat16)
+        m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
         acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
         if PACKED:
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)

@@ -237,6 +237,16 @@ def _valid(row: torch.Tensor) -> torch.Tensor:
     return row[row >= 0]
 
 
+def _per_token(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, attend) -> torch.Tensor:
+    """Reference decode token by token: gather each token's valid records, then `attend`."""
+    out = []
+    for b in range(q.shape[0]):
+        c4_rows = gather(c4, c4_layout, _valid(c4_locs[b]))
+        win_rows = gather(window, window_layout, _valid(window_locs[b]))
+        out.append(attend(q[b], win_rows, c4_rows))
+    return torch.stack(out)
+
+
 def decode_native(
     q: torch.Tensor,
     c4: torch.Tensor,
@@ -261,12 +271,9 @@ def decode_native(
         from remnant.kernels.decode import decode
 
         return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, None, scale)
-    out = []
-    for b in range(q.shape[0]):
-        c4_rows = gather(c4, c4_layout, _valid(c4_locs[b]))
-        win_rows = gather(window, window_layout, _valid(window_locs[b]))
-        out.append(_decode_native_records(q[b], win_rows, c4_rows, torch.arange(c4_rows.shape[0]), sink, scale, dtype))
-    return torch.stack(out)
+    return _per_token(q, c4, c4_layout, c4_locs, window, window_layout, window_locs,
+                      lambda qb, win, rows: _decode_native_records(qb, win, rows, torch.arange(rows.shape[0]), sink,
+                                                                   scale, dtype))
 
 
 def decode_packed(
@@ -292,12 +299,7 @@ def decode_packed(
         from remnant.kernels.decode import decode
 
         return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale)
-    out = []
-    for b in range(q.shape[0]):
-        c4_rows = gather(c4, c4_layout, _valid(c4_locs[b]))
-        win_rows = gather(window, window_layout, _valid(window_locs[b]))
-        out.append(
-            _decode_packed_records(q[b], win_rows, c4_rows, keep_tensor(keep), torch.arange(c4_rows.shape[0]), sink,
-                                   scale, dtype)
-        )
-    return torch.stack(out)
+    kept = keep_tensor(keep)
+    return _per_token(q, c4, c4_layout, c4_locs, window, window_layout, window_locs,
+                      lambda qb, win, rows: _decode_packed_records(qb, win, rows, kept, torch.arange(rows.shape[0]),
+                                                                   sink, scale, dtype))
