@@ -94,8 +94,11 @@ class PackedC4Pool(DeepSeekV4SingleKVPool):
         store(cache_k, self.kv_buffer[layer_id], self.layouts[layer_id], loc, self.keeps[layer_id])
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """The packed buffer (or the staged native pages), viewed as the stock pool views its
+        uint8 buffer: as `self.dtype` (FP8), so FlashMLA sees the dtype it sees natively."""
         staged = self._staged.get(layer_id)
-        return staged if staged is not None else self.kv_buffer[layer_id]
+        buf = staged if staged is not None else self.kv_buffer[layer_id]
+        return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
 
     @contextmanager
     def staged(self, layer_id: int, native_pages: torch.Tensor):

@@ -43,13 +43,13 @@ def test_pool_answers_the_backends_calls(pool):
     rec = quantize(x)
     # Fused path (the compressor): bf16 latents in, packed records out.
     pool.set_key_buffer_fused(0, locs, x.to(torch.bfloat16))
-    assert torch.equal(gather(pool.get_key_buffer(0), pool.layouts[0], locs), pack(rec, keep_tensor(pool.keeps[0])))
+    assert torch.equal(gather(pool.get_key_buffer(0).view(torch.uint8), pool.layouts[0], locs), pack(rec, keep_tensor(pool.keeps[0])))
     # SGLang's quantized pack (set_key_buffer), SGLang's own NopeFp8RopeBf16Pack.
     sg_pack = NopeFp8RopeBf16Pack(k_nope_fp8=rec[:, :448].view(torch.float8_e4m3fn),
                                   k_rope_bf16=rec[:, 448:576].view(torch.bfloat16),
                                   scale_k_nope_ue8m0=rec[:, 576:583])
     pool.set_key_buffer(1, locs, sg_pack)
-    assert torch.equal(gather(pool.get_key_buffer(1), pool.layouts[1], locs), pack(rec, keep_tensor(pool.keeps[1])))
+    assert torch.equal(gather(pool.get_key_buffer(1).view(torch.uint8), pool.layouts[1], locs), pack(rec, keep_tensor(pool.keeps[1])))
     # Byte counts: R + 72 per record, in SGLang's split pages.
     assert [b.shape[1] for b in pool.kv_buffer] == [21120, 16896]  # 64 x (R + 72), padded to R + 64
     assert pool.record_bytes() == 328 + 264 and pool.get_bytes_per_token() == 296
@@ -67,14 +67,16 @@ def test_staged_native_pages_answer_get_key_buffer_then_go_away(pool):
     remapped = stage_selected(pool.kv_buffer[1], pool.layouts[1], pool.keeps[1], indices, scratch, 64)
     with pool.staged(1, scratch):
         buf = pool.get_key_buffer(1)
-        assert buf is scratch
+        # The stock pool's dtype (an FP8 view of the bytes), as SGLang's backend expects.
+        assert buf.dtype == pool.dtype and buf.data_ptr() == scratch.data_ptr()
+        buf = buf.view(torch.uint8)
         # DeepseekV4AttnBackend.forward's view of the C4 cache (k_cache_total_dim 584).
         view = buf[:, : 64 * pool.kv_cache_total_dim].view(buf.shape[0], 64, 1, pool.kv_cache_total_dim)
         assert view.shape == (buf.shape[0], 64, 1, 584)
         got = gather(buf, native_layout(64), remapped[0, :3].long())
         keep = keep_tensor(pool.keeps[1])
         assert torch.equal(got, unpack(pack(quantize(x), keep), keep)[[0, 4, 9]])
-    assert pool.get_key_buffer(1) is pool.kv_buffer[1]
+    assert pool.get_key_buffer(1).data_ptr() == pool.kv_buffer[1].data_ptr()
 
 
 def test_hooks_find_the_pool_by_its_buffer(pool):
