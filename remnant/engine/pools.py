@@ -16,6 +16,7 @@ import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING, PoolGeometry, PoolSizes, pool_bytes
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
+from remnant.kv.paged import PageLayout
 
 INDEX_SCALE_BYTES = 4
 
@@ -50,34 +51,33 @@ class FreeList:
 class SplitPages:
     """One layer's paged records in SGLang's split layout: uint8 [pages, page_bytes].
 
-    Record j of a sequence lives in page page_table[j // per_page], slot j % per_page:
-    its data part at slot * data_bytes, its 8 scale+pad bytes at per_page * data_bytes +
-    slot * 8 (for indexer keys: 4 scale bytes).
+    Record j of a sequence lives in page page_table[j // per_page], slot j % per_page, i.e.
+    at pool location page * per_page + slot of `layout` (remnant.kv.paged.PageLayout: data
+    parts first, then the tails: 8 scale+pad bytes, or 4 scale bytes for indexer keys).
     """
 
     def __init__(self, pages: int, per_page: int, record_bytes: int, tail_bytes: int = SCALE_BYTES,
                  row_bytes: int | None = None):
-        self.per_page, self.record_bytes, self.tail = per_page, record_bytes, tail_bytes
-        self.data = record_bytes - tail_bytes
         raw = per_page * record_bytes
-        row = row_bytes or self.data
-        self.page_bytes = -(-raw // row) * row
-        self.buf = torch.zeros(pages, self.page_bytes, dtype=torch.uint8)
+        row = row_bytes or record_bytes - tail_bytes
+        self.layout = PageLayout(per_page, record_bytes, -(-raw // row) * row, tail_bytes)
+        self.buf = torch.zeros(pages, self.layout.page_stride, dtype=torch.uint8)
+
+    @property
+    def record_bytes(self) -> int:
+        return self.layout.record_bytes
 
     def _offsets(self, page_table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        page = page_table[index // self.per_page]
-        slot = index % self.per_page
-        base = page * self.page_bytes
-        data = (base + slot * self.data)[:, None] + torch.arange(self.data)
-        tail = (base + self.per_page * self.data + slot * self.tail)[:, None] + torch.arange(self.tail)
-        return data, tail
+        per_page = self.layout.per_page
+        return self.layout.byte_offsets(page_table[index // per_page] * per_page + index % per_page)
 
     def write(self, page_table: torch.Tensor, index: torch.Tensor, records: torch.Tensor) -> None:
         """records uint8 [k, record_bytes] to sequence record indices `index` [k]."""
         data, tail = self._offsets(page_table, index)
         flat = self.buf.view(-1)
-        flat[data] = records[:, : self.data]
-        flat[tail] = records[:, self.data :]
+        split = self.layout.data_bytes
+        flat[data] = records[:, :split]
+        flat[tail] = records[:, split:]
 
     def read(self, page_table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """uint8 [k, record_bytes] of sequence record indices `index` [k]."""

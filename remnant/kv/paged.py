@@ -33,9 +33,12 @@ class PageLayout:
     per_page: int
     record_bytes: int
     page_stride: int
+    #: Bytes of the per-record tail after all data parts: C4 records' 7 scales + pad (8);
+    #: the engine's indexer keys keep a 4-byte fp32 scale there. The kernels read tail 8.
+    tail_bytes: int = SCALE_BYTES
 
     def __post_init__(self):
-        if self.per_page < 1 or self.record_bytes <= SCALE_BYTES:
+        if self.per_page < 1 or self.record_bytes <= self.tail_bytes:
             raise ValueError(f"bad page layout: per_page={self.per_page}, record_bytes={self.record_bytes}")
         if self.page_stride < self.per_page * self.record_bytes:
             raise ValueError(
@@ -45,7 +48,7 @@ class PageLayout:
 
     @property
     def data_bytes(self) -> int:
-        return self.record_bytes - SCALE_BYTES
+        return self.record_bytes - self.tail_bytes
 
     @classmethod
     def sglang(cls, per_page: int, retention: int = 512) -> "PageLayout":
@@ -77,8 +80,8 @@ class PageLayout:
         page, slot = locs // self.per_page, locs % self.per_page
         base = page * self.page_stride
         data = (base + slot * self.data_bytes)[:, None] + torch.arange(self.data_bytes, device=locs.device)
-        tail = (base + self.per_page * self.data_bytes + slot * SCALE_BYTES)[:, None] + torch.arange(
-            SCALE_BYTES, device=locs.device
+        tail = (base + self.per_page * self.data_bytes + slot * self.tail_bytes)[:, None] + torch.arange(
+            self.tail_bytes, device=locs.device
         )
         return data, tail
 
