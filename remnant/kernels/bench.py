@@ -149,13 +149,12 @@ def _roofline(seconds: float, nbytes: int, flops: float, ceil: Ceilings) -> dict
     }
 
 
-def _variants(retention: int) -> list[str]:
-    return ["registers"] if retention == 512 else ["registers", "loads"]
+def _store_variants(retention: int) -> list[str]:
+    return ["registers"] if retention == 512 else ["registers", "stores"]
 
 
-# The store's "loads" variant ran at 4% (R=256) and 0.7% (R=384) of the copy bandwidth on
-# the H200 (benchmarks/kernels/NOTES.md); it is timed at the smallest size only.
-SLOW_VARIANT_MAX_RECORDS = 2**14
+def _reconstruct_variants(retention: int) -> list[str]:
+    return ["registers", "loads"]
 
 
 def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
@@ -181,9 +180,7 @@ def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: i
                 pages = page_order[s * (-(-n // per_page)) : (s + 1) * (-(-n // per_page))]
                 locs = (pages[:, None] * per_page + torch.arange(per_page, device="cuda")).flatten()[:n].to(torch.int32)
                 calls.append((x, locs))
-            for permute in _variants(retention):
-                if permute == "loads" and retention > 128 and n > SLOW_VARIANT_MAX_RECORDS:
-                    continue
+            for permute in _store_variants(retention):
                 seconds = _sync_time_graph(
                     [lambda x=x, locs=locs, p=permute: store(x, pool, layout, locs, keep, permute=p) for x, locs in calls],
                     reps)
@@ -218,7 +215,7 @@ def bench_reconstruct(ceil: Ceilings, sizes: list[int], retentions: list[int], r
                 out = torch.empty(-(-k // 64), native.page_stride, dtype=torch.uint8, device="cuda")
                 out_locs = torch.arange(k, dtype=torch.int32, device="cuda")
                 calls.append((locs, out, out_locs))
-            for permute in _variants(retention):
+            for permute in _reconstruct_variants(retention):
                 seconds = _sync_time_graph(
                     [lambda locs=locs, out=out, ol=ol, p=permute: reconstruct(pool, layout, locs, keep, out, native, ol, permute=p)
                      for locs, out, ol in calls], reps)
@@ -334,7 +331,7 @@ def check_copies(gen: torch.Generator) -> list[dict]:
         locs = torch.randperm(n + 997, device="cuda")[:n]
         want = torch.full((-(-(n + 997) // 64), layout.page_stride), 0xAB, dtype=torch.uint8, device="cuda")
         paged.store(x, want, layout, locs, keep, reference=True)
-        for permute in _variants(retention):
+        for permute in _store_variants(retention):
             got = torch.full_like(want, 0xAB)
             store(x, got, layout, locs, keep, check_range=True, permute=permute)
             checks.append({"kernel": "store", "retention": retention, "records": n, "permute": permute,
@@ -342,7 +339,7 @@ def check_copies(gen: torch.Generator) -> list[dict]:
         if keep is not None:
             picks = torch.randint(0, n + 997, (n,), device="cuda")
             ref = paged.reconstruct(want, layout, picks, keep, reference=True)
-            for permute in _variants(retention):
+            for permute in _reconstruct_variants(retention):
                 out = reconstruct(want, layout, picks, keep, check_range=True, permute=permute)
                 checks.append({"kernel": "reconstruct", "retention": retention, "records": n, "permute": permute,
                                "bytes_differing": int((out != ref).sum())})
@@ -393,18 +390,15 @@ def _compiled_info(compiled: list) -> dict:
     return info
 
 
-# h_block = 64 (all heads in one program, each record read once) spilled on an H200 with
-# Triton 3.6: 255 registers and 370-688 spilled per thread, 340-460 us at batch 128
-# (benchmarks/kernels/NOTES.md). Smaller head blocks re-read a token's records from L2.
+# 64 heads per program (each record read once) with 16 or 32 records per step were the
+# fastest on the H200 (benchmarks/kernels/NOTES.md); 16-warp programs were capped at 128
+# registers and spilled (curated run of 2026-11-30), so they are no longer swept.
 DECODE_CONFIGS = [
-    dict(h_block=16, block_n=32, num_warps=4, num_stages=1),
-    dict(h_block=16, block_n=64, num_warps=4, num_stages=1),
-    dict(h_block=32, block_n=32, num_warps=8, num_stages=1),
+    dict(h_block=64, block_n=32, num_warps=8, num_stages=1),
     dict(h_block=64, block_n=16, num_warps=8, num_stages=1),
-    dict(h_block=64, block_n=16, num_warps=8, num_stages=2),
-    # 16 warps: a 64-head accumulator at half the registers per thread.
-    dict(h_block=64, block_n=16, num_warps=16, num_stages=1),
-    dict(h_block=64, block_n=32, num_warps=16, num_stages=1),
+    dict(h_block=64, block_n=64, num_warps=8, num_stages=1),
+    dict(h_block=32, block_n=32, num_warps=8, num_stages=1),
+    dict(h_block=16, block_n=32, num_warps=4, num_stages=1),
 ]
 
 

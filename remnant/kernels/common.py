@@ -1,9 +1,15 @@
-"""Checks shared by the kernels' Python wrappers (the column tables are remnant.kv.paged's
-KeptColumns)."""
+"""Pieces shared by the kernels: location checks and record addresses in the split page
+layout (the column tables are remnant.kv.paged's KeptColumns)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import triton
+import triton.language as tl
+
+from remnant.kv.paged import PageLayout
 
 
 def check_locs(locs: torch.Tensor, name: str, capacity: int, check_range: bool) -> torch.Tensor:
@@ -21,3 +27,30 @@ def check_locs(locs: torch.Tensor, name: str, capacity: int, check_range: bool) 
         if hi >= capacity or lo < -1:
             raise ValueError(f"{name} must lie in [0, {capacity}) (or -1 for padding), got [{lo}, {hi}]")
     return locs.to(torch.int32).contiguous()
+
+
+def alignment(layout: PageLayout, name: str) -> int:
+    """The largest power of two (<= 16) dividing every record's data offset in `layout`.
+
+    The kernels move the 8 tail bytes as one int64 and codes as 4-byte words or wider, so
+    a layout must keep records 8-byte aligned (SGLang's and the engine's do).
+    """
+    if layout.page_stride % 8 or layout.data_bytes % 8 or layout.tail_bytes != 8:
+        raise ValueError(f"{name}: the kernels need 8-byte aligned records with an 8-byte tail, got page_stride="
+                         f"{layout.page_stride}, data_bytes={layout.data_bytes}, tail_bytes={layout.tail_bytes}")
+    return math.gcd(layout.page_stride, layout.data_bytes, 16)
+
+
+@triton.jit
+def record_addresses(base_ptr, loc, PER_PAGE: tl.constexpr, stride, DATA: tl.constexpr, ALIGN: tl.constexpr):
+    """Data and tail (scales) byte pointers of records at flat locations `loc` (int32, >= 0).
+
+    ALIGN (from `alignment`) tells the compiler where data parts start, so code and RoPE
+    accesses can be vector loads and stores rather than byte ones (benchmarks/kernels/NOTES.md).
+    """
+    page = loc // PER_PAGE
+    slot = loc % PER_PAGE
+    page_off = page.to(tl.int64) * stride
+    data_off = tl.multiple_of(page_off + slot * DATA, ALIGN)
+    tail_off = tl.multiple_of(page_off + PER_PAGE * DATA + slot * 8, 8)
+    return base_ptr + data_off, base_ptr + tail_off

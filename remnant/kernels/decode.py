@@ -5,11 +5,11 @@ softmax over [attention sink | W window tokens | K selected C4 records], V = K (
 512-vector), as DeepSeek-V4's sparse MLA decode does. Window tokens are native records;
 C4 records are native (the stock baseline) or packed (kernel mode).
 
-Both variants share this code and its care: records are read once per program with wide
-loads (the codes of a record are one contiguous run), scales are applied by building the
-float32 2^(s-127) from the UE8M0 byte (exact), keys are dequantized to bf16 (exact: FP8
-e4m3 times a power of two), and both matrix products run on the tensor cores in bf16 with
-float32 accumulation.
+Both variants share this code and its care: records are read once per program as 16-byte
+vector loads of 4-byte words (codes), bf16 RoPE and one int64 of scales, on addresses the
+compiler is told are aligned; scales are applied by building the float32 2^(s-127) from
+the UE8M0 byte (exact), keys are dequantized to bf16 (exact: FP8 e4m3 times a power of
+two), and both matrix products run on the tensor cores in bf16 with float32 accumulation.
 
 Packed C4 records hold only the kept NoPE coordinates, so the packed variant works in
 "kept order": q is gathered to the kept columns once, scores of C4 records use those
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import check_locs
+from remnant.kernels.common import alignment, check_locs, record_addresses
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
 from remnant.kv.paged import KeptColumns, PageLayout
 
@@ -37,40 +37,58 @@ LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _addresses(base_ptr, loc, per_page, stride, DATA: tl.constexpr):
-    """Data and tail (scales) byte pointers of records at flat locations `loc`."""
-    loc = loc.to(tl.int64)
-    page_base = base_ptr + (loc // per_page) * stride
-    slot = loc % per_page
-    return page_base + slot * DATA, page_base + per_page * DATA + slot * 8
+def _load_records(base_ptr, locs_ptr, n, count, PER_PAGE: tl.constexpr, stride,
+                  DATA: tl.constexpr, ALIGN: tl.constexpr, WORDS: tl.constexpr, NW: tl.constexpr):
+    """The raw bytes of the records listed at locs_ptr[n] (n >= count or loc -1: invalid).
 
-
-@triton.jit
-def _column_scales(tail, valid, col_tile):
-    """float32 [BN, C]: each column's UE8M0 scale 2^(s-127) (exact), col_tile [C] sorted.
-
-    The 7 scale bytes are read as [BN] vectors and chosen per column by a select chain
-    (kept columns are sorted, so their tiles rise). No [BN, C] gather or integer shift
-    tile is formed: both spilled registers on the H200 (see benchmarks/kernels/NOTES.md).
+    Returns (valid [BN], data pointers [BN], codes as int32 words [BN, NW] (4 codes each;
+    words >= WORDS are zero), RoPE bf16 [BN, 64], the 8 tail bytes as one int64 [BN]).
+    Fetching block i + 1 while computing block i (registers carried across the loop) was
+    slower on the H200: it raised register spills (benchmarks/kernels/NOTES.md).
     """
-    s = tl.load(tail, mask=valid, other=127).to(tl.int32)
-    scale = tl.broadcast_to(s[:, None], (s.shape[0], col_tile.shape[0]))
-    for t in tl.static_range(1, 7):
-        s_t = tl.load(tail + t, mask=valid, other=127).to(tl.int32)
-        scale = tl.where(col_tile[None, :] >= t, s_t[:, None], scale)
-    return (scale << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dequant(codes, scales):
-    """FP8 codes [BN, C] (uint8) times float32 scales [BN, C] -> bf16 (exact)."""
-    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scales).to(tl.bfloat16)
-
-
-@triton.jit
-def _load_rope(data, valid, N: tl.constexpr):
+    loc = tl.load(locs_ptr + n, mask=n < count, other=-1)
+    valid = loc >= 0
+    data, tail = record_addresses(base_ptr, tl.maximum(loc, 0), PER_PAGE, stride, DATA, ALIGN)
+    w = tl.arange(0, NW)
+    words = tl.load(data.to(tl.pointer_type(tl.int32))[:, None] + w[None, :],
+                    mask=valid[:, None] & (w[None, :] < WORDS), other=0)
     r = tl.arange(0, 64)
-    return tl.load((data + N).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+    rope = tl.load((data + 4 * WORDS).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :],
+                   mask=valid[:, None], other=0.0)
+    scales = tl.load(tail.to(tl.pointer_type(tl.int64)), mask=valid, other=0)
+    return valid, data, words, rope, scales
+
+
+@triton.jit
+def _code_bytes(words):
+    """int32 words [BN, NW] -> their bytes [BN, 4 NW] in memory order (little-endian)."""
+    b0 = (words & 0xFF).to(tl.uint8)
+    b1 = ((words >> 8) & 0xFF).to(tl.uint8)
+    b2 = ((words >> 16) & 0xFF).to(tl.uint8)
+    b3 = ((words >> 24) & 0xFF).to(tl.uint8)
+    # join(join(b0, b2), join(b1, b3))[..., j, i] is byte 2j + i of the word.
+    quads = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    return tl.reshape(quads, (words.shape[0], 4 * words.shape[1]))
+
+
+@triton.jit
+def _tile_scale(scales, t: tl.constexpr):
+    """float32 [BN]: tile t's UE8M0 scale 2^(s - 127) from the 8 tail bytes (exact)."""
+    s = ((scales >> (8 * t)) & 0xFF).to(tl.int32)
+    return (s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant(codes, col_tile, scales):
+    """FP8 codes [BN, C] (uint8) of columns in tiles col_tile [C] (sorted) -> bf16 (exact).
+
+    Each column's scale is chosen by a select chain over the 7 tile scales (kept columns
+    are sorted, so their tiles rise); no [BN, C] integer tile is formed.
+    """
+    scale = tl.broadcast_to(_tile_scale(scales, 0)[:, None], codes.shape)
+    for t in tl.static_range(1, 7):
+        scale = tl.where(col_tile[None, :] >= t, _tile_scale(scales, t)[:, None], scale)
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(tl.bfloat16)
 
 
 @triton.jit
@@ -103,9 +121,10 @@ def _decode_kernel(
     q_ptr, q_sb, q_sh,
     out_ptr, o_sb, o_sh,
     sink_ptr, H,
-    win_ptr, win_locs_ptr, win_sb, W, win_per_page, win_stride,
-    c4_ptr, c4_locs_ptr, c4_sb, K, c4_per_page, c4_stride,
+    win_ptr, win_locs_ptr, win_sb, W, win_stride,
+    c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride,
     kept_ptr, slot_of_ptr, qk_scale,
+    WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
@@ -121,18 +140,20 @@ def _decode_kernel(
     d_tile = d // 64
     r = tl.arange(0, 64)
     n_off = tl.arange(0, BN)
+    win_locs = win_locs_ptr + b * win_sb
+    c4_locs = c4_locs_ptr + b * c4_sb
 
     q_full = tl.load(q_row[:, None] + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.bfloat16)
     q_rope = tl.load(q_row[:, None] + 448 + r[None, :], mask=h_ok[:, None], other=0.0).to(tl.bfloat16)
     acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
     acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
+    j = tl.arange(0, NP)
+    kept = tl.load(kept_ptr + j)
+    kept_ok = j < N
+    kept_tile = kept // 64
     if PACKED:
         # Packed C4 records hold the kept columns only, in map order: their scores use q
         # at those columns, and their output accumulates in acc_kept (kept order).
-        j = tl.arange(0, NP)
-        kept = tl.load(kept_ptr + j)
-        kept_ok = j < N
-        kept_tile = kept // 64
         q_kept = tl.load(q_row[:, None] + kept[None, :], mask=h_ok[:, None] & kept_ok[None, :], other=0.0).to(tl.bfloat16)
         acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
 
@@ -142,22 +163,18 @@ def _decode_kernel(
 
     # Window tokens: native records, all 512 coordinates.
     for start in range(0, W, BN):
-        n = start + n_off
-        loc = tl.load(win_locs_ptr + b * win_sb + n, mask=n < W, other=-1)
-        valid = loc >= 0
-        data, tail = _addresses(win_ptr, tl.maximum(loc, 0), win_per_page, win_stride, 576)
-        k_rope = _load_rope(data, valid, 448).to(tl.bfloat16)
-        codes = tl.load(data[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0)
-        k_full = _dequant(codes, _column_scales(tail, valid, d_tile))
+        valid, data, words, rope, scales = _load_records(win_ptr, win_locs, start + n_off, W, WIN_PER_PAGE,
+                                                         win_stride, 576, WIN_ALIGN, 112, 128)
+        k_rope = rope.to(tl.bfloat16)
+        k_full = _dequant(_code_bytes(words), d_tile, scales)
         s = _mma(q_full, tl.trans(k_full), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
         m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
         acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
         if PACKED:
             # The kept columns' share goes to acc_kept (so each output column has one
-            # accumulator); the record is in L1 from the load above.
+            # accumulator), read again by index from the record the step just loaded (L1).
             kcodes = tl.load(data[:, None] + kept[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
-            k_kept = _dequant(kcodes, _column_scales(tail, valid, kept_tile))
-            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+            acc_kept = acc_kept * alpha[:, None] + _mma(pb, _dequant(kcodes, kept_tile, scales), INTERPRETED)
         acc_full = acc_full * alpha[:, None] + _mma(pb, k_full, INTERPRETED)
         m = m_new
 
@@ -166,19 +183,17 @@ def _decode_kernel(
     # max once at the end (fewer live registers in the loop; it spilled otherwise).
     m_window = m
     C4_DATA: tl.constexpr = N + 128
+    C4_WORDS: tl.constexpr = N // 4
+    C4_NW: tl.constexpr = NP // 4 if PACKED else 128
     for start in range(0, K, BN):
-        n = start + n_off
-        loc = tl.load(c4_locs_ptr + b * c4_sb + n, mask=n < K, other=-1)
-        valid = loc >= 0
-        data, tail = _addresses(c4_ptr, tl.maximum(loc, 0), c4_per_page, c4_stride, C4_DATA)
-        k_rope = _load_rope(data, valid, N).to(tl.bfloat16)
+        valid, data, words, rope, scales = _load_records(c4_ptr, c4_locs, start + n_off, K, C4_PER_PAGE, c4_stride,
+                                                         C4_DATA, C4_ALIGN, C4_WORDS, C4_NW)
+        k_rope = rope.to(tl.bfloat16)
         if PACKED:
-            codes = tl.load(data[:, None] + j[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
-            k_kept = _dequant(codes, _column_scales(tail, valid, kept_tile))
+            k_kept = _dequant(_code_bytes(words), kept_tile, scales)
             s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
         else:
-            codes = tl.load(data[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0)
-            k_full = _dequant(codes, _column_scales(tail, valid, d_tile))
+            k_full = _dequant(_code_bytes(words), d_tile, scales)
             s = _mma(q_full, tl.trans(k_full), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
         m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
         acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
@@ -220,7 +235,7 @@ def decode(
     out: torch.Tensor | None = None,
     check_range: bool = False,
     h_block: int = 64,
-    block_n: int = 16,
+    block_n: int = 32,
     num_warps: int = 8,
     num_stages: int = 1,
     compiled: list | None = None,
@@ -229,8 +244,8 @@ def decode(
 
     q: bf16/float [B, H, 512]; c4_locs int [B, K], window_locs int [B, W] (-1 = padding);
     sink float [H]; keep None for native C4 records, int64 [N] for packed. The default
-    config (64 heads per program, 16 records per step, 8 warps) was the fastest of the
-    remnant-kernels tuning sweep for both variants on an H200 (benchmarks/kernels/). Returns out
+    config (64 heads per program, 32 records per step, 8 warps) was the fastest of the
+    remnant-kernels tuning sweep on an H200 (benchmarks/kernels/). Returns out
     [B, H, 512] in q's dtype (or writes the given `out`).
     """
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
@@ -255,9 +270,11 @@ def decode(
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(1),
         sink, heads,
-        window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.per_page, window_layout.page_stride,
-        c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.per_page, c4_layout.page_stride,
+        window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
+        c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
         cols.kept, cols.slot_of, scale * LOG2E,
+        WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
+        C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
         N=cols.n_kept, NP=cols.kept.numel(),
         PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,

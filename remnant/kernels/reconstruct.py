@@ -17,16 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import check_locs
+from remnant.kernels.common import alignment, check_locs, record_addresses
 from remnant.kv.formats import NATIVE_RECORD_BYTES
 from remnant.kv.paged import KeptColumns, PageLayout
 
 
 @triton.jit
 def _reconstruct_kernel(
-    src_ptr, src_locs_ptr, src_per_page, src_stride,
-    dst_ptr, dst_locs_ptr, dst_per_page, dst_stride,
+    src_ptr, src_locs_ptr, src_stride,
+    dst_ptr, dst_locs_ptr, dst_stride,
     slot_of_ptr, n_rows,
+    SRC_PER_PAGE: tl.constexpr, SRC_ALIGN: tl.constexpr, DST_PER_PAGE: tl.constexpr, DST_ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, GATHER: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -35,12 +36,10 @@ def _reconstruct_kernel(
     SRC_DATA: tl.constexpr = N + 128
     DST_DATA: tl.constexpr = 576
 
-    src_loc = tl.load(src_locs_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    src_data = src_ptr + (src_loc // src_per_page) * src_stride + (src_loc % src_per_page) * SRC_DATA
-    src_tail = src_ptr + (src_loc // src_per_page) * src_stride + src_per_page * SRC_DATA + (src_loc % src_per_page) * 8
-    dst_loc = tl.load(dst_locs_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    dst_data = dst_ptr + (dst_loc // dst_per_page) * dst_stride + (dst_loc % dst_per_page) * DST_DATA
-    dst_tail = dst_ptr + (dst_loc // dst_per_page) * dst_stride + dst_per_page * DST_DATA + (dst_loc % dst_per_page) * 8
+    src_data, src_tail = record_addresses(src_ptr, tl.load(src_locs_ptr + rows, mask=row_ok, other=0),
+                                          SRC_PER_PAGE, src_stride, SRC_DATA, SRC_ALIGN)
+    dst_data, dst_tail = record_addresses(dst_ptr, tl.load(dst_locs_ptr + rows, mask=row_ok, other=0),
+                                          DST_PER_PAGE, dst_stride, DST_DATA, DST_ALIGN)
 
     # Kept codes, contiguous; native coordinate c takes kept slot slot_of[c] (or zero).
     c = tl.arange(0, 512)
@@ -57,9 +56,8 @@ def _reconstruct_kernel(
     r = tl.arange(0, 64)
     rope = tl.load((src_data + N).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=row_ok[:, None])
     tl.store((dst_data + 448).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], rope, mask=row_ok[:, None])
-    t = tl.arange(0, 8)
-    tail = tl.load(src_tail[:, None] + t[None, :], mask=row_ok[:, None])
-    tl.store(dst_tail[:, None] + t[None, :], tail, mask=row_ok[:, None])
+    tail = tl.load(src_tail.to(tl.pointer_type(tl.int64)), mask=row_ok)  # 7 scales + pad
+    tl.store(dst_tail.to(tl.pointer_type(tl.int64)), tail, mask=row_ok)
 
 
 def reconstruct(
@@ -71,7 +69,8 @@ def reconstruct(
     out_layout: PageLayout | None = None,
     out_locs: torch.Tensor | None = None,
     check_range: bool = False,
-    block_rows: int = 16,
+    block_rows: int = 4,
+    num_warps: int = 1,
     permute: str = "loads",
 ) -> torch.Tensor:
     """Packed records at `locs` [k] of `pages` -> native records.
@@ -105,9 +104,12 @@ def reconstruct(
         return out
     grid = (triton.cdiv(k, block_rows),)
     _reconstruct_kernel[grid](
-        pages, src_locs, layout.per_page, layout.page_stride,
-        out, dst_locs, out_layout.per_page, out_layout.page_stride,
+        pages, src_locs, layout.page_stride,
+        out, dst_locs, out_layout.page_stride,
         cols.slot_of, k,
+        SRC_PER_PAGE=layout.per_page, SRC_ALIGN=alignment(layout, "pages"),
+        DST_PER_PAGE=out_layout.per_page, DST_ALIGN=alignment(out_layout, "out"),
         N=cols.n_kept, NP=cols.kept.numel(), GATHER=permute == "registers", BLOCK_ROWS=block_rows,
+        num_warps=num_warps,
     )
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import check_locs
+from remnant.kernels.common import alignment, check_locs, record_addresses
 from remnant.kv.formats import HEAD_DIM
 from remnant.kv.paged import KeptColumns, PageLayout
 
@@ -23,8 +23,9 @@ from remnant.kv.paged import KeptColumns, PageLayout
 @triton.jit
 def _store_kernel(
     x_ptr, x_stride, n_rows,
-    pages_ptr, locs_ptr, per_page, page_stride,
-    cols_ptr,
+    pages_ptr, locs_ptr, page_stride,
+    kept_ptr, slot_of_ptr,
+    PER_PAGE: tl.constexpr, ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, GATHER: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -42,43 +43,36 @@ def _store_kernel(
     ceil_log2 = tl.math.ceil(tl.log2(amax / 448.0))
     scale_inv = 1.0 / tl.exp2(ceil_log2)
     scaled = x * scale_inv[:, :, None]
-    j = tl.arange(0, NP)
-    if PACKED and not GATHER:
-        # The kept columns read again by index (L1-served), each scaled by its tile's
-        # exponent chosen by a select chain (kept columns are sorted, tiles rise).
-        kept = tl.load(cols_ptr + j)
-        kept_tile = kept // 64
-        x_kept = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + kept[None, :],
-                         mask=row_ok[:, None] & (j[None, :] < N), other=0.0).to(tl.float32)
-        inv = tl.broadcast_to(tl.sum(tl.where(tiles[None, :] == 0, scale_inv, 0.0), axis=1)[:, None], (BLOCK_ROWS, NP))
-        for t in tl.static_range(1, 7):
-            inv_t = tl.sum(tl.where(tiles[None, :] == t, scale_inv, 0.0), axis=1)
-            inv = tl.where(kept_tile[None, :] >= t, inv_t[:, None], inv)
-        codes = tl.clamp(x_kept * inv, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        codes = tl.clamp(scaled, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        codes = tl.reshape(codes, (BLOCK_ROWS, 512))                        # native order
-        if PACKED:
-            # The kept codes in map order, permuted in registers: stores stay contiguous.
-            kept = tl.load(cols_ptr + j)
-            codes = tl.gather(codes, tl.broadcast_to(kept[None, :], (BLOCK_ROWS, NP)), axis=1)
+    codes = tl.clamp(scaled, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    codes = tl.reshape(codes, (BLOCK_ROWS, 512))                            # native order
 
     # Split-layout addresses: data part (codes then RoPE), then the 8-byte tail.
     DATA: tl.constexpr = N + 128
-    locs = tl.load(locs_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    page = locs // per_page
-    slot = locs % per_page
-    data = pages_ptr + page * page_stride + slot * DATA
-    tail = pages_ptr + page * page_stride + per_page * DATA + slot * 8
-    tl.store(data[:, None] + j[None, :], codes, mask=row_ok[:, None] & (j[None, :] < N))
+    data, tail = record_addresses(pages_ptr, tl.load(locs_ptr + rows, mask=row_ok, other=0),
+                                  PER_PAGE, page_stride, DATA, ALIGN)
+    if PACKED and not GATHER:
+        # Each kept code stored at its slot (byte stores; a row's slots are one contiguous
+        # run, so L2 merges them into whole sectors).
+        c = tl.arange(0, 512)
+        slot = tl.load(slot_of_ptr + c)
+        tl.store(data[:, None] + tl.maximum(slot, 0)[None, :], codes, mask=row_ok[:, None] & (slot[None, :] >= 0))
+    else:
+        j = tl.arange(0, NP)
+        if PACKED:
+            # The kept codes in map order, permuted in registers: stores stay contiguous.
+            kept = tl.load(kept_ptr + j)
+            codes = tl.gather(codes, tl.broadcast_to(kept[None, :], (BLOCK_ROWS, NP)), axis=1)
+        tl.store(data[:, None] + j[None, :], codes, mask=row_ok[:, None] & (j[None, :] < N))
 
     r = tl.arange(0, 64)
     rope = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + 448 + r[None, :], mask=row_ok[:, None], other=0.0)
     rope_ptr = (data + N).to(tl.pointer_type(tl.bfloat16))
     tl.store(rope_ptr[:, None] + r[None, :], rope.to(tl.bfloat16), mask=row_ok[:, None])
 
-    scale_bytes = tl.where(tiles[None, :] < 7, (ceil_log2.to(tl.int32) + 127), 0).to(tl.uint8)
-    tl.store(tail[:, None] + tiles[None, :], scale_bytes, mask=row_ok[:, None])
+    # The 7 biased exponents and a zero pad byte, stored as one little-endian int64.
+    biased = tl.where(tiles[None, :] < 7, ceil_log2.to(tl.int64) + 127, 0)
+    tail_word = tl.sum(biased << (8 * tiles[None, :].to(tl.int64)), axis=1)
+    tl.store(tail.to(tl.pointer_type(tl.int64)), tail_word, mask=row_ok)
 
 
 def store(
@@ -88,7 +82,8 @@ def store(
     locs: torch.Tensor,
     keep: "torch.Tensor | KeptColumns | None" = None,
     check_range: bool = False,
-    block_rows: int = 16,
+    block_rows: int = 4,
+    num_warps: int = 1,
     permute: str = "registers",
 ) -> None:
     """Quantize x [n, 512] (bf16 or float; rounded to bf16 as SGLang stores K) into `pages`.
@@ -96,11 +91,11 @@ def store(
     keep None: native records; keep int64 [N]: packed records of R = N + 64. Writes record
     i at locs[i] (flat pool location). Non-finite latents are not checked here (the
     reference refuses them; SGLang's kernel gives undefined scales). permute: how packed
-    codes reach map order, "registers" (tl.gather of the quantized tile) or "loads" (the
-    kept latents re-read by index); both give the same bytes.
+    codes reach map order, "registers" (tl.gather of the quantized tile, then contiguous
+    stores) or "stores" (each kept code stored at its slot); both give the same bytes.
     """
-    if permute not in ("registers", "loads"):
-        raise ValueError(f"permute={permute!r} is not allowed; allowed: 'registers', 'loads'")
+    if permute not in ("registers", "stores"):
+        raise ValueError(f"permute={permute!r} is not allowed; allowed: 'registers', 'stores'")
     if x.ndim != 2 or x.shape[1] != HEAD_DIM or not x.is_floating_point():
         raise ValueError(f"store expects float [n, {HEAD_DIM}] latents, got {x.dtype} {tuple(x.shape)}")
     layout.check(pages)
@@ -116,7 +111,9 @@ def store(
     grid = (triton.cdiv(x.shape[0], block_rows),)
     _store_kernel[grid](
         xb, xb.stride(0), x.shape[0],
-        pages, locs, layout.per_page, layout.page_stride,
-        cols.kept,
+        pages, locs, layout.page_stride,
+        cols.kept, cols.slot_of,
+        PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
         N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, GATHER=permute == "registers", BLOCK_ROWS=block_rows,
+        num_warps=num_warps,
     )
