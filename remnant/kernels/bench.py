@@ -9,8 +9,8 @@ after warm-up; the median replay over the rotation length is the time of one cal
 Bytes are the fewest a call must move (each input read once, each output written once);
 FLOPs count the tensor-core work the kernel issues (padding included: a packed kernel at
 R = 256 multiplies 256 padded kept columns and 64 RoPE columns per C4 record, and for
-window tokens the full 576 plus the kept columns again). The JSON (schema remnant/kernel-bench v1) is validated before it is
-written.
+window tokens the kept and the dropped columns, each padded, plus RoPE). The JSON (schema
+remnant/kernel-bench v1) is validated before it is written.
 """
 
 from __future__ import annotations
@@ -243,14 +243,17 @@ def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:
     nbytes = case.batch * (case.topk * (rb + 4) + case.window * (584 + 4)) + io
     # Multiply-adds the kernel issues per (head, record), padding included (x 2 FLOPs):
     # native: 512 + 64 columns for the score and for P.V. Packed C4 records: kept columns
-    # padded to a power of two, plus RoPE, for both. Packed window tokens: 576 for the score,
-    # and P.V into both the full and the kept accumulators (576 + kept padded).
+    # padded to a power of two, plus RoPE, for both. Packed window tokens: kept and dropped
+    # columns (each padded) plus RoPE, for both.
     if case.variant == "native":
         c4_macs = win_macs = 2 * (512 + 64)
     else:
-        kept_padded = 2 ** math.ceil(math.log2(case.retention - 64))
-        c4_macs = 2 * (kept_padded + 64)
-        win_macs = (512 + 64) + (512 + 64 + kept_padded)
+        def padded(n: int) -> int:
+            return max(16, 2 ** math.ceil(math.log2(max(n, 1))))
+
+        kept = case.retention - 64
+        c4_macs = 2 * (padded(kept) + 64)
+        win_macs = 2 * (padded(kept) + padded(448 - kept) + 64)
     flops = 2 * case.batch * HEADS * (case.topk * c4_macs + case.window * win_macs)
     return nbytes, float(flops)
 
@@ -397,7 +400,8 @@ DECODE_CONFIGS = [
     dict(h_block=64, block_n=32, num_warps=8, num_stages=1),
     dict(h_block=64, block_n=16, num_warps=8, num_stages=1),
     dict(h_block=64, block_n=64, num_warps=8, num_stages=1),
-    dict(h_block=32, block_n=32, num_warps=8, num_stages=1),
+    dict(h_block=64, block_n=64, num_warps=8, num_stages=1, scores_transposed=True),
+    dict(h_block=64, block_n=32, num_warps=8, num_stages=1, scores_transposed=True),
     dict(h_block=16, block_n=32, num_warps=4, num_stages=1),
 ]
 

@@ -11,12 +11,12 @@ compiler is told are aligned; scales are applied by building the float32 2^(s-12
 the UE8M0 byte (exact), keys are dequantized to bf16 (exact: FP8 e4m3 times a power of
 two), and both matrix products run on the tensor cores in bf16 with float32 accumulation.
 
-Packed C4 records hold only the kept NoPE coordinates, so the packed variant works in
-"kept order": q is gathered to the kept columns once, scores of C4 records use those
-columns and RoPE only, and their output accumulates in acc_kept. Window records (native)
-use all 512 coordinates; their kept columns' output goes to acc_kept too (a second,
-L1-served read of those codes), so every output column has exactly one accumulator and
-is rounded to bf16 once.
+Packed C4 records hold only the kept NoPE coordinates, so the packed variant splits the
+columns in two sets: q is gathered once to the kept columns (map order) and to the
+dropped ones; scores of C4 records use the kept columns and RoPE only and add to acc_kept;
+window records (native) are read by index into both sets and add to acc_kept and
+acc_drop. Every output column has exactly one accumulator and is rounded to bf16 once,
+and the accumulators together are as wide as the native variant's (512 columns).
 """
 
 from __future__ import annotations
@@ -38,25 +38,34 @@ LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 
 @triton.jit
 def _load_records(base_ptr, locs_ptr, n, count, PER_PAGE: tl.constexpr, stride,
-                  DATA: tl.constexpr, ALIGN: tl.constexpr, WORDS: tl.constexpr, NW: tl.constexpr):
-    """The raw bytes of the records listed at locs_ptr[n] (n >= count or loc -1: invalid).
-
-    Returns (valid [BN], data pointers [BN], codes as int32 words [BN, NW] (4 codes each;
-    words >= WORDS are zero), RoPE bf16 [BN, 64], the 8 tail bytes as one int64 [BN]).
-    Fetching block i + 1 while computing block i (registers carried across the loop) was
-    slower on the H200: it raised register spills (benchmarks/kernels/NOTES.md).
-    """
+                  DATA: tl.constexpr, ALIGN: tl.constexpr, ROPE_AT: tl.constexpr):
+    """Records listed at locs_ptr[n] (n >= count or loc -1: invalid): (valid [BN], data
+    pointers [BN], RoPE bf16 [BN, 64] at byte ROPE_AT, the 8 tail bytes as one int64 [BN])."""
     loc = tl.load(locs_ptr + n, mask=n < count, other=-1)
     valid = loc >= 0
     data, tail = record_addresses(base_ptr, tl.maximum(loc, 0), PER_PAGE, stride, DATA, ALIGN)
-    w = tl.arange(0, NW)
-    words = tl.load(data.to(tl.pointer_type(tl.int32))[:, None] + w[None, :],
-                    mask=valid[:, None] & (w[None, :] < WORDS), other=0)
     r = tl.arange(0, 64)
-    rope = tl.load((data + 4 * WORDS).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :],
+    rope = tl.load((data + ROPE_AT).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :],
                    mask=valid[:, None], other=0.0)
     scales = tl.load(tail.to(tl.pointer_type(tl.int64)), mask=valid, other=0)
-    return valid, data, words, rope, scales
+    return valid, data, rope, scales
+
+
+@triton.jit
+def _load_words(data, valid, WORDS: tl.constexpr, NW: tl.constexpr):
+    """The first WORDS 4-byte words of each record's codes, int32 [BN, NW] (zero beyond):
+    16-byte vector loads where the layout is 16-byte aligned."""
+    w = tl.arange(0, NW)
+    return tl.load(data.to(tl.pointer_type(tl.int32))[:, None] + w[None, :],
+                   mask=valid[:, None] & (w[None, :] < WORDS), other=0)
+
+
+@triton.jit
+def _load_columns(data, valid, cols, cols_ok, col_tile, scales):
+    """Dequantized codes of the native columns `cols` [C] of each record, bf16 [BN, C]
+    (byte loads by index; the record's lines are shared by the whole block, L1-served)."""
+    codes = tl.load(data[:, None] + cols[None, :], mask=valid[:, None] & cols_ok[None, :], other=0)
+    return _dequant(codes, col_tile, scales)
 
 
 @triton.jit
@@ -105,6 +114,19 @@ def _mma(a, b, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _qk(q, q_t, k, SCORES_T: tl.constexpr, INTERPRETED: tl.constexpr):
+    """q k^T [H, BN] for H query heads and BN keys.
+
+    SCORES_T computes (k q^T)^T instead, so the records are the product's M side and the
+    heads its N side (q^T loaded once): with 16-32 records per step, q k^T is a product of
+    N = 16-32, which ran the tensor cores at a fraction of their rate on the H200.
+    """
+    if SCORES_T:
+        return tl.trans(_mma(k, q_t, INTERPRETED))
+    return _mma(q, tl.trans(k), INTERPRETED)
+
+
+@triton.jit
 def _softmax_step(s, valid, qk_scale, m, l):
     """One block of the online softmax (base 2): scores s [H, BN] of `valid` records
     against the running max m and sum l [H]. Returns the new max, the factor alpha that
@@ -117,16 +139,36 @@ def _softmax_step(s, valid, qk_scale, m, l):
 
 
 @triton.jit
+def _load_q(q_row, h_ok, cols, cols_ok):
+    q = tl.load(q_row[:, None] + cols[None, :], mask=h_ok[:, None] & cols_ok[None, :], other=0.0).to(tl.bfloat16)
+    return q, tl.trans(q)
+
+
+@triton.jit
+def _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t, d_tile, qk_scale, m, l,
+                 acc_full, acc_rope, SCORES_T: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One block of native records (window or C4) into the all-columns accumulators."""
+    k_rope = rope.to(tl.bfloat16)
+    k_full = _dequant(_code_bytes(_load_words(data, valid, 112, 128)), d_tile, scales)
+    s = _qk(q_full, q_full_t, k_full, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
+    m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
+    acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+    acc_full = acc_full * alpha[:, None] + _mma(pb, k_full, INTERPRETED)
+    return m_new, l, acc_full, acc_rope
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, q_sb, q_sh,
     out_ptr, o_sb, o_sh,
     sink_ptr, H,
     win_ptr, win_locs_ptr, win_sb, W, win_stride,
     c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride,
-    kept_ptr, slot_of_ptr, qk_scale,
+    kept_ptr, dropped_ptr, qk_scale,
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
-    N: tl.constexpr, NP: tl.constexpr,
-    PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, INTERPRETED: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr,
+    PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, SCORES_T: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
     # second and later blocks read the token's records from L2, not memory.
@@ -135,83 +177,86 @@ def _decode_kernel(
     h_ok = heads < H
     q_row = q_ptr + b * q_sb + heads * q_sh
     o_row = out_ptr + b * o_sb + heads * o_sh
-    d = tl.arange(0, 512)
-    d_ok = d < 448
-    d_tile = d // 64
     r = tl.arange(0, 64)
     n_off = tl.arange(0, BN)
     win_locs = win_locs_ptr + b * win_sb
     c4_locs = c4_locs_ptr + b * c4_sb
 
-    q_full = tl.load(q_row[:, None] + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.bfloat16)
-    q_rope = tl.load(q_row[:, None] + 448 + r[None, :], mask=h_ok[:, None], other=0.0).to(tl.bfloat16)
-    acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
+    q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
     acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
-    j = tl.arange(0, NP)
-    kept = tl.load(kept_ptr + j)
-    kept_ok = j < N
-    kept_tile = kept // 64
-    if PACKED:
-        # Packed C4 records hold the kept columns only, in map order: their scores use q
-        # at those columns, and their output accumulates in acc_kept (kept order).
-        q_kept = tl.load(q_row[:, None] + kept[None, :], mask=h_ok[:, None] & kept_ok[None, :], other=0.0).to(tl.bfloat16)
-        acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
-
     # The sink takes softmax mass and gives no value: it starts the running max and sum.
     m = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_IN_KERNEL
     l = tl.full((H_BLOCK,), 1.0, dtype=tl.float32)
 
-    # Window tokens: native records, all 512 coordinates.
-    for start in range(0, W, BN):
-        valid, data, words, rope, scales = _load_records(win_ptr, win_locs, start + n_off, W, WIN_PER_PAGE,
-                                                         win_stride, 576, WIN_ALIGN, 112, 128)
-        k_rope = rope.to(tl.bfloat16)
-        k_full = _dequant(_code_bytes(words), d_tile, scales)
-        s = _mma(q_full, tl.trans(k_full), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
-        m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
-        acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
-        if PACKED:
-            # The kept columns' share goes to acc_kept (so each output column has one
-            # accumulator), read again by index from the record the step just loaded (L1).
-            kcodes = tl.load(data[:, None] + kept[None, :], mask=valid[:, None] & kept_ok[None, :], other=0)
-            acc_kept = acc_kept * alpha[:, None] + _mma(pb, _dequant(kcodes, kept_tile, scales), INTERPRETED)
-        acc_full = acc_full * alpha[:, None] + _mma(pb, k_full, INTERPRETED)
-        m = m_new
-
-    # Selected C4 records: native or packed. A packed record adds nothing to acc_full
-    # (dropped columns), so acc_full is not rescaled per block: it is brought to the final
-    # max once at the end (fewer live registers in the loop; it spilled otherwise).
-    m_window = m
-    C4_DATA: tl.constexpr = N + 128
-    C4_WORDS: tl.constexpr = N // 4
-    C4_NW: tl.constexpr = NP // 4 if PACKED else 128
-    for start in range(0, K, BN):
-        valid, data, words, rope, scales = _load_records(c4_ptr, c4_locs, start + n_off, K, C4_PER_PAGE, c4_stride,
-                                                         C4_DATA, C4_ALIGN, C4_WORDS, C4_NW)
-        k_rope = rope.to(tl.bfloat16)
-        if PACKED:
-            k_kept = _dequant(_code_bytes(words), kept_tile, scales)
-            s = _mma(q_kept, tl.trans(k_kept), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
-        else:
-            k_full = _dequant(_code_bytes(words), d_tile, scales)
-            s = _mma(q_full, tl.trans(k_full), INTERPRETED) + _mma(q_rope, tl.trans(k_rope), INTERPRETED)
-        m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
-        acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
-        if PACKED:
-            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
-        else:
-            acc_full = acc_full * alpha[:, None] + _mma(pb, k_full, INTERPRETED)
-        m = m_new
-
-    inv_l = 1.0 / l
-    out_ty = out_ptr.dtype.element_ty
-    full_cols = d_ok
     if PACKED:
-        acc_full = acc_full * tl.exp2(m_window - m)[:, None]
-        full_cols = d_ok & (tl.load(slot_of_ptr + d) < 0)  # dropped columns only
+        # Output columns split in two sets, each with one accumulator: the kept columns
+        # (map order; window tokens and C4 records add to them) and the dropped ones (only
+        # window tokens do). Native window records are read by index into both sets.
+        j = tl.arange(0, NP)
+        kept = tl.load(kept_ptr + j)
+        kept_ok = j < N
+        kept_tile = kept // 64
+        i = tl.arange(0, DP)
+        dropped = tl.load(dropped_ptr + i)
+        dropped_ok = i < 448 - N
+        dropped_tile = dropped // 64
+        q_kept, q_kept_t = _load_q(q_row, h_ok, kept, kept_ok)
+        q_drop, q_drop_t = _load_q(q_row, h_ok, dropped, dropped_ok)
+        acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
+        acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
+        for start in range(0, W, BN):
+            valid, data, rope, scales = _load_records(win_ptr, win_locs, start + n_off, W, WIN_PER_PAGE, win_stride,
+                                                      576, WIN_ALIGN, 448)
+            k_rope = rope.to(tl.bfloat16)
+            k_kept = _load_columns(data, valid, kept, kept_ok, kept_tile, scales)
+            k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_tile, scales)
+            s = (_qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_drop, q_drop_t, k_drop, SCORES_T, INTERPRETED)
+                 + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED))
+            m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
+            acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+            acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
+            m = m_new
+        # C4 records add nothing to the dropped columns: acc_drop is brought to the final
+        # max once at the end, not rescaled per block (fewer live registers in the loop).
+        m_window = m
+        for start in range(0, K, BN):
+            valid, data, rope, scales = _load_records(c4_ptr, c4_locs, start + n_off, K, C4_PER_PAGE, c4_stride,
+                                                      N + 128, C4_ALIGN, N)
+            k_rope = rope.to(tl.bfloat16)
+            k_kept = _dequant(_code_bytes(_load_words(data, valid, N // 4, NP // 4)), kept_tile, scales)
+            s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
+            m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
+            acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+            m = m_new
+        inv_l = 1.0 / l
+        out_ty = out_ptr.dtype.element_ty
+        acc_drop = acc_drop * tl.exp2(m_window - m)[:, None]
         tl.store(o_row[:, None] + kept[None, :], (acc_kept * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & kept_ok[None, :])
-    tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & full_cols[None, :])
+        tl.store(o_row[:, None] + dropped[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
+                 mask=h_ok[:, None] & dropped_ok[None, :])
+    else:
+        d = tl.arange(0, 512)
+        d_ok = d < 448
+        d_tile = d // 64
+        q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
+        acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
+        for start in range(0, W, BN):  # window tokens
+            valid, data, rope, scales = _load_records(win_ptr, win_locs, start + n_off, W, WIN_PER_PAGE, win_stride,
+                                                      576, WIN_ALIGN, 448)
+            m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
+                                                    d_tile, qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
+        for start in range(0, K, BN):  # selected C4 records
+            valid, data, rope, scales = _load_records(c4_ptr, c4_locs, start + n_off, K, C4_PER_PAGE, c4_stride,
+                                                      576, C4_ALIGN, 448)
+            m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
+                                                    d_tile, qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
+        inv_l = 1.0 / l
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty),
+                 mask=h_ok[:, None] & d_ok[None, :])
     tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
 
 
@@ -238,6 +283,7 @@ def decode(
     block_n: int = 32,
     num_warps: int = 8,
     num_stages: int = 1,
+    scores_transposed: bool = False,
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
@@ -272,10 +318,10 @@ def decode(
         sink, heads,
         window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
         c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
-        cols.kept, cols.slot_of, scale * LOG2E,
+        cols.kept, cols.dropped, scale * LOG2E,
         WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
-        N=cols.n_kept, NP=cols.kept.numel(),
+        N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed,
         PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )

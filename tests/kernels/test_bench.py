@@ -12,9 +12,9 @@ def test_decode_bytes_count_records_locations_and_io():
     nbytes, flops = _decode_bytes_flops(DecodeCase("packed", 256, batch=2, topk=512, window=128))
     io = 2 * 2 * 64 * 512 * 2
     assert nbytes == 2 * (512 * (328 + 4) + 128 * (584 + 4)) + io
-    # C4: kept 192 -> 256 padded + 64 RoPE, score and P.V; window: 576 for the score, then
-    # P.V into the full (576) and the kept (256) accumulators.
-    assert flops == 2 * 2 * 64 * (512 * 2 * 320 + 128 * (576 + 576 + 256))
+    # C4: kept 192 -> 256 padded + 64 RoPE, score and P.V; window: kept (256 padded),
+    # dropped (256) and RoPE (64), score and P.V.
+    assert flops == 2 * 2 * 64 * (512 * 2 * 320 + 128 * 2 * (256 + 256 + 64))
     native_bytes, _ = _decode_bytes_flops(DecodeCase("native", 512, batch=2, topk=512, window=128))
     assert native_bytes == 2 * (640 * 588) + io
 

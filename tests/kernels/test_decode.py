@@ -46,9 +46,11 @@ def check_decode(batch, heads, topk, window, retention, seed, **config) -> float
 SMALL = dict(h_block=16, block_n=16, num_warps=4)
 
 
-@pytest.mark.parametrize("retention", [256, 512, 128, 384])
-def test_decode_matches_float64_reference(retention):
-    check_decode(batch=3, heads=20, topk=37, window=13, retention=retention, seed=retention, **SMALL)
+@pytest.mark.parametrize("scores_transposed", [False, True])
+@pytest.mark.parametrize("retention", [256, 512, 128, 384, 64])
+def test_decode_matches_float64_reference(retention, scores_transposed):
+    check_decode(batch=3, heads=20, topk=37, window=13, retention=retention, seed=retention,
+                 scores_transposed=scores_transposed, **SMALL)
 
 
 def test_decode_with_no_window_and_all_padding():
@@ -78,6 +80,8 @@ def test_decode_refuses_a_window_of_packed_records():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("retention", [256, 512, 128])
-@pytest.mark.parametrize("config", [dict(h_block=32, block_n=32, num_warps=8), dict(h_block=16, block_n=64, num_warps=4)])
+@pytest.mark.parametrize("config", [dict(h_block=64, block_n=32, num_warps=8),
+                                    dict(h_block=64, block_n=64, num_warps=8, scores_transposed=True),
+                                    dict(h_block=16, block_n=32, num_warps=4)])
 def test_decode_on_gpu_at_v4_shape(retention, config):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)
