@@ -1,7 +1,7 @@
 """decode: sparse decode attention of one CSA layer over native or packed C4 records.
 
 For each decode token b and each block of H_BLOCK query heads, one program runs one online
-softmax over [attention sink | W window tokens | K selected C4 records], V = K (the same
+softmax over the attention sink, W window tokens and K selected C4 records, V = K (the same
 512-vector), as DeepSeek-V4's sparse MLA decode does. Window tokens are native records;
 C4 records are native (the stock baseline) or packed (kernel mode).
 
@@ -190,19 +190,32 @@ def _decode_kernel(
 
     if PACKED:
         # Output columns split in two sets, each with one accumulator: the kept columns
-        # (map order; window tokens and C4 records add to them) and the dropped ones (only
-        # window tokens do). Native window records are read by index into both sets.
+        # (map order; C4 records and window tokens add to them) and the dropped ones (only
+        # window tokens do). C4 records come first, so acc_drop is live only in the window
+        # loop (the softmax does not depend on the order; both accumulators live across
+        # the C4 loop spilled on the H200).
         j = tl.arange(0, NP)
         kept = tl.load(kept_ptr + j)
         kept_ok = j < N
         kept_tile = kept // 64
+        q_kept, q_kept_t = _load_q(q_row, h_ok, kept, kept_ok)
+        acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
+        for start in range(0, K, BN):
+            valid, data, rope, scales = _load_records(c4_ptr, c4_locs, start + n_off, K, C4_PER_PAGE, c4_stride,
+                                                      N + 128, C4_ALIGN, N)
+            k_rope = rope.to(tl.bfloat16)
+            k_kept = _dequant(_code_bytes(_load_words(data, valid, N // 4, NP // 4)), kept_tile, scales)
+            s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
+            m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
+            acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+            m = m_new
+        # Window tokens: native records, read by index into both column sets.
         i = tl.arange(0, DP)
         dropped = tl.load(dropped_ptr + i)
         dropped_ok = i < 448 - N
         dropped_tile = dropped // 64
-        q_kept, q_kept_t = _load_q(q_row, h_ok, kept, kept_ok)
         q_drop, q_drop_t = _load_q(q_row, h_ok, dropped, dropped_ok)
-        acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         for start in range(0, W, BN):
             valid, data, rope, scales = _load_records(win_ptr, win_locs, start + n_off, W, WIN_PER_PAGE, win_stride,
@@ -217,22 +230,8 @@ def _decode_kernel(
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
             acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
             m = m_new
-        # C4 records add nothing to the dropped columns: acc_drop is brought to the final
-        # max once at the end, not rescaled per block (fewer live registers in the loop).
-        m_window = m
-        for start in range(0, K, BN):
-            valid, data, rope, scales = _load_records(c4_ptr, c4_locs, start + n_off, K, C4_PER_PAGE, c4_stride,
-                                                      N + 128, C4_ALIGN, N)
-            k_rope = rope.to(tl.bfloat16)
-            k_kept = _dequant(_code_bytes(_load_words(data, valid, N // 4, NP // 4)), kept_tile, scales)
-            s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
-            m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
-            acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
-            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
-            m = m_new
         inv_l = 1.0 / l
         out_ty = out_ptr.dtype.element_ty
-        acc_drop = acc_drop * tl.exp2(m_window - m)[:, None]
         tl.store(o_row[:, None] + kept[None, :], (acc_kept * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & kept_ok[None, :])
         tl.store(o_row[:, None] + dropped[None, :], (acc_drop * inv_l[:, None]).to(out_ty),

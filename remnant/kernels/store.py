@@ -82,9 +82,9 @@ def store(
     locs: torch.Tensor,
     keep: "torch.Tensor | KeptColumns | None" = None,
     check_range: bool = False,
-    block_rows: int = 4,
+    block_rows: int | None = None,
     num_warps: int = 1,
-    permute: str = "registers",
+    permute: str = "stores",
 ) -> None:
     """Quantize x [n, 512] (bf16 or float; rounded to bf16 as SGLang stores K) into `pages`.
 
@@ -108,6 +108,8 @@ def store(
     if x.shape[0] == 0:
         return
     xb = x.to(torch.bfloat16).contiguous()
+    if block_rows is None:  # the fastest on the H200 (benchmarks/kernels/NOTES.md)
+        block_rows = 2 if cols.packed else 4
     grid = (triton.cdiv(x.shape[0], block_rows),)
     _store_kernel[grid](
         xb, xb.stride(0), x.shape[0],
