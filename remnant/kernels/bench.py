@@ -402,6 +402,7 @@ DECODE_CONFIGS = [
     dict(h_block=64, block_n=16, num_warps=8, num_stages=1, scores_transposed=True),
     dict(h_block=64, block_n=16, num_warps=8, num_stages=1),
     dict(h_block=64, block_n=64, num_warps=8, num_stages=1),
+    dict(h_block=64, block_n=64, num_warps=8, num_stages=1, scores_transposed=True),
 ]
 
 

@@ -167,7 +167,7 @@ def _decode_kernel(
     kept_ptr, dropped_ptr, qk_scale,
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr,
-    PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, SCORES_T: tl.constexpr,
+    PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, SCORES_T: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
@@ -210,21 +210,26 @@ def _decode_kernel(
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
             m = m_new
-        # Window tokens: native records, read by index into both column sets.
+        # Window tokens: native records, read by index into both column sets. The index
+        # loads hold a pointer per byte, so this loop takes at most 16 records per step and
+        # scores them as q k^T: its registers bound the whole kernel's (it spilled the C4
+        # loop on the H200 otherwise).
+        w_off = tl.arange(0, WIN_BN)
         i = tl.arange(0, DP)
         dropped = tl.load(dropped_ptr + i)
         dropped_ok = i < 448 - N
         dropped_tile = dropped // 64
-        q_drop, q_drop_t = _load_q(q_row, h_ok, dropped, dropped_ok)
+        q_drop = tl.load(q_row[:, None] + dropped[None, :], mask=h_ok[:, None] & dropped_ok[None, :],
+                         other=0.0).to(tl.bfloat16)
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
-        for start in range(0, W, BN):
-            valid, data, rope, scales = _load_records(win_ptr, win_locs, start + n_off, W, WIN_PER_PAGE, win_stride,
+        for start in range(0, W, WIN_BN):
+            valid, data, rope, scales = _load_records(win_ptr, win_locs, start + w_off, W, WIN_PER_PAGE, win_stride,
                                                       576, WIN_ALIGN, 448)
             k_rope = rope.to(tl.bfloat16)
             k_kept = _load_columns(data, valid, kept, kept_ok, kept_tile, scales)
             k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_tile, scales)
-            s = (_qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_drop, q_drop_t, k_drop, SCORES_T, INTERPRETED)
-                 + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED))
+            s = (_qk(q_kept, q_kept_t, k_kept, False, INTERPRETED) + _qk(q_drop, q_drop, k_drop, False, INTERPRETED)
+                 + _qk(q_rope, q_rope_t, k_rope, False, INTERPRETED))
             m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
@@ -321,7 +326,7 @@ def decode(
         WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
         N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed,
-        PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_BN=min(block_n, 16), INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )
     if compiled is not None:  # the benchmark records registers and spills
