@@ -211,16 +211,14 @@ def _decode_kernel(
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
             m = m_new
         # Window tokens: native records, read by index into both column sets. The index
-        # loads hold a pointer per byte, so this loop takes at most 16 records per step and
-        # scores them as q k^T: its registers bound the whole kernel's (it spilled the C4
-        # loop on the H200 otherwise).
+        # loads hold a pointer per byte, so this loop takes at most 16 records per step: its
+        # registers bound the whole kernel's (the C4 loop spilled on the H200 otherwise).
         w_off = tl.arange(0, WIN_BN)
         i = tl.arange(0, DP)
         dropped = tl.load(dropped_ptr + i)
         dropped_ok = i < 448 - N
         dropped_tile = dropped // 64
-        q_drop = tl.load(q_row[:, None] + dropped[None, :], mask=h_ok[:, None] & dropped_ok[None, :],
-                         other=0.0).to(tl.bfloat16)
+        q_drop, q_drop_t = _load_q(q_row, h_ok, dropped, dropped_ok)
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         for start in range(0, W, WIN_BN):
             valid, data, rope, scales = _load_records(win_ptr, win_locs, start + w_off, W, WIN_PER_PAGE, win_stride,
@@ -228,8 +226,8 @@ def _decode_kernel(
             k_rope = rope.to(tl.bfloat16)
             k_kept = _load_columns(data, valid, kept, kept_ok, kept_tile, scales)
             k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_tile, scales)
-            s = (_qk(q_kept, q_kept_t, k_kept, False, INTERPRETED) + _qk(q_drop, q_drop, k_drop, False, INTERPRETED)
-                 + _qk(q_rope, q_rope_t, k_rope, False, INTERPRETED))
+            s = (_qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_drop, q_drop_t, k_drop, SCORES_T, INTERPRETED)
+                 + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED))
             m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
