@@ -285,15 +285,17 @@ def decode(
     block_n: int = 32,
     num_warps: int = 8,
     num_stages: int = 1,
-    scores_transposed: bool = False,
+    scores_transposed: bool | None = None,
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
 
     q: bf16/float [B, H, 512]; c4_locs int [B, K], window_locs int [B, W] (-1 = padding);
     sink float [H]; keep None for native C4 records, int64 [N] for packed. The default
-    config (64 heads per program, 32 records per step, 8 warps) was the fastest of the
-    remnant-kernels tuning sweep on an H200 (benchmarks/kernels/). Returns out
+    config (64 heads per program, 32 records per step, 8 warps; scores as (K q^T)^T for
+    native records, as q K^T for packed ones, whose transposed form spilled registers) was
+    the fastest of the remnant-kernels tuning sweep on an H200 (benchmarks/kernels/). None
+    picks that default. Returns out
     [B, H, 512] in q's dtype (or writes the given `out`).
     """
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
@@ -313,6 +315,8 @@ def decode(
     if out is None:
         out = torch.empty_like(q)
     sink = sink.float().contiguous()
+    if scores_transposed is None:
+        scores_transposed = not cols.packed
     grid = (triton.cdiv(heads, h_block), batch)
     kernel = _decode_kernel[grid](
         q, q.stride(0), q.stride(1),
