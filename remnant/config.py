@@ -202,6 +202,11 @@ class HostConfig:
     kind: str = MISSING
 
 
+#: Values of EmbeddedHostConfig.device and .decode_path (remnant.engine.model checks them too).
+ENGINE_DEVICES = ("cpu", "cuda")
+DECODE_PATHS = ("auto", "reference", "kernels")
+
+
 @dataclass
 class EmbeddedHostConfig(HostConfig):
     """remnant-serve in a child process on a free loopback port."""
@@ -217,6 +222,11 @@ class EmbeddedHostConfig(HostConfig):
     swa_ratio: float = 0.1
     chunked_prefill_size: int = 512
     prefix_cache: bool = True
+    #: Where the engine's weights and KV pools live: cpu or cuda (one GPU).
+    device: str = "cpu"
+    #: How decode steps attend: reference (torch), kernels (remnant.kernels' Triton decode,
+    #: store and reconstruct), or auto (kernels on cuda, reference on cpu).
+    decode_path: str = "auto"
 
 
 @dataclass
@@ -450,6 +460,10 @@ def validate_host(h: HostConfig) -> None:
             raise ConfigError(f"host.swa_ratio={h.swa_ratio} must be in (0, 1]")
         if h.max_running_requests < 1:
             raise ConfigError(f"host.max_running_requests={h.max_running_requests} must be >= 1")
+        if h.device not in ENGINE_DEVICES:
+            raise ConfigError(f"host.device={h.device} is not allowed; allowed: {', '.join(ENGINE_DEVICES)}")
+        if h.decode_path not in DECODE_PATHS:
+            raise ConfigError(f"host.decode_path={h.decode_path} is not allowed; allowed: {', '.join(DECODE_PATHS)}")
 
 
 def validate_local(h: LocalHostConfig, model: ModelConfig) -> None:

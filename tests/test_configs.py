@@ -132,6 +132,8 @@ def test_retention_map_path_and_policy(tmp_path):
     ("host.kv_budget_mib=0", "host.kv_budget_mib=0.0 must be a finite number > 0"),
     ("host.page_size=100", "host.page_size=100 must be a positive multiple of 128"),
     ("host.swa_ratio=1.5", r"host.swa_ratio=1.5 must be in \(0, 1\]"),
+    ("host.device=tpu", "host.device=tpu is not allowed; allowed: cpu, cuda"),
+    ("host.decode_path=fast", "host.decode_path=fast is not allowed; allowed: auto, reference, kernels"),
 ])
 def test_ranges_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):

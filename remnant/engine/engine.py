@@ -279,7 +279,8 @@ class Engine:
             return
         try:
             with torch.inference_mode():
-                logits = self.model.forward([r.seq for r in batch], chunks, self.pools)
+                # Sampling reads the logits on the CPU (the requests' generators live there).
+                logits = self.model.forward([r.seq for r in batch], chunks, self.pools).cpu()
         except Exception as exc:  # noqa: BLE001 - a failed step must answer, not kill the loop
             log.exception("engine step failed")
             with self._cv:

@@ -10,20 +10,33 @@ meaningless, bytes and attention shapes are real.
 
 Positions: token t sees window tokens t-window+1..t, and compressed record j (tokens
 j*r..j*r+r-1) once its block is complete (j*r + r - 1 <= t).
+
+Devices and decode paths: weights come from the seeded generator on the CPU, then move to
+`device` (cpu or cuda), so both devices hold the same model. Prefill chunks attend through
+the torch reference below. With decode_path=kernels, single-token chunks (decode steps)
+attend through remnant.kernels instead: the Triton decode over the pools' pages (after the
+Triton reconstruct in triton mode), and their records are written through
+remnant.kv.paged.store: the Triton store on CUDA, its torch reference on the CPU (Triton's
+interpreter rounds some FP8 casts wrongly, triton-lang/triton issue 8322, so its records
+would not be the engine's).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from remnant.config import DECODE_PATHS, ENGINE_DEVICES
 from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.packing import check_keep, pack, unpack
+from remnant.kv.paged import KeptColumns, PageLayout, store
 
 CSA_RATIO = 4
 HCA_RATIO = 128
@@ -66,7 +79,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate the last ROPE_DIM coordinates of x [T, 512] or [T, H, 512] by positions [T]."""
     half = ROPE_DIM // 2
-    inv = theta ** (-torch.arange(half, dtype=torch.float32) / half)
+    inv = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
     ang = positions.float()[:, None] * inv[None, :]  # [T, half]
     cos, sin = ang.cos(), ang.sin()
     if x.ndim == 3:  # [T, H, D]
@@ -79,6 +92,32 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 MODES = ("native", "triton", "kernel")
 
 
+def resolve_device(device: str) -> torch.device:
+    """`device` (cpu or cuda) as a torch.device; a clear error when CUDA is not there."""
+    if device not in ENGINE_DEVICES:
+        raise ValueError(f"device={device} is not allowed; allowed: {', '.join(ENGINE_DEVICES)}")
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device=cuda needs a CUDA GPU, but torch.cuda.is_available() is false "
+                         f"(torch {torch.__version__}); use device=cpu")
+    # An explicit index, so tensors' devices compare equal to it (cuda != cuda:0).
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_decode_path(decode_path: str, device: torch.device) -> str:
+    """auto -> kernels on CUDA, reference on the CPU. Kernels on the CPU run only under
+    Triton's interpreter, which must be chosen before triton is imported."""
+    if decode_path not in DECODE_PATHS:
+        raise ValueError(f"decode_path={decode_path} is not allowed; allowed: {', '.join(DECODE_PATHS)}")
+    if decode_path == "auto":
+        return "kernels" if device.type == "cuda" else "reference"
+    if decode_path == "kernels" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("decode_path=kernels on device=cpu needs TRITON_INTERPRET=1 (Triton's interpreter) "
+                         "in the environment before triton is imported; or use decode_path=reference")
+    return decode_path
+
+
 class C4Format:
     """How one CSA layer stores and reads its C4 records (DESIGN section 4).
 
@@ -87,15 +126,22 @@ class C4Format:
     directly: only kept coordinates enter scores and output.
     """
 
-    def __init__(self, mode: str = "native", keep: torch.Tensor | None = None):
+    def __init__(self, mode: str = "native", keep: torch.Tensor | None = None,
+                 device: torch.device | str = "cpu"):
         if mode not in MODES:
             raise ValueError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
         if (mode == "native") != (keep is None):
             raise ValueError(f"mode={mode} {'takes no' if mode == 'native' else 'needs a'} retention keep list")
         if keep is not None:
             check_keep(keep)
-        self.mode, self.keep = mode, keep
-        self.cols = None if keep is None else torch.cat([keep, torch.arange(NOPE_DIM, HEAD_DIM)])
+        self.mode, self.keep, self.device = mode, keep, torch.device(device)
+        self.cols = None if keep is None else torch.cat([keep.cpu(), torch.arange(NOPE_DIM, HEAD_DIM)]).to(device)
+        #: The kept columns as the kernels read them, on `device`, built once (None: native).
+        self.columns = None if keep is None else KeptColumns.of(keep, self.device)
+
+    def to(self, device: torch.device | str) -> "C4Format":
+        """The same format with its column tables on `device` (keep stays as given)."""
+        return self if torch.device(device) == self.device else C4Format(self.mode, self.keep, device)
 
     @property
     def retention(self) -> int:
@@ -150,35 +196,52 @@ class Layer:
             self.wi_k = w(h, args.index_head_dim)
             self.wi_w = w(h, args.index_n_heads)
 
+    def to(self, device: torch.device) -> "Layer":
+        """Move every weight to `device` (in place)."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
 
 class Model:
-    """Random seeded weights for `args`; forward helpers used by the engine."""
+    """Random seeded weights for `args` on `device`; forward helpers used by the engine.
 
-    def __init__(self, args: ModelArgs, c4_formats: dict[int, C4Format] | None = None):
+    device: cpu or cuda (see resolve_device). decode_path: how single-token chunks attend,
+    reference (torch), kernels (remnant.kernels) or auto (kernels on cuda, reference on cpu).
+    """
+
+    def __init__(self, args: ModelArgs, c4_formats: dict[int, C4Format] | None = None,
+                 device: str = "cpu", decode_path: str = "auto"):
         for i, r in enumerate(args.compress_ratios):
             if r not in (0, CSA_RATIO, HCA_RATIO):
                 raise ValueError(f"compress_ratios[{i}]={r}; allowed: 0, 4, 128")
         self.args = args
+        self.device = resolve_device(device)
+        self.decode_path = resolve_decode_path(decode_path, self.device)
         self.csa_layers = [i for i, r in enumerate(args.compress_ratios) if r == CSA_RATIO]
         self.c4_formats = {i: C4Format() for i in self.csa_layers}
         #: layer -> list of query tensors [T, H, 512] while calibrating (None otherwise)
         self.capture: dict[int, list[torch.Tensor]] | None = None
         if c4_formats is not None:
             self.set_c4_formats(c4_formats)
+        # Generated on the CPU from the seed, then moved: every device holds the same weights.
         gen = torch.Generator().manual_seed(args.seed)
-        self.embed = torch.randn(args.vocab_size, args.hidden_size, generator=gen)
-        self.layers = [Layer(args, r, gen) for r in args.compress_ratios]
-        self.norm = torch.ones(args.hidden_size)
-        self.lm_head = torch.randn(args.hidden_size, args.vocab_size, generator=gen) / math.sqrt(
+        self.embed = torch.randn(args.vocab_size, args.hidden_size, generator=gen).to(self.device)
+        self.layers = [Layer(args, r, gen).to(self.device) for r in args.compress_ratios]
+        self.norm = torch.ones(args.hidden_size, device=self.device)
+        self.lm_head = (torch.randn(args.hidden_size, args.vocab_size, generator=gen) / math.sqrt(
             args.hidden_size
-        )
+        )).to(self.device)
         self.scale = 1.0 / math.sqrt(HEAD_DIM)
+        #: All 512 columns as the kernels read native records, built once.
+        self.native_columns = KeptColumns.of(None, self.device)
 
     def set_c4_formats(self, formats: dict[int, C4Format]) -> None:
         """One format per CSA layer (new sequences only: stored records keep their format)."""
         if sorted(formats) != self.csa_layers:
             raise ValueError(f"C4 formats given for layers {sorted(formats)}; the model's CSA layers are {self.csa_layers}")
-        self.c4_formats = dict(formats)
+        self.c4_formats = {i: f.to(self.device) for i, f in formats.items()}
 
     # Per-token projections, batched over any token set ------------------------------
 
@@ -187,13 +250,14 @@ class Model:
         a = self.args
         q_lora = rms_norm(x @ layer.wq_a, layer.q_norm, a.rms_norm_eps)
         q = (q_lora @ layer.wq_b).view(-1, a.num_attention_heads, HEAD_DIM)
-        q = rms_norm(q, torch.ones(HEAD_DIM), a.rms_norm_eps)
+        q = rms_norm(q, q.new_ones(HEAD_DIM), a.rms_norm_eps)
         return rope(q, pos, a.rope_theta), q_lora
 
-    def window_records(self, layer: Layer, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] normed -> the tokens' K=V latents as native records uint8 [T, 584]."""
+    def window_latents(self, layer: Layer, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] normed -> the tokens' K=V latents float32 [T, 512] with RoPE (the
+        window ring holds them quantized: native records)."""
         kv = rms_norm(x @ layer.wkv, layer.kv_norm, self.args.rms_norm_eps)
-        return quantize(rope(kv, pos, self.args.rope_theta))
+        return rope(kv, pos, self.args.rope_theta)
 
     def ffn(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, layer.ffn_norm, self.args.rms_norm_eps)
@@ -205,16 +269,16 @@ class Model:
     def compress(
         self, layer: Layer, c: torch.Tensor, g: torch.Tensor, block_index: torch.Tensor
     ) -> torch.Tensor:
-        """Compress blocks of `ratio` tokens into native records.
+        """Compress blocks of `ratio` tokens into record latents.
 
         c, g: [n_blocks, ratio, 512] content and gate logits of complete blocks.
         block_index: [n_blocks] index of each block in the sequence (for RoPE).
-        Returns uint8 [n_blocks, 584].
+        Returns float32 [n_blocks, 512] with RoPE (stored quantized: native records).
         """
         weights = torch.softmax(g + layer.gate_bias, dim=1)
         latent = rms_norm((weights * c).sum(1), layer.kv_norm, self.args.rms_norm_eps)
         pos = block_index * layer.ratio
-        return quantize(rope(latent, pos, self.args.compress_rope_theta))
+        return rope(latent, pos, self.args.compress_rope_theta)
 
     def attend(
         self,
@@ -241,7 +305,7 @@ class Model:
         T, H = q.shape[0], q.shape[1]
         sink = layer.sink[:, None, None].expand(H, T, 1)
         p = torch.softmax(torch.cat([sink, *logits], dim=-1), dim=-1)[..., 1:]  # the sink gives no value
-        out = torch.zeros(T, H, HEAD_DIM, dtype=q.dtype)
+        out = torch.zeros(T, H, HEAD_DIM, dtype=q.dtype, device=q.device)
         start = 0
         for k, cols in parts:
             o = torch.einsum("hts,sd->thd", p[..., start : start + k.shape[0]], k)
@@ -276,77 +340,105 @@ class Model:
         """Extend each sequence by its chunk of new tokens (prefill chunks and decodes mixed).
 
         seqs: remnant.engine.sequence.Sequence each, whose pages, SWA block and state slot
-        in `pools` (remnant.engine.pools.KVPools) receive the new KV; updated in place.
-        chunks: new token ids per sequence (non-empty).
-        Returns float32 [B, vocab] logits at the last new token of each sequence.
+        in `pools` (remnant.engine.pools.KVPools, on the model's device) receive the new KV;
+        updated in place. chunks: new token ids per sequence (non-empty). With
+        decode_path=kernels, the single-token chunks of the step attend together through
+        the kernels, layer by layer; the others through the torch reference.
+        Returns float32 [B, vocab] logits at the last new token of each sequence (on the
+        model's device).
         """
         sizes = [len(c) for c in chunks]
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long)
+        starts = [0, *itertools.accumulate(sizes)]
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(q.length, q.length + n, dtype=torch.long) for q, n in zip(seqs, sizes)])
+        pos = pos.to(self.device)
+        kernels = self.decode_path == "kernels"
+        direct = [i for i, n in enumerate(sizes) if kernels and n == 1]
         h = self.embed[ids]
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, self.args.rms_norm_eps)
             q, q_lora = self.queries(layer, x, pos)
-            kv = self.window_records(layer, x, pos)
+            kv = self.window_latents(layer, x, pos)
             c = x @ layer.wc if layer.ratio else None
             g = x @ layer.wg if layer.ratio else None
             ik = self.index_keys(layer, x) if layer.ratio == CSA_RATIO else None
-            outs, start = [], 0
-            for seq, n in zip(seqs, sizes):
-                sl = slice(start, start + n)
-                start += n
-                step = _Step(x[sl], q[sl], q_lora[sl], kv[sl], pos[sl],
-                             None if c is None else c[sl], None if g is None else g[sl],
-                             None if ik is None else ik[sl])
-                outs.append(self._attend_sequence(li, layer, seq, pools, step))
+            parts = (x, q, q_lora, kv, pos, c, g, ik)
+            steps = [_Step(*(None if t is None else t[a:b] for t in parts)) for a, b in zip(starts, starts[1:])]
+            outs: list[torch.Tensor | None] = [None] * len(seqs)
+            for i, (seq, st) in enumerate(zip(seqs, steps)):
+                if not (kernels and sizes[i] == 1):
+                    outs[i] = self._attend_sequence(li, layer, seq, pools, st)
+            if direct:
+                o = self._decode_with_kernels(li, layer, [seqs[i] for i in direct], pools, [steps[i] for i in direct])
+                for i, oi in zip(direct, o.split(1)):
+                    outs[i] = oi
             h = self.ffn(layer, self.output(layer, h, torch.cat(outs)))
         for seq, chunk in zip(seqs, chunks):
             seq.length += len(chunk)
             seq.token_ids.extend(chunk)
-        last = torch.tensor(sizes).cumsum(0) - 1
+        last = torch.tensor(starts[1:], device=self.device) - 1
         return self.logits(h[last])
 
     def _attend_sequence(self, li: int, layer: Layer, seq, pools, st: "_Step") -> torch.Tensor:
+        """The torch reference: one sequence's chunk of T tokens attends; returns [T, H, 512]."""
         a = self.args
         length = seq.length
+        kv = quantize(st.kv)
         # Sliding window: the ring holds the previous window - 1 tokens; the chunk's own
         # tokens join from memory, then the last `window` of them go into the ring.
-        prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length)
+        prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length, device=self.device)
         prev = pools.swa[li, pools.swa_slots(seq.swa_block, prev_pos)]
-        keys = dequantize(torch.cat([prev, st.kv]))
+        keys = dequantize(torch.cat([prev, kv]))
         kpos = torch.cat([prev_pos, st.pos])
         win_mask = (kpos[None, :] <= st.pos[:, None]) & (kpos[None, :] > st.pos[:, None] - a.window_size)
-        tail = slice(max(0, st.kv.shape[0] - a.window_size), None)
-        pools.swa[li, pools.swa_slots(seq.swa_block, st.pos[tail])] = st.kv[tail]
+        tail = slice(max(0, kv.shape[0] - a.window_size), None)
+        pools.swa[li, pools.swa_slots(seq.swa_block, st.pos[tail])] = kv[tail]
         key_sets, masks = [(keys, None)], [win_mask]
 
-        if layer.ratio:
-            n = self._compress_new_blocks(li, layer, seq, pools, st)
-            if self.capture is not None and layer.ratio == CSA_RATIO:
-                self.capture[li].append(st.q.detach().clone())
-            if n:
-                pages = seq.page_tensor()
-                rec_end = (torch.arange(n) + 1) * layer.ratio - 1
-                visible = rec_end[None, :] <= st.pos[:, None]  # [T, n]
-                if layer.ratio == CSA_RATIO:
-                    index_keys = _dequantize_index(pools.indexer[li].read(pages, torch.arange(n)))
-                    scores = self.index_scores(layer, st.x, st.q_lora, index_keys)
-                    scores = scores.masked_fill(~visible, float("-inf"))
-                    top = scores.topk(min(a.index_topk, n), dim=-1).indices
-                    chosen = torch.zeros_like(visible).scatter_(1, top, True) & visible
-                else:
-                    chosen = visible
-                used = chosen.any(0).nonzero().squeeze(1)
-                if used.numel():
-                    # Only the selected records are read back from their stored bytes.
-                    if layer.ratio == CSA_RATIO:
-                        key_sets.append(self.c4_formats[li].read(pools.c4[li].read(pages, used)))
-                    else:
-                        key_sets.append((dequantize(pools.c128[li].read(pages, used)), None))
-                    masks.append(chosen[:, used])
+        selected = self._select_records(li, layer, seq, pools, st, kernels=False)
+        if selected is not None:
+            used, mask = selected
+            # Only the selected records are read back from their stored bytes.
+            stored = _record_pages(li, layer, pools).read(seq.page_tensor(self.device), used)
+            if layer.ratio == CSA_RATIO:
+                key_sets.append(self.c4_formats[li].read(stored))
+            else:
+                key_sets.append((dequantize(stored), None))
+            masks.append(mask)
         return self.attend(layer, st.q, key_sets, masks)
 
-    def _compress_new_blocks(self, li: int, layer: Layer, seq, pools, st: "_Step") -> int:
+    def _select_records(self, li: int, layer: Layer, seq, pools, st: "_Step",
+                        kernels: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Close the blocks this chunk completes into records, then choose what each new
+        token reads: on CSA layers the indexer's top-k of its visible records, on HCA layers
+        every visible record.
+
+        Returns (records, mask): the sequence's record indices any new token reads, int64
+        [k], and which token reads which, bool [T, k]; None on window-only layers and while
+        no token sees a record.
+        """
+        if not layer.ratio:
+            return None
+        n = self._compress_new_blocks(li, layer, seq, pools, st, kernels)
+        if self.capture is not None and layer.ratio == CSA_RATIO:
+            self.capture[li].append(st.q.detach().clone())
+        if not n:
+            return None
+        rec_end = (torch.arange(n, device=self.device) + 1) * layer.ratio - 1
+        visible = rec_end[None, :] <= st.pos[:, None]  # [T, n]
+        if layer.ratio == CSA_RATIO:
+            pages = seq.page_tensor(self.device)
+            index_keys = _dequantize_index(pools.indexer[li].read(pages, torch.arange(n, device=self.device)))
+            scores = self.index_scores(layer, st.x, st.q_lora, index_keys)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            top = scores.topk(min(self.args.index_topk, n), dim=-1).indices
+            chosen = torch.zeros_like(visible).scatter_(1, top, True) & visible
+        else:
+            chosen = visible
+        used = chosen.any(0).nonzero().squeeze(1)
+        return (used, chosen[:, used]) if used.numel() else None
+
+    def _compress_new_blocks(self, li: int, layer: Layer, seq, pools, st: "_Step", kernels: bool) -> int:
         """Close the blocks this chunk completes into records; returns the record count."""
         r = layer.ratio
         length = seq.length
@@ -361,15 +453,13 @@ class Model:
         full = pc.shape[0] // r
         first = length // r
         if full:
-            pages = seq.page_tensor()
-            index = torch.arange(first, first + full)
-            native = self.compress(layer, pc[: full * r].view(full, r, -1), pg[: full * r].view(full, r, -1), index)
+            pages = seq.page_tensor(self.device)
+            index = torch.arange(first, first + full, device=self.device)
+            latents = self.compress(layer, pc[: full * r].view(full, r, -1), pg[: full * r].view(full, r, -1), index)
+            self._write_records(li, layer, pools, pages, index, latents, kernels)
             if r == CSA_RATIO:
-                pools.c4[li].write(pages, index, self.c4_formats[li].write(native))  # packed at the KV write
                 keys = pik[: full * r].view(full, r, -1).mean(1)
                 pools.indexer[li].write(pages, index, _quantize_index(keys))
-            else:
-                pools.c128[li].write(pages, index, native)
         left = pc.shape[0] - full * r
         rows = pools.state_rows(r, seq.slot, left)
         state[rows, 0, :HEAD_DIM] = pc[full * r :]
@@ -377,6 +467,98 @@ class Model:
         if pik is not None:
             pools.c4_index_state[li][rows, 0, : pik.shape[1]] = pik[full * r :]
         return first + full
+
+    def _write_records(self, li: int, layer: Layer, pools, pages: torch.Tensor, index: torch.Tensor,
+                       latents: torch.Tensor, kernels: bool) -> None:
+        """Store the records of blocks `index` [k] from their latents float32 [k, 512]: CSA
+        records in the layer's C4 format (packed at the KV write), HCA records native. On
+        the kernels path remnant.kv.paged.store quantizes (and packs) straight into the
+        pages: the Triton store on CUDA (see the module docstring for the CPU)."""
+        csa = layer.ratio == CSA_RATIO
+        target = _record_pages(li, layer, pools)
+        if kernels:
+            keep = self.c4_formats[li].columns if csa else None
+            store(latents, target.buf, target.layout, target.locations(pages, index), keep)
+            return
+        records = quantize(latents)
+        target.write(pages, index, self.c4_formats[li].write(records) if csa else records)
+
+    # Decode steps through remnant.kernels ---------------------------------------------
+
+    def _decode_with_kernels(self, li: int, layer: Layer, seqs: list, pools, steps: list["_Step"]) -> torch.Tensor:
+        """B single-token chunks attend through remnant.kernels.decode; returns [B, H, 512].
+
+        Each new token's window record is first stored into its ring (remnant.kv.paged.store):
+        the kernel reads the token's own record there (the reference joins it from memory
+        and writes the same ring slot). Compressed records are read where they are stored:
+        native C4 or C128 records as they are, packed ones directly (kernel mode) or after
+        the triton mode's reconstruct into native scratch records.
+        """
+        from remnant.kernels.decode import decode
+
+        ring, ring_layout = pools.swa[li], PageLayout.rows(NATIVE_RECORD_BYTES)
+        window_locs = self._window_locations(seqs, pools)
+        store(torch.cat([st.kv for st in steps]), ring, ring_layout, window_locs[:, -1])
+        selected = [self._select_records(li, layer, seq, pools, st, kernels=True) for seq, st in zip(seqs, steps)]
+        if all(s is None for s in selected):
+            # Window-only layer, or no record yet: an empty record set (the ring stands in
+            # for its pages, which the kernel never reads).
+            c4, c4_layout, columns = ring, ring_layout, self.native_columns
+            c4_locs = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
+        else:
+            c4, c4_layout, c4_locs, columns = self._decode_records(li, layer, seqs, pools, selected)
+        q = torch.cat([st.q for st in steps])
+        return decode(q, c4, c4_layout, c4_locs, ring, ring_layout, window_locs, layer.sink, columns,
+                      self.scale, **_decode_config(q.shape[1]))
+
+    def _window_locations(self, seqs: list, pools) -> torch.Tensor:
+        """Ring slots of each new token's window, int64 [B, window]: positions L-window+1..L
+        in order (the new token, at L = seq.length, last), -1 before position 0."""
+        w = self.args.window_size
+        lengths = torch.tensor([s.length for s in seqs], device=self.device)
+        blocks = torch.tensor([s.swa_block for s in seqs], device=self.device)
+        positions = lengths[:, None] - (w - 1) + torch.arange(w, device=self.device)
+        return torch.where(positions >= 0, pools.swa_slots(blocks[:, None], positions), -1)
+
+    def _decode_records(self, li: int, layer: Layer, seqs: list, pools,
+                        selected: list) -> tuple[torch.Tensor, PageLayout, torch.Tensor, KeptColumns]:
+        """The selected records as the decode kernel takes them: (pages, layout, locations
+        int64 [B, K] padded with -1, kept columns)."""
+        target = _record_pages(li, layer, pools)
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        locs = [empty if s is None else target.locations(seq.page_tensor(self.device), s[0])
+                for seq, s in zip(seqs, selected)]
+        c4_locs = torch.nn.utils.rnn.pad_sequence(locs, batch_first=True, padding_value=-1)
+        fmt = self.c4_formats[li] if layer.ratio == CSA_RATIO else None
+        if fmt is None or fmt.mode == "native":
+            return target.buf, target.layout, c4_locs, self.native_columns
+        if fmt.mode == "kernel":
+            return target.buf, target.layout, c4_locs, fmt.columns
+        # triton: the selected packed records become native records in scratch rows, which
+        # the native decode (the stock attention) reads.
+        from remnant.kernels.reconstruct import reconstruct
+
+        valid = c4_locs >= 0
+        count = int(valid.sum())
+        scratch_layout = PageLayout.rows(NATIVE_RECORD_BYTES)
+        scratch = torch.empty(count, NATIVE_RECORD_BYTES, dtype=torch.uint8, device=self.device)
+        rows = torch.arange(count, device=self.device)
+        reconstruct(target.buf, target.layout, c4_locs[valid], fmt.columns, scratch, scratch_layout, rows)
+        scratch_locs = torch.full_like(c4_locs, -1)
+        scratch_locs[valid] = rows
+        return scratch, scratch_layout, scratch_locs, self.native_columns
+
+
+def _record_pages(li: int, layer: Layer, pools):
+    """The pages holding layer li's compressed records: C4 on CSA layers, C128 on HCA."""
+    return pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
+
+
+def _decode_config(heads: int) -> dict:
+    """Launch settings of remnant.kernels.decode: its defaults, tuned for V4's 64 heads; for
+    16 heads or fewer (the tiny model has 8), blocks of 16 heads (tl.dot's minimum) on 4
+    warps, as tests/kernels/test_decode.py also runs it compiled."""
+    return {"h_block": 16, "num_warps": 4} if heads <= 16 else {}
 
 
 @dataclass
@@ -386,7 +568,7 @@ class _Step:
     x: torch.Tensor  # [T, hidden] normed input
     q: torch.Tensor  # [T, H, 512]
     q_lora: torch.Tensor  # [T, q_lora_rank]
-    kv: torch.Tensor  # uint8 [T, 584] window records of the new tokens
+    kv: torch.Tensor  # float32 [T, 512] window latents of the new tokens (RoPE applied)
     pos: torch.Tensor  # [T] positions
     c: torch.Tensor | None  # [T, 512] compressor content
     g: torch.Tensor | None  # [T, 512] compressor gate logits

@@ -57,19 +57,25 @@ class SplitPages:
     """
 
     def __init__(self, pages: int, per_page: int, record_bytes: int, tail_bytes: int = SCALE_BYTES,
-                 row_bytes: int | None = None):
+                 row_bytes: int | None = None, device: torch.device | str = "cpu"):
         raw = per_page * record_bytes
         row = row_bytes or record_bytes - tail_bytes
         self.layout = PageLayout(per_page, record_bytes, -(-raw // row) * row, tail_bytes)
-        self.buf = torch.zeros(pages, self.layout.page_stride, dtype=torch.uint8)
+        self.buf = torch.zeros(pages, self.layout.page_stride, dtype=torch.uint8, device=device)
 
     @property
     def record_bytes(self) -> int:
         return self.layout.record_bytes
 
-    def _offsets(self, page_table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def locations(self, page_table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Flat pool locations int64 [k] (page * per_page + slot, as the kernels take them) of
+        sequence record indices `index` [k], on the buffer's device."""
         per_page = self.layout.per_page
-        return self.layout.byte_offsets(page_table[index // per_page] * per_page + index % per_page)
+        index = index.to(self.buf.device)
+        return page_table.to(self.buf.device)[index // per_page] * per_page + index % per_page
+
+    def _offsets(self, page_table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layout.byte_offsets(self.locations(page_table, index))
 
     def write(self, page_table: torch.Tensor, index: torch.Tensor, records: torch.Tensor) -> None:
         """records uint8 [k, record_bytes] to sequence record indices `index` [k]."""
@@ -87,26 +93,29 @@ class SplitPages:
 
 
 class KVPools:
-    """Every pool of the engine, allocated from PoolSizes (bytes counted exactly)."""
+    """Every pool of the engine, allocated from PoolSizes (bytes counted exactly) on `device`."""
 
-    def __init__(self, geometry: PoolGeometry, sizes: PoolSizes):
+    def __init__(self, geometry: PoolGeometry, sizes: PoolSizes, device: torch.device | str = "cpu"):
         self.geometry, self.sizes = geometry, sizes
+        self.device = torch.device(device)
         g = geometry
         self.page_size = g.page_size
         self.num_pages = sizes.full_tokens // g.page_size
         self.pages = FreeList(self.num_pages, "page")
         per4, per128 = g.page_size // 4, g.page_size // 128
         csa = [i for i, r in enumerate(g.compress_ratios) if r == 4]
-        self.c4 = {li: SplitPages(self.num_pages, per4, rb) for li, rb in zip(csa, g.c4_record_bytes)}
-        self.indexer = {li: SplitPages(self.num_pages, per4, g.indexer_key_bytes(), INDEX_SCALE_BYTES)
+        dev = self.device
+        self.c4 = {li: SplitPages(self.num_pages, per4, rb, device=dev) for li, rb in zip(csa, g.c4_record_bytes)}
+        self.indexer = {li: SplitPages(self.num_pages, per4, g.indexer_key_bytes(), INDEX_SCALE_BYTES, device=dev)
                         for li in csa}
-        self.c128 = {i: SplitPages(self.num_pages, per128, NATIVE_RECORD_BYTES, row_bytes=576)
+        self.c128 = {i: SplitPages(self.num_pages, per128, NATIVE_RECORD_BYTES, row_bytes=576, device=dev)
                      for i, r in enumerate(g.compress_ratios) if r == 128}
         # SWA: blocks of `window` slots; a running request rings through one, a prefix-cache
         # checkpoint holds one.
         self.window = g.window_size
         self.swa_blocks = FreeList(sizes.swa_tokens // g.window_size, "swa block")
-        self.swa = torch.zeros(len(g.compress_ratios), sizes.swa_tokens, NATIVE_RECORD_BYTES, dtype=torch.uint8)
+        self.swa = torch.zeros(len(g.compress_ratios), sizes.swa_tokens, NATIVE_RECORD_BYTES, dtype=torch.uint8,
+                               device=dev)
         # Compressor state, fp32 rows of (content, gate): C4_RING rows per request slot in
         # every CSA layer (sized from the SWA pool, as SGLang sizes c4_state_pool_size) and
         # C128_RING rows per slot in every HCA layer (the fixed c128_state rows); the
@@ -116,17 +125,18 @@ class KVPools:
         rows128 = g.c128_state_fixed_bytes() // (2 * HEAD_DIM * 4 * max(g.n_c128, 1))
         # A C4 state row holds (content, gate) for two overlapping blocks (2 x 2 x 512 fp32,
         # as SGLang sizes it); the engine's compressor uses the first block's half.
-        self.c4_state = {li: torch.zeros(rows4, 2, 2 * HEAD_DIM) for li in csa}
-        self.c4_index_state = {li: torch.zeros(rows4, 2, 2 * g.index_head_dim) for li in csa}
-        self.c128_state = {i: torch.zeros(rows128, 2, HEAD_DIM) for i in self.c128}
+        self.c4_state = {li: torch.zeros(rows4, 2, 2 * HEAD_DIM, device=dev) for li in csa}
+        self.c4_index_state = {li: torch.zeros(rows4, 2, 2 * g.index_head_dim, device=dev) for li in csa}
+        self.c128_state = {i: torch.zeros(rows128, 2, HEAD_DIM, device=dev) for i in self.c128}
 
     def state_rows(self, ratio: int, slot: int, count: int) -> torch.Tensor:
         """Rows of request slot `slot`'s compressor state for the first `count` open tokens."""
         ring = C4_RING if ratio == 4 else C128_RING
-        return torch.arange(slot * ring, slot * ring + count)
+        return torch.arange(slot * ring, slot * ring + count, device=self.device)
 
-    def swa_slots(self, block: int, positions: torch.Tensor) -> torch.Tensor:
-        """SWA slots of token positions in a request's ring (position p -> p mod window)."""
+    def swa_slots(self, block: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """SWA slots of token positions in a request's ring (position p -> p mod window); block
+        an int or a tensor broadcasting against positions."""
         return block * self.window + positions % self.window
 
     def allocated_bytes(self) -> dict[str, int]:
@@ -173,14 +183,15 @@ def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running
 
 
 def scratch_pools(model, tokens: int, sequences: int = 1) -> KVPools:
-    """Pools just big enough for `sequences` sequences of `tokens` tokens (tests, calibration)."""
+    """Pools just big enough for `sequences` sequences of `tokens` tokens (tests, calibration),
+    on the model's device."""
     from remnant.engine.capacity import size_pools
 
     geometry = geometry_of(model, swa_ratio=1.0, max_running_requests=sequences)
     per_token = sum(geometry.bytes_per_full_token().values())
     pages = sequences * -(-tokens // geometry.page_size) + sequences
     budget = int(pages * geometry.page_size * per_token) + geometry.c128_state_fixed_bytes() + 1
-    return KVPools(geometry, size_pools(geometry, budget))
+    return KVPools(geometry, size_pools(geometry, budget), model.device)
 
 
 def new_sequence(pools: KVPools, tokens: int):

@@ -35,8 +35,9 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
         seq = new_sequence(pools, tokens)
         with torch.inference_mode():
             model.forward([seq], [ids.tolist()], pools)
-        queries = {i: torch.cat(model.capture[i]) for i in model.csa_layers}
-        records = {i: pools.c4[i].read(seq.page_tensor(), torch.arange(tokens // 4)) for i in model.csa_layers}
+        # Policies run on the CPU, whatever the model's device.
+        queries = {i: torch.cat(model.capture[i]).cpu() for i in model.csa_layers}
+        records = {i: pools.c4[i].read(seq.page_tensor(), torch.arange(tokens // 4)).cpu() for i in model.csa_layers}
     finally:
         model.capture = None
         model.c4_formats = saved

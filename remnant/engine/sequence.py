@@ -22,8 +22,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     _page_tensor: torch.Tensor | None = field(default=None, repr=False)
 
-    def page_tensor(self) -> torch.Tensor:
-        """int64 [pages] page table (cached until pages change)."""
-        if self._page_tensor is None or self._page_tensor.numel() != len(self.pages):
-            self._page_tensor = torch.tensor(self.pages, dtype=torch.long)
+    def page_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 [pages] page table on `device` (cached until pages or device change)."""
+        t = self._page_tensor
+        if t is None or t.numel() != len(self.pages) or t.device != torch.device(device):
+            self._page_tensor = torch.tensor(self.pages, dtype=torch.long, device=device)
         return self._page_tensor

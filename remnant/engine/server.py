@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import remnant
+from remnant.config import DECODE_PATHS, ENGINE_DEVICES
 from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
 
 log = logging.getLogger("remnant.serve")
@@ -96,7 +97,8 @@ class RetentionArgs:
 
 @dataclass
 class EngineArgs:
-    """Pool and scheduler settings (SGLang's DeepSeek-V4 defaults for page size and SWA ratio)."""
+    """Device, pool and scheduler settings (SGLang's DeepSeek-V4 defaults for page size and
+    SWA ratio); device and decode_path as remnant.engine.model.Model takes them."""
 
     kv_budget_bytes: int = 96 << 20
     page_size: int = 256
@@ -104,6 +106,8 @@ class EngineArgs:
     max_running_requests: int = 32
     chunked_prefill_size: int = 512
     prefix_cache: bool = True
+    device: str = "cpu"
+    decode_path: str = "auto"
 
 
 def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
@@ -127,7 +131,7 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
         raise ValueError(f"{config_path} does not exist; write one with python -m remnant.engine.model_dir --out {model_dir}") from None
     args = ModelArgs.from_hf_config(hf)
     t0 = time.perf_counter()
-    model = Model(args)
+    model = Model(args, device=engine_args.device, decode_path=engine_args.decode_path)
     served_name = hf.get("remnant", {}).get("preset") or model_dir.name
     rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
                            retention.map_path, retention.policy)
@@ -148,7 +152,7 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
             f"{sizes.swa_tokens} window slots after {sum(sizes.fixed_bytes.values())} fixed bytes; "
             f"raise the budget or lower max_running_requests"
         )
-    pools = KVPools(geometry, sizes)
+    pools = KVPools(geometry, sizes, model.device)
     engine = Engine(model, hf["eos_token_id"], pools, PrefixCache(pools, engine_args.prefix_cache),
                     engine_args.chunked_prefill_size)
     capacity = {
@@ -182,6 +186,8 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
         "page_size": geometry.page_size,
         "disable_radix_cache": not engine_args.prefix_cache,
         "remnant_mode": mode,
+        "device": str(model.device),
+        "remnant_decode_path": model.decode_path,
         "remnant_retention": None if rmap is None else {
             "per_layer": {str(i): rmap.retention(i) for i in model.csa_layers},
             "policy": rmap.policy,
@@ -439,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=256, help="tokens per page (multiple of 128)")
     p.add_argument("--swa-ratio", type=float, default=0.1, help="SWA pool tokens per full token")
     p.add_argument("--disable-prefix-cache", action="store_true")
+    p.add_argument("--device", default="cpu", choices=ENGINE_DEVICES, help="where weights and KV pools live")
+    p.add_argument("--decode-path", default="auto", choices=DECODE_PATHS,
+                   help="decode-step attention: torch reference or remnant.kernels (auto: kernels on cuda)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -453,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         per_layer = [int(v) for v in a.retention_per_layer.split(",")] if a.retention_per_layer else None
         retention = RetentionArgs(a.retention, per_layer, a.retention_map, a.retention_policy)
         engine_args = EngineArgs(int(a.kv_budget_mib * (1 << 20)), a.page_size, a.swa_ratio,
-                                 a.max_running_requests, a.chunked_prefill_size, not a.disable_prefix_cache)
+                                 a.max_running_requests, a.chunked_prefill_size, not a.disable_prefix_cache,
+                                 a.device, a.decode_path)
         sock = _bind(a.host, a.port)  # before loading: a taken port fails fast
         app = create_app(a.model_dir, a.mode, retention, engine_args)
     except (ValueError, OSError) as exc:

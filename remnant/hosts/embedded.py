@@ -69,6 +69,8 @@ class EmbeddedHost:
             "--page-size", str(self.cfg.page_size),
             "--swa-ratio", str(self.cfg.swa_ratio),
             "--chunked-prefill-size", str(self.cfg.chunked_prefill_size),
+            "--device", self.cfg.device,
+            "--decode-path", self.cfg.decode_path,
         ]
         if not self.cfg.prefix_cache:
             cmd.append("--disable-prefix-cache")

@@ -1,0 +1,221 @@
+"""The engine's decode steps through remnant.kernels (decode_path=kernels) against the torch
+reference (decode_path=reference): the same greedy tokens and close logits in every mode.
+
+On the CPU the kernels run under Triton's interpreter: tests/conftest.py sets
+TRITON_INTERPRET=1 when no GPU is visible, before triton is first imported. The `gpu`
+tests run the same checks compiled on CUDA, plus the CUDA model against the CPU one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+
+import pytest
+import torch
+
+from remnant.config import ModelConfig
+from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
+from remnant.engine.model import C4Format, Model, ModelArgs
+from remnant.engine.pools import new_sequence, scratch_pools
+from remnant.engine.retention_setup import setup_retention
+from remnant.kv.paged import decode_native, decode_packed
+
+ON_GPU = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="kernels on CPU tensors need TRITON_INTERPRET=1")
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+# The kernels compute in bf16 (float32 accumulation), the reference in float32, and FP8
+# records amplify any rounding difference (a 1e-6 relative change of the weights moves the
+# logits by 4.6e-3). Measured on the CPU (interpreter), logits up to ~4: errors at most
+# 6.7e-3 over SHORT and 1.6e-2 over LONG (teacher-forced); over SHORT the reference's greedy
+# choices win by at least 0.026, so its tokens cannot flip. Bugs in what the kernels read
+# are caught sharply by test_kernels_path_reads_the_reference_key_sets.
+ATOL = 5e-2
+
+# Retention as the engine builds it (calibrated keep lists); triton with two widths.
+MODES = [pytest.param(mode, retention, id=mode) for mode, retention in
+         [("native", {}), ("triton", {"per_layer": [128, 384]}), ("kernel", {"retention": 256})]]
+
+
+@pytest.fixture(scope="module")
+def args() -> ModelArgs:
+    return ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig()))
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Sequence 0 decodes past 256 tokens: more C4 records (65) than the indexer's top-k (64),
+# two HCA records, a C4 record completed by a decode step. Sequence 1 prefills in a step
+# where sequence 0 decodes, then decodes with a partial window and few records.
+SHORT = ([_ids(258, 0), _ids(6, 1)], 5)
+# Longer: three sequences, 24 steps, windows wrapping, records across pages.
+LONG = ([_ids(600, 2), _ids(300, 3), _ids(7, 4)], 24)
+
+
+def _models(args: ModelArgs, device: str, mode: str, retention: dict) -> tuple[Model, Model]:
+    """The same model twice on `device` (reference and kernels), with the same keep lists."""
+    reference = Model(args, device=device, decode_path="reference")
+    rmap = setup_retention(reference, mode, "tiny", **retention)
+    kernels = Model(args, device=device, decode_path="kernels")
+    if rmap is not None:
+        kernels.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in kernels.csa_layers})
+    return reference, kernels
+
+
+def _greedy(model: Model, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None):
+    """Greedy decoding of `prompts` in one batch, as the engine mixes steps: sequence i
+    prefills at step i while the earlier ones decode. `forced` feeds those tokens instead of
+    the model's own (teacher forcing). Returns each sequence's greedy tokens, every step's
+    logits (float32 [rows, vocab] on the CPU) and the pools."""
+    pools = scratch_pools(model, max(map(len, prompts)) + steps, sequences=len(prompts))
+    seqs = [new_sequence(pools, len(p) + steps) for p in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    rows = []
+    for step in range(steps):
+        live = list(range(min(step + 1, len(prompts))))
+        source = forced or tokens
+        chunks = [prompts[i] if i == step else [source[i][len(tokens[i]) - 1]] for i in live]
+        with torch.inference_mode():
+            logits = model.forward([seqs[i] for i in live], chunks, pools).cpu()
+        for i, row in zip(live, logits):
+            tokens[i].append(int(row.argmax()))
+        rows.append(logits)
+    return tokens, torch.cat(rows), pools
+
+
+def _check_same_greedy(reference: Model, kernels: Model, prompts, steps) -> None:
+    want, want_logits, want_pools = _greedy(reference, prompts, steps)
+    got, got_logits, got_pools = _greedy(kernels, prompts, steps)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
+    # Layer 0 sees the same inputs on both paths, so its window ring must hold the same
+    # bytes in the same slots: decode tokens' records stored before the kernel read them.
+    assert torch.equal(got_pools.swa[0], want_pools.swa[0])
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("mode", "retention"), MODES)
+def test_kernels_match_reference_under_the_interpreter(args, mode, retention):
+    _check_same_greedy(*_models(args, "cpu", mode, retention), *SHORT)
+
+
+def _float64_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale, **launch):
+    """remnant.kernels.decode's signature over the float64 paged references."""
+    if keep.packed:
+        out = decode_packed(q, c4, c4_layout, c4_locs, keep, window, window_layout, window_locs, sink, scale,
+                            reference=True)
+    else:
+        out = decode_native(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, scale,
+                            reference=True)
+    return out.to(q.dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("mode", "retention"), MODES)
+def test_kernels_path_reads_the_reference_key_sets(args, mode, retention, monkeypatch):
+    # With the decode kernel swapped for its float64 reference, the kernels path must give
+    # the reference's logits to float rounding (measured: at most 1.7e-4 over LONG): the
+    # window slots, record locations and triton scratch rows it builds are exactly the key
+    # sets the reference attends to. Leaving out the oldest window token moves the logits
+    # by 3e-2 (SHORT) to 7e-2 (LONG), a dropped record by 0.25.
+    import remnant.kernels.decode
+
+    monkeypatch.setattr(remnant.kernels.decode, "decode", _float64_decode)
+    reference, kernels = _models(args, "cpu", mode, retention)
+    prompts, steps = LONG
+    want, want_logits, _ = _greedy(reference, prompts, steps)
+    _, got_logits, _ = _greedy(kernels, prompts, steps, forced=want)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("mode", "retention"), MODES)
+def test_kernels_match_reference_on_gpu(args, mode, retention):
+    reference, kernels = _models(args, "cuda", mode, retention)
+    _check_same_greedy(reference, kernels, *SHORT)
+    # A longer run, teacher-forced by the reference's tokens: random weights give near-tied
+    # logits (top-2 margins under 1e-3 occur), where free-running greedy runs may part.
+    prompts, steps = LONG
+    want, want_logits, _ = _greedy(reference, prompts, steps)
+    _, got_logits, _ = _greedy(kernels, prompts, steps, forced=want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_model_is_the_cpu_model(args):
+    # Same seeded weights on both devices, float32 torch on each: only rounding differs.
+    prompts, steps = LONG
+    want, want_logits, _ = _greedy(Model(args), prompts, steps)
+    _, got_logits, _ = _greedy(Model(args, device="cuda", decode_path="reference"), prompts, steps, forced=want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
+
+
+def _served(model: Model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy answers of the engine loop (chunked prefill, continuous batching)."""
+    pools = scratch_pools(model, 512, sequences=len(prompts))
+    engine = Engine(model, eos_token_id=257, pools=pools, chunked_prefill_size=256)
+    answers: list[queue.Queue[TokenEvent]] = [queue.Queue() for _ in prompts]
+    engine.start()
+    try:
+        for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+            engine.submit(Request(f"r{i}", prompt, SamplingParams(new_tokens, 0.0, True), answer.put))
+        out = []
+        for answer in answers:
+            while (ev := answer.get(timeout=300)).finish_reason is None:
+                pass
+            assert ev.finish_reason["type"] == "length", ev.finish_reason
+            out.append(ev.output_ids)
+        return out
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_interpreter),
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu]),
+])
+def test_engine_answers_as_the_reference(args, device):
+    prompts = SHORT[0]
+    want = _served(Model(args, decode_path="reference"), prompts, 4)
+    assert _served(Model(args, device=device, decode_path="kernels"), prompts, 4) == want
+
+
+def test_auto_takes_the_reference_on_cpu(args):
+    assert Model(args).decode_path == "reference"
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the error without a GPU")
+def test_cuda_without_a_gpu_is_one_clear_line(args):
+    with pytest.raises(ValueError, match=r"^device=cuda needs a CUDA GPU, but torch.cuda.is_available\(\) is false"):
+        Model(args, device="cuda")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"device": "tpu"}, "device=tpu is not allowed; allowed: cpu, cuda"),
+    ({"decode_path": "fast"}, "decode_path=fast is not allowed; allowed: auto, reference, kernels"),
+])
+def test_bad_settings_name_the_field(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Model(args, **kwargs)
+
+
+def test_kernels_on_cpu_need_the_interpreter(args, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="decode_path=kernels on device=cpu needs TRITON_INTERPRET=1"):
+        Model(args, decode_path="kernels")
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the error without a GPU")
+def test_serve_refuses_cuda_without_a_gpu(tiny_model_dir, capsys):
+    from remnant.engine.server import main
+
+    assert main(["--model-dir", str(tiny_model_dir), "--port", "0", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("remnant-serve: error: device=cuda needs a CUDA GPU")
