@@ -21,16 +21,16 @@ def test_decode_bytes_count_records_locations_and_io():
 
 def _doc() -> dict:
     ceil = Ceilings(copy_gbps=4000.0, matmul_tflops=800.0, l2_bytes=60 << 20)
-    config = dict(h_block=32, block_n=32, num_warps=4, num_stages=1)
+    config = dict(h_block=32, block_n=32, num_warps=4, num_stages=1, scores_transposed=True)
     decode = []
     for variant, retention, us in (("native", 512, 20.0), ("packed", 256, 12.0)):
         case = DecodeCase(variant, retention, 64, 512, 128)
         nbytes, flops = _decode_bytes_flops(case)
         decode.append({"variant": variant, "retention": retention, "batch": 64, "topk": 512, "window": 128,
                        "heads": 64, "config": config, **_roofline(us / 1e6, nbytes, flops, ceil)})
-    store = [{"kernel": "store", "retention": 256, "records": 1 << 20, "record_bytes": 328,
+    store = [{"kernel": "store", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "stores",
               **_roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
-    recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328,
+    recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "loads",
               **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
     return {
         "schema": "remnant/kernel-bench", "schema_version": 1, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
@@ -39,7 +39,7 @@ def _doc() -> dict:
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},
         "method": {"timing": "graph", "replays": 30},
         "ceilings": {"copy_gbps": 4000.0, "matmul_bf16_tflops": 800.0, "l2_bytes": 60 << 20},
-        "checks": [{"kernel": "store", "retention": 256, "records": 10, "bytes_differing": 0}],
+        "checks": [{"kernel": "store", "retention": 256, "records": 10, "permute": "stores", "bytes_differing": 0}],
         "store": store, "reconstruct": recon,
         "decode_tuning": [{"variant": "native", "config": config, "error": "did not compile"}],
         "decode": decode, "targets": targets(decode, store, recon),
