@@ -397,12 +397,8 @@ def _compiled_info(compiled: list) -> dict:
 # fastest on the H200 (benchmarks/kernels/NOTES.md); 16-warp programs were capped at 128
 # registers and spilled (curated run of 2026-11-30), so they are no longer swept.
 DECODE_CONFIGS = [
-    dict(h_block=64, block_n=32, num_warps=8, num_stages=1, scores_transposed=True),
-    dict(h_block=64, block_n=32, num_warps=8, num_stages=1),
-    dict(h_block=64, block_n=16, num_warps=8, num_stages=1, scores_transposed=True),
-    dict(h_block=64, block_n=16, num_warps=8, num_stages=1),
-    dict(h_block=64, block_n=64, num_warps=8, num_stages=1),
-    dict(h_block=64, block_n=64, num_warps=8, num_stages=1, scores_transposed=True),
+    dict(h_block=64, block_n=block_n, num_warps=8, num_stages=1, scores_transposed=transposed)
+    for block_n in (32, 16, 64) for transposed in (True, False)
 ]
 
 

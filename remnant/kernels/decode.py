@@ -12,8 +12,8 @@ the UE8M0 byte (exact), keys are dequantized to bf16 (exact: FP8 e4m3 times a po
 two), and both matrix products run on the tensor cores in bf16 with float32 accumulation.
 
 Packed C4 records hold only the kept NoPE coordinates, so the packed variant splits the
-columns in two sets: q is gathered once to the kept columns (map order) and to the
-dropped ones; scores of C4 records use the kept columns and RoPE only and add to acc_kept;
+columns in two sets: q at the kept columns (map order) and at the dropped ones, gathered
+by the wrapper into two contiguous tensors; scores of C4 records use the kept columns and RoPE only and add to acc_kept;
 window records (native) are read by index into both sets and add to acc_kept and
 acc_drop. Every output column has exactly one accumulator and is rounded to bf16 once,
 and the accumulators together are as wide as the native variant's (512 columns).
@@ -160,6 +160,7 @@ def _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t, 
 @triton.jit
 def _decode_kernel(
     q_ptr, q_sb, q_sh,
+    qk_ptr, qk_sb, qk_sh, qd_ptr, qd_sb, qd_sh,
     out_ptr, o_sb, o_sh,
     sink_ptr, H,
     win_ptr, win_locs_ptr, win_sb, W, win_stride,
@@ -198,7 +199,7 @@ def _decode_kernel(
         kept = tl.load(kept_ptr + j)
         kept_ok = j < N
         kept_tile = kept // 64
-        q_kept, q_kept_t = _load_q(q_row, h_ok, kept, kept_ok)
+        q_kept, q_kept_t = _load_q(qk_ptr + b * qk_sb + heads * qk_sh, h_ok, j, kept_ok)
         acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
         for start in range(0, K, BN):
             valid, data, rope, scales = _load_records(c4_ptr, c4_locs, start + n_off, K, C4_PER_PAGE, c4_stride,
@@ -218,7 +219,7 @@ def _decode_kernel(
         dropped = tl.load(dropped_ptr + i)
         dropped_ok = i < 448 - N
         dropped_tile = dropped // 64
-        q_drop, q_drop_t = _load_q(q_row, h_ok, dropped, dropped_ok)
+        q_drop, q_drop_t = _load_q(qd_ptr + b * qd_sb + heads * qd_sh, h_ok, i, dropped_ok)
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         for start in range(0, W, WIN_BN):
             valid, data, rope, scales = _load_records(win_ptr, win_locs, start + w_off, W, WIN_PER_PAGE, win_stride,
@@ -317,9 +318,16 @@ def decode(
     sink = sink.float().contiguous()
     if scores_transposed is None:
         scores_transposed = not cols.packed
+    if cols.packed:
+        # q at the kept and at the dropped columns, contiguous (padding columns read column
+        # 0 and are masked in the kernel): loaded like native q, not gathered in-kernel.
+        q_kept, q_drop = q.index_select(2, cols.kept), q.index_select(2, cols.dropped)
+    else:
+        q_kept = q_drop = q
     grid = (triton.cdiv(heads, h_block), batch)
     kernel = _decode_kernel[grid](
         q, q.stride(0), q.stride(1),
+        q_kept, q_kept.stride(0), q_kept.stride(1), q_drop, q_drop.stride(0), q_drop.stride(1),
         out, out.stride(0), out.stride(1),
         sink, heads,
         window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
