@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call: GPU tests (kernels, SGLang buffers, the engine's CUDA path), then
 # remnant-kernels' sweep. Run from the repository root on the device machine:
-#   .whl/ holds jsonschema and its dependencies for the device's Python 3.12.
+#   .whl/ holds jsonschema and its dependencies for the device's Python 3.12;
+#   the device's copy of the tree has no .git, so pass the commit for the JSON's provenance:
+#   REMNANT_GIT_COMMIT=<hash> GPU_TESTS="tests/kernels tests/sglang/test_buffers.py
+#   tests/engine/test_decode_path.py" bash runners/device/kernels_h200.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
@@ -9,6 +12,6 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python3 -m pytest ${GPU_TESTS:-tests/kernels} -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15
+python3 -m pytest ${GPU_TESTS:-tests/kernels tests/sglang/test_buffers.py tests/engine/test_decode_path.py} -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15
 python3 -m remnant.kernels.bench --out "$OUT/kernel-bench.json" ${BENCH_ARGS:-} 2>"$OUT/bench-progress.txt" | tee "$OUT/bench-table.txt"
 tail -5 "$OUT/bench-progress.txt"
