@@ -464,6 +464,10 @@ def validate_host(h: HostConfig) -> None:
             raise ConfigError(f"host.device={h.device} is not allowed; allowed: {', '.join(ENGINE_DEVICES)}")
         if h.decode_path not in DECODE_PATHS:
             raise ConfigError(f"host.decode_path={h.decode_path} is not allowed; allowed: {', '.join(DECODE_PATHS)}")
+        if h.decode_path == "kernels" and h.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            # The server would refuse it at start; say so before one is launched.
+            raise ConfigError("host.decode_path=kernels with host.device=cpu needs TRITON_INTERPRET=1 in the "
+                              "environment (Triton's interpreter); use host.device=cuda, or decode_path=auto")
 
 
 def validate_local(h: LocalHostConfig, model: ModelConfig) -> None:

@@ -140,6 +140,14 @@ def test_ranges_name_the_field(override, message):
         _compose([override])
 
 
+def test_kernels_decode_path_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="host.decode_path=kernels with host.device=cpu needs TRITON_INTERPRET=1"):
+        _compose(["host.decode_path=kernels"])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _compose(["host.decode_path=kernels"]).host.decode_path == "kernels"
+
+
 @pytest.mark.parametrize("url", ["localhost:30000", "http://[::1", "ftp://127.0.0.1:1"])
 def test_external_base_url_must_be_http(url):
     with pytest.raises(ConfigError, match="is not an http\\(s\\) URL"):

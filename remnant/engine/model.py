@@ -354,6 +354,8 @@ class Model:
         pos = pos.to(self.device)
         kernels = self.decode_path == "kernels"
         direct = [i for i, n in enumerate(sizes) if kernels and n == 1]
+        # The same ring slots in every layer (lengths move after the last layer).
+        window_locs = self._window_locations([seqs[i] for i in direct], pools) if direct else None
         h = self.embed[ids]
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, self.args.rms_norm_eps)
@@ -366,10 +368,11 @@ class Model:
             steps = [_Step(*(None if t is None else t[a:b] for t in parts)) for a, b in zip(starts, starts[1:])]
             outs: list[torch.Tensor | None] = [None] * len(seqs)
             for i, (seq, st) in enumerate(zip(seqs, steps)):
-                if not (kernels and sizes[i] == 1):
+                if i not in direct:
                     outs[i] = self._attend_sequence(li, layer, seq, pools, st)
             if direct:
-                o = self._decode_with_kernels(li, layer, [seqs[i] for i in direct], pools, [steps[i] for i in direct])
+                o = self._decode_with_kernels(li, layer, [seqs[i] for i in direct], pools, [steps[i] for i in direct],
+                                              window_locs)
                 for i, oi in zip(direct, o.split(1)):
                     outs[i] = oi
             h = self.ffn(layer, self.output(layer, h, torch.cat(outs)))
@@ -485,8 +488,10 @@ class Model:
 
     # Decode steps through remnant.kernels ---------------------------------------------
 
-    def _decode_with_kernels(self, li: int, layer: Layer, seqs: list, pools, steps: list["_Step"]) -> torch.Tensor:
+    def _decode_with_kernels(self, li: int, layer: Layer, seqs: list, pools, steps: list["_Step"],
+                             window_locs: torch.Tensor) -> torch.Tensor:
         """B single-token chunks attend through remnant.kernels.decode; returns [B, H, 512].
+        window_locs: their window's ring slots (_window_locations).
 
         Each new token's window record is first stored into its ring (remnant.kv.paged.store):
         the kernel reads the token's own record there (the reference joins it from memory
@@ -497,7 +502,6 @@ class Model:
         from remnant.kernels.decode import decode
 
         ring, ring_layout = pools.swa[li], PageLayout.rows(NATIVE_RECORD_BYTES)
-        window_locs = self._window_locations(seqs, pools)
         store(torch.cat([st.kv for st in steps]), ring, ring_layout, window_locs[:, -1])
         selected = [self._select_records(li, layer, seq, pools, st, kernels=True) for seq, st in zip(seqs, steps)]
         if all(s is None for s in selected):
@@ -539,7 +543,7 @@ class Model:
         from remnant.kernels.reconstruct import reconstruct
 
         valid = c4_locs >= 0
-        count = int(valid.sum())
+        count = sum(s[0].numel() for s in selected if s is not None)  # no device sync
         scratch_layout = PageLayout.rows(NATIVE_RECORD_BYTES)
         scratch = torch.empty(count, NATIVE_RECORD_BYTES, dtype=torch.uint8, device=self.device)
         rows = torch.arange(count, device=self.device)

@@ -37,7 +37,7 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
             model.forward([seq], [ids.tolist()], pools)
         # Policies run on the CPU, whatever the model's device.
         queries = {i: torch.cat(model.capture[i]).cpu() for i in model.csa_layers}
-        records = {i: pools.c4[i].read(seq.page_tensor(), torch.arange(tokens // 4)).cpu() for i in model.csa_layers}
+        records = {i: pools.c4[i].read(seq.page_tensor(model.device), torch.arange(tokens // 4)).cpu() for i in model.csa_layers}
     finally:
         model.capture = None
         model.c4_formats = saved

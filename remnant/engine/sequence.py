@@ -24,7 +24,8 @@ class Sequence:
 
     def page_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """int64 [pages] page table on `device` (cached until pages or device change)."""
-        t = self._page_tensor
-        if t is None or t.numel() != len(self.pages) or t.device != torch.device(device):
+        t, want = self._page_tensor, torch.device(device)
+        same_device = t is not None and t.device.type == want.type and want.index in (None, t.device.index)
+        if not same_device or t.numel() != len(self.pages):
             self._page_tensor = torch.tensor(self.pages, dtype=torch.long, device=device)
         return self._page_tensor

@@ -186,7 +186,7 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
         "page_size": geometry.page_size,
         "disable_radix_cache": not engine_args.prefix_cache,
         "remnant_mode": mode,
-        "device": str(model.device),
+        "device": model.device.type,  # as SGLang's ServerArgs.device: "cuda" or "cpu"
         "remnant_decode_path": model.decode_path,
         "remnant_retention": None if rmap is None else {
             "per_layer": {str(i): rmap.retention(i) for i in model.csa_layers},

@@ -12,8 +12,10 @@ import triton.language as tl
 from remnant.kv.paged import PageLayout
 
 
-def check_locs(locs: torch.Tensor, name: str, capacity: int, check_range: bool) -> torch.Tensor:
-    """Locations as contiguous int32 (Triton index math; -1 = padding where allowed).
+def check_locs(locs: torch.Tensor, name: str, capacity: int, check_range: bool,
+               allow_padding: bool = False) -> torch.Tensor:
+    """Locations as contiguous int32 (Triton index math); -1 = padding where the kernel
+    masks it (decode), refused elsewhere (store and reconstruct address every location).
 
     The range check reads the tensor back to the host (a device sync), so serving paths,
     whose locations come from the allocator, leave it off; tests turn it on.
@@ -24,8 +26,10 @@ def check_locs(locs: torch.Tensor, name: str, capacity: int, check_range: bool) 
         raise ValueError(f"{name}: a pool of {capacity} records needs int64 locations; kernels index with int32")
     if check_range and locs.numel():
         lo, hi = int(locs.min()), int(locs.max())
-        if hi >= capacity or lo < -1:
-            raise ValueError(f"{name} must lie in [0, {capacity}) (or -1 for padding), got [{lo}, {hi}]")
+        lowest = -1 if allow_padding else 0
+        if hi >= capacity or lo < lowest:
+            padding = " (or -1 for padding)" if allow_padding else ""
+            raise ValueError(f"{name} must lie in [0, {capacity}){padding}, got [{lo}, {hi}]")
     return locs.to(torch.int32).contiguous()
 
 

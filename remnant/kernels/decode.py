@@ -1,22 +1,25 @@
-"""decode: sparse decode attention of one CSA layer over native or packed C4 records.
+"""decode: sparse decode attention over native or packed records (one CSA layer's C4
+records; the engine also passes HCA layers' C128 records, or none, in the same slot).
 
 For each decode token b and each block of H_BLOCK query heads, one program runs one online
 softmax over the attention sink, W window tokens and K selected C4 records, V = K (the same
 512-vector), as DeepSeek-V4's sparse MLA decode does. Window tokens are native records;
 C4 records are native (the stock baseline) or packed (kernel mode).
 
-Both variants share this code and its care: records are read once per program as 16-byte
-vector loads of 4-byte words (codes), bf16 RoPE and one int64 of scales, on addresses the
-compiler is told are aligned; scales are applied by building the float32 2^(s-127) from
-the UE8M0 byte (exact), keys are dequantized to bf16 (exact: FP8 e4m3 times a power of
-two), and both matrix products run on the tensor cores in bf16 with float32 accumulation.
+Both variants share this code and its care: native and packed C4 records are read once
+per program as vector loads of 4-byte words (16-byte vectors on SGLang's pages, 8-byte on
+plain rows), bf16 RoPE and one int64 of scales, on addresses the compiler is told are
+aligned; scales are applied by building the float32 2^(s-127) from the UE8M0 byte
+(exact), keys are dequantized to bf16 (exact: FP8 e4m3 times a power of two), and both
+matrix products run on the tensor cores in bf16 with float32 accumulation.
 
 Packed C4 records hold only the kept NoPE coordinates, so the packed variant splits the
 columns in two sets: q at the kept columns (map order) and at the dropped ones, gathered
-by the wrapper into two contiguous tensors; scores of C4 records use the kept columns and RoPE only and add to acc_kept;
-window records (native) are read by index into both sets and add to acc_kept and
-acc_drop. Every output column has exactly one accumulator and is rounded to bf16 once,
-and the accumulators together are as wide as the native variant's (512 columns).
+by the wrapper into two contiguous tensors; scores of C4 records use the kept columns and
+RoPE only and add to acc_kept; window records (native) are read by byte index into both
+sets and add to acc_kept and acc_drop. Every output column has exactly one accumulator
+and is rounded to bf16 once, and the accumulators together are as wide as the native
+variant's (512 columns).
 """
 
 from __future__ import annotations
@@ -295,9 +298,9 @@ def decode(
     sink float [H]; keep None for native C4 records, int64 [N] for packed. The default
     config (64 heads per program, 32 records per step, 8 warps; scores as (K q^T)^T for
     native records, as q K^T for packed ones, whose transposed form spilled registers) was
-    the fastest of the remnant-kernels tuning sweep on an H200 (benchmarks/kernels/). None
-    picks that default. Returns out
-    [B, H, 512] in q's dtype (or writes the given `out`).
+    the fastest of the remnant-kernels tuning sweep on an H200 (benchmarks/kernels/);
+    scores_transposed=None picks it by variant. Returns out [B, H, 512] in q's dtype (or
+    writes the given `out`).
     """
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q must be [B, H, {HEAD_DIM}], got {tuple(q.shape)}")
@@ -311,8 +314,9 @@ def decode(
         raise ValueError(f"c4_locs and window_locs must be [B={batch}, *], got {tuple(c4_locs.shape)} and {tuple(window_locs.shape)}")
     if sink.shape != (heads,):
         raise ValueError(f"sink must be [H] = [{heads}], got {tuple(sink.shape)}")
-    c4_locs = check_locs(c4_locs, "c4_locs", c4_layout.capacity(c4), check_range)
-    window_locs = check_locs(window_locs, "window_locs", window_layout.capacity(window), check_range)
+    c4_locs = check_locs(c4_locs, "c4_locs", c4_layout.capacity(c4), check_range, allow_padding=True)
+    window_locs = check_locs(window_locs, "window_locs", window_layout.capacity(window), check_range,
+                             allow_padding=True)
     if out is None:
         out = torch.empty_like(q)
     sink = sink.float().contiguous()

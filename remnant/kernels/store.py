@@ -70,7 +70,8 @@ def _store_kernel(
     tl.store(rope_ptr[:, None] + r[None, :], rope.to(tl.bfloat16), mask=row_ok[:, None])
 
     # The 7 biased exponents and a zero pad byte, stored as one little-endian int64.
-    biased = tl.where(tiles[None, :] < 7, ceil_log2.to(tl.int64) + 127, 0)
+    # (& 0xFF: a non-finite latent's exponent stays in its own byte.)
+    biased = tl.where(tiles[None, :] < 7, (ceil_log2.to(tl.int64) + 127) & 0xFF, 0)
     tail_word = tl.sum(biased << (8 * tiles[None, :].to(tl.int64)), axis=1)
     tl.store(tail.to(tl.pointer_type(tl.int64)), tail_word, mask=row_ok)
 

@@ -13,13 +13,16 @@ from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 TOLERANCE = 1e-2
 
 
-def check_decode(batch, heads, topk, window, retention, seed, **config) -> float:
+def check_decode(batch, heads, topk, window, retention, seed, rows=False, **config) -> float:
+    """rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
+    ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned)."""
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(retention, gen)
-    c4_layout = PageLayout.sglang(64, retention)
-    c4 = filled_pool(c4_layout, -(-4 * topk // 64) + 1, keep, gen)
-    win_layout = PageLayout.sglang(64)
-    win = filled_pool(win_layout, -(-2 * max(window, 1) // 64) + 1, None, gen)
+    per_page = 1 if rows else 64
+    c4_layout = PageLayout.rows(PageLayout.sglang(1, retention).record_bytes) if rows else PageLayout.sglang(64, retention)
+    c4 = filled_pool(c4_layout, -(-4 * topk // per_page) + 1, keep, gen)
+    win_layout = PageLayout.rows(584) if rows else PageLayout.sglang(64)
+    win = filled_pool(win_layout, -(-2 * max(window, 1) // per_page) + 1, None, gen)
     c4_locs = torch.stack([torch.randperm(c4_layout.capacity(c4), generator=gen)[:topk] for _ in range(batch)])
     win_locs = torch.stack([torch.randperm(win_layout.capacity(win), generator=gen)[:window] for _ in range(batch)])
     if topk > 3:
@@ -51,6 +54,11 @@ SMALL = dict(h_block=16, block_n=16, num_warps=4)
 def test_decode_matches_float64_reference(retention, scores_transposed):
     check_decode(batch=3, heads=20, topk=37, window=13, retention=retention, seed=retention,
                  scores_transposed=scores_transposed, **SMALL)
+
+
+@pytest.mark.parametrize("retention", [256, 512])
+def test_decode_over_plain_record_rows(retention):
+    check_decode(batch=2, heads=16, topk=21, window=9, retention=retention, seed=3, rows=True, **SMALL)
 
 
 def test_decode_with_no_window_and_all_padding():

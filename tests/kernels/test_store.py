@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from remnant.kernels.common import alignment
 from remnant.kernels.store import store as store_kernel
 from remnant.kv.formats import NOPE_DIM
 from remnant.kv.paged import PageLayout, gather, store
@@ -71,6 +72,22 @@ def test_store_refuses_locations_outside_the_pool():
     with pytest.raises(ValueError, match=r"locs must lie in \[0, 16\)"):
         store_kernel(torch.ones(1, 512, device=DEVICE), poisoned_pages(layout, 1), layout,
                      torch.tensor([16], device=DEVICE), None, check_range=True)
+
+
+def test_store_refuses_padding_locations():
+    # -1 pads decode's selections, which the decode kernel masks; store would write there.
+    layout = PageLayout.sglang(16)
+    with pytest.raises(ValueError, match=r"locs must lie in \[0, 16\), got \[-1, 0\]"):
+        store_kernel(torch.ones(2, 512, device=DEVICE), poisoned_pages(layout, 1), layout,
+                     torch.tensor([0, -1], device=DEVICE), None, check_range=True)
+
+
+def test_alignment_of_the_layouts_the_kernels_take():
+    assert alignment(PageLayout.sglang(64, 256), "c4") == 16
+    assert alignment(PageLayout.sglang(64), "c4") == 16
+    assert alignment(PageLayout.rows(584), "window") == 8  # the engine's window ring
+    with pytest.raises(ValueError, match="indexer: the kernels need 8-byte aligned records with an 8-byte tail"):
+        alignment(PageLayout(64, 132 + 4, 64 * 136, tail_bytes=4), "indexer")
 
 
 @pytest.mark.gpu
