@@ -164,6 +164,7 @@ def _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t, 
 def _decode_kernel(
     q_ptr, q_sb, q_sh,
     qk_ptr, qk_sb, qk_sh, qd_ptr, qd_sb, qd_sh,
+    ws_ptr, ws_sb, ws_sh,
     out_ptr, o_sb, o_sh,
     sink_ptr, H,
     win_ptr, win_locs_ptr, win_sb, W, win_stride,
@@ -172,6 +173,7 @@ def _decode_kernel(
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, SCORES_T: tl.constexpr,
+    WORKSPACE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
@@ -202,6 +204,23 @@ def _decode_kernel(
         kept = tl.load(kept_ptr + j)
         kept_ok = j < N
         kept_tile = kept // 64
+        ws_row = ws_ptr + b * ws_sb + heads * ws_sh
+        if WORKSPACE:
+            # The other order: window tokens first, read as the native variant reads them
+            # (word loads, scores transposed, one 512-column accumulator), which is parked
+            # in the fp32 workspace when the window ends; the C4 loop then holds acc_kept
+            # only, and the parked columns join at the end.
+            d = tl.arange(0, 512)
+            d_ok = d < 448
+            q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
+            acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
+            for start in range(0, W, BN):
+                valid, data, rope, scales = _load_records(win_ptr, win_locs, start + n_off, W, WIN_PER_PAGE,
+                                                          win_stride, 576, WIN_ALIGN, 448)
+                m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
+                                                        d // 64, qk_scale, m, l, acc_full, acc_rope, True, INTERPRETED)
+            tl.store(ws_row[:, None] + d[None, :], acc_full, mask=h_ok[:, None] & d_ok[None, :])
+            m_window = m
         q_kept, q_kept_t = _load_q(qk_ptr + b * qk_sb + heads * qk_sh, h_ok, j, kept_ok)
         acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
         for start in range(0, K, BN):
@@ -214,29 +233,39 @@ def _decode_kernel(
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
             m = m_new
-        # Window tokens: native records, read by index into both column sets. The index
-        # loads hold a pointer per byte, so this loop takes at most 16 records per step: its
-        # registers bound the whole kernel's (the C4 loop spilled on the H200 otherwise).
-        w_off = tl.arange(0, WIN_BN)
         i = tl.arange(0, DP)
         dropped = tl.load(dropped_ptr + i)
         dropped_ok = i < 448 - N
         dropped_tile = dropped // 64
+        if WORKSPACE:
+            tl.debug_barrier()  # the parked accumulator, written by other threads of this program
+            to_final = tl.exp2(m_window - m)[:, None]
+            parked_kept = tl.load(ws_row[:, None] + kept[None, :], mask=h_ok[:, None] & kept_ok[None, :], other=0.0)
+            acc_kept += parked_kept * to_final
+            acc_drop = to_final * tl.load(ws_row[:, None] + dropped[None, :],
+                                          mask=h_ok[:, None] & dropped_ok[None, :], other=0.0)
+        else:
+            acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
+        # Window tokens (unless parked above): native records, read by index into both
+        # column sets. The index loads hold a pointer per byte, so this loop takes at most
+        # 16 records per step: its registers bound the whole kernel's (the C4 loop spilled
+        # on the H200 otherwise).
+        w_off = tl.arange(0, WIN_BN)
         q_drop, q_drop_t = _load_q(qd_ptr + b * qd_sb + heads * qd_sh, h_ok, i, dropped_ok)
-        acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
-        for start in range(0, W, WIN_BN):
-            valid, data, rope, scales = _load_records(win_ptr, win_locs, start + w_off, W, WIN_PER_PAGE, win_stride,
-                                                      576, WIN_ALIGN, 448)
-            k_rope = rope.to(tl.bfloat16)
-            k_kept = _load_columns(data, valid, kept, kept_ok, kept_tile, scales)
-            k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_tile, scales)
-            s = (_qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_drop, q_drop_t, k_drop, SCORES_T, INTERPRETED)
-                 + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED))
-            m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
-            acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
-            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
-            acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
-            m = m_new
+        if not WORKSPACE:
+            for start in range(0, W, WIN_BN):
+                valid, data, rope, scales = _load_records(win_ptr, win_locs, start + w_off, W, WIN_PER_PAGE, win_stride,
+                                                          576, WIN_ALIGN, 448)
+                k_rope = rope.to(tl.bfloat16)
+                k_kept = _load_columns(data, valid, kept, kept_ok, kept_tile, scales)
+                k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_tile, scales)
+                s = (_qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_drop, q_drop_t, k_drop, SCORES_T, INTERPRETED)
+                     + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED))
+                m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
+                acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+                acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+                acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
+                m = m_new
         inv_l = 1.0 / l
         out_ty = out_ptr.dtype.element_ty
         tl.store(o_row[:, None] + kept[None, :], (acc_kept * inv_l[:, None]).to(out_ty),
@@ -290,6 +319,7 @@ def decode(
     num_warps: int = 8,
     num_stages: int = 1,
     scores_transposed: bool | None = None,
+    window_workspace: bool = False,
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
@@ -299,8 +329,11 @@ def decode(
     config (64 heads per program, 32 records per step, 8 warps; scores as (K q^T)^T for
     native records, as q K^T for packed ones, whose transposed form spilled registers) was
     the fastest of the remnant-kernels tuning sweep on an H200 (benchmarks/kernels/);
-    scores_transposed=None picks it by variant. Returns out [B, H, 512] in q's dtype (or
-    writes the given `out`).
+    scores_transposed=None picks it by variant. window_workspace (packed records only;
+    ignored for native ones): read window tokens as native records into an fp32 workspace
+    [B, H, 512] first, the window loop always in the transposed form, instead of by byte
+    index into the kept and dropped sets (benchmarks/kernels/NOTES.md: not yet measured on
+    a GPU when written). Returns out [B, H, 512] in q's dtype (or writes the given `out`).
     """
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q must be [B, H, {HEAD_DIM}], got {tuple(q.shape)}")
@@ -328,10 +361,13 @@ def decode(
         q_kept, q_drop = q.index_select(2, cols.kept), q.index_select(2, cols.dropped)
     else:
         q_kept = q_drop = q
+    workspace = window_workspace and cols.packed and window_locs.shape[1] > 0
+    ws = torch.empty(batch, heads, HEAD_DIM, dtype=torch.float32, device=q.device) if workspace else q
     grid = (triton.cdiv(heads, h_block), batch)
     kernel = _decode_kernel[grid](
         q, q.stride(0), q.stride(1),
         q_kept, q_kept.stride(0), q_kept.stride(1), q_drop, q_drop.stride(0), q_drop.stride(1),
+        ws, ws.stride(0), ws.stride(1),
         out, out.stride(0), out.stride(1),
         sink, heads,
         window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
@@ -339,7 +375,7 @@ def decode(
         cols.kept, cols.dropped, scale * LOG2E,
         WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
-        N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed,
+        N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed, WORKSPACE=workspace,
         PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_BN=min(block_n, 16), INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )

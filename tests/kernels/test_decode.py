@@ -56,6 +56,13 @@ def test_decode_matches_float64_reference(retention, scores_transposed):
                  scores_transposed=scores_transposed, **SMALL)
 
 
+@pytest.mark.parametrize("scores_transposed", [False, True])
+@pytest.mark.parametrize("retention", [256, 64, 448])
+def test_decode_with_the_window_parked_in_a_workspace(retention, scores_transposed):
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 1,
+                 scores_transposed=scores_transposed, window_workspace=True, **SMALL)
+
+
 @pytest.mark.parametrize("retention", [256, 512])
 def test_decode_over_plain_record_rows(retention):
     check_decode(batch=2, heads=16, topk=21, window=9, retention=retention, seed=3, rows=True, **SMALL)
@@ -90,6 +97,7 @@ def test_decode_refuses_a_window_of_packed_records():
 @pytest.mark.parametrize("retention", [256, 512, 128])
 @pytest.mark.parametrize("config", [dict(h_block=64, block_n=32, num_warps=8),
                                     dict(h_block=64, block_n=64, num_warps=8, scores_transposed=True),
-                                    dict(h_block=16, block_n=32, num_warps=4)])
+                                    dict(h_block=16, block_n=32, num_warps=4),
+                                    dict(h_block=64, block_n=32, num_warps=8, window_workspace=True)])
 def test_decode_on_gpu_at_v4_shape(retention, config):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)
