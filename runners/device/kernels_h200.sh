@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One device call: GPU tests (kernels, SGLang buffers, the engine's CUDA path), then
 # remnant-kernels' sweep. Run from the repository root on the device machine:
-#   .whl/ holds jsonschema and its dependencies for the device's Python 3.12;
+#   .whl/ (git-ignored through .git/info/exclude, passed in the call's carry list) holds
+#   jsonschema and its dependencies for the device's Python 3.12, made here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     -d .whl jsonschema jsonschema-specifications referencing rpds-py attrs
+#   (the device image may already have attrs);
 #   the device's copy of the tree has no .git, so pass the commit for the JSON's provenance:
 #   REMNANT_GIT_COMMIT=<hash> GPU_TESTS="tests/kernels tests/sglang/test_buffers.py
 #   tests/engine/test_decode_path.py" bash runners/device/kernels_h200.sh
