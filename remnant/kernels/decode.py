@@ -13,13 +13,14 @@ aligned; scales are applied by building the float32 2^(s-127) from the UE8M0 byt
 (exact), keys are dequantized to bf16 (exact: FP8 e4m3 times a power of two), and both
 matrix products run on the tensor cores in bf16 with float32 accumulation.
 
-Packed C4 records hold only the kept NoPE coordinates, so the packed variant splits the
-columns in two sets: q at the kept columns (map order) and at the dropped ones, gathered
-by the wrapper into two contiguous tensors; scores of C4 records use the kept columns and
-RoPE only and add to acc_kept; window records (native) are read by byte index into both
-sets and add to acc_kept and acc_drop. Every output column has exactly one accumulator
-and is rounded to bf16 once, and the accumulators together are as wide as the native
-variant's (512 columns).
+Packed C4 records hold only the kept NoPE coordinates, so the packed variant works in
+kept-first column order (KeptColumns.order): q is read and out written as the N kept
+columns in map order, the 448 - N dropped ones, then RoPE, each set contiguous. Scores of
+C4 records use the kept columns and RoPE only and add to acc_kept; window records
+(native) are read by column index into both sets and add to acc_kept and acc_drop. Every
+output column has exactly one accumulator and is rounded to bf16 once. The wrapper
+permutes q and out to and from that order unless the caller passes them in it
+(columns="kept_first": the permutation folded into the model's projections).
 """
 
 from __future__ import annotations
@@ -36,15 +37,25 @@ from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
 from remnant.kv.paged import KeptColumns, PageLayout
 
 LOG2E = 1.4426950408889634
+COLUMN_ORDERS = ("natural", "kept_first")
 LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _load_records(base_ptr, locs_ptr, n, count, PER_PAGE: tl.constexpr, stride,
+def _locations(locs_ptr, n, count):
+    """The locations listed at locs_ptr[n], -1 (invalid) for n >= count.
+
+    Each loop loads the next step's locations at the top of the current step, so a step
+    waits for one memory round trip (its records), not two (locations, then records):
+    4-7% on the H200 without the window (benchmarks/kernels/NOTES.md)."""
+    return tl.load(locs_ptr + n, mask=n < count, other=-1)
+
+
+@triton.jit
+def _load_records(base_ptr, loc, PER_PAGE: tl.constexpr, stride,
                   DATA: tl.constexpr, ALIGN: tl.constexpr, ROPE_AT: tl.constexpr):
-    """Records listed at locs_ptr[n] (n >= count or loc -1: invalid): (valid [BN], data
-    pointers [BN], RoPE bf16 [BN, 64] at byte ROPE_AT, the 8 tail bytes as one int64 [BN])."""
-    loc = tl.load(locs_ptr + n, mask=n < count, other=-1)
+    """Records at locations loc [BN] (-1: invalid): (valid [BN], data pointers [BN], RoPE
+    bf16 [BN, 64] at byte ROPE_AT, the 8 tail bytes as one int64 [BN])."""
     valid = loc >= 0
     data, tail = record_addresses(base_ptr, tl.maximum(loc, 0), PER_PAGE, stride, DATA, ALIGN)
     r = tl.arange(0, 64)
@@ -64,11 +75,12 @@ def _load_words(data, valid, WORDS: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
-def _load_columns(data, valid, cols, cols_ok, col_tile, scales):
-    """Dequantized codes of the native columns `cols` [C] of each record, bf16 [BN, C]
-    (byte loads by index; the record's lines are shared by the whole block, L1-served)."""
+def _load_columns(data, valid, cols, cols_ok, starts_ptr, scales):
+    """Dequantized codes of the native columns `cols` [C] (a sorted set, tile starts at
+    starts_ptr) of each record, bf16 [BN, C] (byte loads by index; the record's lines are
+    shared by the whole block, L1-served)."""
     codes = tl.load(data[:, None] + cols[None, :], mask=valid[:, None] & cols_ok[None, :], other=0)
-    return _dequant(codes, col_tile, scales)
+    return _dequant(codes, tl.arange(0, cols.shape[0]), starts_ptr, scales, False)
 
 
 @triton.jit
@@ -91,15 +103,22 @@ def _tile_scale(scales, t: tl.constexpr):
 
 
 @triton.jit
-def _dequant(codes, col_tile, scales):
-    """FP8 codes [BN, C] (uint8) of columns in tiles col_tile [C] (sorted) -> bf16 (exact).
+def _dequant(codes, col, starts_ptr, scales, ALL_COLUMNS: tl.constexpr):
+    """FP8 codes [BN, C] (uint8) of a sorted column set -> bf16 (exact). col = tl.arange(0,
+    C) are the positions in the set; column j is in scale tile t or later when j >= the
+    set's tile start t (KeptColumns; ALL_COLUMNS: the native set, tile t starts at 64 t).
 
-    Each column's scale is chosen by a select chain over the 7 tile scales (kept columns
-    are sorted, so their tiles rise); no [BN, C] integer tile is formed.
+    Each column's scale is chosen by a select chain over the 7 tile scales, comparing
+    positions with 7 scalars: no [BN, C] integer tile, and no tile number per column (a
+    per-column tile vector in the MMA operand's layout spilled 4 KB of registers).
     """
     scale = tl.broadcast_to(_tile_scale(scales, 0)[:, None], codes.shape)
     for t in tl.static_range(1, 7):
-        scale = tl.where(col_tile[None, :] >= t, _tile_scale(scales, t)[:, None], scale)
+        if ALL_COLUMNS:
+            start = 64 * t
+        else:
+            start = tl.load(starts_ptr + t)
+        scale = tl.where(col[None, :] >= start, _tile_scale(scales, t)[:, None], scale)
     return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(tl.bfloat16)
 
 
@@ -148,11 +167,11 @@ def _load_q(q_row, h_ok, cols, cols_ok):
 
 
 @triton.jit
-def _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t, d_tile, qk_scale, m, l,
+def _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t, qk_scale, m, l,
                  acc_full, acc_rope, SCORES_T: tl.constexpr, INTERPRETED: tl.constexpr):
     """One block of native records (window or C4) into the all-columns accumulators."""
     k_rope = rope.to(tl.bfloat16)
-    k_full = _dequant(_code_bytes(_load_words(data, valid, 112, 128)), d_tile, scales)
+    k_full = _dequant(_code_bytes(_load_words(data, valid, 112, 128)), tl.arange(0, 512), None, scales, True)
     s = _qk(q_full, q_full_t, k_full, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
     m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
     acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
@@ -163,17 +182,14 @@ def _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t, 
 @triton.jit
 def _decode_kernel(
     q_ptr, q_sb, q_sh,
-    qk_ptr, qk_sb, qk_sh, qd_ptr, qd_sb, qd_sh,
-    ws_ptr, ws_sb, ws_sh,
     out_ptr, o_sb, o_sh,
     sink_ptr, H,
     win_ptr, win_locs_ptr, win_sb, W, win_stride,
     c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride,
-    kept_ptr, dropped_ptr, qk_scale,
+    kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr, qk_scale,
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, SCORES_T: tl.constexpr,
-    WORKSPACE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
@@ -195,99 +211,78 @@ def _decode_kernel(
     l = tl.full((H_BLOCK,), 1.0, dtype=tl.float32)
 
     if PACKED:
-        # Output columns split in two sets, each with one accumulator: the kept columns
-        # (map order; C4 records and window tokens add to them) and the dropped ones (only
-        # window tokens do). C4 records come first, so acc_drop is live only in the window
-        # loop (the softmax does not depend on the order; both accumulators live across
-        # the C4 loop spilled on the H200).
+        # q and out are in kept-first column order (KeptColumns.order): the N kept
+        # columns in map order, then the 448 - N dropped ones, then RoPE at 448, so both
+        # column sets load and store contiguously (scattered bf16 stores of the output by
+        # column index cost the H200 56 us of a 186 us call at batch 128). Each set has
+        # one accumulator: acc_kept (C4 records and window tokens add to it) and acc_drop
+        # (window tokens only). C4 records come first, so acc_drop is live only in the
+        # window loop (the softmax does not depend on the order).
         j = tl.arange(0, NP)
-        kept = tl.load(kept_ptr + j)
         kept_ok = j < N
-        kept_tile = kept // 64
-        ws_row = ws_ptr + b * ws_sb + heads * ws_sh
-        if WORKSPACE:
-            # The other order: window tokens first, read as the native variant reads them
-            # (word loads, scores transposed, one 512-column accumulator), which is parked
-            # in the fp32 workspace when the window ends; the C4 loop then holds acc_kept
-            # only, and the parked columns join at the end.
-            d = tl.arange(0, 512)
-            d_ok = d < 448
-            q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
-            acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
-            for start in range(0, W, BN):
-                valid, data, rope, scales = _load_records(win_ptr, win_locs, start + n_off, W, WIN_PER_PAGE,
-                                                          win_stride, 576, WIN_ALIGN, 448)
-                m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
-                                                        d // 64, qk_scale, m, l, acc_full, acc_rope, True, INTERPRETED)
-            tl.store(ws_row[:, None] + d[None, :], acc_full, mask=h_ok[:, None] & d_ok[None, :])
-            m_window = m
-        q_kept, q_kept_t = _load_q(qk_ptr + b * qk_sb + heads * qk_sh, h_ok, j, kept_ok)
+        q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
         acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
+        loc = _locations(c4_locs, n_off, K)
         for start in range(0, K, BN):
-            valid, data, rope, scales = _load_records(c4_ptr, c4_locs, start + n_off, K, C4_PER_PAGE, c4_stride,
-                                                      N + 128, C4_ALIGN, N)
+            loc_next = _locations(c4_locs, start + BN + n_off, K)
+            valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, N + 128, C4_ALIGN, N)
+            loc = loc_next
             k_rope = rope.to(tl.bfloat16)
-            k_kept = _dequant(_code_bytes(_load_words(data, valid, N // 4, NP // 4)), kept_tile, scales)
+            k_kept = _dequant(_code_bytes(_load_words(data, valid, N // 4, NP // 4)), j, kept_starts_ptr, scales, False)
             s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
             m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
             m = m_new
+        # Window tokens: native records, their codes read by native column index into both
+        # sets. The index loads hold a pointer per byte, so this loop takes at most 16
+        # records per step: its registers bound the whole kernel's.
+        kept = tl.load(kept_ptr + j)
         i = tl.arange(0, DP)
         dropped = tl.load(dropped_ptr + i)
         dropped_ok = i < 448 - N
-        dropped_tile = dropped // 64
-        if WORKSPACE:
-            tl.debug_barrier()  # the parked accumulator, written by other threads of this program
-            to_final = tl.exp2(m_window - m)[:, None]
-            parked_kept = tl.load(ws_row[:, None] + kept[None, :], mask=h_ok[:, None] & kept_ok[None, :], other=0.0)
-            acc_kept += parked_kept * to_final
-            acc_drop = to_final * tl.load(ws_row[:, None] + dropped[None, :],
-                                          mask=h_ok[:, None] & dropped_ok[None, :], other=0.0)
-        else:
-            acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
-        # Window tokens (unless parked above): native records, read by index into both
-        # column sets. The index loads hold a pointer per byte, so this loop takes at most
-        # 16 records per step: its registers bound the whole kernel's (the C4 loop spilled
-        # on the H200 otherwise).
+        q_drop, q_drop_t = _load_q(q_row + N, h_ok, i, dropped_ok)
+        acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         w_off = tl.arange(0, WIN_BN)
-        q_drop, q_drop_t = _load_q(qd_ptr + b * qd_sb + heads * qd_sh, h_ok, i, dropped_ok)
-        if not WORKSPACE:
-            for start in range(0, W, WIN_BN):
-                valid, data, rope, scales = _load_records(win_ptr, win_locs, start + w_off, W, WIN_PER_PAGE, win_stride,
-                                                          576, WIN_ALIGN, 448)
-                k_rope = rope.to(tl.bfloat16)
-                k_kept = _load_columns(data, valid, kept, kept_ok, kept_tile, scales)
-                k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_tile, scales)
-                s = (_qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_drop, q_drop_t, k_drop, SCORES_T, INTERPRETED)
-                     + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED))
-                m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
-                acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
-                acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
-                acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
-                m = m_new
+        loc = _locations(win_locs, w_off, W)
+        for start in range(0, W, WIN_BN):
+            loc_next = _locations(win_locs, start + WIN_BN + w_off, W)
+            valid, data, rope, scales = _load_records(win_ptr, loc, WIN_PER_PAGE, win_stride, 576, WIN_ALIGN, 448)
+            loc = loc_next
+            k_rope = rope.to(tl.bfloat16)
+            k_kept = _load_columns(data, valid, kept, kept_ok, kept_starts_ptr, scales)
+            k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_starts_ptr, scales)
+            s = (_qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_drop, q_drop_t, k_drop, SCORES_T, INTERPRETED)
+                 + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED))
+            m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
+            acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+            acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
+            m = m_new
         inv_l = 1.0 / l
         out_ty = out_ptr.dtype.element_ty
-        tl.store(o_row[:, None] + kept[None, :], (acc_kept * inv_l[:, None]).to(out_ty),
-                 mask=h_ok[:, None] & kept_ok[None, :])
-        tl.store(o_row[:, None] + dropped[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
+        tl.store(o_row[:, None] + j[None, :], (acc_kept * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & kept_ok[None, :])
+        tl.store(o_row[:, None] + N + i[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & dropped_ok[None, :])
     else:
         d = tl.arange(0, 512)
         d_ok = d < 448
-        d_tile = d // 64
         q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
         acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
+        loc = _locations(win_locs, n_off, W)
         for start in range(0, W, BN):  # window tokens
-            valid, data, rope, scales = _load_records(win_ptr, win_locs, start + n_off, W, WIN_PER_PAGE, win_stride,
-                                                      576, WIN_ALIGN, 448)
+            loc_next = _locations(win_locs, start + BN + n_off, W)
+            valid, data, rope, scales = _load_records(win_ptr, loc, WIN_PER_PAGE, win_stride, 576, WIN_ALIGN, 448)
+            loc = loc_next
             m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
-                                                    d_tile, qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
+                                                    qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
+        loc = _locations(c4_locs, n_off, K)
         for start in range(0, K, BN):  # selected C4 records
-            valid, data, rope, scales = _load_records(c4_ptr, c4_locs, start + n_off, K, C4_PER_PAGE, c4_stride,
-                                                      576, C4_ALIGN, 448)
+            loc_next = _locations(c4_locs, start + BN + n_off, K)
+            valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, 576, C4_ALIGN, 448)
+            loc = loc_next
             m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
-                                                    d_tile, qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
+                                                    qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
         inv_l = 1.0 / l
         out_ty = out_ptr.dtype.element_ty
         tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty),
@@ -318,23 +313,27 @@ def decode(
     block_n: int = 32,
     num_warps: int = 8,
     num_stages: int = 1,
-    scores_transposed: bool | None = None,
-    window_workspace: bool = False,
+    scores_transposed: bool = True,
+    columns: str = "natural",
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
 
     q: bf16/float [B, H, 512]; c4_locs int [B, K], window_locs int [B, W] (-1 = padding);
     sink float [H]; keep None for native C4 records, int64 [N] for packed. The default
-    config (64 heads per program, 32 records per step, 8 warps; scores as (K q^T)^T for
-    native records, as q K^T for packed ones, whose transposed form spilled registers) was
-    the fastest of the remnant-kernels tuning sweep on an H200 (benchmarks/kernels/);
-    scores_transposed=None picks it by variant. window_workspace (packed records only;
-    ignored for native ones): read window tokens as native records into an fp32 workspace
-    [B, H, 512] first, the window loop always in the transposed form, instead of by byte
-    index into the kept and dropped sets (benchmarks/kernels/NOTES.md: not yet measured on
-    a GPU when written). Returns out [B, H, 512] in q's dtype (or writes the given `out`).
+    config (64 heads per program, 32 records per step, 8 warps, scores as (K q^T)^T) was
+    the fastest of the remnant-kernels tuning sweep on an H200 for both record formats
+    (benchmarks/kernels/NOTES.md). Returns out [B, H, 512] in q's dtype (or writes the
+    given `out`).
+
+    columns (packed records): "natural", q and out in the model's column order, permuted
+    to and from kept-first order around the kernel (one gather each, on the device); or
+    "kept_first", q given and out returned in KeptColumns.order (kept columns in map
+    order, dropped ones, RoPE), as when that permutation is folded into the projections
+    that make q and read out, once at load time. Native records ignore it.
     """
+    if columns not in COLUMN_ORDERS:
+        raise ValueError(f"columns={columns!r} is not allowed; allowed: {', '.join(map(repr, COLUMN_ORDERS))}")
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q must be [B, H, {HEAD_DIM}], got {tuple(q.shape)}")
     batch, heads, _ = q.shape
@@ -353,32 +352,25 @@ def decode(
     if out is None:
         out = torch.empty_like(q)
     sink = sink.float().contiguous()
-    if scores_transposed is None:
-        scores_transposed = not cols.packed
-    if cols.packed:
-        # q at the kept and at the dropped columns, contiguous (padding columns read column
-        # 0 and are masked in the kernel): loaded like native q, not gathered in-kernel.
-        q_kept, q_drop = q.index_select(2, cols.kept), q.index_select(2, cols.dropped)
-    else:
-        q_kept = q_drop = q
-    workspace = window_workspace and cols.packed and window_locs.shape[1] > 0
-    ws = torch.empty(batch, heads, HEAD_DIM, dtype=torch.float32, device=q.device) if workspace else q
+    permute = cols.packed and columns == "natural"
+    q_in = q.index_select(2, cols.order) if permute else q
+    out_k = torch.empty_like(q_in) if permute else out
     grid = (triton.cdiv(heads, h_block), batch)
     kernel = _decode_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        q_kept, q_kept.stride(0), q_kept.stride(1), q_drop, q_drop.stride(0), q_drop.stride(1),
-        ws, ws.stride(0), ws.stride(1),
-        out, out.stride(0), out.stride(1),
+        q_in, q_in.stride(0), q_in.stride(1),
+        out_k, out_k.stride(0), out_k.stride(1),
         sink, heads,
         window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
         c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
-        cols.kept, cols.dropped, scale * LOG2E,
+        cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E,
         WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
-        N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed, WORKSPACE=workspace,
+        N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed,
         PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_BN=min(block_n, 16), INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )
+    if permute:
+        torch.index_select(out_k, 2, cols.inverse, out=out)
     if compiled is not None:  # the benchmark records registers and spills
         compiled.append(kernel)
     return out

@@ -20,13 +20,18 @@ from remnant.kv.formats import HEAD_DIM
 from remnant.kv.paged import KeptColumns, PageLayout
 
 
+PERMUTES = ("registers", "stores", "loads")
+LOADS_UP_TO_KEPT = 192  # the default permutation is "loads" up to R = 256, "stores" above
+
+
 @triton.jit
 def _store_kernel(
     x_ptr, x_stride, n_rows,
     pages_ptr, locs_ptr, page_stride,
-    kept_ptr, slot_of_ptr,
+    kept_ptr, slot_of_ptr, kept_starts_ptr,
     PER_PAGE: tl.constexpr, ALIGN: tl.constexpr,
-    N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, GATHER: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, GATHER: tl.constexpr, LOADS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -42,27 +47,41 @@ def _store_kernel(
     amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-8)                      # [BR, 8]
     ceil_log2 = tl.math.ceil(tl.log2(amax / 448.0))
     scale_inv = 1.0 / tl.exp2(ceil_log2)
-    scaled = x * scale_inv[:, :, None]
-    codes = tl.clamp(scaled, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    codes = tl.reshape(codes, (BLOCK_ROWS, 512))                            # native order
 
     # Split-layout addresses: data part (codes then RoPE), then the 8-byte tail.
     DATA: tl.constexpr = N + 128
     data, tail = record_addresses(pages_ptr, tl.load(locs_ptr + rows, mask=row_ok, other=0),
                                   PER_PAGE, page_stride, DATA, ALIGN)
-    if PACKED and not GATHER:
-        # Each kept code stored at its slot (byte stores; a row's slots are one contiguous
-        # run, so L2 merges them into whole sectors).
-        c = tl.arange(0, 512)
-        slot = tl.load(slot_of_ptr + c)
-        tl.store(data[:, None] + tl.maximum(slot, 0)[None, :], codes, mask=row_ok[:, None] & (slot[None, :] >= 0))
-    else:
+    if PACKED and LOADS:
+        # The kept latents re-read by index (L1 hits: the rows were just loaded) and
+        # quantized in map order with their tiles' scales: contiguous code stores, no
+        # permutation of the quantized tile.
         j = tl.arange(0, NP)
-        if PACKED:
-            # The kept codes in map order, permuted in registers: stores stay contiguous.
-            kept = tl.load(kept_ptr + j)
-            codes = tl.gather(codes, tl.broadcast_to(kept[None, :], (BLOCK_ROWS, NP)), axis=1)
-        tl.store(data[:, None] + j[None, :], codes, mask=row_ok[:, None] & (j[None, :] < N))
+        kept = tl.load(kept_ptr + j)
+        kept_ok = row_ok[:, None] & (j[None, :] < N)
+        kept_tile = tl.zeros((NP,), dtype=tl.int32)
+        for t in tl.static_range(1, 7):
+            kept_tile += (j >= tl.load(kept_starts_ptr + t)).to(tl.int32)
+        scale_kept = tl.gather(scale_inv, tl.broadcast_to(kept_tile[None, :], (BLOCK_ROWS, NP)), axis=1)
+        x_kept = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + kept[None, :], mask=kept_ok, other=0.0)
+        kept_codes = tl.clamp(x_kept.to(tl.float32) * scale_kept, -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(data[:, None] + j[None, :], kept_codes.to(tl.uint8, bitcast=True), mask=kept_ok)
+    else:
+        codes = tl.clamp(x * scale_inv[:, :, None], -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        codes = tl.reshape(codes, (BLOCK_ROWS, 512))                        # native order
+        if PACKED and not GATHER:
+            # Each kept code stored at its slot (byte stores; a row's slots are one
+            # contiguous run, so L2 merges them into whole sectors).
+            c = tl.arange(0, 512)
+            slot = tl.load(slot_of_ptr + c)
+            tl.store(data[:, None] + tl.maximum(slot, 0)[None, :], codes, mask=row_ok[:, None] & (slot[None, :] >= 0))
+        else:
+            j = tl.arange(0, NP)
+            if PACKED:
+                # The kept codes in map order, permuted in registers: stores stay contiguous.
+                kept = tl.load(kept_ptr + j)
+                codes = tl.gather(codes, tl.broadcast_to(kept[None, :], (BLOCK_ROWS, NP)), axis=1)
+            tl.store(data[:, None] + j[None, :], codes, mask=row_ok[:, None] & (j[None, :] < N))
 
     r = tl.arange(0, 64)
     rope = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + 448 + r[None, :], mask=row_ok[:, None], other=0.0)
@@ -85,7 +104,7 @@ def store(
     check_range: bool = False,
     block_rows: int | None = None,
     num_warps: int = 1,
-    permute: str = "stores",
+    permute: str | None = None,
 ) -> None:
     """Quantize x [n, 512] (bf16 or float; rounded to bf16 as SGLang stores K) into `pages`.
 
@@ -93,14 +112,20 @@ def store(
     i at locs[i] (flat pool location). Non-finite latents are not checked here (the
     reference refuses them; SGLang's kernel gives undefined scales). permute: how packed
     codes reach map order, "registers" (tl.gather of the quantized tile, then contiguous
-    stores) or "stores" (each kept code stored at its slot); both give the same bytes.
+    stores), "stores" (each kept code stored at its slot) or "loads" (the kept latents
+    re-read by index and quantized in map order, then contiguous stores); all give the same
+    bytes. None picks the fastest measured on the H200 (benchmarks/kernels/NOTES.md):
+    "loads" up to R = 256 (its index loads grow with N: 102% of copy bandwidth at R = 128,
+    61% at 256, 38% at 448), "stores" above (57% at 448).
     """
-    if permute not in ("registers", "stores"):
-        raise ValueError(f"permute={permute!r} is not allowed; allowed: 'registers', 'stores'")
+    if permute is not None and permute not in PERMUTES:
+        raise ValueError(f"permute={permute!r} is not allowed; allowed: {', '.join(map(repr, PERMUTES))}")
     if x.ndim != 2 or x.shape[1] != HEAD_DIM or not x.is_floating_point():
         raise ValueError(f"store expects float [n, {HEAD_DIM}] latents, got {x.dtype} {tuple(x.shape)}")
     layout.check(pages)
     cols = KeptColumns.of(keep, x.device)
+    if permute is None:
+        permute = "loads" if cols.n_kept <= LOADS_UP_TO_KEPT else "stores"
     if cols.record_bytes != layout.record_bytes:
         raise ValueError(f"{cols.n_kept} kept codes make {cols.record_bytes}-byte records, but the layout holds {layout.record_bytes}")
     if locs.shape != (x.shape[0],):
@@ -110,13 +135,14 @@ def store(
         return
     xb = x.to(torch.bfloat16).contiguous()
     if block_rows is None:  # the fastest on the H200 (benchmarks/kernels/NOTES.md)
-        block_rows = 2 if cols.packed else 4
+        block_rows = 2 if cols.packed and permute == "stores" else 4
     grid = (triton.cdiv(x.shape[0], block_rows),)
     _store_kernel[grid](
         xb, xb.stride(0), x.shape[0],
         pages, locs, layout.page_stride,
-        cols.kept, cols.slot_of,
+        cols.kept, cols.slot_of, cols.kept_tile_starts,
         PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
-        N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, GATHER=permute == "registers", BLOCK_ROWS=block_rows,
+        N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, GATHER=permute == "registers", LOADS=permute == "loads",
+        BLOCK_ROWS=block_rows,
         num_warps=num_warps,
     )

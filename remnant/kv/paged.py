@@ -105,6 +105,13 @@ class KeptColumns:
     kept: int32 [NP] kept indices in map order, zero-padded; n_kept: N.
     dropped: int32 [DP] the other NoPE indices, zero-padded; n_dropped: 448 - N.
     slot_of: int32 [512] for native coordinate c < 448 its position in kept, else -1.
+    kept_tile_starts, dropped_tile_starts: int32 [8], entry t the position in kept (in
+    dropped) of the first column of scale tile t or later (entry 7: N, 448 - N). Both lists
+    are sorted, so column j of a set lies in tile t or later exactly when j >= entry t: the
+    kernels pick each column's scale by comparing positions with these, not by holding a
+    tile number per column (which spilled registers in the decode kernel).
+    order: int64 [512] kept-first column order (kept in map order, dropped, RoPE 448..511),
+    in which the packed decode kernel reads q and writes out; inverse: its inverse.
     packed: False when every NoPE coordinate is kept (native records).
     """
 
@@ -113,6 +120,10 @@ class KeptColumns:
     dropped: torch.Tensor
     n_dropped: int
     slot_of: torch.Tensor
+    kept_tile_starts: torch.Tensor
+    dropped_tile_starts: torch.Tensor
+    order: torch.Tensor
+    inverse: torch.Tensor
 
     @property
     def packed(self) -> bool:
@@ -137,8 +148,13 @@ class KeptColumns:
         dropped = mask.nonzero().flatten()
         slot_of = torch.full((512,), -1, dtype=torch.int32)
         slot_of[keep] = torch.arange(keep.numel(), dtype=torch.int32)
+        tile_firsts = torch.arange(8) * 64
+        kept_starts = torch.searchsorted(keep, tile_firsts).to(torch.int32)
+        dropped_starts = torch.searchsorted(dropped, tile_firsts).to(torch.int32)
+        order = torch.cat([keep, dropped, torch.arange(NOPE_DIM, 512)])
         return cls(_padded(keep, device), keep.numel(), _padded(dropped, device), dropped.numel(),
-                   slot_of.to(device))
+                   slot_of.to(device), kept_starts.to(device), dropped_starts.to(device),
+                   order.to(device), torch.argsort(order).to(device))
 
 
 def keep_tensor(keep: "torch.Tensor | KeptColumns") -> torch.Tensor:

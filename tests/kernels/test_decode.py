@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from remnant.kernels.decode import decode
-from remnant.kv.paged import PageLayout, decode_native, decode_packed
+from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
 # bf16 operands and a bf16 output: errors of a few 1e-3 (METHOD: 1e-3..1e-2).
 TOLERANCE = 1e-2
 
 
-def check_decode(batch, heads, topk, window, retention, seed, rows=False, **config) -> float:
-    """rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
+def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, **config) -> float:
+    """kept_first: q and out in kept-first column order (columns="kept_first").
+    rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned)."""
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(retention, gen)
@@ -39,7 +40,14 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, **conf
     else:
         want = decode_packed(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink, reference=True)
     out = torch.full_like(q, float("nan"))
-    decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=out, check_range=True, **config)
+    if kept_first:  # q in, out back in KeptColumns.order, as with the order folded into the weights
+        order = KeptColumns.of(keep, q.device).order
+        got = torch.full_like(q, float("nan"))
+        decode(q[:, :, order], c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=got, check_range=True,
+               columns="kept_first", **config)
+        out[:, :, order] = got
+    else:
+        decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=out, check_range=True, **config)
     assert not out.isnan().any(), "an output element was not written (or is NaN)"
     err = ((out.double() - want).norm() / want.norm()).item()
     assert err < TOLERANCE, f"relative error {err:.2e}"
@@ -56,11 +64,14 @@ def test_decode_matches_float64_reference(retention, scores_transposed):
                  scores_transposed=scores_transposed, **SMALL)
 
 
-@pytest.mark.parametrize("scores_transposed", [False, True])
-@pytest.mark.parametrize("retention", [256, 64, 448])
-def test_decode_with_the_window_parked_in_a_workspace(retention, scores_transposed):
-    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 1,
-                 scores_transposed=scores_transposed, window_workspace=True, **SMALL)
+@pytest.mark.parametrize("retention", [256, 128, 512])
+def test_decode_with_q_and_out_in_kept_first_order(retention):
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 2, kept_first=True, **SMALL)
+
+
+def test_decode_refuses_an_unknown_column_order():
+    with pytest.raises(ValueError, match="columns='kept' is not allowed; allowed: 'natural', 'kept_first'"):
+        check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, columns="kept")
 
 
 @pytest.mark.parametrize("retention", [256, 512])
@@ -98,6 +109,13 @@ def test_decode_refuses_a_window_of_packed_records():
 @pytest.mark.parametrize("config", [dict(h_block=64, block_n=32, num_warps=8),
                                     dict(h_block=64, block_n=64, num_warps=8, scores_transposed=True),
                                     dict(h_block=16, block_n=32, num_warps=4),
-                                    dict(h_block=64, block_n=32, num_warps=8, window_workspace=True)])
+                                    dict(h_block=64, block_n=32, num_warps=8, scores_transposed=False)])
 def test_decode_on_gpu_at_v4_shape(retention, config):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("retention", [256, 128])
+def test_decode_on_gpu_in_kept_first_order(retention):
+    check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=8 + retention, kept_first=True)

@@ -50,7 +50,7 @@ def check_store(n: int, retention: int, per_page: int, pages: int, seed: int, pe
     assert torch.equal(gather(got, layout, rest), gather(want, layout, rest)), "bytes outside locs were written"
 
 
-@pytest.mark.parametrize("permute", ["registers", "stores"])
+@pytest.mark.parametrize("permute", ["registers", "stores", "loads"])
 @pytest.mark.parametrize("retention", [512, 256, 128, 448])
 def test_store_matches_reference_in_split_pages(retention, permute):
     check_store(n=37, retention=retention, per_page=16, pages=5, seed=retention, permute=permute)
@@ -92,7 +92,7 @@ def test_alignment_of_the_layouts_the_kernels_take():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the compiled FP8 cast")
-@pytest.mark.parametrize("permute", ["registers", "stores"])
+@pytest.mark.parametrize("permute", ["registers", "stores", "loads"])
 @pytest.mark.parametrize("retention", [512, 64, 256, 384])
 def test_store_bit_exact_on_gpu_at_size(retention, permute):
     check_store(n=100_003, retention=retention, per_page=64, pages=2000, seed=11 + retention, permute=permute)
