@@ -36,7 +36,7 @@ from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.packing import check_keep, pack, unpack
-from remnant.kv.paged import KeptColumns, PageLayout, store
+from remnant.kv.paged import KeptColumns, PageLayout, from_kept_first, store, store_kept_first, to_kept_first
 
 CSA_RATIO = 4
 HCA_RATIO = 128
@@ -162,6 +162,25 @@ class C4Format:
         if self.mode == "triton":
             return dequantize(unpack(stored, self.keep)), None
         return packed_keys(stored, self.keep), self.cols
+
+    @property
+    def window_kept_first(self) -> bool:
+        """Kernel mode keeps this layer's window ring with each record's codes in kept-first
+        order (remnant.kv.paged.to_kept_first), which the packed decode kernel reads with
+        word loads (window_columns="kept_first"; benchmarks/kernels/NOTES.md). The torch
+        reference reads and writes the ring through the same permutation."""
+        return self.mode == "kernel"
+
+    def ring_records(self, native: torch.Tensor) -> torch.Tensor:
+        """Native window records uint8 [n, 584] -> as this layer's ring stores them."""
+        return to_kept_first(native, self.columns) if self.window_kept_first else native
+
+    def native_ring_records(self, stored: torch.Tensor) -> torch.Tensor:
+        """Records read from this layer's ring -> native records."""
+        return from_kept_first(stored, self.columns) if self.window_kept_first else stored
+
+
+NATIVE_RING = C4Format()  # the ring of a layer without a C4 format (HCA, window-only): natural order
 
 
 class Layer:
@@ -390,12 +409,13 @@ class Model:
         # Sliding window: the ring holds the previous window - 1 tokens; the chunk's own
         # tokens join from memory, then the last `window` of them go into the ring.
         prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length, device=self.device)
-        prev = pools.swa[li, pools.swa_slots(seq.swa_block, prev_pos)]
+        ring = self.c4_formats.get(li) or NATIVE_RING  # CSA layers in kernel mode keep kept-first rings
+        prev = ring.native_ring_records(pools.swa[li, pools.swa_slots(seq.swa_block, prev_pos)])
         keys = dequantize(torch.cat([prev, kv]))
         kpos = torch.cat([prev_pos, st.pos])
         win_mask = (kpos[None, :] <= st.pos[:, None]) & (kpos[None, :] > st.pos[:, None] - a.window_size)
         tail = slice(max(0, kv.shape[0] - a.window_size), None)
-        pools.swa[li, pools.swa_slots(seq.swa_block, st.pos[tail])] = kv[tail]
+        pools.swa[li, pools.swa_slots(seq.swa_block, st.pos[tail])] = ring.ring_records(kv[tail])
         key_sets, masks = [(keys, None)], [win_mask]
 
         selected = self._select_records(li, layer, seq, pools, st, kernels=False)
@@ -502,7 +522,12 @@ class Model:
         from remnant.kernels.decode import decode
 
         ring, ring_layout = pools.swa[li], PageLayout.rows(NATIVE_RECORD_BYTES)
-        store(torch.cat([st.kv for st in steps]), ring, ring_layout, window_locs[:, -1])
+        fmt = self.c4_formats.get(li) or NATIVE_RING
+        new = torch.cat([st.kv for st in steps])
+        if fmt.window_kept_first:
+            store_kept_first(new, ring, ring_layout, window_locs[:, -1], fmt.columns)
+        else:
+            store(new, ring, ring_layout, window_locs[:, -1])
         selected = [self._select_records(li, layer, seq, pools, st, kernels=True) for seq, st in zip(seqs, steps)]
         if all(s is None for s in selected):
             # Window-only layer, or no record yet: an empty record set (the ring stands in
@@ -513,7 +538,8 @@ class Model:
             c4, c4_layout, c4_locs, columns = self._decode_records(li, layer, seqs, pools, selected)
         q = torch.cat([st.q for st in steps])
         return decode(q, c4, c4_layout, c4_locs, ring, ring_layout, window_locs, layer.sink, columns,
-                      self.scale, **_decode_config(q.shape[1]))
+                      self.scale, window_columns="kept_first" if fmt.window_kept_first else "natural",
+                      **_decode_config(q.shape[1]))
 
     def _window_locations(self, seqs: list, pools) -> torch.Tensor:
         """Ring slots of each new token's window, int64 [B, window]: positions L-window+1..L

@@ -189,7 +189,8 @@ def _decode_kernel(
     kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr, qk_scale,
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr,
-    PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, SCORES_T: tl.constexpr,
+    PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
+    SCORES_T: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
@@ -234,9 +235,12 @@ def _decode_kernel(
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
             m = m_new
-        # Window tokens: native records, their codes read by native column index into both
-        # sets. The index loads hold a pointer per byte, so this loop takes at most 16
-        # records per step: its registers bound the whole kernel's.
+        # Window tokens: native records. In natural order their codes are read by native
+        # column index into both sets; the index loads hold a pointer per byte, so this loop
+        # then takes at most 16 records per step (its registers bound the whole kernel's),
+        # and it cost the packed kernel 67 us of 130 on the H200 against the native
+        # kernel's 20 us for the same tokens. WIN_KEPT_FIRST: the records' codes are in
+        # kept-first order (store_kept_first), read as two runs of words.
         kept = tl.load(kept_ptr + j)
         i = tl.arange(0, DP)
         dropped = tl.load(dropped_ptr + i)
@@ -250,8 +254,14 @@ def _decode_kernel(
             valid, data, rope, scales = _load_records(win_ptr, loc, WIN_PER_PAGE, win_stride, 576, WIN_ALIGN, 448)
             loc = loc_next
             k_rope = rope.to(tl.bfloat16)
-            k_kept = _load_columns(data, valid, kept, kept_ok, kept_starts_ptr, scales)
-            k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_starts_ptr, scales)
+            if WIN_KEPT_FIRST:
+                # Window records written in kept-first order: both sets are word loads.
+                k_kept = _dequant(_code_bytes(_load_words(data, valid, N // 4, NP // 4)), j, kept_starts_ptr, scales, False)
+                k_drop = _dequant(_code_bytes(_load_words(data + N, valid, (448 - N) // 4, DP // 4)), i,
+                                  dropped_starts_ptr, scales, False)
+            else:
+                k_kept = _load_columns(data, valid, kept, kept_ok, kept_starts_ptr, scales)
+                k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_starts_ptr, scales)
             s = (_qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_drop, q_drop_t, k_drop, SCORES_T, INTERPRETED)
                  + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED))
             m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
@@ -315,6 +325,7 @@ def decode(
     num_stages: int = 1,
     scores_transposed: bool = True,
     columns: str = "natural",
+    window_columns: str = "natural",
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
@@ -331,9 +342,14 @@ def decode(
     "kept_first", q given and out returned in KeptColumns.order (kept columns in map
     order, dropped ones, RoPE), as when that permutation is folded into the projections
     that make q and read out, once at load time. Native records ignore it.
+
+    window_columns (packed records): the window records' code order, "natural" (as the
+    stock store writes them) or "kept_first" (written by remnant.kernels.store.
+    store_kept_first in KeptColumns.order, so the kernel reads them with word loads).
     """
-    if columns not in COLUMN_ORDERS:
-        raise ValueError(f"columns={columns!r} is not allowed; allowed: {', '.join(map(repr, COLUMN_ORDERS))}")
+    for name, value in (("columns", columns), ("window_columns", window_columns)):
+        if value not in COLUMN_ORDERS:
+            raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(map(repr, COLUMN_ORDERS))}")
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q must be [B, H, {HEAD_DIM}], got {tuple(q.shape)}")
     batch, heads, _ = q.shape
@@ -353,6 +369,7 @@ def decode(
         out = torch.empty_like(q)
     sink = sink.float().contiguous()
     permute = cols.packed and columns == "natural"
+    window_kept_first = cols.packed and window_columns == "kept_first"
     q_in = q.index_select(2, cols.order) if permute else q
     out_k = torch.empty_like(q_in) if permute else out
     grid = (triton.cdiv(heads, h_block), batch)
@@ -366,7 +383,8 @@ def decode(
         WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
         N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed,
-        PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_BN=min(block_n, 16), INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
+        WIN_BN=block_n if window_kept_first else min(block_n, 16), INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )
     if permute:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from remnant.kernels.common import alignment, check_locs, record_addresses
-from remnant.kv.formats import HEAD_DIM
+from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM
 from remnant.kv.paged import KeptColumns, PageLayout
 
 
@@ -28,7 +28,7 @@ LOADS_UP_TO_KEPT = 192  # the default permutation is "loads" up to R = 256, "sto
 def _store_kernel(
     x_ptr, x_stride, n_rows,
     pages_ptr, locs_ptr, page_stride,
-    kept_ptr, slot_of_ptr, kept_starts_ptr,
+    kept_ptr, slot_of_ptr,
     PER_PAGE: tl.constexpr, ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, GATHER: tl.constexpr, LOADS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -56,13 +56,12 @@ def _store_kernel(
         # The kept latents re-read by index (L1 hits: the rows were just loaded) and
         # quantized in map order with their tiles' scales: contiguous code stores, no
         # permutation of the quantized tile.
+        # (The tile scales reach the columns by tl.gather: a select chain over 7 per-row
+        # scalars compiled to a replicated layout, 255 registers, 2-9% of copy bandwidth.)
         j = tl.arange(0, NP)
         kept = tl.load(kept_ptr + j)
         kept_ok = row_ok[:, None] & (j[None, :] < N)
-        kept_tile = tl.zeros((NP,), dtype=tl.int32)
-        for t in tl.static_range(1, 7):
-            kept_tile += (j >= tl.load(kept_starts_ptr + t)).to(tl.int32)
-        scale_kept = tl.gather(scale_inv, tl.broadcast_to(kept_tile[None, :], (BLOCK_ROWS, NP)), axis=1)
+        scale_kept = tl.gather(scale_inv, tl.broadcast_to((kept // 64)[None, :], (BLOCK_ROWS, NP)), axis=1)
         x_kept = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + kept[None, :], mask=kept_ok, other=0.0)
         kept_codes = tl.clamp(x_kept.to(tl.float32) * scale_kept, -448.0, 448.0).to(tl.float8e4nv)
         tl.store(data[:, None] + j[None, :], kept_codes.to(tl.uint8, bitcast=True), mask=kept_ok)
@@ -140,9 +139,51 @@ def store(
     _store_kernel[grid](
         xb, xb.stride(0), x.shape[0],
         pages, locs, layout.page_stride,
-        cols.kept, cols.slot_of, cols.kept_tile_starts,
+        cols.kept, cols.slot_of,
         PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
         N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, GATHER=permute == "registers", LOADS=permute == "loads",
         BLOCK_ROWS=block_rows,
+        num_warps=num_warps,
+    )
+
+
+def store_kept_first(
+    x: torch.Tensor,
+    pages: torch.Tensor,
+    layout: PageLayout,
+    locs: torch.Tensor,
+    keep: "torch.Tensor | KeptColumns",
+    check_range: bool = False,
+    block_rows: int = 4,
+    num_warps: int = 1,
+) -> None:
+    """Quantize x [n, 512] into native records (584 bytes) whose 448 codes are in kept-first
+    order (KeptColumns.order: the kept columns in map order, then the dropped ones); RoPE,
+    scales and pad as in a native record.
+
+    The same bytes as a native record with its codes permuted, written for the packed decode
+    kernel's window (decode(..., window_columns="kept_first")), which then reads both column
+    sets with word loads instead of loading each code by its column index.
+    """
+    if x.ndim != 2 or x.shape[1] != HEAD_DIM or not x.is_floating_point():
+        raise ValueError(f"store_kept_first expects float [n, {HEAD_DIM}] latents, got {x.dtype} {tuple(x.shape)}")
+    layout.check(pages)
+    if layout.record_bytes != NATIVE_RECORD_BYTES:
+        raise ValueError(f"store_kept_first writes native {NATIVE_RECORD_BYTES}-byte records, but the layout holds "
+                         f"{layout.record_bytes}")
+    cols = KeptColumns.of(keep, x.device)
+    if locs.shape != (x.shape[0],):
+        raise ValueError(f"locs must be [{x.shape[0]}], got {tuple(locs.shape)}")
+    locs = check_locs(locs, "locs", layout.capacity(pages), check_range)
+    if x.shape[0] == 0:
+        return
+    xb = x.to(torch.bfloat16).contiguous()
+    # A "packed" record of all 448 codes whose column list is the kept-first order.
+    _store_kernel[(triton.cdiv(x.shape[0], block_rows),)](
+        xb, xb.stride(0), x.shape[0],
+        pages, locs, layout.page_stride,
+        cols.order, cols.slot_of,
+        PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
+        N=NOPE_DIM, NP=512, PACKED=True, GATHER=False, LOADS=True, BLOCK_ROWS=block_rows,
         num_warps=num_warps,
     )

@@ -110,8 +110,9 @@ class KeptColumns:
     are sorted, so column j of a set lies in tile t or later exactly when j >= entry t: the
     kernels pick each column's scale by comparing positions with these, not by holding a
     tile number per column (which spilled registers in the decode kernel).
-    order: int64 [512] kept-first column order (kept in map order, dropped, RoPE 448..511),
-    in which the packed decode kernel reads q and writes out; inverse: its inverse.
+    order: int32 [512] kept-first column order (kept in map order, dropped, RoPE 448..511),
+    in which the packed decode kernel reads q and writes out (and store_kept_first writes
+    window records); inverse: int32 [512], its inverse.
     packed: False when every NoPE coordinate is kept (native records).
     """
 
@@ -154,7 +155,24 @@ class KeptColumns:
         order = torch.cat([keep, dropped, torch.arange(NOPE_DIM, 512)])
         return cls(_padded(keep, device), keep.numel(), _padded(dropped, device), dropped.numel(),
                    slot_of.to(device), kept_starts.to(device), dropped_starts.to(device),
-                   order.to(device), torch.argsort(order).to(device))
+                   order.to(device=device, dtype=torch.int32), torch.argsort(order).to(device=device, dtype=torch.int32))
+
+
+def to_kept_first(records: torch.Tensor, cols: KeptColumns) -> torch.Tensor:
+    """Native records uint8 [k, 584] with their 448 codes put in kept-first order
+    (cols.order: kept columns in map order, then dropped ones); RoPE, scales and pad as
+    they are. The reference of remnant.kernels.store.store_kept_first, and the form the
+    engine keeps kernel-mode window rings in (decode's window_columns="kept_first")."""
+    out = records.clone()
+    out[:, :NOPE_DIM] = records[:, cols.order[:NOPE_DIM].to(device=records.device, dtype=torch.long)]
+    return out
+
+
+def from_kept_first(records: torch.Tensor, cols: KeptColumns) -> torch.Tensor:
+    """The inverse of to_kept_first: native records in their natural code order."""
+    out = records.clone()
+    out[:, cols.order[:NOPE_DIM].to(device=records.device, dtype=torch.long)] = records[:, :NOPE_DIM]
+    return out
 
 
 def keep_tensor(keep: "torch.Tensor | KeptColumns") -> torch.Tensor:
@@ -219,6 +237,26 @@ def store(
     if records.shape[1] != layout.record_bytes:
         raise ValueError(f"records are {records.shape[1]} bytes but the layout holds {layout.record_bytes}-byte records")
     write(pages, layout, locs, records)
+
+
+def store_kept_first(
+    x: torch.Tensor,
+    pages: torch.Tensor,
+    layout: PageLayout,
+    locs: torch.Tensor,
+    keep: "torch.Tensor | KeptColumns",
+    reference: bool = False,
+) -> None:
+    """Quantize latents x float [n, 512] into native records with their codes in kept-first
+    order (to_kept_first) and write them at `locs` [n] (layout.record_bytes 584)."""
+    if _use_kernels(x, pages, reference=reference):
+        from remnant.kernels.store import store_kept_first as store_kernel
+
+        return store_kernel(x, pages, layout, locs, keep)
+    if layout.record_bytes != NATIVE_RECORD_BYTES:
+        raise ValueError(f"kept-first records are {NATIVE_RECORD_BYTES} bytes but the layout holds "
+                         f"{layout.record_bytes}-byte records")
+    write(pages, layout, locs, to_kept_first(quantize(x), KeptColumns.of(keep, x.device)))
 
 
 def reconstruct(

@@ -20,7 +20,7 @@ from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
 from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
-from remnant.kv.paged import decode_native, decode_packed
+from remnant.kv.paged import decode_native, decode_packed, from_kept_first, gather, to_kept_first, write
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -98,14 +98,35 @@ def _check_same_greedy(reference: Model, kernels: Model, prompts, steps) -> None
     assert torch.equal(got_pools.swa[0], want_pools.swa[0])
 
 
+def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
+    # Layers 0 (window-only) and 1 (CSA) see the same prompt in both modes, so after one
+    # prefill the kernel-mode ring of layer 1 is the native one with codes in kept-first
+    # order (what the packed decode kernel reads with word loads); layer 0's is unchanged.
+    native, _ = _models(args, "cpu", "native", {})
+    kernel, _ = _models(args, "cpu", "kernel", {"retention": 256})
+    prompt = ([_ids(200, 5)], 1)
+    _, _, want = _greedy(native, *prompt)
+    _, _, got = _greedy(kernel, *prompt)
+    assert args.compress_ratios[:2] == [0, 4]
+    assert torch.equal(got.swa[0], want.swa[0])
+    assert torch.equal(got.swa[1], to_kept_first(want.swa[1], kernel.c4_formats[1].columns))
+    assert not torch.equal(got.swa[1], want.swa[1])
+
+
 @needs_interpreter
 @pytest.mark.parametrize(("mode", "retention"), MODES)
 def test_kernels_match_reference_under_the_interpreter(args, mode, retention):
     _check_same_greedy(*_models(args, "cpu", mode, retention), *SHORT)
 
 
-def _float64_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale, **launch):
-    """remnant.kernels.decode's signature over the float64 paged references."""
+def _float64_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale,
+                    window_columns="natural", **launch):
+    """remnant.kernels.decode's signature over the float64 paged references (which read
+    window records in natural order: a kept-first ring is put back first)."""
+    if window_columns == "kept_first":
+        every = torch.arange(window_layout.capacity(window), device=window.device)
+        window = window.clone()
+        write(window, window_layout, every, from_kept_first(gather(window, window_layout, every), keep))
     if keep.packed:
         out = decode_packed(q, c4, c4_layout, c4_locs, keep, window, window_layout, window_locs, sink, scale,
                             reference=True)

@@ -6,15 +6,17 @@ import pytest
 import torch
 
 from remnant.kernels.decode import decode
-from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed
+from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, gather, to_kept_first, write
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
 # bf16 operands and a bf16 output: errors of a few 1e-3 (METHOD: 1e-3..1e-2).
 TOLERANCE = 1e-2
 
 
-def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, **config) -> float:
-    """kept_first: q and out in kept-first column order (columns="kept_first").
+def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, window_kept_first=False,
+                 **config) -> float:
+    """kept_first: q and out in kept-first column order (columns="kept_first");
+    window_kept_first: the window records' codes in that order (window_columns="kept_first").
     rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned)."""
     gen = torch.Generator().manual_seed(seed)
@@ -40,6 +42,11 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     else:
         want = decode_packed(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink, reference=True)
     out = torch.full_like(q, float("nan"))
+    if window_kept_first:  # the kernel reads a copy of the window written in kept-first order
+        every = torch.arange(win_layout.capacity(win), device=DEVICE)
+        win = win.clone()
+        write(win, win_layout, every, to_kept_first(gather(win, win_layout, every), KeptColumns.of(keep, DEVICE)))
+        config["window_columns"] = "kept_first"
     if kept_first:  # q in, out back in KeptColumns.order, as with the order folded into the weights
         order = KeptColumns.of(keep, q.device).order
         got = torch.full_like(q, float("nan"))
@@ -67,6 +74,13 @@ def test_decode_matches_float64_reference(retention, scores_transposed):
 @pytest.mark.parametrize("retention", [256, 128, 512])
 def test_decode_with_q_and_out_in_kept_first_order(retention):
     check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 2, kept_first=True, **SMALL)
+
+
+@pytest.mark.parametrize("retention", [256, 64, 448])
+@pytest.mark.parametrize("kept_first", [False, True])
+def test_decode_over_a_window_written_in_kept_first_order(retention, kept_first):
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 3, kept_first=kept_first,
+                 window_kept_first=True, **SMALL)
 
 
 def test_decode_refuses_an_unknown_column_order():
@@ -117,5 +131,7 @@ def test_decode_on_gpu_at_v4_shape(retention, config):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("retention", [256, 128])
-def test_decode_on_gpu_in_kept_first_order(retention):
-    check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=8 + retention, kept_first=True)
+@pytest.mark.parametrize("window_kept_first", [False, True])
+def test_decode_on_gpu_in_kept_first_order(retention, window_kept_first):
+    check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=8 + retention, kept_first=True,
+                 window_kept_first=window_kept_first)

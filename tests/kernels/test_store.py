@@ -7,9 +7,10 @@ import torch
 
 from remnant.kernels.common import alignment
 from remnant.kernels.store import store as store_kernel
+from remnant.kernels.store import store_kept_first
 from remnant.kv.formats import NOPE_DIM
-from remnant.kv.paged import PageLayout, gather, store
-from tests.kernels.inputs import DEVICE, ON_GPU, keep_map, latents, poisoned_pages, triton_fp8_codes
+from remnant.kv.paged import KeptColumns, PageLayout, gather, store, to_kept_first
+from tests.kernels.inputs import DEVICE, ON_GPU, POISON, keep_map, latents, poisoned_pages, triton_fp8_codes
 
 
 def _scaled_kept(x: torch.Tensor, keep) -> torch.Tensor:
@@ -56,6 +57,44 @@ def test_store_matches_reference_in_split_pages(retention, permute):
     check_store(n=37, retention=retention, per_page=16, pages=5, seed=retention, permute=permute)
 
 
+def check_store_kept_first(n: int, retention: int, pages: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    keep = keep_map(retention, gen)
+    layout = PageLayout.sglang(16)
+    x = latents(n, gen).to(DEVICE)
+    locs = torch.randperm(16 * pages, generator=gen)[:n].to(DEVICE)
+    native = poisoned_pages(layout, pages)
+    store(x, native, layout, locs, None, reference=True)
+    want = to_kept_first(gather(native, layout, locs), KeptColumns.of(keep, DEVICE))
+    got_pages = poisoned_pages(layout, pages)
+    store_kept_first(x, got_pages, layout, locs, keep, check_range=True)
+    got = gather(got_pages, layout, locs)
+    if ON_GPU:
+        assert torch.equal(got, want)
+    else:  # codes may differ only where the interpreter's FP8 cast does (see check_store)
+        assert torch.equal(got[:, NOPE_DIM:], want[:, NOPE_DIM:]), "RoPE, scales or pad differ"
+        differ = got[:, :NOPE_DIM] != want[:, :NOPE_DIM]
+        order = KeptColumns.of(keep, torch.device("cpu")).order[:NOPE_DIM].long()
+        interpreted = triton_fp8_codes(_scaled_kept(x, None)[:, order.to(x.device)])
+        assert torch.equal(got[:, :NOPE_DIM][differ], interpreted[differ])
+        assert differ.float().mean() < 0.1
+    untouched = torch.ones(layout.capacity(got_pages), dtype=torch.bool)
+    untouched[locs.cpu()] = False
+    assert bool((gather(got_pages, layout, untouched.nonzero().flatten().to(DEVICE)) == POISON).all()), "bytes outside locs were written"
+
+
+@pytest.mark.parametrize("retention", [256, 64, 448])
+def test_store_kept_first_is_the_native_record_with_codes_permuted(retention):
+    check_store_kept_first(n=37, retention=retention, pages=5, seed=retention + 1)
+
+
+def test_store_kept_first_refuses_a_packed_layout():
+    layout = PageLayout.sglang(16, 256)
+    with pytest.raises(ValueError, match="store_kept_first writes native 584-byte records, but the layout holds 328"):
+        store_kept_first(torch.zeros(2, 512, device=DEVICE), poisoned_pages(layout, 1), layout,
+                         torch.arange(2, device=DEVICE), keep_map(256, torch.Generator().manual_seed(0)))
+
+
 def test_store_into_plain_rows():
     check_store(n=13, retention=256, per_page=1, pages=21, seed=3)
 
@@ -88,6 +127,12 @@ def test_alignment_of_the_layouts_the_kernels_take():
     assert alignment(PageLayout.rows(584), "window") == 8  # the engine's window ring
     with pytest.raises(ValueError, match="indexer: the kernels need 8-byte aligned records with an 8-byte tail"):
         alignment(PageLayout(64, 132 + 4, 64 * 136, tail_bytes=4), "indexer")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the compiled FP8 cast")
+def test_store_kept_first_bit_exact_on_gpu_at_size():
+    check_store_kept_first(n=100_003, retention=256, pages=7000, seed=5)
 
 
 @pytest.mark.gpu
