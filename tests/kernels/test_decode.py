@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels.decode import decode
+from remnant.kernels.decode import decode, permute_columns
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, gather, to_kept_first, write
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
@@ -81,6 +81,18 @@ def test_decode_with_q_and_out_in_kept_first_order(retention):
 def test_decode_over_a_window_written_in_kept_first_order(retention, kept_first):
     check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 3, kept_first=kept_first,
                  window_kept_first=True, **SMALL)
+
+
+def test_permute_columns_is_an_exact_gather_of_each_row():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 2 * 13, 512, generator=gen).to(torch.bfloat16).to(DEVICE)[:, ::2]  # rows strided, 13 heads
+    x[0, 0, 7] = float("nan")  # a copy: NaN stays in its own column
+    index = torch.randperm(512, generator=gen).to(torch.int32).to(DEVICE)
+    got = permute_columns(x, index)
+    assert torch.equal(got.view(torch.int16), x[:, :, index.long()].view(torch.int16))
+    into = torch.full((3, 13, 512), float("inf"), dtype=torch.bfloat16, device=DEVICE)
+    permute_columns(x, index, out=into)
+    assert torch.equal(into.view(torch.int16), got.view(torch.int16))
 
 
 def test_decode_refuses_an_unknown_column_order():
