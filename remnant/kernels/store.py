@@ -113,9 +113,9 @@ def store(
     codes reach map order, "registers" (tl.gather of the quantized tile, then contiguous
     stores), "stores" (each kept code stored at its slot) or "loads" (the kept latents
     re-read by index and quantized in map order, then contiguous stores); all give the same
-    bytes. None picks the fastest measured on the H200 (benchmarks/kernels/NOTES.md):
-    "loads" up to R = 256 (its index loads grow with N: 102% of copy bandwidth at R = 128,
-    61% at 256, 38% at 448), "stores" above (57% at 448).
+    bytes. None picks the fastest measured on the H200 (benchmarks/kernels/h200-2026-11-30-
+    r3.json): "loads" up to R = 256 (its index loads grow with N: 98% of the copy bandwidth
+    at R = 128, 69% at 256, 49% at 384), "stores" above (54% at 384).
     """
     if permute is not None and permute not in PERMUTES:
         raise ValueError(f"permute={permute!r} is not allowed; allowed: {', '.join(map(repr, PERMUTES))}")
