@@ -94,6 +94,17 @@ def _store_kernel(
     tl.store(tail.to(tl.pointer_type(tl.int64)), tail_word, mask=row_ok)
 
 
+def _checked(x: torch.Tensor, pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor, check_range: bool,
+             name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latents as contiguous bf16 (SGLang stores K in bf16) and the checked locations."""
+    if x.ndim != 2 or x.shape[1] != HEAD_DIM or not x.is_floating_point():
+        raise ValueError(f"{name} expects float [n, {HEAD_DIM}] latents, got {x.dtype} {tuple(x.shape)}")
+    layout.check(pages)
+    if locs.shape != (x.shape[0],):
+        raise ValueError(f"locs must be [{x.shape[0]}], got {tuple(locs.shape)}")
+    return x.to(torch.bfloat16).contiguous(), check_locs(locs, "locs", layout.capacity(pages), check_range)
+
+
 def store(
     x: torch.Tensor,
     pages: torch.Tensor,
@@ -119,20 +130,14 @@ def store(
     """
     if permute is not None and permute not in PERMUTES:
         raise ValueError(f"permute={permute!r} is not allowed; allowed: {', '.join(map(repr, PERMUTES))}")
-    if x.ndim != 2 or x.shape[1] != HEAD_DIM or not x.is_floating_point():
-        raise ValueError(f"store expects float [n, {HEAD_DIM}] latents, got {x.dtype} {tuple(x.shape)}")
-    layout.check(pages)
     cols = KeptColumns.of(keep, x.device)
     if permute is None:
         permute = "loads" if cols.n_kept <= LOADS_UP_TO_KEPT else "stores"
     if cols.record_bytes != layout.record_bytes:
         raise ValueError(f"{cols.n_kept} kept codes make {cols.record_bytes}-byte records, but the layout holds {layout.record_bytes}")
-    if locs.shape != (x.shape[0],):
-        raise ValueError(f"locs must be [{x.shape[0]}], got {tuple(locs.shape)}")
-    locs = check_locs(locs, "locs", layout.capacity(pages), check_range)
+    xb, locs = _checked(x, pages, layout, locs, check_range, "store")
     if x.shape[0] == 0:
         return
-    xb = x.to(torch.bfloat16).contiguous()
     if block_rows is None:  # the fastest on the H200 (benchmarks/kernels/NOTES.md)
         block_rows = 2 if cols.packed and permute == "stores" else 4
     grid = (triton.cdiv(x.shape[0], block_rows),)
@@ -165,19 +170,13 @@ def store_kept_first(
     kernel's window (decode(..., window_columns="kept_first")), which then reads both column
     sets with word loads instead of loading each code by its column index.
     """
-    if x.ndim != 2 or x.shape[1] != HEAD_DIM or not x.is_floating_point():
-        raise ValueError(f"store_kept_first expects float [n, {HEAD_DIM}] latents, got {x.dtype} {tuple(x.shape)}")
-    layout.check(pages)
     if layout.record_bytes != NATIVE_RECORD_BYTES:
         raise ValueError(f"store_kept_first writes native {NATIVE_RECORD_BYTES}-byte records, but the layout holds "
                          f"{layout.record_bytes}")
     cols = KeptColumns.of(keep, x.device)
-    if locs.shape != (x.shape[0],):
-        raise ValueError(f"locs must be [{x.shape[0]}], got {tuple(locs.shape)}")
-    locs = check_locs(locs, "locs", layout.capacity(pages), check_range)
+    xb, locs = _checked(x, pages, layout, locs, check_range, "store_kept_first")
     if x.shape[0] == 0:
         return
-    xb = x.to(torch.bfloat16).contiguous()
     # A "packed" record of all 448 codes whose column list is the kept-first order.
     _store_kernel[(triton.cdiv(x.shape[0], block_rows),)](
         xb, xb.stride(0), x.shape[0],
