@@ -257,7 +257,8 @@ class Model:
         self.native_columns = KeptColumns.of(None, self.device)
 
     def set_c4_formats(self, formats: dict[int, C4Format]) -> None:
-        """One format per CSA layer (new sequences only: stored records keep their format)."""
+        """One format per CSA layer (new sequences only: stored records, window rings and
+        prefix-cache window checkpoints keep the format they were written in)."""
         if sorted(formats) != self.csa_layers:
             raise ValueError(f"C4 formats given for layers {sorted(formats)}; the model's CSA layers are {self.csa_layers}")
         self.c4_formats = {i: f.to(self.device) for i, f in formats.items()}
@@ -530,9 +531,14 @@ class Model:
             store(new, ring, ring_layout, window_locs[:, -1])
         selected = [self._select_records(li, layer, seq, pools, st, kernels=True) for seq, st in zip(seqs, steps)]
         if all(s is None for s in selected):
-            # Window-only layer, or no record yet: an empty record set (the ring stands in
-            # for its pages, which the kernel never reads).
-            c4, c4_layout, columns = ring, ring_layout, self.native_columns
+            # Window-only layer, or no record yet: an empty record set (the kernel never
+            # reads its pages). A kernel-mode CSA layer still passes its packed pages and
+            # columns: its ring is in kept-first order, which only the packed kernel reads.
+            if fmt.window_kept_first:
+                target = _record_pages(li, layer, pools)
+                c4, c4_layout, columns = target.buf, target.layout, fmt.columns
+            else:
+                c4, c4_layout, columns = ring, ring_layout, self.native_columns
             c4_locs = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
         else:
             c4, c4_layout, c4_locs, columns = self._decode_records(li, layer, seqs, pools, selected)

@@ -17,7 +17,9 @@ Packed C4 records hold only the kept NoPE coordinates, so the packed variant wor
 kept-first column order (KeptColumns.order): q is read and out written as the N kept
 columns in map order, the 448 - N dropped ones, then RoPE, each set contiguous. Scores of
 C4 records use the kept columns and RoPE only and add to acc_kept; window records
-(native) are read by column index into both sets and add to acc_kept and acc_drop. Every
+(native) add to acc_kept and acc_drop, their codes read by column index into both sets or,
+when they were written in kept-first order (window_columns="kept_first"), as two runs of
+words. Every
 output column has exactly one accumulator and is rounded to bf16 once. The wrapper
 permutes q and out to and from that order unless the caller passes them in it
 (columns="kept_first": the permutation folded into the model's projections).
@@ -241,10 +243,11 @@ def _decode_kernel(
         # and it cost the packed kernel 67 us of 130 on the H200 against the native
         # kernel's 20 us for the same tokens. WIN_KEPT_FIRST: the records' codes are in
         # kept-first order (store_kept_first), read as two runs of words.
-        kept = tl.load(kept_ptr + j)
         i = tl.arange(0, DP)
-        dropped = tl.load(dropped_ptr + i)
         dropped_ok = i < 448 - N
+        if not WIN_KEPT_FIRST:
+            kept = tl.load(kept_ptr + j)
+            dropped = tl.load(dropped_ptr + i)
         q_drop, q_drop_t = _load_q(q_row + N, h_ok, i, dropped_ok)
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         w_off = tl.arange(0, WIN_BN)
@@ -364,21 +367,23 @@ def decode(
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
 
     q: bf16/float [B, H, 512]; c4_locs int [B, K], window_locs int [B, W] (-1 = padding);
-    sink float [H]; keep None for native C4 records, int64 [N] for packed. The default
+    sink float [H]; keep None for native C4 records, int64 [N] (or its KeptColumns) for
+    packed ones. The default
     config (64 heads per program, 32 records per step, 8 warps, scores as (K q^T)^T) was
     the fastest of the remnant-kernels tuning sweep on an H200 for both record formats
     (benchmarks/kernels/NOTES.md). Returns out [B, H, 512] in q's dtype (or writes the
-    given `out`).
+    given `out`, [B, H, 512] with contiguous rows; its dtype may differ from q's).
 
     columns (packed records): "natural", q and out in the model's column order, permuted
-    to and from kept-first order around the kernel (one gather each, on the device); or
+    to and from kept-first order around the kernel (permute_columns, one pass each); or
     "kept_first", q given and out returned in KeptColumns.order (kept columns in map
     order, dropped ones, RoPE), as when that permutation is folded into the projections
     that make q and read out, once at load time. Native records ignore it.
 
     window_columns (packed records): the window records' code order, "natural" (as the
     stock store writes them) or "kept_first" (written by remnant.kernels.store.
-    store_kept_first in KeptColumns.order, so the kernel reads them with word loads).
+    store_kept_first in KeptColumns.order, so the kernel reads them with word loads). The
+    native kernel reads natural window records only, and refuses "kept_first".
     """
     for name, value in (("columns", columns), ("window_columns", window_columns)):
         if value not in COLUMN_ORDERS:
@@ -398,13 +403,19 @@ def decode(
     c4_locs = check_locs(c4_locs, "c4_locs", c4_layout.capacity(c4), check_range, allow_padding=True)
     window_locs = check_locs(window_locs, "window_locs", window_layout.capacity(window), check_range,
                              allow_padding=True)
+    if window_columns == "kept_first" and not cols.packed:
+        raise ValueError("window_columns='kept_first' needs packed C4 records (a keep list): the native kernel reads "
+                         "window records in natural order")
     if out is None:
         out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out must be [B, H, {HEAD_DIM}] = {tuple(q.shape)} with contiguous rows, got "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
     sink = sink.float().contiguous()
     permute = cols.packed and columns == "natural"
     window_kept_first = cols.packed and window_columns == "kept_first"
     q_in = permute_columns(q, cols.order) if permute else q
-    out_k = torch.empty_like(q_in) if permute else out
+    out_k = torch.empty_like(q_in, dtype=out.dtype) if permute else out
     grid = (triton.cdiv(heads, h_block), batch)
     kernel = _decode_kernel[grid](
         q_in, q_in.stride(0), q_in.stride(1),

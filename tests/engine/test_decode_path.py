@@ -100,8 +100,10 @@ def _check_same_greedy(reference: Model, kernels: Model, prompts, steps) -> None
 
 def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
     # Layers 0 (window-only) and 1 (CSA) see the same prompt in both modes, so after one
-    # prefill the kernel-mode ring of layer 1 is the native one with codes in kept-first
-    # order (what the packed decode kernel reads with word loads); layer 0's is unchanged.
+    # prefill (the torch path's ring_records) the kernel-mode ring of layer 1 is the native
+    # one with codes in kept-first order; layer 0's is unchanged. Decode steps' reads and
+    # writes of those rings are checked by the greedy comparisons (a ring read in the wrong
+    # order moves the logits by about 1).
     native, _ = _models(args, "cpu", "native", {})
     kernel, _ = _models(args, "cpu", "kernel", {"retention": 256})
     prompt = ([_ids(200, 5)], 1)
@@ -117,6 +119,14 @@ def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
 @pytest.mark.parametrize(("mode", "retention"), MODES)
 def test_kernels_match_reference_under_the_interpreter(args, mode, retention):
     _check_same_greedy(*_models(args, "cpu", mode, retention), *SHORT)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("mode", "retention"), MODES)
+def test_kernels_match_reference_before_any_record(args, mode, retention):
+    # Prompts of 2 and 1 tokens: the first decode steps have no C4 record yet, so the
+    # kernel reads only the window ring (in kernel mode, a kept-first one).
+    _check_same_greedy(*_models(args, "cpu", mode, retention), [_ids(2, 7), _ids(1, 8)], 4)
 
 
 def _float64_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale,

@@ -62,4 +62,3 @@ def triton_fp8_codes(values: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
     _cast_fp8[(triton.cdiv(flat.numel(), 1024),)](flat, out, flat.numel(), BLOCK=1024)
     return out.view(values.shape)
-
