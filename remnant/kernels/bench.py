@@ -648,16 +648,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short sweep (minutes less)")
     parser.add_argument("--reps", type=int, default=30, help="graph replays per case (median taken)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--from", dest="source", type=Path, default=None,
+                        help="no run: read this kernel-bench JSON (validated), print its table and plot it")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="PNG to write (default: the JSON's path with .png; 'none' for no plot)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("remnant-kernels: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
-    doc = run(args.quick, args.reps, args.seed, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    from remnant.records.schema import write_validated
+    from remnant.records.schema import RecordError, validate, write_validated
 
-    write_validated(args.out, doc)
+    if args.source is not None:
+        try:
+            doc = json.loads(args.source.read_text())
+            validate(doc, str(args.source))
+        except (OSError, ValueError, RecordError) as exc:
+            print(f"remnant-kernels: {args.source}: {exc}", file=sys.stderr)
+            return 2
+        json_path = args.source
+    else:
+        if not torch.cuda.is_available():
+            print("remnant-kernels: needs a CUDA GPU (torch.cuda.is_available() is False); "
+                  "--from FILE plots an existing record", file=sys.stderr)
+            return 2
+        doc = run(args.quick, args.reps, args.seed, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        write_validated(args.out, doc)
+        json_path = args.out
     print(table(doc))
-    print(f"wrote {args.out}")
+    if args.source is None:
+        print(f"wrote {args.out}")
+    if str(args.plot) != "none":
+        from remnant.kernels.plot import plot
+
+        print(f"wrote {plot(doc, args.plot or json_path.with_suffix('.png'))}")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from remnant.kernels.bench import Ceilings, DecodeCase, _decode_bytes_flops, _roofline, main, table, targets
@@ -88,3 +90,30 @@ def test_needs_a_gpu(capsys):
         pytest.skip("this machine has a GPU")
     assert main(["--out", "/nonexistent/x.json"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_decode_series_by_column_order():
+    from remnant.kernels.plot import decode_series
+
+    series = decode_series(_doc(), window=128, topk=512, retention=256)
+    assert list(series) == ["native", "packed, natural q/out and window (SGLang plugin)", "packed, kept-first q/out",
+                            "packed, kept-first q/out and window (folded)"]
+    assert series["native"] == [(64, pytest.approx(20.0))]
+
+
+def test_plots_an_existing_record_without_a_gpu(tmp_path, capsys):
+    source = tmp_path / "bench.json"
+    source.write_text(json.dumps(_doc()))
+    assert main(["--from", str(source)]) == 0
+    png = tmp_path / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "decode packed*  R=256 B=64" in capsys.readouterr().out
+
+
+def test_refuses_a_record_the_schema_refuses(tmp_path, capsys):
+    doc = _doc()
+    doc["decode"][1]["columns"] = "permuted"
+    source = tmp_path / "bad.json"
+    source.write_text(json.dumps(doc))
+    assert main(["--from", str(source), "--plot", "none"]) == 2
+    assert "decode[1].columns" in capsys.readouterr().err

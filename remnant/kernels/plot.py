@@ -1,0 +1,82 @@
+"""One PNG of a remnant-kernels record: decode time by batch, copy kernels against the
+copy bandwidth (matplotlib, headless; no GPU needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Decode rows drawn, as (variant, columns, window_columns) -> label; as served first.
+DECODE_LINES = {
+    ("native", "natural", "natural"): "native",
+    ("packed", "natural", "natural"): "packed, natural q/out and window (SGLang plugin)",
+    ("packed", "natural", "kept_first"): "packed, natural q/out, kept-first window (engine)",
+    ("packed", "kept_first", "natural"): "packed, kept-first q/out",
+    ("packed", "kept_first", "kept_first"): "packed, kept-first q/out and window (folded)",
+}
+
+
+def _line_key(row: dict) -> tuple[str, str, str]:
+    return row["variant"], row.get("columns", "natural"), row.get("window_columns", "natural")
+
+
+def decode_series(doc: dict, window: int, topk: int, retention: int) -> dict[str, list[tuple[int, float]]]:
+    """{label: [(batch, time_us)]} of the decode rows at this window, top-k and packed R."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in doc["decode"]:
+        key = _line_key(row)
+        if (key in DECODE_LINES and row["window"] == window and row["topk"] == topk
+                and row["retention"] in (512, retention)):
+            series.setdefault(DECODE_LINES[key], []).append((row["batch"], row["time_us"]))
+    order = list(DECODE_LINES.values())
+    return {label: sorted(series[label]) for label in sorted(series, key=order.index)}
+
+
+def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
+    """Three panels: decode time by batch with the window and without it (one line per
+    column order that has rows), and each copy kernel's fraction of the copy bandwidth by R
+    at its largest size, its best permutation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for ax, window in zip(axes[:2], (128, 0)):
+        for label, points in decode_series(doc, window, topk, retention).items():
+            color = f"C{list(DECODE_LINES.values()).index(label)}"  # the same line, the same color, in both panels
+            ax.plot([b for b, _ in points], [t for _, t in points], marker="o", color=color, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (decode tokens)")
+        ax.set_ylabel("time per call (us)")
+        ax.set_title(f"decode, top-k {topk}, window {window}, R = {retention}")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ax = axes[2]
+    for kernel in ("store", "reconstruct"):
+        rows = doc[kernel]
+        largest = max((r["records"] for r in rows), default=None)
+        best: dict[int, float] = {}
+        for r in rows:
+            if r["records"] == largest:
+                best[r["retention"]] = max(best.get(r["retention"], 0.0), r["fraction_of_copy_bandwidth"])
+        packed = sorted(r for r in best if r < 512)
+        color = "C0" if kernel == "store" else "C1"
+        ax.plot(packed, [100 * best[r] for r in packed], marker="s", color=color, label=f"{kernel} ({largest} records)")
+        if 512 in best:
+            ax.plot([512], [100 * best[512]], marker="*", markersize=12, color=color, linestyle="none",
+                    label=f"{kernel}, native records")
+    ax.axhline(80, color="gray", linestyle="--", linewidth=1, label="target 80%")
+    ax.set_xlabel("retention R (512: native)")
+    ax.set_ylabel("% of the measured copy bandwidth")
+    ax.set_title("store and reconstruct, best permutation")
+    ax.set_ylim(0, 110)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    gpu = doc["provenance"]["gpu"]["name"]
+    fig.suptitle(f"remnant-kernels on {gpu} (copy {doc['ceilings']['copy_gbps']:.0f} GB/s), "
+                 f"commit {doc['provenance']['git_commit']}", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
