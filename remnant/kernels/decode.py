@@ -19,10 +19,10 @@ columns in map order, the 448 - N dropped ones, then RoPE, each set contiguous. 
 C4 records use the kept columns and RoPE only and add to acc_kept; window records
 (native) add to acc_kept and acc_drop, their codes read by column index into both sets or,
 when they were written in kept-first order (window_columns="kept_first"), as two runs of
-words. Every
-output column has exactly one accumulator and is rounded to bf16 once. The wrapper
-permutes q and out to and from that order unless the caller passes them in it
-(columns="kept_first": the permutation folded into the model's projections).
+words. Every output column has exactly one accumulator and is rounded to bf16 once. The
+wrapper permutes q and out to and from that order (permute_columns) unless the caller
+passes them in it (columns="kept_first": the permutation folded into the model's
+projections).
 """
 
 from __future__ import annotations
