@@ -410,7 +410,7 @@ class Model:
         # Sliding window: the ring holds the previous window - 1 tokens; the chunk's own
         # tokens join from memory, then the last `window` of them go into the ring.
         prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length, device=self.device)
-        ring = self.c4_formats.get(li) or NATIVE_RING  # CSA layers in kernel mode keep kept-first rings
+        ring = self._ring_format(li)
         prev = ring.native_ring_records(pools.swa[li, pools.swa_slots(seq.swa_block, prev_pos)])
         keys = dequantize(torch.cat([prev, kv]))
         kpos = torch.cat([prev_pos, st.pos])
@@ -523,24 +523,21 @@ class Model:
         from remnant.kernels.decode import decode
 
         ring, ring_layout = pools.swa[li], PageLayout.rows(NATIVE_RECORD_BYTES)
-        fmt = self.c4_formats.get(li) or NATIVE_RING
+        fmt = self._ring_format(li)
         new = torch.cat([st.kv for st in steps])
         if fmt.window_kept_first:
             store_kept_first(new, ring, ring_layout, window_locs[:, -1], fmt.columns)
         else:
             store(new, ring, ring_layout, window_locs[:, -1])
         selected = [self._select_records(li, layer, seq, pools, st, kernels=True) for seq, st in zip(seqs, steps)]
-        if all(s is None for s in selected):
-            # Window-only layer, or no record yet: an empty record set (the kernel never
-            # reads its pages). A kernel-mode CSA layer still passes its packed pages and
-            # columns: its ring is in kept-first order, which only the packed kernel reads.
-            if fmt.window_kept_first:
-                target = _record_pages(li, layer, pools)
-                c4, c4_layout, columns = target.buf, target.layout, fmt.columns
-            else:
-                c4, c4_layout, columns = ring, ring_layout, self.native_columns
+        if not layer.ratio:
+            # Window-only layer: an empty record set (the ring stands in for its pages, which
+            # the kernel never reads).
+            c4, c4_layout, columns = ring, ring_layout, self.native_columns
             c4_locs = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
         else:
+            # (Before a sequence's first record its selection is empty: the layer's own pages
+            # and columns still go, so a kernel-mode ring is read by the packed kernel.)
             c4, c4_layout, c4_locs, columns = self._decode_records(li, layer, seqs, pools, selected)
         q = torch.cat([st.q for st in steps])
         return decode(q, c4, c4_layout, c4_locs, ring, ring_layout, window_locs, layer.sink, columns,
@@ -556,10 +553,15 @@ class Model:
         positions = lengths[:, None] - (w - 1) + torch.arange(w, device=self.device)
         return torch.where(positions >= 0, pools.swa_slots(blocks[:, None], positions), -1)
 
+    def _ring_format(self, li: int) -> C4Format:
+        """The format whose ring order layer li's window ring has (kernel-mode CSA layers:
+        kept-first; every other layer: natural)."""
+        return self.c4_formats.get(li, NATIVE_RING)
+
     def _decode_records(self, li: int, layer: Layer, seqs: list, pools,
                         selected: list) -> tuple[torch.Tensor, PageLayout, torch.Tensor, KeptColumns]:
         """The selected records as the decode kernel takes them: (pages, layout, locations
-        int64 [B, K] padded with -1, kept columns)."""
+        int64 [B, K] padded with -1, K = 0 before any record, kept columns)."""
         target = _record_pages(li, layer, pools)
         empty = torch.empty(0, dtype=torch.long, device=self.device)
         locs = [empty if s is None else target.locations(seq.page_tensor(self.device), s[0])
@@ -577,7 +579,9 @@ class Model:
         valid = c4_locs >= 0
         count = sum(s[0].numel() for s in selected if s is not None)  # no device sync
         scratch_layout = PageLayout.rows(NATIVE_RECORD_BYTES)
-        scratch = torch.empty(count, NATIVE_RECORD_BYTES, dtype=torch.uint8, device=self.device)
+        # (At least one row: with no record selected yet the kernel reads none, but an empty
+        # CUDA tensor has a null pointer, which Triton's launcher refuses.)
+        scratch = torch.empty(max(count, 1), NATIVE_RECORD_BYTES, dtype=torch.uint8, device=self.device)
         rows = torch.arange(count, device=self.device)
         reconstruct(target.buf, target.layout, c4_locs[valid], fmt.columns, scratch, scratch_layout, rows)
         scratch_locs = torch.full_like(c4_locs, -1)
