@@ -279,13 +279,11 @@ class DecodeInputs:
         if case.window_columns == "natural":
             return self.window
         if case.retention not in self.kept_first_windows:
-            from remnant.kv.paged import gather, to_kept_first, write
+            from remnant.kv.paged import rewritten, to_kept_first
 
             _, _, keep = self.pool(case.retention)
-            every = torch.arange(self.window_layout.capacity(self.window), device="cuda")
-            pool = self.window.clone()
-            write(pool, self.window_layout, every, to_kept_first(gather(self.window, self.window_layout, every), keep))
-            self.kept_first_windows[case.retention] = pool
+            self.kept_first_windows[case.retention] = rewritten(self.window, self.window_layout,
+                                                                lambda records: to_kept_first(records, keep))
         return self.kept_first_windows[case.retention]
 
     def _random_records(self, layout, records: int) -> torch.Tensor:

@@ -175,6 +175,15 @@ def from_kept_first(records: torch.Tensor, cols: KeptColumns) -> torch.Tensor:
     return out
 
 
+def rewritten(pages: torch.Tensor, layout: PageLayout, transform) -> torch.Tensor:
+    """A copy of `pages` with every record replaced by transform(records uint8 [n,
+    record_bytes]) (e.g. a window pool put in kept-first order with to_kept_first)."""
+    every = torch.arange(layout.capacity(pages), device=pages.device)
+    out = pages.clone()
+    write(out, layout, every, transform(gather(pages, layout, every)))
+    return out
+
+
 def keep_tensor(keep: "torch.Tensor | KeptColumns") -> torch.Tensor:
     """The kept NoPE indices int64 [N] of a keep tensor or a KeptColumns table."""
     return keep.kept[: keep.n_kept].long() if isinstance(keep, KeptColumns) else keep

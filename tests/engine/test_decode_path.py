@@ -20,7 +20,7 @@ from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
 from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
-from remnant.kv.paged import decode_native, decode_packed, from_kept_first, gather, to_kept_first, write
+from remnant.kv.paged import decode_native, decode_packed, from_kept_first, rewritten, to_kept_first
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -134,9 +134,7 @@ def _float64_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_loc
     """remnant.kernels.decode's signature over the float64 paged references (which read
     window records in natural order: a kept-first ring is put back first)."""
     if window_columns == "kept_first":
-        every = torch.arange(window_layout.capacity(window), device=window.device)
-        window = window.clone()
-        write(window, window_layout, every, from_kept_first(gather(window, window_layout, every), keep))
+        window = rewritten(window, window_layout, lambda records: from_kept_first(records, keep))
     if keep.packed:
         out = decode_packed(q, c4, c4_layout, c4_locs, keep, window, window_layout, window_locs, sink, scale,
                             reference=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from remnant.kernels.decode import decode, permute_columns
-from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, gather, to_kept_first, write
+from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
 # bf16 operands and a bf16 output: errors of a few 1e-3 (METHOD: 1e-3..1e-2).
@@ -43,9 +43,8 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
         want = decode_packed(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink, reference=True)
     out = torch.full_like(q, float("nan"))
     if window_kept_first:  # the kernel reads a copy of the window written in kept-first order
-        every = torch.arange(win_layout.capacity(win), device=DEVICE)
-        win = win.clone()
-        write(win, win_layout, every, to_kept_first(gather(win, win_layout, every), KeptColumns.of(keep, DEVICE)))
+        cols = KeptColumns.of(keep, DEVICE)
+        win = rewritten(win, win_layout, lambda records: to_kept_first(records, cols))
         config["window_columns"] = "kept_first"
     if kept_first:  # q in, out back in KeptColumns.order, as with the order folded into the weights
         order = KeptColumns.of(keep, q.device).order

@@ -19,3 +19,18 @@ def test_kept_first_order_round_trips_and_moves_only_codes():
     assert torch.equal(permuted[:, 192:448], records[:, :448][:, dropped])
     assert torch.equal(permuted[:, 448:], records[:, 448:])
     assert torch.equal(from_kept_first(permuted, cols), records)
+
+
+def test_rewritten_pages_are_a_copy_with_every_record_transformed():
+    from remnant.kv.paged import PageLayout, gather, rewritten
+
+    gen = torch.Generator().manual_seed(5)
+    keep = torch.randperm(448, generator=gen)[:192].sort().values
+    cols = KeptColumns.of(keep, torch.device("cpu"))
+    layout = PageLayout.sglang(16)
+    pages = torch.randint(0, 256, (3, layout.page_stride), dtype=torch.uint8, generator=gen)
+    before = pages.clone()
+    out = rewritten(pages, layout, lambda records: to_kept_first(records, cols))
+    every = torch.arange(layout.capacity(pages))
+    assert torch.equal(gather(out, layout, every), to_kept_first(gather(pages, layout, every), cols))
+    assert torch.equal(pages, before)
