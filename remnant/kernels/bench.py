@@ -10,7 +10,7 @@ Bytes are the fewest a call must move (each input read once, each output written
 FLOPs count the tensor-core work the kernel issues (padding included: a packed kernel at
 R = 256 multiplies 256 padded kept columns and 64 RoPE columns per C4 record, and for
 window tokens the kept and the dropped columns, each padded, plus RoPE). The JSON (schema
-remnant/kernel-bench v3) is validated before it is written.
+remnant/kernel-bench v4) is validated before it is written.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _sync_time_graph(calls: list, reps: int) -> float:
 def _progress_row(row: dict) -> None:
     """One line per finished case on stderr, so a run cut short still shows its numbers."""
     shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-             if k in ("kernel", "variant", "retention", "records", "permute", "batch", "topk", "window", "columns", "window_columns", "config", "time_us",
+             if k in ("kernel", "variant", "retention", "records", "permute", "batch", "topk", "window", "columns",
+                      "window_columns", "config", "splits", "time_us",
                       "fraction_of_copy_bandwidth", "fraction_of_matmul_rate", "n_regs", "n_spills", "max_rel_error",
                       "error")}
     print(json.dumps(shown), file=sys.stderr, flush=True)
@@ -237,6 +238,14 @@ class DecodeCase:
     window: int
     columns: str = "natural"  # packed: q and out in the model's order, or "kept_first" (decode's columns)
     window_columns: str = "natural"  # packed: the window records' code order (decode's window_columns)
+    splits: int | None = None  # programs per token and head block (decode's splits); None: auto_splits
+
+    def resolved_splits(self, config: dict) -> int:
+        from remnant.kernels.decode import auto_splits
+
+        if self.splits is not None:
+            return self.splits
+        return auto_splits(self.batch * math.ceil(HEADS / config["h_block"]), torch.device("cuda"))
 
 
 def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:
@@ -332,7 +341,8 @@ class DecodeInputs:
             out = torch.empty_like(q)
             calls.append(lambda q=q, c=c4_locs, w=win_locs, out=out: decode(
                 q, pool, layout, c, window, self.window_layout, w, sink,
-                keep, out=out, columns=case.columns, window_columns=case.window_columns, compiled=compiled, **config))
+                keep, out=out, columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config),
+                compiled=compiled, **config))
         return calls
 
 
@@ -385,7 +395,8 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> flo
     sink = torch.randn(HEADS, device="cuda")
     out = torch.full_like(q, float("nan"))
     window = inputs.window_pool(case)
-    orders = dict(columns=case.columns, window_columns=case.window_columns)
+    # The timed case's splits, whatever this check's batch would choose.
+    orders = dict(columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config))
     if case.columns == "kept_first":  # q in and out back in kept-first order, compared in the model's
         got = torch.full_like(q, float("nan"))
         decode(q[:, :, keep.order], pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep,
@@ -421,12 +432,13 @@ def _compiled_info(compiled: list) -> dict:
 # 64 heads per program (each record read once), 16-64 records per step, scores in both
 # forms (benchmarks/kernels/NOTES.md: the transposed form is the faster for both record
 # formats since the packed kernel stopped spilling; the other stays in the sweep so each
-# run shows it, at about a second a config). 16-warp programs were capped at 128
-# registers and spilled (first curated run), so they are not swept.
+# run shows it, at about a second a config). 16-warp programs are capped at 128 registers:
+# with 16 records per step they spill 48-64 bytes (ptxas, Triton 3.6), and put four warps
+# on each scheduler instead of two.
 DECODE_CONFIGS = [
     dict(h_block=64, block_n=block_n, num_warps=8, num_stages=1, scores_transposed=transposed)
     for block_n in (32, 16, 64) for transposed in (True, False)
-] + [
+] + [dict(h_block=64, block_n=block_n, num_warps=16, num_stages=1, scores_transposed=True) for block_n in (16, 32)] + [
     # Two programs of 32 heads per SM (255 registers x 128 threads each): more loads in
     # flight per SM, each record read twice (the second from L2).
     dict(h_block=32, block_n=block_n, num_warps=4, num_stages=1, scores_transposed=True) for block_n in (16, 32)
@@ -455,7 +467,8 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, configs: list[d
                 rows.append({"variant": variant, "window_columns": window_columns, "config": config,
                              "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
-            row = {"variant": variant, "window_columns": window_columns, "config": config, "max_rel_error": error,
+            row = {"variant": variant, "window_columns": window_columns, "config": config,
+                   "splits": case.resolved_splits(config), "max_rel_error": error,
                    **_compiled_info(compiled), **_roofline(seconds, nbytes, flops, ceil)}
             rows.append(row)
             _progress_row(row)
@@ -482,7 +495,8 @@ def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, ca
         seconds = _sync_time_graph(inputs.call_sets(case, ceil.l2_bytes, config, compiled), reps)
         rows.append({"variant": case.variant, "retention": case.retention, "batch": case.batch, "topk": case.topk,
                      "window": case.window, "columns": case.columns, "window_columns": case.window_columns, "heads": HEADS,
-                     "config": config, **_compiled_info(compiled),
+                     "config": config, "splits": case.resolved_splits(config), "auto_splits": case.splits is None,
+                     **_compiled_info(compiled),
                      **_roofline(seconds, nbytes, flops, ceil)})
         _progress_row(rows[-1])
     return rows
@@ -505,6 +519,12 @@ def decode_cases(quick: bool) -> list[DecodeCase]:
         cases.append(DecodeCase("packed", KERNEL_R, 128, topk, WINDOW))
     for retention in ([128, 384] if not quick else [128]):
         cases.append(DecodeCase("packed", retention, 128, TOPK, WINDOW))
+    # Splits against auto_splits' choice (which the rows above use): each kernel at fixed
+    # split counts, at batches below, at and above the multiprocessor count.
+    for batch in ([16, 64, 128] if not quick else [64]):
+        for splits in (1, 2, 4):
+            cases.append(DecodeCase("native", 512, batch, TOPK, WINDOW, splits=splits))
+            cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, WINDOW, "kept_first", "kept_first", splits=splits))
     return cases
 
 
@@ -524,6 +544,7 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
     def orders(r: dict) -> tuple[str, str]:
         return r["columns"], r.get("window_columns", "natural")
 
+    decode_rows = [r for r in decode_rows if r["auto_splits"]]  # the split sweep's rows are evidence, not targets
     by = {(r["variant"], r["retention"], r["batch"], r["topk"], r["window"], orders(r)): r for r in decode_rows}
     for columns, window_columns in sorted({orders(r) for r in decode_rows if r["variant"] == "packed"}, key=_order_rank):
         for window in (WINDOW, 0):
@@ -604,7 +625,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick))
     return {
         "schema": "remnant/kernel-bench",
-        "schema_version": 3,
+        "schema_version": 4,
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
         "provenance": gpu_provenance(),
@@ -629,12 +650,14 @@ def table(doc: dict) -> str:
     for r in doc["decode"]:
         variant = r["variant"] + ("*" if r.get("columns") == "kept_first" else "") + (
             "w" if r.get("window_columns") == "kept_first" else "")
-        lines.append(f"decode {variant:<8} R={r['retention']:<3} B={r['batch']:<4} k={r['topk']:<5} W={r['window']:<3} "
+        splits = f"s={r['splits']}" + ("" if r["auto_splits"] else "!") if "splits" in r else ""  # (v3: no splits)
+        lines.append(f"decode {variant:<8} R={r['retention']:<3} B={r['batch']:<4} k={r['topk']:<5} W={r['window']:<3} {splits:<5}"
                      f"{r['time_us']:9.1f} us {100 * r['fraction_of_copy_bandwidth']:5.1f}% copy "
                      f"{100 * r['fraction_of_matmul_rate']:5.1f}% mma regs={r.get('n_regs', '?')} spills={r.get('n_spills', '?')}")
     if any(r.get("columns") == "kept_first" for r in doc["decode"]):
         lines.append("packed*: q and out in kept-first column order (the permutation folded into the projections); "
                      "packed..w: window records written in kept-first order")
+    lines.append("s=N: programs per token and head block (auto_splits); s=N!: fixed, the split sweep")
     for t in doc["targets"]:
         lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.3f} (target {t['target']}) {t['note']}")
     return "\n".join(lines)

@@ -41,6 +41,8 @@ from remnant.kv.paged import KeptColumns, PageLayout
 LOG2E = 1.4426950408889634
 COLUMN_ORDERS = ("natural", "kept_first")
 LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
+EMPTY_MAX: tl.constexpr = tl.constexpr(-1e30)  # the running max of a split before its first record
+MAX_SPLITS = 16
 
 
 @triton.jit
@@ -163,6 +165,14 @@ def _softmax_step(s, valid, qk_scale, m, l):
 
 
 @triton.jit
+def _inverse_sum(l, SPLIT: tl.constexpr):
+    """1 / l; 0 for a split that saw no record (l = 0, its accumulators are 0)."""
+    if SPLIT:
+        return tl.where(l > 0, 1.0 / l, 0.0)
+    return 1.0 / l
+
+
+@triton.jit
 def _load_q(q_row, h_ok, cols, cols_ok):
     q = tl.load(q_row[:, None] + cols[None, :], mask=h_ok[:, None] & cols_ok[None, :], other=0.0).to(tl.bfloat16)
     return q, tl.trans(q)
@@ -184,24 +194,30 @@ def _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t, 
 @triton.jit
 def _decode_kernel(
     q_ptr, q_sb, q_sh,
-    out_ptr, o_sb, o_sh,
+    out_ptr, o_ss, o_sb, o_sh, lse_ptr,
     sink_ptr, H,
-    win_ptr, win_locs_ptr, win_sb, W, win_stride,
-    c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride,
+    win_ptr, win_locs_ptr, win_sb, W, win_stride, win_chunk,
+    c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride, c4_chunk,
     kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr, qk_scale,
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
-    SCORES_T: tl.constexpr,
+    SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
     # second and later blocks read the token's records from L2, not memory.
     b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
     heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
     h_ok = heads < H
     q_row = q_ptr + b * q_sb + heads * q_sh
-    o_row = out_ptr + b * o_sb + heads * o_sh
+    o_row = out_ptr + split * o_ss + b * o_sb + heads * o_sh
+    # This program's share of the window and of the C4 records (all of them unless SPLIT).
+    win_lo = split * win_chunk
+    win_hi = tl.minimum(W, win_lo + win_chunk)
+    c4_lo = split * c4_chunk
+    c4_hi = tl.minimum(K, c4_lo + c4_chunk)
     r = tl.arange(0, 64)
     n_off = tl.arange(0, BN)
     win_locs = win_locs_ptr + b * win_sb
@@ -209,9 +225,14 @@ def _decode_kernel(
 
     q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
     acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
-    # The sink takes softmax mass and gives no value: it starts the running max and sum.
+    # The sink takes softmax mass and gives no value: it starts the running max and sum
+    # (of split 0; the other splits start empty, at a finite floor so that a step of only
+    # padding rescales by exp2(0), not by exp2(-inf + inf)).
     m = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_IN_KERNEL
     l = tl.full((H_BLOCK,), 1.0, dtype=tl.float32)
+    if SPLIT:
+        m = tl.where(split == 0, m, EMPTY_MAX)
+        l = tl.where(split == 0, l, 0.0)
 
     if PACKED:
         # q and out are in kept-first column order (KeptColumns.order): the N kept
@@ -225,9 +246,9 @@ def _decode_kernel(
         kept_ok = j < N
         q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
         acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
-        loc = _locations(c4_locs, n_off, K)
-        for start in range(0, K, BN):
-            loc_next = _locations(c4_locs, start + BN + n_off, K)
+        loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
+        for start in range(c4_lo, c4_hi, BN):
+            loc_next = _locations(c4_locs, start + BN + n_off, c4_hi)
             valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, N + 128, C4_ALIGN, N)
             loc = loc_next
             k_rope = rope.to(tl.bfloat16)
@@ -251,9 +272,9 @@ def _decode_kernel(
         q_drop, q_drop_t = _load_q(q_row + N, h_ok, i, dropped_ok)
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         w_off = tl.arange(0, WIN_BN)
-        loc = _locations(win_locs, w_off, W)
-        for start in range(0, W, WIN_BN):
-            loc_next = _locations(win_locs, start + WIN_BN + w_off, W)
+        loc = _locations(win_locs, win_lo + w_off, win_hi)
+        for start in range(win_lo, win_hi, WIN_BN):
+            loc_next = _locations(win_locs, start + WIN_BN + w_off, win_hi)
             valid, data, rope, scales = _load_records(win_ptr, loc, WIN_PER_PAGE, win_stride, 576, WIN_ALIGN, 448)
             loc = loc_next
             k_rope = rope.to(tl.bfloat16)
@@ -272,7 +293,7 @@ def _decode_kernel(
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
             acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
             m = m_new
-        inv_l = 1.0 / l
+        inv_l = _inverse_sum(l, SPLIT)
         out_ty = out_ptr.dtype.element_ty
         tl.store(o_row[:, None] + j[None, :], (acc_kept * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & kept_ok[None, :])
         tl.store(o_row[:, None] + N + i[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
@@ -282,25 +303,55 @@ def _decode_kernel(
         d_ok = d < 448
         q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
         acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
-        loc = _locations(win_locs, n_off, W)
-        for start in range(0, W, BN):  # window tokens
-            loc_next = _locations(win_locs, start + BN + n_off, W)
+        loc = _locations(win_locs, win_lo + n_off, win_hi)
+        for start in range(win_lo, win_hi, BN):  # window tokens
+            loc_next = _locations(win_locs, start + BN + n_off, win_hi)
             valid, data, rope, scales = _load_records(win_ptr, loc, WIN_PER_PAGE, win_stride, 576, WIN_ALIGN, 448)
             loc = loc_next
             m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
                                                     qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
-        loc = _locations(c4_locs, n_off, K)
-        for start in range(0, K, BN):  # selected C4 records
-            loc_next = _locations(c4_locs, start + BN + n_off, K)
+        loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
+        for start in range(c4_lo, c4_hi, BN):  # selected C4 records
+            loc_next = _locations(c4_locs, start + BN + n_off, c4_hi)
             valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, 576, C4_ALIGN, 448)
             loc = loc_next
             m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
                                                     qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
-        inv_l = 1.0 / l
+        inv_l = _inverse_sum(l, SPLIT)
         out_ty = out_ptr.dtype.element_ty
         tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & d_ok[None, :])
     tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
+    if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing), for _combine_kernel
+        tl.store(lse_ptr + (split * tl.num_programs(1) + b) * H + heads, m + tl.log2(l), mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, B, H,
+                    S: tl.constexpr, H_BLOCK: tl.constexpr, GATHER: tl.constexpr):
+    """out[b, h, c] = sum_s w_s part[s, b, h, index[c]] / sum_s w_s, w_s = 2^(lse_s - max lse):
+    the splits' normalized partial outputs (float32 [S, B, H, 512]) joined by their
+    log-sum-exp; GATHER reads each row through `index` (kept-first -> natural order), else
+    in place. Split 0 holds the sink, so the max is finite."""
+    b = tl.program_id(1).to(tl.int64)
+    heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
+    h_ok = heads < H
+    c = tl.arange(0, 512)
+    cols = tl.load(index_ptr + c) if GATHER else c
+    lse_row = lse_ptr + b * H + heads
+    top = tl.load(lse_row, mask=h_ok, other=0.0)
+    for s in tl.static_range(1, S):
+        top = tl.maximum(top, tl.load(lse_row + s * B * H, mask=h_ok, other=0.0))
+    acc = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
+    norm = tl.zeros((H_BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(S):
+        w = tl.exp2(tl.load(lse_row + s * B * H, mask=h_ok, other=0.0) - top)
+        rows = part_ptr + ((s * B + b) * H + heads) * 512
+        acc += w[:, None] * tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None], other=0.0)
+        norm += w
+    out = acc / norm[:, None]
+    tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + c[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None])
 
 
 @triton.jit
@@ -336,6 +387,21 @@ def permute_columns(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | No
     return out
 
 
+def splits_for(programs: int, multiprocessors: int) -> int:
+    """Splits per program so that `programs` (tokens x head blocks) fill `multiprocessors`
+    once: one 64-head program per SM is the most that fits (255 registers, 144 KB of
+    shared memory), so a batch below the SM count leaves SMs idle without splits, and
+    above it more splits would only queue (benchmarks/kernels/NOTES.md)."""
+    return max(1, min(MAX_SPLITS, multiprocessors // max(programs, 1)))
+
+
+def auto_splits(programs: int, device: torch.device) -> int:
+    """splits_for this device's multiprocessors; 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    return splits_for(programs, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def _check_layout(layout: PageLayout, pages: torch.Tensor, width: int, name: str) -> None:
     layout.check(pages, name)
     if layout.record_bytes != width:
@@ -362,6 +428,7 @@ def decode(
     scores_transposed: bool = True,
     columns: str = "natural",
     window_columns: str = "natural",
+    splits: int | None = None,
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
@@ -384,6 +451,10 @@ def decode(
     stock store writes them) or "kept_first" (written by remnant.kernels.store.
     store_kept_first in KeptColumns.order, so the kernel reads them with word loads). The
     native kernel reads natural window records only, and refuses "kept_first".
+
+    splits: programs per (token, head block), each over its share of the window and of the
+    C4 records, joined by _combine_kernel (flash-decoding); None chooses auto_splits: on
+    a GPU, enough to give every multiprocessor a program when the batch alone does not.
     """
     for name, value in (("columns", columns), ("window_columns", window_columns)):
         if value not in COLUMN_ORDERS:
@@ -414,24 +485,45 @@ def decode(
     sink = sink.float().contiguous()
     permute = cols.packed and columns == "natural"
     window_kept_first = cols.packed and window_columns == "kept_first"
+    win_bn = block_n if window_kept_first or not cols.packed else min(block_n, 16)
+    head_blocks = triton.cdiv(heads, h_block)
+    win_steps, c4_steps = triton.cdiv(window_locs.shape[1], win_bn), triton.cdiv(c4_locs.shape[1], block_n)
+    if splits is None:
+        splits = auto_splits(batch * head_blocks, q.device)
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    splits = min(splits, max(win_steps, c4_steps, 1))  # no split without a step of its own
     q_in = permute_columns(q, cols.order) if permute else q
-    out_k = torch.empty_like(q_in, dtype=out.dtype) if permute else out
-    grid = (triton.cdiv(heads, h_block), batch)
-    kernel = _decode_kernel[grid](
+    if splits > 1:  # normalized partial outputs and their log-sum-exp, joined below
+        out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, batch, heads, dtype=torch.float32, device=q.device)
+        out_strides = out_k.stride()[:3]
+    else:
+        out_k = torch.empty_like(q_in, dtype=out.dtype) if permute else out
+        lse = sink  # not read
+        out_strides = (0, *out_k.stride()[:2])
+    kernel = _decode_kernel[(head_blocks, batch, splits)](
         q_in, q_in.stride(0), q_in.stride(1),
-        out_k, out_k.stride(0), out_k.stride(1),
+        out_k, *out_strides, lse,
         sink, heads,
         window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
+        triton.cdiv(win_steps, splits) * win_bn,
         c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
+        triton.cdiv(c4_steps, splits) * block_n,
         cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E,
         WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
         N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed,
         PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
-        WIN_BN=block_n if window_kept_first else min(block_n, 16), INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        WIN_BN=win_bn, SPLIT=splits > 1, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )
-    if permute:
+    if splits > 1:  # the join also takes the output back to the model's order (permute)
+        combine_heads = 8
+        _combine_kernel[(triton.cdiv(heads, combine_heads), batch)](
+            out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, batch, heads,
+            S=splits, H_BLOCK=combine_heads, GATHER=permute, num_warps=4)
+    elif permute:
         permute_columns(out_k, cols.inverse, out=out)
     if compiled is not None:  # the benchmark records registers and spills
         compiled.append(kernel)

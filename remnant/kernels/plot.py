@@ -24,23 +24,36 @@ def decode_series(doc: dict, window: int, topk: int, retention: int) -> dict[str
     series: dict[str, list[tuple[int, float]]] = {}
     for row in doc["decode"]:
         key = _line_key(row)
-        if (key in DECODE_LINES and row["window"] == window and row["topk"] == topk
+        if (key in DECODE_LINES and row.get("auto_splits", True) and row["window"] == window and row["topk"] == topk
                 and row["retention"] in (512, retention)):
             series.setdefault(DECODE_LINES[key], []).append((row["batch"], row["time_us"]))
     order = list(DECODE_LINES.values())
     return {label: sorted(series[label]) for label in sorted(series, key=order.index)}
 
 
+def split_series(doc: dict) -> dict[str, list[tuple[int, float]]]:
+    """{label: [(splits, time_us)]} of the split sweep's rows (fixed splits), per kernel and batch."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in doc["decode"]:
+        key = _line_key(row)
+        if not row.get("auto_splits", True) and key in DECODE_LINES:
+            name = "native" if key[0] == "native" else "packed, folded" if key[1] == "kept_first" else DECODE_LINES[key]
+            series.setdefault(f"{name}, batch {row['batch']}", []).append((row["splits"], row["time_us"]))
+    return {label: sorted(points) for label, points in sorted(series.items())}
+
+
 def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
     """Three panels: decode time by batch with the window and without it (one line per
     column order that has rows), and each copy kernel's fraction of the copy bandwidth by R
-    at its largest size, its best permutation."""
+    at its largest size, its best permutation; a fourth, decode time by split count, when
+    the record has the split sweep."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    splits = split_series(doc)
+    fig, axes = plt.subplots(1, 4 if splits else 3, figsize=(22 if splits else 17, 4.8))
     for ax, window in zip(axes[:2], (128, 0)):
         for label, points in decode_series(doc, window, topk, retention).items():
             color = f"C{list(DECODE_LINES.values()).index(label)}"  # the same line, the same color, in both panels
@@ -72,6 +85,17 @@ def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
     ax.set_ylim(0, 110)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
+    if splits:
+        ax = axes[3]
+        for label, points in splits.items():
+            ax.plot([n for n, _ in points], [t for _, t in points], marker="o",
+                    linestyle="-" if label.startswith("native") else "--", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("programs per token and head block (splits)")
+        ax.set_ylabel("time per call (us)")
+        ax.set_title(f"decode by splits, top-k {topk}, window 128")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
     gpu = doc["provenance"]["gpu"]["name"]
     fig.suptitle(f"remnant-kernels on {gpu} (copy {doc['ceilings']['copy_gbps']:.0f} GB/s), "
                  f"commit {doc['provenance']['git_commit']}", fontsize=10)

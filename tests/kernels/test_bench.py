@@ -32,13 +32,21 @@ def _doc() -> dict:
         nbytes, flops = _decode_bytes_flops(case)
         decode.append({"variant": variant, "retention": retention, "batch": 64, "topk": 512, "window": 128,
                        "columns": columns, "window_columns": window_columns, "heads": 64, "config": config,
-                       **_roofline(us / 1e6, nbytes, flops, ceil)})
+                       "splits": 2, "auto_splits": True, **_roofline(us / 1e6, nbytes, flops, ceil)})
+    # The split sweep: fixed split counts, faster here than auto's rows, and no target's.
+    for variant, retention, orders, splits, us in (("native", 512, "natural", 1, 30.0), ("native", 512, "natural", 4, 5.0),
+                                                   ("packed", 256, "kept_first", 1, 25.0)):
+        case = DecodeCase(variant, retention, 64, 512, 128, orders, orders, splits=splits)
+        nbytes, flops = _decode_bytes_flops(case)
+        decode.append({"variant": variant, "retention": retention, "batch": 64, "topk": 512, "window": 128,
+                       "columns": orders, "window_columns": orders, "heads": 64, "config": config,
+                       "splits": splits, "auto_splits": False, **_roofline(us / 1e6, nbytes, flops, ceil)})
     store = [{"kernel": "store", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "stores",
               **_roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
     recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "loads",
               **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
     return {
-        "schema": "remnant/kernel-bench", "schema_version": 3, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
+        "schema": "remnant/kernel-bench", "schema_version": 4, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
         "provenance": {"gpu": {"name": "test", "capability": "9.0", "multiprocessors": 132, "l2_bytes": 60 << 20,
                                "nvidia_smi": {}},
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},
@@ -64,9 +72,27 @@ def test_targets_are_ratios_of_this_run():
     assert sum(t["name"].startswith("decode packed R=256 batch 64") for t in doc["targets"]) == 1
     store = next(t for t in doc["targets"] if t["name"].startswith("store"))
     assert store["value"] == pytest.approx((1 << 20) * 1356 / 500e-6 / 4000e9)
+    # Targets use auto_splits' rows only: the sweep's faster native row (5 us) is not the baseline.
+    assert all("split" not in t["name"] for t in doc["targets"])
+    assert sum(t["name"].startswith("decode native R=512 batch 64") for t in doc["targets"]) == 1
     validate(doc)
     shown = table(doc)
     assert all(f"decode {v:<8} R=256 B=64" in shown for v in ("packed", "packed*", "packed*w"))
+    assert "W=128 s=2 " in shown and "W=128 s=4!" in shown
+
+
+def test_schema_refuses_a_decode_row_without_its_splits():
+    doc = _doc()
+    del doc["decode"][1]["splits"]
+    with pytest.raises(RecordError, match=r"decode\[1\]"):
+        validate(doc)
+
+
+def test_split_series_holds_the_sweep_only():
+    from remnant.kernels.plot import split_series
+
+    series = split_series(_doc())
+    assert series == {"native, batch 64": [(1, 30.0), (4, 5.0)], "packed, folded, batch 64": [(1, 25.0)]}
 
 
 def test_schema_refuses_an_unknown_column_order():

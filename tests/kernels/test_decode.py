@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels.decode import decode, permute_columns
+from remnant.kernels.decode import decode, permute_columns, splits_for
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
@@ -14,8 +14,11 @@ TOLERANCE = 1e-2
 
 
 def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, window_kept_first=False,
-                 **config) -> float:
-    """kept_first: q and out in kept-first column order (columns="kept_first");
+                 q_scale=2.0, sink_shift=0.0, **config) -> float:
+    """q_scale, sink_shift: the records' scales span 6 decades, so at q_scale 2 the softmax
+    is nearly one-hot and the sink carries no mass; small q and a sink near log(records)
+    give every term weight (the sink about a quarter of it at 0.02 and 3).
+    kept_first: q and out in kept-first column order (columns="kept_first");
     window_kept_first: the window records' codes in that order (window_columns="kept_first").
     rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned)."""
@@ -33,8 +36,8 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     if window > 2 and batch > 1:
         win_locs[1, :2] = -1
     c4_locs, win_locs = c4_locs.to(DEVICE), win_locs.to(DEVICE)
-    q = (torch.randn(batch, heads, 512, generator=gen) * 2).to(torch.bfloat16).to(DEVICE)
-    sink = torch.randn(heads, generator=gen).to(DEVICE)
+    q = (torch.randn(batch, heads, 512, generator=gen) * q_scale).to(torch.bfloat16).to(DEVICE)
+    sink = (torch.randn(heads, generator=gen) + sink_shift).to(DEVICE)
 
     args = (c4_locs, win, win_layout, win_locs, sink)
     if keep is None:
@@ -61,6 +64,7 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
 
 
 SMALL = dict(h_block=16, block_n=16, num_warps=4)
+SOFT = dict(q_scale=0.02, sink_shift=3.0)  # a softmax where the sink and every record carry mass
 
 
 @pytest.mark.parametrize("scores_transposed", [False, True])
@@ -68,6 +72,11 @@ SMALL = dict(h_block=16, block_n=16, num_warps=4)
 def test_decode_matches_float64_reference(retention, scores_transposed):
     check_decode(batch=3, heads=20, topk=37, window=13, retention=retention, seed=retention,
                  scores_transposed=scores_transposed, **SMALL)
+
+
+@pytest.mark.parametrize("retention", [512, 256])
+def test_decode_with_a_soft_softmax_and_a_heavy_sink(retention):
+    check_decode(batch=3, heads=20, topk=37, window=13, retention=retention, seed=retention + 1, **SOFT, **SMALL)
 
 
 @pytest.mark.parametrize("retention", [256, 128])
@@ -80,6 +89,25 @@ def test_decode_with_q_and_out_in_kept_first_order(retention):
 def test_decode_over_a_window_written_in_kept_first_order(retention, kept_first):
     check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 3, kept_first=kept_first,
                  window_kept_first=True, **SMALL)
+
+
+@pytest.mark.parametrize(("retention", "splits", "kept_first", "window_kept_first"),
+                         [(512, 2, False, False), (512, 3, False, False), (256, 3, False, False),
+                          (256, 2, True, True), (128, 4, False, True), (384, 3, True, False)])
+def test_decode_split_across_programs_matches_reference(retention, splits, kept_first, window_kept_first):
+    # topk 37 and window 21 at 16 per step: 3 C4 steps and 2 window steps, so at 3 splits
+    # and more (4 is capped to 3) one split gets C4 records only.
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + splits, splits=splits,
+                 kept_first=kept_first, window_kept_first=window_kept_first, **SOFT, **SMALL)
+
+
+def test_split_count_fills_the_multiprocessors_once():
+    assert [splits_for(programs, 132) for programs in (1, 9, 64, 66, 67, 128, 512)] == [16, 14, 2, 2, 1, 1, 1]
+
+
+def test_decode_refuses_zero_splits():
+    with pytest.raises(ValueError, match="splits must be >= 1, got 0"):
+        check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, splits=0)
 
 
 def test_permute_columns_is_an_exact_gather_of_each_row():
@@ -121,8 +149,10 @@ def test_decode_over_plain_record_rows(retention):
     check_decode(batch=2, heads=16, topk=21, window=9, retention=retention, seed=3, rows=True, **SMALL)
 
 
-def test_decode_with_no_window_and_all_padding():
-    # Only the sink is left in the softmax: the output is zero, and still written.
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_with_no_window_and_all_padding(splits):
+    # Only the sink is left in the softmax: the output is zero, and still written (split:
+    # the second split sees padding only, and must add nothing, not NaN).
     gen = torch.Generator().manual_seed(0)
     layout = PageLayout.sglang(64, 256)
     keep = keep_map(256, gen)
@@ -131,8 +161,8 @@ def test_decode_with_no_window_and_all_padding():
     win = filled_pool(win_layout, 1, None, gen)
     q = torch.randn(2, 16, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    decode(q, c4, layout, torch.full((2, 5), -1, device=DEVICE), win, win_layout, torch.zeros(2, 0, dtype=torch.long, device=DEVICE),
-           torch.zeros(16, device=DEVICE), keep, out=out, **SMALL)
+    decode(q, c4, layout, torch.full((2, 40), -1, device=DEVICE), win, win_layout, torch.zeros(2, 0, dtype=torch.long, device=DEVICE),
+           torch.zeros(16, device=DEVICE), keep, out=out, splits=splits, **SMALL)
     assert torch.equal(out, torch.zeros_like(out))
 
 
@@ -151,7 +181,9 @@ def test_decode_refuses_a_window_of_packed_records():
 @pytest.mark.parametrize("config", [dict(h_block=64, block_n=32, num_warps=8),
                                     dict(h_block=64, block_n=64, num_warps=8, scores_transposed=True),
                                     dict(h_block=16, block_n=32, num_warps=4),
-                                    dict(h_block=64, block_n=32, num_warps=8, scores_transposed=False)])
+                                    dict(h_block=64, block_n=32, num_warps=8, scores_transposed=False),
+                                    dict(h_block=64, block_n=16, num_warps=16),
+                                    dict(h_block=64, block_n=32, num_warps=8, splits=1)])
 def test_decode_on_gpu_at_v4_shape(retention, config):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)
 
