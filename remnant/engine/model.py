@@ -19,6 +19,15 @@ Triton reconstruct in triton mode), and their records are written through
 remnant.kv.paged.store: the Triton store on CUDA, its torch reference on the CPU (Triton's
 interpreter rounds some FP8 casts wrongly, triton-lang/triton issue 8322, so its records
 would not be the engine's).
+
+Kernel mode with decode_path=kernels: the packed decode kernel takes q and gives out in
+kept-first column order (KeptColumns.order; RoPE stays at 448..511), so the model keeps
+each such layer's wq_b and wo with that permutation folded into the projections
+(Model.folded_weights): q comes out kept-first for every token of the step, decode runs
+with columns="kept_first", and wo reads kept-first o. That saves decode the two Triton
+passes permuting q and out, about 20 of 120 us at batch 128 on an H200
+(benchmarks/kernels/NOTES.md, "Third round"). Tokens attending through the torch
+reference put q back in natural order and their output in kept-first order.
 """
 
 from __future__ import annotations
@@ -123,7 +132,9 @@ class C4Format:
 
     native: 584-byte records, read whole. triton: packed R + 72-byte records (packed at
     the KV write), reconstructed to native for attention. kernel: packed records read
-    directly: only kept coordinates enter scores and output.
+    directly: only kept coordinates enter scores and output; on the kernels decode path
+    the model folds the kernel's kept-first column order into the layer's wq_b and wo
+    (FoldedWeights).
     """
 
     def __init__(self, mode: str = "native", keep: torch.Tensor | None = None,
@@ -183,6 +194,35 @@ class C4Format:
 NATIVE_RING = C4Format()  # the ring of a layer without a C4 format (HCA, window-only): natural order
 
 
+@dataclass
+class FoldedWeights:
+    """A kernel-mode CSA layer's wq_b and wo with the packed decode kernel's kept-first
+    column order (KeptColumns.order) folded into the projections, per head.
+
+    q = rope(rms_norm(q_lora @ wq_b)) comes out in kept-first order exactly: the per-head
+    rms_norm does not depend on column order and RoPE acts on columns 448..511, which the
+    order leaves in place. o (kept-first) @ wo is natural o @ natural wo up to float
+    summation order. The decode kernel then takes q and gives out in its own order
+    (columns="kept_first") instead of permuting both around the call, about 20 of 120 us
+    at batch 128 on an H200 (benchmarks/kernels/NOTES.md, "Third round").
+    """
+
+    wq_b: torch.Tensor  # [q_lora_rank, H * 512], output columns in kept-first order per head
+    wo: torch.Tensor  # [H * 512, hidden], input rows in kept-first order per head
+    order: torch.Tensor  # int64 [512]: kept_first = natural[..., order]
+    inverse: torch.Tensor  # int64 [512]: natural = kept_first[..., inverse]
+
+    @classmethod
+    def of(cls, layer: "Layer", columns: KeptColumns) -> "FoldedWeights":
+        """Folded copies of `layer`'s wq_b and wo (the layer's own weights are left natural)."""
+        order, inverse = columns.order.long(), columns.inverse.long()
+        r, width = layer.wq_b.shape
+        heads = width // HEAD_DIM
+        wq_b = layer.wq_b.view(r, heads, HEAD_DIM)[:, :, order].reshape(r, width)
+        wo = layer.wo.view(heads, HEAD_DIM, -1)[:, order, :].reshape(width, -1)
+        return cls(wq_b, wo, order, inverse)
+
+
 class Layer:
     """Weights of one decoder layer (attention + dense SwiGLU)."""
 
@@ -239,11 +279,8 @@ class Model:
         self.device = resolve_device(device)
         self.decode_path = resolve_decode_path(decode_path, self.device)
         self.csa_layers = [i for i, r in enumerate(args.compress_ratios) if r == CSA_RATIO]
-        self.c4_formats = {i: C4Format() for i in self.csa_layers}
         #: layer -> list of query tensors [T, H, 512] while calibrating (None otherwise)
         self.capture: dict[int, list[torch.Tensor]] | None = None
-        if c4_formats is not None:
-            self.set_c4_formats(c4_formats)
         # Generated on the CPU from the seed, then moved: every device holds the same weights.
         gen = torch.Generator().manual_seed(args.seed)
         self.embed = torch.randn(args.vocab_size, args.hidden_size, generator=gen).to(self.device)
@@ -255,21 +292,30 @@ class Model:
         self.scale = 1.0 / math.sqrt(HEAD_DIM)
         #: All 512 columns as the kernels read native records, built once.
         self.native_columns = KeptColumns.of(None, self.device)
+        # After the layers: folded weights are made from them.
+        self.set_c4_formats(c4_formats if c4_formats is not None else {i: C4Format() for i in self.csa_layers})
 
     def set_c4_formats(self, formats: dict[int, C4Format]) -> None:
         """One format per CSA layer (new sequences only: stored records, window rings and
-        prefix-cache window checkpoints keep the format they were written in)."""
+        prefix-cache window checkpoints keep the format they were written in). The only
+        way to change c4_formats: it also rebuilds folded_weights."""
         if sorted(formats) != self.csa_layers:
             raise ValueError(f"C4 formats given for layers {sorted(formats)}; the model's CSA layers are {self.csa_layers}")
         self.c4_formats = {i: f.to(self.device) for i, f in formats.items()}
+        #: Kernel-mode CSA layer -> its FoldedWeights, on the kernels decode path only: the
+        #: reference path reads natural q and would gain nothing.
+        self.folded_weights = {i: FoldedWeights.of(self.layers[i], f.columns) for i, f in self.c4_formats.items()
+                               if f.mode == "kernel" and self.decode_path == "kernels"}
 
     # Per-token projections, batched over any token set ------------------------------
 
-    def queries(self, layer: Layer, x: torch.Tensor, pos: torch.Tensor):
-        """x [T, hidden] normed -> q [T, H, 512] with RoPE, and q_lora [T, q_lora_rank]."""
+    def queries(self, layer: Layer, x: torch.Tensor, pos: torch.Tensor, folded: FoldedWeights | None = None):
+        """x [T, hidden] normed -> q [T, H, 512] with RoPE (kept-first with `folded`'s
+        wq_b), and q_lora [T, q_lora_rank]."""
         a = self.args
         q_lora = rms_norm(x @ layer.wq_a, layer.q_norm, a.rms_norm_eps)
-        q = (q_lora @ layer.wq_b).view(-1, a.num_attention_heads, HEAD_DIM)
+        wq_b = layer.wq_b if folded is None else folded.wq_b
+        q = (q_lora @ wq_b).view(-1, a.num_attention_heads, HEAD_DIM)
         q = rms_norm(q, q.new_ones(HEAD_DIM), a.rms_norm_eps)
         return rope(q, pos, a.rope_theta), q_lora
 
@@ -336,8 +382,10 @@ class Model:
                 out[..., cols] += o
         return out
 
-    def output(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return h + o.reshape(o.shape[0], -1) @ layer.wo
+    def output(self, layer: Layer, h: torch.Tensor, o: torch.Tensor, folded: FoldedWeights | None = None) -> torch.Tensor:
+        """h [T, hidden] + o [T, H, 512] (kept-first with `folded`) through wo."""
+        wo = layer.wo if folded is None else folded.wo
+        return h + o.reshape(o.shape[0], -1) @ wo
 
     # Indexer (CSA layers) -------------------------------------------------------------
 
@@ -363,7 +411,8 @@ class Model:
         in `pools` (remnant.engine.pools.KVPools, on the model's device) receive the new KV;
         updated in place. chunks: new token ids per sequence (non-empty). With
         decode_path=kernels, the single-token chunks of the step attend together through
-        the kernels, layer by layer; the others through the torch reference.
+        the kernels, layer by layer; the others through the torch reference. On layers
+        with folded_weights, q and o are in kept-first order for every token of the step.
         Returns float32 [B, vocab] logits at the last new token of each sequence (on the
         model's device).
         """
@@ -379,7 +428,8 @@ class Model:
         h = self.embed[ids]
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, self.args.rms_norm_eps)
-            q, q_lora = self.queries(layer, x, pos)
+            folded = self.folded_weights.get(li)
+            q, q_lora = self.queries(layer, x, pos, folded)
             kv = self.window_latents(layer, x, pos)
             c = x @ layer.wc if layer.ratio else None
             g = x @ layer.wg if layer.ratio else None
@@ -395,7 +445,7 @@ class Model:
                                               window_locs)
                 for i, oi in zip(direct, o.split(1)):
                     outs[i] = oi
-            h = self.ffn(layer, self.output(layer, h, torch.cat(outs)))
+            h = self.ffn(layer, self.output(layer, h, torch.cat(outs), folded))
         for seq, chunk in zip(seqs, chunks):
             seq.length += len(chunk)
             seq.token_ids.extend(chunk)
@@ -403,7 +453,8 @@ class Model:
         return self.logits(h[last])
 
     def _attend_sequence(self, li: int, layer: Layer, seq, pools, st: "_Step") -> torch.Tensor:
-        """The torch reference: one sequence's chunk of T tokens attends; returns [T, H, 512]."""
+        """The torch reference: one sequence's chunk of T tokens attends; returns [T, H, 512]
+        in st.q's column order (kept-first on layers with folded_weights)."""
         a = self.args
         length = seq.length
         kv = quantize(st.kv)
@@ -429,7 +480,11 @@ class Model:
             else:
                 key_sets.append((dequantize(stored), None))
             masks.append(mask)
-        return self.attend(layer, st.q, key_sets, masks)
+        # The reference attends in natural column order (key sets are natural records).
+        folded = self.folded_weights.get(li)
+        if folded is None:
+            return self.attend(layer, st.q, key_sets, masks)
+        return self.attend(layer, st.q[..., folded.inverse], key_sets, masks)[..., folded.order]
 
     def _select_records(self, li: int, layer: Layer, seq, pools, st: "_Step",
                         kernels: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -445,7 +500,8 @@ class Model:
             return None
         n = self._compress_new_blocks(li, layer, seq, pools, st, kernels)
         if self.capture is not None and layer.ratio == CSA_RATIO:
-            self.capture[li].append(st.q.detach().clone())
+            folded = self.folded_weights.get(li)  # calibration policies read natural q
+            self.capture[li].append((st.q if folded is None else st.q[..., folded.inverse]).detach().clone())
         if not n:
             return None
         rec_end = (torch.arange(n, device=self.device) + 1) * layer.ratio - 1
@@ -511,8 +567,9 @@ class Model:
 
     def _decode_with_kernels(self, li: int, layer: Layer, seqs: list, pools, steps: list["_Step"],
                              window_locs: torch.Tensor) -> torch.Tensor:
-        """B single-token chunks attend through remnant.kernels.decode; returns [B, H, 512].
-        window_locs: their window's ring slots (_window_locations).
+        """B single-token chunks attend through remnant.kernels.decode; returns [B, H, 512]
+        in q's column order (kept-first on layers with folded_weights). window_locs: their
+        window's ring slots (_window_locations).
 
         Each new token's window record is first stored into its ring (remnant.kv.paged.store):
         the kernel reads the token's own record there (the reference joins it from memory
@@ -539,9 +596,10 @@ class Model:
             # (Before a sequence's first record its selection is empty: the layer's own pages
             # and columns still go, so a kernel-mode ring is read by the packed kernel.)
             c4, c4_layout, c4_locs, columns = self._decode_records(li, layer, seqs, pools, selected)
-        q = torch.cat([st.q for st in steps])
+        q = torch.cat([st.q for st in steps])  # kept-first on layers with folded_weights
         return decode(q, c4, c4_layout, c4_locs, ring, ring_layout, window_locs, layer.sink, columns,
-                      self.scale, window_columns="kept_first" if fmt.window_kept_first else "natural",
+                      self.scale, columns="kept_first" if li in self.folded_weights else "natural",
+                      window_columns="kept_first" if fmt.window_kept_first else "natural",
                       **_decode_config(q.shape[1]))
 
     def _window_locations(self, seqs: list, pools) -> torch.Tensor:
@@ -606,7 +664,7 @@ class _Step:
     """One sequence's slice of a batched step, per layer (T new tokens)."""
 
     x: torch.Tensor  # [T, hidden] normed input
-    q: torch.Tensor  # [T, H, 512]
+    q: torch.Tensor  # [T, H, 512], kept-first on layers with folded_weights
     q_lora: torch.Tensor  # [T, q_lora_rank]
     kv: torch.Tensor  # float32 [T, 512] window latents of the new tokens (RoPE applied)
     pos: torch.Tensor  # [T] positions

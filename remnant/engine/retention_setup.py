@@ -28,7 +28,7 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
     """Queries and C4 latents of every CSA layer on a seeded random prompt (native mode)."""
     ids = torch.randint(0, model.args.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
     saved = model.c4_formats
-    model.c4_formats = {i: C4Format() for i in model.csa_layers}
+    model.set_c4_formats({i: C4Format() for i in model.csa_layers})  # (and no folded weights)
     model.capture = {i: [] for i in model.csa_layers}
     try:
         pools = scratch_pools(model, tokens)
@@ -40,7 +40,7 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
         records = {i: pools.c4[i].read(seq.page_tensor(model.device), torch.arange(tokens // 4)).cpu() for i in model.csa_layers}
     finally:
         model.capture = None
-        model.c4_formats = saved
+        model.set_c4_formats(saved)
     from remnant.kv.codec import dequantize
 
     params = {"generator": "remnant.engine.retention_setup/1", "model_id": model_id,

@@ -98,6 +98,7 @@ def _check_same_greedy(reference: Model, kernels: Model, prompts, steps) -> None
     assert torch.equal(got_pools.swa[0], want_pools.swa[0])
 
 
+@needs_interpreter
 def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
     # Layers 0 (window-only) and 1 (CSA) see the same prompt in both modes, so after one
     # prefill (the torch path's ring_records) the kernel-mode ring of layer 1 is the native
@@ -130,14 +131,16 @@ def test_kernels_match_reference_before_any_record(args, mode, retention):
 
 
 def _float64_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale,
-                    window_columns="natural", **launch):
+                    columns="natural", window_columns="natural", **launch):
     """remnant.kernels.decode's signature over the float64 paged references (which read
-    window records in natural order: a kept-first ring is put back first)."""
+    q, out and window records in natural order: kept-first ones are put back)."""
     if window_columns == "kept_first":
         window = rewritten(window, window_layout, lambda records: from_kept_first(records, keep))
     if keep.packed:
-        out = decode_packed(q, c4, c4_layout, c4_locs, keep, window, window_layout, window_locs, sink, scale,
-                            reference=True)
+        kept_first = columns == "kept_first"
+        out = decode_packed(q[..., keep.inverse.long()] if kept_first else q, c4, c4_layout, c4_locs, keep,
+                            window, window_layout, window_locs, sink, scale, reference=True)
+        out = out[..., keep.order.long()] if kept_first else out
     else:
         out = decode_native(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, scale,
                             reference=True)
@@ -160,6 +163,71 @@ def test_kernels_path_reads_the_reference_key_sets(args, mode, retention, monkey
     want, want_logits, _ = _greedy(reference, prompts, steps)
     _, got_logits, _ = _greedy(kernels, prompts, steps, forced=want)
     torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=0)
+
+
+def test_kernel_mode_folds_the_kept_first_order_into_the_projections(args):
+    # Kernel mode on the kernels path: each CSA layer's folded wq_b gives q in the packed
+    # kernel's kept-first order (RoPE columns stay put, rms_norm ignores the order), and
+    # folded wo reads that order; the layers' own weights stay natural. (On the device the
+    # kernels run on: the CPU needs the interpreter for decode_path=kernels.)
+    device = "cuda" if ON_GPU else "cpu"
+    reference, kernels = _models(args, device, "kernel", {"retention": 256})
+    assert reference.folded_weights == {}  # the reference path reads natural q
+    assert sorted(kernels.folded_weights) == kernels.csa_layers
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, args.hidden_size, generator=gen).to(device)
+    pos = torch.tensor([0, 3, 77, 200, 511], device=device)
+    for li, folded in kernels.folded_weights.items():
+        layer, order = kernels.layers[li], kernels.c4_formats[li].columns.order.long()
+        assert torch.equal(layer.wq_b, reference.layers[li].wq_b) and torch.equal(layer.wo, reference.layers[li].wo)
+        q, q_lora = kernels.queries(layer, x, pos)
+        q_folded, q_lora_folded = kernels.queries(layer, x, pos, folded)
+        assert torch.equal(q_lora_folded, q_lora)
+        torch.testing.assert_close(q_folded, q[..., order], rtol=1e-5, atol=1e-6)
+        assert (q_folded - q).abs().max() > 0.1  # the order is not the identity
+        o = torch.randn(5, args.num_attention_heads, 512, generator=gen).to(device)
+        h = torch.randn(5, args.hidden_size, generator=gen).to(device)
+        torch.testing.assert_close(kernels.output(layer, h, o[..., order], folded), kernels.output(layer, h, o),
+                                   rtol=1e-5, atol=1e-5)
+    # Calibration captures natural q on folded layers too (a prefill: the torch path).
+    prompt = _ids(40, 12)
+    for model in (reference, kernels):
+        model.capture = {i: [] for i in model.csa_layers}
+        pools = scratch_pools(model, len(prompt))
+        with torch.inference_mode():
+            model.forward([new_sequence(pools, len(prompt))], [prompt], pools)
+    for li in kernels.csa_layers:
+        torch.testing.assert_close(kernels.capture[li][0], reference.capture[li][0], rtol=1e-4, atol=1e-4)
+    # Back to native: no folded weights.
+    kernels.set_c4_formats({i: C4Format() for i in kernels.csa_layers})
+    assert kernels.folded_weights == {}
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("mode", "retention"), MODES)
+def test_kernels_path_passes_kept_first_q_on_folded_layers(args, mode, retention, monkeypatch):
+    # The decode call of a kernel-mode CSA layer takes q in kept-first order
+    # (columns="kept_first"); every other layer and mode keeps natural q and out. The float64
+    # stand-in reads q and out in the order it is told, so the logits show that the folded
+    # q and wo and the decode call agree.
+    import remnant.kernels.decode
+
+    calls = []
+
+    def recording_decode(*args_, **kwargs):
+        calls.append((kwargs["columns"], args_[8].packed))
+        return _float64_decode(*args_, **kwargs)
+
+    monkeypatch.setattr(remnant.kernels.decode, "decode", recording_decode)
+    reference, kernels = _models(args, "cpu", mode, retention)
+    prompts, steps = [_ids(40, 10), _ids(9, 11)], 4
+    want, want_logits, _ = _greedy(reference, prompts, steps)
+    _, got_logits, _ = _greedy(kernels, prompts, steps, forced=want)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=0)
+    layers = len(args.compress_ratios)
+    expected = ["kept_first" if mode == "kernel" and i in kernels.csa_layers else "natural" for i in range(layers)]
+    assert [c for c, _ in calls] == expected * (steps - 1)  # steps 1..: sequence 0 (and then 1) decodes
+    assert all(packed for c, packed in calls if c == "kept_first")  # (native records ignore columns)
 
 
 @pytest.mark.gpu
