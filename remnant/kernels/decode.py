@@ -202,7 +202,7 @@ def _decode_kernel(
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
-    SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
+    SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
@@ -220,10 +220,13 @@ def _decode_kernel(
     c4_hi = tl.minimum(K, c4_lo + c4_chunk)
     r = tl.arange(0, 64)
     n_off = tl.arange(0, BN)
+    w_off = tl.arange(0, WIN_BN)
     win_locs = win_locs_ptr + b * win_sb
     c4_locs = c4_locs_ptr + b * c4_sb
 
-    q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
+    # When the window loop and the C4 loop take scores in different forms (q in registers,
+    # or q^T in shared memory), the second loop loads q again (from L2) rather than hold
+    # both forms through both loops.
     acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
     # The sink takes softmax mass and gives no value: it starts the running max and sum
     # (of split 0; the other splits start empty, at a finite floor so that a step of only
@@ -245,6 +248,7 @@ def _decode_kernel(
         j = tl.arange(0, NP)
         kept_ok = j < N
         q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
+        q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
         acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
         loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
         for start in range(c4_lo, c4_hi, BN):
@@ -269,9 +273,11 @@ def _decode_kernel(
         if not WIN_KEPT_FIRST:
             kept = tl.load(kept_ptr + j)
             dropped = tl.load(dropped_ptr + i)
+        if WIN_SCORES_T != SCORES_T:
+            q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
+            q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
         q_drop, q_drop_t = _load_q(q_row + N, h_ok, i, dropped_ok)
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
-        w_off = tl.arange(0, WIN_BN)
         loc = _locations(win_locs, win_lo + w_off, win_hi)
         for start in range(win_lo, win_hi, WIN_BN):
             loc_next = _locations(win_locs, start + WIN_BN + w_off, win_hi)
@@ -286,8 +292,9 @@ def _decode_kernel(
             else:
                 k_kept = _load_columns(data, valid, kept, kept_ok, kept_starts_ptr, scales)
                 k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_starts_ptr, scales)
-            s = (_qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_drop, q_drop_t, k_drop, SCORES_T, INTERPRETED)
-                 + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED))
+            s = (_qk(q_kept, q_kept_t, k_kept, WIN_SCORES_T, INTERPRETED)
+                 + _qk(q_drop, q_drop_t, k_drop, WIN_SCORES_T, INTERPRETED)
+                 + _qk(q_rope, q_rope_t, k_rope, WIN_SCORES_T, INTERPRETED))
             m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
@@ -302,14 +309,18 @@ def _decode_kernel(
         d = tl.arange(0, 512)
         d_ok = d < 448
         q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
+        q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
         acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
-        loc = _locations(win_locs, win_lo + n_off, win_hi)
-        for start in range(win_lo, win_hi, BN):  # window tokens
-            loc_next = _locations(win_locs, start + BN + n_off, win_hi)
+        loc = _locations(win_locs, win_lo + w_off, win_hi)
+        for start in range(win_lo, win_hi, WIN_BN):  # window tokens
+            loc_next = _locations(win_locs, start + WIN_BN + w_off, win_hi)
             valid, data, rope, scales = _load_records(win_ptr, loc, WIN_PER_PAGE, win_stride, 576, WIN_ALIGN, 448)
             loc = loc_next
             m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
-                                                    qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
+                                                    qk_scale, m, l, acc_full, acc_rope, WIN_SCORES_T, INTERPRETED)
+        if WIN_SCORES_T != SCORES_T:
+            q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
+            q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
         loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
         for start in range(c4_lo, c4_hi, BN):  # selected C4 records
             loc_next = _locations(c4_locs, start + BN + n_off, c4_hi)
@@ -426,6 +437,8 @@ def decode(
     num_warps: int = 8,
     num_stages: int = 1,
     scores_transposed: bool = True,
+    window_block_n: int | None = None,
+    window_scores_transposed: bool | None = None,
     columns: str = "natural",
     window_columns: str = "natural",
     splits: int | None = None,
@@ -451,6 +464,10 @@ def decode(
     stock store writes them) or "kept_first" (written by remnant.kernels.store.
     store_kept_first in KeptColumns.order, so the kernel reads them with word loads). The
     native kernel reads natural window records only, and refuses "kept_first".
+
+    window_block_n, window_scores_transposed: the window loop's records per step and score
+    form (None: the C4 loop's; packed records with a natural-order window take at most 16
+    per step). Each loop loads q for itself, so the two loops' forms are independent.
 
     splits: programs per (token, head block), each over its share of the window and of the
     C4 records, joined by _combine_kernel (flash-decoding); None chooses auto_splits: on
@@ -485,7 +502,11 @@ def decode(
     sink = sink.float().contiguous()
     permute = cols.packed and columns == "natural"
     window_kept_first = cols.packed and window_columns == "kept_first"
-    win_bn = block_n if window_kept_first or not cols.packed else min(block_n, 16)
+    if window_block_n is None:  # packed window records read by index: at most 16 per step (their registers)
+        window_block_n = block_n if window_kept_first or not cols.packed else min(block_n, 16)
+    if window_scores_transposed is None:
+        window_scores_transposed = scores_transposed
+    win_bn = window_block_n
     head_blocks = triton.cdiv(heads, h_block)
     win_steps, c4_steps = triton.cdiv(window_locs.shape[1], win_bn), triton.cdiv(c4_locs.shape[1], block_n)
     if splits is None:
@@ -514,6 +535,7 @@ def decode(
         WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
         N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed,
+        WIN_SCORES_T=window_scores_transposed,
         PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
         WIN_BN=win_bn, SPLIT=splits > 1, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,

@@ -101,6 +101,16 @@ def test_decode_split_across_programs_matches_reference(retention, splits, kept_
                  kept_first=kept_first, window_kept_first=window_kept_first, **SOFT, **SMALL)
 
 
+@pytest.mark.parametrize(("retention", "window_kept_first"), [(512, False), (256, True), (256, False)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_decode_with_its_own_window_loop_form(retention, window_kept_first, transposed):
+    # The window loop in the other score form, with twice the C4 loop's records per step
+    # (q loaded again for it).
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 11,
+                 window_kept_first=window_kept_first, scores_transposed=transposed, window_scores_transposed=not transposed,
+                 window_block_n=32, **SOFT, **SMALL)
+
+
 def test_split_count_fills_the_multiprocessors_once():
     assert [splits_for(programs, 132) for programs in (1, 9, 64, 66, 67, 128, 512)] == [16, 14, 2, 2, 1, 1, 1]
 
@@ -182,7 +192,8 @@ def test_decode_refuses_a_window_of_packed_records():
                                     dict(h_block=64, block_n=64, num_warps=8, scores_transposed=True),
                                     dict(h_block=16, block_n=32, num_warps=4),
                                     dict(h_block=64, block_n=32, num_warps=8, scores_transposed=False),
-                                    dict(h_block=64, block_n=16, num_warps=16),
+                                    dict(h_block=64, block_n=64, num_warps=8, scores_transposed=False,
+                                         window_block_n=32, window_scores_transposed=True),
                                     dict(h_block=64, block_n=32, num_warps=8, splits=1)])
 def test_decode_on_gpu_at_v4_shape(retention, config):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)
