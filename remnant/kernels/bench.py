@@ -429,36 +429,40 @@ def _compiled_info(compiled: list) -> dict:
     return info
 
 
-# 64 heads per program (each record read once), 16-64 records per step, scores in both
-# forms (benchmarks/kernels/NOTES.md: the transposed form is the faster for both record
-# formats since the packed kernel stopped spilling; the other stays in the sweep so each
-# run shows it, at about a second a config). 16-warp programs are capped at 128 registers:
-# with 16 records per step they spill 48-64 bytes (ptxas, Triton 3.6), and put four warps
-# on each scheduler instead of two.
-DECODE_CONFIGS = [
-    dict(h_block=64, block_n=block_n, num_warps=8, num_stages=1, scores_transposed=transposed)
-    for block_n in (32, 16, 64) for transposed in (True, False)
-] + [dict(h_block=64, block_n=block_n, num_warps=16, num_stages=1, scores_transposed=True) for block_n in (16, 32)] + [
-    # Two programs of 32 heads per SM (255 registers x 128 threads each): more loads in
-    # flight per SM, each record read twice (the second from L2).
-    dict(h_block=32, block_n=block_n, num_warps=4, num_stages=1, scores_transposed=True) for block_n in (16, 32)
-]
-
-
 # What is tuned, each for its own best config (equal care): native records, and packed
 # records with the window in each code order (the window loop differs: by index or by words).
 TUNED = [("native", "natural"), ("packed", "natural"), ("packed", "kept_first")]
 
+# Per tuned kind, the loop forms in the sweep: (C4 loop records per step, its scores
+# transposed, window loop records per step, its scores transposed), each at 1-3 pipeline
+# stages, 64 heads per program on 8 warps. The forms are the best three per kind of the
+# fourth round's probes (benchmarks/kernels/NOTES.md), which also measured and dropped:
+# 16-warp programs (+35-60%), two 32-head programs per SM (+55-60%), 64 records per step
+# with transposed scores (+30-90%: spills).
+DECODE_FORMS = {
+    ("native", "natural"): [(32, True, 32, True), (64, False, 32, True), (16, True, 16, True)],
+    ("packed", "natural"): [(64, False, 16, True), (32, True, 16, True), (64, True, 16, True)],
+    ("packed", "kept_first"): [(64, False, 32, False), (64, False, 16, True), (32, True, 32, True)],
+}
+DECODE_STAGES = (1, 2, 3)
 
-def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, configs: list[dict], batch: int) -> tuple[list[dict], dict]:
-    """Time every config for each TUNED kind; returns the rows and {kind: its best config}."""
+
+def decode_configs(kind: tuple[str, str], quick: bool) -> list[dict]:
+    forms = DECODE_FORMS[kind][:1] if quick else DECODE_FORMS[kind]
+    return [dict(h_block=64, block_n=bn, num_warps=8, num_stages=stages, scores_transposed=t,
+                 window_block_n=wbn, window_scores_transposed=wt)
+            for bn, t, wbn, wt in forms for stages in ((1,) if quick else DECODE_STAGES)]
+
+
+def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, batch: int) -> tuple[list[dict], dict]:
+    """Time each TUNED kind's configs; returns the rows and {kind: its best config}."""
     rows, best = [], {}
     for variant, window_columns in TUNED:
         case = DecodeCase(variant, 512 if variant == "native" else KERNEL_R, batch, TOPK, WINDOW,
                           window_columns=window_columns)
         kind = (variant, window_columns)
         nbytes, flops = _decode_bytes_flops(case)
-        for config in configs:
+        for config in decode_configs(kind, quick):
             compiled: list = []
             try:
                 error = inputs.check(case, config)
@@ -619,7 +623,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     reconstruct_rows = bench_reconstruct(ceil, big, [KERNEL_R] if quick else [64, KERNEL_R, 448], reps, gen)
     inputs = DecodeInputs(gen)
     progress("decode: tuning")
-    tuning, best = tune_decode(inputs, ceil, reps, DECODE_CONFIGS[:2] if quick else DECODE_CONFIGS, batch=128)
+    tuning, best = tune_decode(inputs, ceil, reps, quick, batch=128)
     progress(f"  best: {best}")
     progress("decode: sweep")
     decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick))

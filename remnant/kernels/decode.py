@@ -43,6 +43,16 @@ COLUMN_ORDERS = ("natural", "kept_first")
 LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 EMPTY_MAX: tl.constexpr = tl.constexpr(-1e30)  # the running max of a split before its first record
 MAX_SPLITS = 16
+# The fastest launch settings per kernel in the tuning of an H200 (remnant-kernels,
+# benchmarks/kernels/h200-2026-11-30-r4.json; NOTES.md, fourth round): 64 heads per program
+# on 8 warps, then these. Packed window records in natural order are read by column index,
+# whose pointers per byte allow at most 16 records per step.
+DEFAULT_CONFIGS = {
+    "native": dict(block_n=32, num_stages=3, scores_transposed=True, window_block_n=32, window_scores_transposed=True),
+    "packed": dict(block_n=64, num_stages=1, scores_transposed=False, window_block_n=16, window_scores_transposed=True),
+    "packed, kept-first window": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
+                                      window_scores_transposed=False),
+}
 
 
 @triton.jit
@@ -433,10 +443,10 @@ def decode(
     out: torch.Tensor | None = None,
     check_range: bool = False,
     h_block: int = 64,
-    block_n: int = 32,
+    block_n: int | None = None,
     num_warps: int = 8,
-    num_stages: int = 1,
-    scores_transposed: bool = True,
+    num_stages: int | None = None,
+    scores_transposed: bool | None = None,
     window_block_n: int | None = None,
     window_scores_transposed: bool | None = None,
     columns: str = "natural",
@@ -448,11 +458,15 @@ def decode(
 
     q: bf16/float [B, H, 512]; c4_locs int [B, K], window_locs int [B, W] (-1 = padding);
     sink float [H]; keep None for native C4 records, int64 [N] (or its KeptColumns) for
-    packed ones. The default
-    config (64 heads per program, 32 records per step, 8 warps, scores as (K q^T)^T) was
-    the fastest of the remnant-kernels tuning sweep on an H200 for both record formats
-    (benchmarks/kernels/NOTES.md). Returns out [B, H, 512] in q's dtype (or writes the
-    given `out`, [B, H, 512] with contiguous rows; its dtype may differ from q's).
+    packed ones. Returns out [B, H, 512] in q's dtype (or writes the given `out`, [B, H,
+    512] with contiguous rows; its dtype may differ from q's).
+
+    Launch config: 64 heads per program on 8 warps; block_n records per step in the C4
+    loop, window_block_n in the window loop, each loop's scores as (K q^T)^T or q K^T
+    (scores_transposed, window_scores_transposed), num_stages of Triton's software
+    pipeline (records of later steps loaded while a step computes). Settings left None
+    come from DEFAULT_CONFIGS, the fastest per kernel in the H200 tuning
+    (benchmarks/kernels/NOTES.md).
 
     columns (packed records): "natural", q and out in the model's column order, permuted
     to and from kept-first order around the kernel (permute_columns, one pass each); or
@@ -464,10 +478,6 @@ def decode(
     stock store writes them) or "kept_first" (written by remnant.kernels.store.
     store_kept_first in KeptColumns.order, so the kernel reads them with word loads). The
     native kernel reads natural window records only, and refuses "kept_first".
-
-    window_block_n, window_scores_transposed: the window loop's records per step and score
-    form (None: the C4 loop's; packed records with a natural-order window take at most 16
-    per step). Each loop loads q for itself, so the two loops' forms are independent.
 
     splits: programs per (token, head block), each over its share of the window and of the
     C4 records, joined by _combine_kernel (flash-decoding); None chooses auto_splits: on
@@ -502,11 +512,11 @@ def decode(
     sink = sink.float().contiguous()
     permute = cols.packed and columns == "natural"
     window_kept_first = cols.packed and window_columns == "kept_first"
-    if window_block_n is None:  # packed window records read by index: at most 16 per step (their registers)
-        window_block_n = block_n if window_kept_first or not cols.packed else min(block_n, 16)
-    if window_scores_transposed is None:
-        window_scores_transposed = scores_transposed
-    win_bn = window_block_n
+    given = dict(block_n=block_n, num_stages=num_stages, scores_transposed=scores_transposed,
+                 window_block_n=window_block_n, window_scores_transposed=window_scores_transposed)
+    kind = "native" if not cols.packed else "packed, kept-first window" if window_kept_first else "packed"
+    config = {name: DEFAULT_CONFIGS[kind][name] if value is None else value for name, value in given.items()}
+    block_n, num_stages, win_bn = config["block_n"], config["num_stages"], config["window_block_n"]
     head_blocks = triton.cdiv(heads, h_block)
     win_steps, c4_steps = triton.cdiv(window_locs.shape[1], win_bn), triton.cdiv(c4_locs.shape[1], block_n)
     if splits is None:
@@ -534,8 +544,8 @@ def decode(
         cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E,
         WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
-        N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=scores_transposed,
-        WIN_SCORES_T=window_scores_transposed,
+        N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
+        WIN_SCORES_T=config["window_scores_transposed"],
         PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
         WIN_BN=win_bn, SPLIT=splits > 1, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,

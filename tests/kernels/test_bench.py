@@ -81,6 +81,18 @@ def test_targets_are_ratios_of_this_run():
     assert "W=128 s=2 " in shown and "W=128 s=4!" in shown
 
 
+def test_each_tuned_kind_sweeps_its_forms_at_each_pipeline_depth():
+    from remnant.kernels.bench import TUNED, decode_configs
+
+    for kind in TUNED:
+        configs = decode_configs(kind, quick=False)
+        assert len(configs) == 9 and {c["num_stages"] for c in configs} == {1, 2, 3}
+        assert len(decode_configs(kind, quick=True)) == 1
+    doc = _doc()
+    doc["decode"][0]["config"] = decode_configs(("packed", "kept_first"), quick=False)[0]
+    validate(doc)
+
+
 def test_schema_refuses_a_decode_row_without_its_splits():
     doc = _doc()
     del doc["decode"][1]["splits"]
