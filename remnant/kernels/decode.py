@@ -33,6 +33,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from remnant.kernels.common import alignment, check_locs, record_addresses
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
@@ -533,23 +534,27 @@ def decode(
         out_k = torch.empty_like(q_in, dtype=out.dtype) if permute else out
         lse = sink  # not read
         out_strides = (0, *out_k.stride()[:2])
-    kernel = _decode_kernel[(head_blocks, batch, splits)](
-        q_in, q_in.stride(0), q_in.stride(1),
-        out_k, *out_strides, lse,
-        sink, heads,
-        window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
-        triton.cdiv(win_steps, splits) * win_bn,
-        c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
-        triton.cdiv(c4_steps, splits) * block_n,
-        cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E,
-        WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
-        C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
-        N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
-        WIN_SCORES_T=config["window_scores_transposed"],
-        PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
-        WIN_BN=win_bn, SPLIT=splits > 1, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    try:
+        kernel = _decode_kernel[(head_blocks, batch, splits)](
+            q_in, q_in.stride(0), q_in.stride(1),
+            out_k, *out_strides, lse,
+            sink, heads,
+            window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
+            triton.cdiv(win_steps, splits) * win_bn,
+            c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
+            triton.cdiv(c4_steps, splits) * block_n,
+            cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E,
+            WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
+            C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
+            N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
+            WIN_SCORES_T=config["window_scores_transposed"],
+            PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
+            WIN_BN=win_bn, SPLIT=splits > 1, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    except OutOfResources as exc:  # name the settings, not only the kernel's shared memory
+        raise ValueError(f"decode launch settings {dict(h_block=h_block, num_warps=num_warps, **config)} need "
+                         f"{exc.required} bytes of {exc.name}, the GPU has {exc.limit}: lower num_stages or block_n") from exc
     if splits > 1:  # the join also takes the output back to the model's order (permute)
         combine_heads = 8
         _combine_kernel[(triton.cdiv(heads, combine_heads), batch)](

@@ -188,15 +188,24 @@ def test_decode_refuses_a_window_of_packed_records():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("retention", [256, 512, 128])
-@pytest.mark.parametrize("config", [dict(h_block=64, block_n=32, num_warps=8),
-                                    dict(h_block=64, block_n=64, num_warps=8, scores_transposed=True),
+@pytest.mark.parametrize("config", [dict(),  # DEFAULT_CONFIGS
+                                    dict(h_block=64, block_n=64, num_warps=8, num_stages=1, scores_transposed=True),
                                     dict(h_block=16, block_n=32, num_warps=4),
-                                    dict(h_block=64, block_n=32, num_warps=8, scores_transposed=False),
-                                    dict(h_block=64, block_n=64, num_warps=8, scores_transposed=False,
+                                    dict(h_block=64, block_n=32, num_warps=8, num_stages=1, scores_transposed=False),
+                                    dict(h_block=64, block_n=64, num_warps=8, num_stages=1, scores_transposed=False,
                                          window_block_n=32, window_scores_transposed=True),
-                                    dict(h_block=64, block_n=32, num_warps=8, splits=1)])
+                                    dict(h_block=64, block_n=32, num_warps=8, num_stages=2, splits=1)])
 def test_decode_on_gpu_at_v4_shape(retention, config):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_decode_names_launch_settings_beyond_shared_memory():
+    # 64 native records per step in the transposed form at 3 stages: about 250 KB.
+    with pytest.raises(ValueError, match=r"decode launch settings .*'num_stages': 3.* lower num_stages or block_n"):
+        check_decode(batch=2, heads=64, topk=128, window=0, retention=512, seed=1, block_n=64, num_stages=3,
+                     scores_transposed=True, window_block_n=64, window_scores_transposed=True)
 
 
 @pytest.mark.gpu
