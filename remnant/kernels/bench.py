@@ -8,8 +8,9 @@ after warm-up; the median replay over the rotation length is the time of one cal
 
 Bytes are the fewest a call must move (each input read once, each output written once);
 FLOPs count the tensor-core work the kernel issues (padding included: a packed kernel at
-R = 256 multiplies 256 padded kept columns and 64 RoPE columns per C4 record, and for
-window tokens the kept and the dropped columns, each padded, plus RoPE). The JSON (schema
+R = 384 multiplies its 320 kept columns as blocks of 256 and 64, and 64 RoPE columns, per
+C4 record, and for window tokens the kept blocks, the dropped columns padded to a power of
+two, and RoPE). The JSON (schema
 remnant/kernel-bench v4) is validated before it is written.
 """
 
@@ -253,18 +254,22 @@ def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:
     io = 2 * case.batch * HEADS * 512 * 2  # q read, out written (bf16)
     nbytes = case.batch * (case.topk * (rb + 4) + case.window * (584 + 4)) + io
     # Multiply-adds the kernel issues per (head, record), padding included (x 2 FLOPs):
-    # native: 512 + 64 columns for the score and for P.V. Packed C4 records: kept columns
-    # padded to a power of two, plus RoPE, for both. Packed window tokens: kept and dropped
-    # columns (each padded) plus RoPE, for both.
+    # native: 512 + 64 columns for the score and for P.V. Packed C4 records: the kept
+    # column blocks (remnant.kernels.decode.kept_column_blocks), plus RoPE, for both.
+    # Packed window tokens: kept blocks, dropped columns padded to a power of two, plus
+    # RoPE, for both.
     if case.variant == "native":
         c4_macs = win_macs = 2 * (512 + 64)
     else:
+        from remnant.kernels.decode import kept_column_blocks
+
         def padded(n: int) -> int:
             return max(16, 2 ** math.ceil(math.log2(max(n, 1))))
 
         kept = case.retention - 64
-        c4_macs = 2 * (padded(kept) + 64)
-        win_macs = 2 * (padded(kept) + padded(448 - kept) + 64)
+        kept_macs = sum(kept_column_blocks(kept, padded(kept)))
+        c4_macs = 2 * (kept_macs + 64)
+        win_macs = 2 * (kept_macs + padded(448 - kept) + 64)
     flops = 2 * case.batch * HEADS * (case.topk * c4_macs + case.window * win_macs)
     return nbytes, float(flops)
 

@@ -90,12 +90,12 @@ def _load_words(data, valid, WORDS: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
-def _load_columns(data, valid, cols, cols_ok, starts_ptr, scales):
-    """Dequantized codes of the native columns `cols` [C] (a sorted set, tile starts at
-    starts_ptr) of each record, bf16 [BN, C] (byte loads by index; the record's lines are
-    shared by the whole block, L1-served)."""
+def _load_columns(data, valid, cols, cols_ok, positions, starts_ptr, scales):
+    """Dequantized codes of the native columns `cols` [C] (at `positions` of a sorted set,
+    tile starts at starts_ptr) of each record, bf16 [BN, C] (byte loads by index; the
+    record's lines are shared by the whole block, L1-served)."""
     codes = tl.load(data[:, None] + cols[None, :], mask=valid[:, None] & cols_ok[None, :], other=0)
-    return _dequant(codes, tl.arange(0, cols.shape[0]), starts_ptr, scales, False)
+    return _dequant(codes, positions, starts_ptr, scales, False)
 
 
 @triton.jit
@@ -211,7 +211,7 @@ def _decode_kernel(
     c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride, c4_chunk,
     kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr, qk_scale,
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
-    N: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr,
+    N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
     SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -253,40 +253,59 @@ def _decode_kernel(
         # columns in map order, then the 448 - N dropped ones, then RoPE at 448, so both
         # column sets load and store contiguously (scattered bf16 stores of the output by
         # column index cost the H200 56 us of a 186 us call at batch 128). Each set has
-        # one accumulator: acc_kept (C4 records and window tokens add to it) and acc_drop
+        # its accumulators: acc_kept (C4 records and window tokens add to it) and acc_drop
         # (window tokens only). C4 records come first, so acc_drop is live only in the
-        # window loop (the softmax does not depend on the order).
-        j = tl.arange(0, NP)
+        # window loop (the softmax does not depend on the order). The kept set is one
+        # block of KA columns (padded to a power of two) or, when N is not a power of two,
+        # KA columns (KA_N of them kept) and a tail of KT (N = 192: 128 and 64, not 256
+        # with 64 of padding in every product and accumulator).
+        j = tl.arange(0, KA)
         kept_ok = j < N
         q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
         q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
-        acc_kept = tl.zeros((H_BLOCK, NP), dtype=tl.float32)
+        acc_kept = tl.zeros((H_BLOCK, KA), dtype=tl.float32)
+        if KT:
+            t = tl.arange(0, KT)
+            tail_ok = t < N - KA
+            q_tail, q_tail_t = _load_q(q_row + KA, h_ok, t, tail_ok)
+            acc_tail = tl.zeros((H_BLOCK, KT), dtype=tl.float32)
         loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
         for start in range(c4_lo, c4_hi, BN):
             loc_next = _locations(c4_locs, start + BN + n_off, c4_hi)
             valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, N + 128, C4_ALIGN, N)
             loc = loc_next
             k_rope = rope.to(tl.bfloat16)
-            k_kept = _dequant(_code_bytes(_load_words(data, valid, N // 4, NP // 4)), j, kept_starts_ptr, scales, False)
+            k_kept = _dequant(_code_bytes(_load_words(data, valid, KA_N // 4, KA // 4)), j, kept_starts_ptr,
+                              scales, False)
             s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
+            if KT:
+                k_tail = _dequant(_code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4)), KA + t,
+                                  kept_starts_ptr, scales, False)
+                s += _qk(q_tail, q_tail_t, k_tail, SCORES_T, INTERPRETED)
             m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+            if KT:
+                acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
             m = m_new
         # Window tokens: native records. In natural order their codes are read by native
         # column index into both sets; the index loads hold a pointer per byte, so this loop
         # then takes at most 16 records per step (its registers bound the whole kernel's),
         # and it cost the packed kernel 67 us of 130 on the H200 against the native
         # kernel's 20 us for the same tokens. WIN_KEPT_FIRST: the records' codes are in
-        # kept-first order (store_kept_first), read as two runs of words.
+        # kept-first order (store_kept_first), read as runs of words.
         i = tl.arange(0, DP)
         dropped_ok = i < 448 - N
         if not WIN_KEPT_FIRST:
             kept = tl.load(kept_ptr + j)
             dropped = tl.load(dropped_ptr + i)
+            if KT:
+                kept_tail = tl.load(kept_ptr + KA + t)
         if WIN_SCORES_T != SCORES_T:
             q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
             q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
+            if KT:
+                q_tail, q_tail_t = _load_q(q_row + KA, h_ok, t, tail_ok)
         q_drop, q_drop_t = _load_q(q_row + N, h_ok, i, dropped_ok)
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         loc = _locations(win_locs, win_lo + w_off, win_hi)
@@ -296,24 +315,37 @@ def _decode_kernel(
             loc = loc_next
             k_rope = rope.to(tl.bfloat16)
             if WIN_KEPT_FIRST:
-                # Window records written in kept-first order: both sets are word loads.
-                k_kept = _dequant(_code_bytes(_load_words(data, valid, N // 4, NP // 4)), j, kept_starts_ptr, scales, False)
+                # Window records written in kept-first order: every set is word loads.
+                k_kept = _dequant(_code_bytes(_load_words(data, valid, KA_N // 4, KA // 4)), j, kept_starts_ptr,
+                                  scales, False)
                 k_drop = _dequant(_code_bytes(_load_words(data + N, valid, (448 - N) // 4, DP // 4)), i,
                                   dropped_starts_ptr, scales, False)
+                if KT:
+                    k_tail = _dequant(_code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4)), KA + t,
+                                      kept_starts_ptr, scales, False)
             else:
-                k_kept = _load_columns(data, valid, kept, kept_ok, kept_starts_ptr, scales)
-                k_drop = _load_columns(data, valid, dropped, dropped_ok, dropped_starts_ptr, scales)
+                k_kept = _load_columns(data, valid, kept, kept_ok, j, kept_starts_ptr, scales)
+                k_drop = _load_columns(data, valid, dropped, dropped_ok, i, dropped_starts_ptr, scales)
+                if KT:
+                    k_tail = _load_columns(data, valid, kept_tail, tail_ok, KA + t, kept_starts_ptr, scales)
             s = (_qk(q_kept, q_kept_t, k_kept, WIN_SCORES_T, INTERPRETED)
                  + _qk(q_drop, q_drop_t, k_drop, WIN_SCORES_T, INTERPRETED)
                  + _qk(q_rope, q_rope_t, k_rope, WIN_SCORES_T, INTERPRETED))
+            if KT:
+                s += _qk(q_tail, q_tail_t, k_tail, WIN_SCORES_T, INTERPRETED)
             m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
             acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
             acc_drop = acc_drop * alpha[:, None] + _mma(pb, k_drop, INTERPRETED)
+            if KT:
+                acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
             m = m_new
         inv_l = _inverse_sum(l, SPLIT)
         out_ty = out_ptr.dtype.element_ty
         tl.store(o_row[:, None] + j[None, :], (acc_kept * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & kept_ok[None, :])
+        if KT:
+            tl.store(o_row[:, None] + KA + t[None, :], (acc_tail * inv_l[:, None]).to(out_ty),
+                     mask=h_ok[:, None] & tail_ok[None, :])
         tl.store(o_row[:, None] + N + i[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & dropped_ok[None, :])
     else:
@@ -407,6 +439,17 @@ def permute_columns(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | No
             x, x.stride(0), x.stride(1), out, out.stride(0), out.stride(1), index, heads,
             C=width, H_BLOCK=h_block, num_warps=4)
     return out
+
+
+def kept_column_blocks(n_kept: int, padded: int) -> tuple[int, int]:
+    """The packed kernel's kept set as (KA, KT): KA columns in one power-of-two block and a
+    tail of KT (0: none). N = 192 is 128 + 64 rather than 256 with 64 columns of zeros in
+    every product and accumulator; a tail pays only where it is smaller than the padding."""
+    if n_kept <= 16 or n_kept & (n_kept - 1) == 0:
+        return padded, 0
+    head = 1 << (n_kept.bit_length() - 1)
+    tail = max(16, 1 << (n_kept - head - 1).bit_length())
+    return (head, tail) if head + tail < padded else (padded, 0)
 
 
 def splits_for(programs: int, multiprocessors: int) -> int:
@@ -519,6 +562,7 @@ def decode(
     config = {name: DEFAULT_CONFIGS[kind][name] if value is None else value for name, value in given.items()}
     block_n, num_stages, win_bn = config["block_n"], config["num_stages"], config["window_block_n"]
     head_blocks = triton.cdiv(heads, h_block)
+    kept_blocks = kept_column_blocks(cols.n_kept, cols.kept.numel())
     win_steps, c4_steps = triton.cdiv(window_locs.shape[1], win_bn), triton.cdiv(c4_locs.shape[1], block_n)
     if splits is None:
         splits = auto_splits(batch * head_blocks, q.device)
@@ -546,7 +590,9 @@ def decode(
             cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E,
             WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
             C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
-            N=cols.n_kept, NP=cols.kept.numel(), DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
+            N=cols.n_kept, KA=kept_blocks[0], KA_N=min(cols.n_kept, kept_blocks[0]), KT=kept_blocks[1],
+        DP=cols.dropped.numel(),
+        SCORES_T=config["scores_transposed"],
             WIN_SCORES_T=config["window_scores_transposed"],
             PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
             WIN_BN=win_bn, SPLIT=splits > 1, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",

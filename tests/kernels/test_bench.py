@@ -14,9 +14,12 @@ def test_decode_bytes_count_records_locations_and_io():
     nbytes, flops = _decode_bytes_flops(DecodeCase("packed", 256, batch=2, topk=512, window=128))
     io = 2 * 2 * 64 * 512 * 2
     assert nbytes == 2 * (512 * (328 + 4) + 128 * (584 + 4)) + io
-    # C4: kept 192 -> 256 padded + 64 RoPE, score and P.V; window: kept (256 padded),
+    # C4: kept 192 as blocks of 128 and 64, + 64 RoPE, score and P.V; window: kept (192),
     # dropped (256) and RoPE (64), score and P.V.
-    assert flops == 2 * 2 * 64 * (512 * 2 * 320 + 128 * 2 * (256 + 256 + 64))
+    assert flops == 2 * 2 * 64 * (512 * 2 * 256 + 128 * 2 * (192 + 256 + 64))
+    # R = 320: 256 kept columns, one block (a power of two); dropped 192 padded to 256.
+    _, flops_320 = _decode_bytes_flops(DecodeCase("packed", 320, batch=1, topk=1, window=1))
+    assert flops_320 == 2 * 64 * (2 * (256 + 64) + 2 * (256 + 256 + 64))
     native_bytes, _ = _decode_bytes_flops(DecodeCase("native", 512, batch=2, topk=512, window=128))
     assert native_bytes == 2 * (640 * 588) + io
 

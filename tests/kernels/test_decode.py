@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels.decode import decode, permute_columns, splits_for
+from remnant.kernels.decode import decode, kept_column_blocks, permute_columns, splits_for
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
@@ -109,6 +109,13 @@ def test_decode_with_its_own_window_loop_form(retention, window_kept_first, tran
     check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 11,
                  window_kept_first=window_kept_first, scores_transposed=transposed, window_scores_transposed=not transposed,
                  window_block_n=32, **SOFT, **SMALL)
+
+
+def test_kept_columns_split_into_a_power_of_two_and_a_tail_only_where_it_saves_padding():
+    # (N kept, padded table size) -> (block, tail): R = 256, 384, 448 get a tail.
+    cases = {(0, 16): (16, 0), (64, 64): (64, 0), (128, 128): (128, 0), (192, 256): (128, 64), (256, 256): (256, 0),
+             (320, 512): (256, 64), (384, 512): (256, 128), (448, 512): (512, 0)}
+    assert {key: kept_column_blocks(*key) for key in cases} == cases
 
 
 def test_split_count_fills_the_multiprocessors_once():
