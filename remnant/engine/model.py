@@ -199,10 +199,10 @@ class FoldedWeights:
     """A kernel-mode CSA layer's wq_b and wo with the packed decode kernel's kept-first
     column order (KeptColumns.order) folded into the projections, per head.
 
-    q = rope(rms_norm(q_lora @ wq_b)) comes out in kept-first order exactly: the per-head
-    rms_norm does not depend on column order and RoPE acts on columns 448..511, which the
-    order leaves in place. o (kept-first) @ wo is natural o @ natural wo up to float
-    summation order. The decode kernel then takes q and gives out in its own order
+    q = rope(rms_norm(q_lora @ wq_b)) comes out as natural q in kept-first order, up to
+    float summation order: the per-head rms_norm does not depend on column order (its sum
+    runs in another order) and RoPE acts on columns 448..511, which the order leaves in
+    place. Likewise o (kept-first) @ wo is natural o @ natural wo. The decode kernel then takes q and gives out in its own order
     (columns="kept_first") instead of permuting both around the call, about 20 of 120 us
     at batch 128 on an H200 (benchmarks/kernels/NOTES.md, "Third round").
     """

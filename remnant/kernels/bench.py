@@ -242,11 +242,11 @@ class DecodeCase:
     splits: int | None = None  # programs per token and head block (decode's splits); None: auto_splits
 
     def resolved_splits(self, config: dict) -> int:
-        from remnant.kernels.decode import auto_splits
+        """The splits decode runs for this case under `config` (which names every loop setting)."""
+        from remnant.kernels.decode import split_count
 
-        if self.splits is not None:
-            return self.splits
-        return auto_splits(self.batch * math.ceil(HEADS / config["h_block"]), torch.device("cuda"))
+        return split_count(self.splits, self.batch * math.ceil(HEADS / config["h_block"]), self.window, self.topk,
+                           config["block_n"], config["window_block_n"], torch.device("cuda"))
 
 
 def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:

@@ -1,7 +1,8 @@
 """decode: sparse decode attention over native or packed records (one CSA layer's C4
 records; the engine also passes HCA layers' C128 records, or none, in the same slot).
 
-For each decode token b and each block of H_BLOCK query heads, one program runs one online
+For each decode token b and each block of H_BLOCK query heads, one program (or `splits`
+programs, each over a share of the records, joined by their log-sum-exp) runs one online
 softmax over the attention sink, W window tokens and K selected C4 records, V = K (the same
 512-vector), as DeepSeek-V4's sparse MLA decode does. Window tokens are native records;
 C4 records are native (the stock baseline) or packed (kernel mode).
@@ -18,8 +19,9 @@ kept-first column order (KeptColumns.order): q is read and out written as the N 
 columns in map order, the 448 - N dropped ones, then RoPE, each set contiguous. Scores of
 C4 records use the kept columns and RoPE only and add to acc_kept; window records
 (native) add to acc_kept and acc_drop, their codes read by column index into both sets or,
-when they were written in kept-first order (window_columns="kept_first"), as two runs of
-words. Every output column has exactly one accumulator and is rounded to bf16 once. The
+when they were written in kept-first order (window_columns="kept_first"), as runs of
+words. (A kept set whose size is not a power of two is a block and a tail, each with its
+own accumulator: kept_column_blocks.) Every output column has exactly one accumulator and is rounded to bf16 once. The
 wrapper permutes q and out to and from that order (permute_columns) unless the caller
 passes them in it (columns="kept_first": the permutation folded into the model's
 projections).
@@ -47,7 +49,7 @@ MAX_SPLITS = 16
 # The fastest launch settings per kernel in the tuning of an H200 (remnant-kernels,
 # benchmarks/kernels/h200-2026-11-30-r5.json; NOTES.md, fourth round): 64 heads per program
 # on 8 warps, then these. Packed window records in natural order are read by column index,
-# whose pointers per byte allow at most 16 records per step.
+# a pointer per byte, whose registers make 16 records per step their best (more spill).
 DEFAULT_CONFIGS = {
     "native": dict(block_n=32, num_stages=3, scores_transposed=True, window_block_n=32, window_scores_transposed=True),
     "packed": dict(block_n=32, num_stages=3, scores_transposed=True, window_block_n=16, window_scores_transposed=True),
@@ -223,7 +225,7 @@ def _decode_kernel(
     heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
     h_ok = heads < H
     q_row = q_ptr + b * q_sb + heads * q_sh
-    o_row = out_ptr + split * o_ss + b * o_sb + heads * o_sh
+    o_row = out_ptr + split.to(tl.int64) * o_ss + b * o_sb + heads * o_sh
     # This program's share of the window and of the C4 records (all of them unless SPLIT).
     win_lo = split * win_chunk
     win_hi = tl.minimum(W, win_lo + win_chunk)
@@ -256,9 +258,9 @@ def _decode_kernel(
         # its accumulators: acc_kept (C4 records and window tokens add to it) and acc_drop
         # (window tokens only). C4 records come first, so acc_drop is live only in the
         # window loop (the softmax does not depend on the order). The kept set is one
-        # block of KA columns (padded to a power of two) or, when N is not a power of two,
-        # KA columns (KA_N of them kept) and a tail of KT (N = 192: 128 and 64, not 256
-        # with 64 of padding in every product and accumulator).
+        # block of KA columns (a power of two, KA_N of them kept) or, when N is not a
+        # power of two, a block of KA = KA_N columns and a tail of KT (N = 192: 128 and
+        # 64, not 256 with 64 of padding in every product and accumulator).
         j = tl.arange(0, KA)
         kept_ok = j < N
         q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
@@ -290,8 +292,8 @@ def _decode_kernel(
             m = m_new
         # Window tokens: native records. In natural order their codes are read by native
         # column index into both sets; the index loads hold a pointer per byte, so this loop
-        # then takes at most 16 records per step (its registers bound the whole kernel's),
-        # and it cost the packed kernel 67 us of 130 on the H200 against the native
+        # runs best at 16 records per step (its registers bound the whole kernel's), and
+        # it cost the packed kernel 67 us of 130 on the H200 against the native
         # kernel's 20 us for the same tokens. WIN_KEPT_FIRST: the records' codes are in
         # kept-first order (store_kept_first), read as runs of words.
         i = tl.arange(0, DP)
@@ -393,14 +395,15 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, B, H,
     c = tl.arange(0, 512)
     cols = tl.load(index_ptr + c) if GATHER else c
     lse_row = lse_ptr + b * H + heads
+    split_stride = B.to(tl.int64) * H
     top = tl.load(lse_row, mask=h_ok, other=0.0)
     for s in tl.static_range(1, S):
-        top = tl.maximum(top, tl.load(lse_row + s * B * H, mask=h_ok, other=0.0))
+        top = tl.maximum(top, tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0))
     acc = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
     norm = tl.zeros((H_BLOCK,), dtype=tl.float32)
     for s in tl.static_range(S):
-        w = tl.exp2(tl.load(lse_row + s * B * H, mask=h_ok, other=0.0) - top)
-        rows = part_ptr + ((s * B + b) * H + heads) * 512
+        w = tl.exp2(tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0) - top)
+        rows = part_ptr + (s * split_stride + b * H + heads) * 512
         acc += w[:, None] * tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None], other=0.0)
         norm += w
     out = acc / norm[:, None]
@@ -458,6 +461,17 @@ def splits_for(programs: int, multiprocessors: int) -> int:
     shared memory), so a batch below the SM count leaves SMs idle without splits, and
     above it more splits would only queue (benchmarks/kernels/NOTES.md)."""
     return max(1, min(MAX_SPLITS, multiprocessors // max(programs, 1)))
+
+
+def split_count(splits: int | None, programs: int, window: int, topk: int, block_n: int, window_block_n: int,
+                device: torch.device) -> int:
+    """The splits decode runs: `splits` (None: auto_splits), at most one per step of the
+    longer loop (a split without a step of its own would only add a partial)."""
+    if splits is None:
+        splits = auto_splits(programs, device)
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    return min(splits, max(-(-window // window_block_n), -(-topk // block_n), 1))
 
 
 def auto_splits(programs: int, device: torch.device) -> int:
@@ -564,11 +578,7 @@ def decode(
     head_blocks = triton.cdiv(heads, h_block)
     kept_blocks = kept_column_blocks(cols.n_kept, cols.kept.numel())
     win_steps, c4_steps = triton.cdiv(window_locs.shape[1], win_bn), triton.cdiv(c4_locs.shape[1], block_n)
-    if splits is None:
-        splits = auto_splits(batch * head_blocks, q.device)
-    if splits < 1:
-        raise ValueError(f"splits must be >= 1, got {splits}")
-    splits = min(splits, max(win_steps, c4_steps, 1))  # no split without a step of its own
+    splits = split_count(splits, batch * head_blocks, window_locs.shape[1], c4_locs.shape[1], block_n, win_bn, q.device)
     q_in = permute_columns(q, cols.order) if permute else q
     if splits > 1:  # normalized partial outputs and their log-sum-exp, joined below
         out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=torch.float32, device=q.device)

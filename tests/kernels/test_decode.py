@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels.decode import decode, kept_column_blocks, permute_columns, splits_for
+from remnant.kernels.decode import decode, kept_column_blocks, permute_columns, split_count, splits_for
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
@@ -98,7 +98,7 @@ def test_decode_split_across_programs_matches_reference(retention, splits, kept_
     # topk 37 and window 21 at 16 per step: 3 C4 steps and 2 window steps, so at 3 splits
     # and more (4 is capped to 3) one split gets C4 records only.
     check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + splits, splits=splits,
-                 kept_first=kept_first, window_kept_first=window_kept_first, **SOFT, **SMALL)
+                 kept_first=kept_first, window_kept_first=window_kept_first, window_block_n=16, **SOFT, **SMALL)
 
 
 @pytest.mark.parametrize(("retention", "window_kept_first"), [(512, False), (256, True), (256, False)])
@@ -120,6 +120,9 @@ def test_kept_columns_split_into_a_power_of_two_and_a_tail_only_where_it_saves_p
 
 def test_split_count_fills_the_multiprocessors_once():
     assert [splits_for(programs, 132) for programs in (1, 9, 64, 66, 67, 128, 512)] == [16, 14, 2, 2, 1, 1, 1]
+    # At most one split per step of the longer loop: 37 records at 16 per step are 3 steps.
+    cpu = torch.device("cpu")
+    assert [split_count(s, 1, 21, 37, 16, 32, cpu) for s in (None, 2, 3, 8)] == [1, 2, 3, 3]
 
 
 def test_decode_refuses_zero_splits():
