@@ -442,8 +442,8 @@ TUNED = [("native", "natural"), ("packed", "natural"), ("packed", "kept_first")]
 # transposed, window loop records per step, its scores transposed), each at 1-3 pipeline
 # stages, 64 heads per program on 8 warps. The forms are the best three per kind of the
 # fourth round's probes (benchmarks/kernels/NOTES.md), which also measured and dropped:
-# 16-warp programs (+35-60%), two 32-head programs per SM (+55-60%), 64 records per step
-# with transposed scores (+30-90%: spills).
+# 16-warp programs (+35-60%), two 32-head programs per SM (+55-60%), and for native records
+# 64 records per step with transposed scores (+35-90%: spills).
 DECODE_FORMS = {
     ("native", "natural"): [(32, True, 32, True), (64, False, 32, True), (16, True, 16, True)],
     ("packed", "natural"): [(64, False, 16, True), (32, True, 16, True), (64, True, 16, True)],
