@@ -10,8 +10,8 @@ C4 records are native (the stock baseline) or packed (kernel mode).
 Both variants share this code and its care: native and packed C4 records are read once
 per program as vector loads of 4-byte words (16-byte vectors on SGLang's pages, 8-byte on
 plain rows), bf16 RoPE and one int64 of scales, on addresses the compiler is told are
-aligned; scales are applied by building the float32 2^(s-127) from the UE8M0 byte
-(exact), keys are dequantized to bf16 (exact: FP8 e4m3 times a power of two), and both
+aligned; each column's scale is the float32 2^(s-127) built from its tile's UE8M0 byte,
+picked by one byte permute per value (exact; _selected_scales), keys are dequantized to bf16 (exact: FP8 e4m3 times a power of two), and both
 matrix products run on the tensor cores in bf16 with float32 accumulation.
 
 Packed C4 records hold only the kept NoPE coordinates, so the packed variant works in
@@ -72,13 +72,15 @@ def _locations(locs_ptr, n, count):
 def _load_records(base_ptr, loc, PER_PAGE: tl.constexpr, stride,
                   DATA: tl.constexpr, ALIGN: tl.constexpr, ROPE_AT: tl.constexpr):
     """Records at locations loc [BN] (-1: invalid): (valid [BN], data pointers [BN], RoPE
-    bf16 [BN, 64] at byte ROPE_AT, the 8 tail bytes as one int64 [BN])."""
+    bf16 [BN, 64] at byte ROPE_AT, the 7 scale bytes and a zero byte as one int64 [BN])."""
     valid = loc >= 0
     data, tail = record_addresses(base_ptr, tl.maximum(loc, 0), PER_PAGE, stride, DATA, ALIGN)
     r = tl.arange(0, 64)
     rope = tl.load((data + ROPE_AT).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :],
                    mask=valid[:, None], other=0.0)
-    scales = tl.load(tail.to(tl.pointer_type(tl.int64)), mask=valid, other=0)
+    # The pad byte is cleared: selectors (_selected_scales) read it as a zero byte, and
+    # SGLang's quantizer need not write it.
+    scales = tl.load(tail.to(tl.pointer_type(tl.int64)), mask=valid, other=0) & 0x00FFFFFFFFFFFFFF
     return valid, data, rope, scales
 
 
@@ -92,12 +94,10 @@ def _load_words(data, valid, WORDS: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
-def _load_columns(data, valid, cols, cols_ok, positions, starts_ptr, scales):
-    """Dequantized codes of the native columns `cols` [C] (at `positions` of a sorted set,
-    tile starts at starts_ptr) of each record, bf16 [BN, C] (byte loads by index; the
-    record's lines are shared by the whole block, L1-served)."""
-    codes = tl.load(data[:, None] + cols[None, :], mask=valid[:, None] & cols_ok[None, :], other=0)
-    return _dequant(codes, positions, starts_ptr, scales, False)
+def _load_columns(data, valid, cols, cols_ok):
+    """FP8 codes of the native columns `cols` [C] of each record, uint8 [BN, C] (byte loads
+    by index; the record's lines are shared by the whole block, L1-served)."""
+    return tl.load(data[:, None] + cols[None, :], mask=valid[:, None] & cols_ok[None, :], other=0)
 
 
 @triton.jit
@@ -120,23 +120,62 @@ def _tile_scale(scales, t: tl.constexpr):
 
 
 @triton.jit
-def _dequant(codes, col, starts_ptr, scales, ALL_COLUMNS: tl.constexpr):
-    """FP8 codes [BN, C] (uint8) of a sorted column set -> bf16 (exact). col = tl.arange(0,
-    C) are the positions in the set; column j is in scale tile t or later when j >= the
-    set's tile start t (KeptColumns; ALL_COLUMNS: the native set, tile t starts at 64 t).
+def _selectors(cols):
+    """The byte selector of each native column (int32 [C]) for _selected_scales: byte 3
+    of the result from tail byte (its scale tile) col // 64, bytes 0-2 from the zero pad
+    byte 7."""
+    return ((cols >> 6) << 12) | 0x777
 
-    Each column's scale is chosen by a select chain over the 7 tile scales, comparing
-    positions with 7 scalars: no [BN, C] integer tile, and no tile number per column (a
-    per-column tile vector in the MMA operand's layout spilled 4 KB of registers).
-    """
-    scale = tl.broadcast_to(_tile_scale(scales, 0)[:, None], codes.shape)
+
+@triton.jit
+def _selected_scales(scales, sel, INTERPRETED: tl.constexpr):
+    """float32 [BN, C]: each record's scale 2^(s - 127) of each column's tile (exact), picked
+    by the column's selector (_selectors) with one byte permute (prmt) of the 8 tail bytes:
+    it yields s << 24, shifted to the float's exponent field. Three instructions per value
+    where comparing positions with the 7 tile starts took twelve (a quarter of the packed
+    kernel's instructions; benchmarks/kernels/NOTES.md, fifth round). The interpreter has no
+    inline assembly: it shifts the int64 instead (the same bytes)."""
+    if INTERPRETED:
+        tile = ((sel >> 12) & 7).to(tl.int64)
+        s = ((scales[:, None] >> (8 * tile[None, :])) & 0xFF).to(tl.int32)
+        return (s << 23).to(tl.float32, bitcast=True)
+    shape: tl.constexpr = (scales.shape[0], sel.shape[0])
+    byte3 = tl.inline_asm_elementwise(
+        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
+        [tl.broadcast_to(scales.to(tl.int32)[:, None], shape), tl.broadcast_to((scales >> 32).to(tl.int32)[:, None], shape),
+         tl.broadcast_to(sel[None, :], shape)],
+        dtype=tl.int32, is_pure=True, pack=1)
+    return (byte3.to(tl.uint32, bitcast=True) >> 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_start_scales(scales, col, starts_ptr):
+    """float32 [BN, C]: each record's scale of each position `col` [C] of a sorted column set
+    whose tile t starts at position starts_ptr[t] (KeptColumns): position j is in tile t or
+    later when j >= start t, so a select chain over the 7 tile scales compares positions
+    with 7 scalars. Used where a selector per column would be held in the transposed
+    product's operand layout, in which each thread holds many columns and the selectors
+    spilled (packed decode, batch 128: 181 us against 121; NOTES.md, fifth round)."""
+    scale = tl.broadcast_to(_tile_scale(scales, 0)[:, None], (scales.shape[0], col.shape[0]))
     for t in tl.static_range(1, 7):
-        if ALL_COLUMNS:
-            start = 64 * t
-        else:
-            start = tl.load(starts_ptr + t)
-        scale = tl.where(col[None, :] >= start, _tile_scale(scales, t)[:, None], scale)
+        scale = tl.where(col[None, :] >= tl.load(starts_ptr + t), _tile_scale(scales, t)[:, None], scale)
+    return scale
+
+
+@triton.jit
+def _dequant(codes, scale):
+    """FP8 e4m3 codes [BN, C] (uint8) times their scales [BN, C] -> bf16 (exact: the scale is
+    a power of two)."""
     return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _set_scales(scales, col, sel, starts_ptr, BY_SELECTOR: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A packed column set's scales [BN, C]: by its selectors `sel` (BY_SELECTOR, in the
+    q K^T form) or by its positions `col` and tile starts (the transposed form)."""
+    if BY_SELECTOR:
+        return _selected_scales(scales, sel, INTERPRETED)
+    return _tile_start_scales(scales, col, starts_ptr)
 
 
 @triton.jit
@@ -196,7 +235,9 @@ def _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t, 
                  acc_full, acc_rope, SCORES_T: tl.constexpr, INTERPRETED: tl.constexpr):
     """One block of native records (window or C4) into the all-columns accumulators."""
     k_rope = rope.to(tl.bfloat16)
-    k_full = _dequant(_code_bytes(_load_words(data, valid, 112, 128)), tl.arange(0, 512), None, scales, True)
+    # Native selectors come from the column index (no table held), in either form.
+    k_full = _dequant(_code_bytes(_load_words(data, valid, 112, 128)),
+                      _selected_scales(scales, _selectors(tl.arange(0, 512)), INTERPRETED))
     s = _qk(q_full, q_full_t, k_full, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
     m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
     acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
@@ -266,23 +307,27 @@ def _decode_kernel(
         q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
         q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
         acc_kept = tl.zeros((H_BLOCK, KA), dtype=tl.float32)
+        # Each set's scale selectors are loaded before each loop that reads them (they go
+        # unused, and are dropped, in a transposed loop): _set_scales.
+        sel_kept = _selectors(tl.load(kept_ptr + j))
         if KT:
             t = tl.arange(0, KT)
             tail_ok = t < N - KA
             q_tail, q_tail_t = _load_q(q_row + KA, h_ok, t, tail_ok)
             acc_tail = tl.zeros((H_BLOCK, KT), dtype=tl.float32)
+            sel_tail = _selectors(tl.load(kept_ptr + KA + t))
         loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
         for start in range(c4_lo, c4_hi, BN):
             loc_next = _locations(c4_locs, start + BN + n_off, c4_hi)
             valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, N + 128, C4_ALIGN, N)
             loc = loc_next
             k_rope = rope.to(tl.bfloat16)
-            k_kept = _dequant(_code_bytes(_load_words(data, valid, KA_N // 4, KA // 4)), j, kept_starts_ptr,
-                              scales, False)
+            k_kept = _dequant(_code_bytes(_load_words(data, valid, KA_N // 4, KA // 4)),
+                              _set_scales(scales, j, sel_kept, kept_starts_ptr, not SCORES_T, INTERPRETED))
             s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
             if KT:
-                k_tail = _dequant(_code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4)), KA + t,
-                                  kept_starts_ptr, scales, False)
+                k_tail = _dequant(_code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4)),
+                                  _set_scales(scales, KA + t, sel_tail, kept_starts_ptr, not SCORES_T, INTERPRETED))
                 s += _qk(q_tail, q_tail_t, k_tail, SCORES_T, INTERPRETED)
             m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
             acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
@@ -298,11 +343,13 @@ def _decode_kernel(
         # kept-first order (store_kept_first), read as runs of words.
         i = tl.arange(0, DP)
         dropped_ok = i < 448 - N
-        if not WIN_KEPT_FIRST:
-            kept = tl.load(kept_ptr + j)
-            dropped = tl.load(dropped_ptr + i)
-            if KT:
-                kept_tail = tl.load(kept_ptr + KA + t)
+        kept = tl.load(kept_ptr + j)
+        dropped = tl.load(dropped_ptr + i)
+        sel_kept = _selectors(kept)
+        sel_drop = _selectors(dropped)
+        if KT:
+            kept_tail = tl.load(kept_ptr + KA + t)
+            sel_tail = _selectors(kept_tail)
         if WIN_SCORES_T != SCORES_T:
             q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
             q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
@@ -318,18 +365,21 @@ def _decode_kernel(
             k_rope = rope.to(tl.bfloat16)
             if WIN_KEPT_FIRST:
                 # Window records written in kept-first order: every set is word loads.
-                k_kept = _dequant(_code_bytes(_load_words(data, valid, KA_N // 4, KA // 4)), j, kept_starts_ptr,
-                                  scales, False)
-                k_drop = _dequant(_code_bytes(_load_words(data + N, valid, (448 - N) // 4, DP // 4)), i,
-                                  dropped_starts_ptr, scales, False)
+                kept_codes = _code_bytes(_load_words(data, valid, KA_N // 4, KA // 4))
+                drop_codes = _code_bytes(_load_words(data + N, valid, (448 - N) // 4, DP // 4))
                 if KT:
-                    k_tail = _dequant(_code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4)), KA + t,
-                                      kept_starts_ptr, scales, False)
+                    tail_codes = _code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4))
             else:
-                k_kept = _load_columns(data, valid, kept, kept_ok, j, kept_starts_ptr, scales)
-                k_drop = _load_columns(data, valid, dropped, dropped_ok, i, dropped_starts_ptr, scales)
+                kept_codes = _load_columns(data, valid, kept, kept_ok)
+                drop_codes = _load_columns(data, valid, dropped, dropped_ok)
                 if KT:
-                    k_tail = _load_columns(data, valid, kept_tail, tail_ok, KA + t, kept_starts_ptr, scales)
+                    tail_codes = _load_columns(data, valid, kept_tail, tail_ok)
+            k_kept = _dequant(kept_codes, _set_scales(scales, j, sel_kept, kept_starts_ptr, not WIN_SCORES_T, INTERPRETED))
+            k_drop = _dequant(drop_codes, _set_scales(scales, i, sel_drop, dropped_starts_ptr, not WIN_SCORES_T,
+                                                      INTERPRETED))
+            if KT:
+                k_tail = _dequant(tail_codes, _set_scales(scales, KA + t, sel_tail, kept_starts_ptr, not WIN_SCORES_T,
+                                                          INTERPRETED))
             s = (_qk(q_kept, q_kept_t, k_kept, WIN_SCORES_T, INTERPRETED)
                  + _qk(q_drop, q_drop_t, k_drop, WIN_SCORES_T, INTERPRETED)
                  + _qk(q_rope, q_rope_t, k_rope, WIN_SCORES_T, INTERPRETED))

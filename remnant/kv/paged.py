@@ -108,8 +108,9 @@ class KeptColumns:
     kept_tile_starts, dropped_tile_starts: int32 [8], entry t the position in kept (in
     dropped) of the first column of scale tile t or later (entry 7: N, 448 - N). Both lists
     are sorted, so column j of a set lies in tile t or later exactly when j >= entry t: the
-    kernels pick each column's scale by comparing positions with these, not by holding a
-    tile number per column (which spilled registers in the decode kernel).
+    decode kernel's transposed loops pick each column's scale by comparing positions with
+    these, where a value per column held in registers spilled (the other loops derive a
+    byte selector per column from kept and dropped).
     order: int32 [512] kept-first column order (kept in map order, dropped, RoPE 448..511),
     in which the packed decode kernel reads q and writes out (and store_kept_first writes
     window records); inverse: int32 [512], its inverse.

@@ -13,15 +13,23 @@ from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 TOLERANCE = 1e-2
 
 
+def set_pad_bytes(pool: torch.Tensor, layout: PageLayout, value: int) -> None:
+    """Byte 7 of every record's tail (after the 7 scales) set to `value`: SGLang's quantizer
+    need not write it, so the kernels must not read it as a scale or a zero."""
+    tails = pool[:, layout.per_page * layout.data_bytes:][:, : layout.per_page * 8]
+    tails.unflatten(1, (layout.per_page, 8))[:, :, 7] = value
+
+
 def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, window_kept_first=False,
-                 q_scale=2.0, sink_shift=0.0, **config) -> float:
+                 q_scale=2.0, sink_shift=0.0, pad_byte=0, **config) -> float:
     """q_scale, sink_shift: the records' scales span 6 decades, so at q_scale 2 the softmax
     is nearly one-hot and the sink carries no mass; small q and a sink near log(records)
     give every term weight (the sink about a quarter of it at 0.02 and 3).
     kept_first: q and out in kept-first column order (columns="kept_first");
     window_kept_first: the window records' codes in that order (window_columns="kept_first").
     rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
-    ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned)."""
+    ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned).
+    pad_byte: the value of every record's pad byte (set_pad_bytes)."""
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(retention, gen)
     per_page = 1 if rows else 64
@@ -29,6 +37,8 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     c4 = filled_pool(c4_layout, -(-4 * topk // per_page) + 1, keep, gen)
     win_layout = PageLayout.rows(584) if rows else PageLayout.sglang(64)
     win = filled_pool(win_layout, -(-2 * max(window, 1) // per_page) + 1, None, gen)
+    set_pad_bytes(c4, c4_layout, pad_byte)
+    set_pad_bytes(win, win_layout, pad_byte)
     c4_locs = torch.stack([torch.randperm(c4_layout.capacity(c4), generator=gen)[:topk] for _ in range(batch)])
     win_locs = torch.stack([torch.randperm(win_layout.capacity(win), generator=gen)[:window] for _ in range(batch)])
     if topk > 3:
@@ -65,6 +75,13 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
 
 SMALL = dict(h_block=16, block_n=16, num_warps=4)
 SOFT = dict(q_scale=0.02, sink_shift=3.0)  # a softmax where the sink and every record carry mass
+
+
+@pytest.mark.parametrize("retention", [512, 256])
+@pytest.mark.parametrize("scores_transposed", [False, True])
+def test_decode_ignores_the_pad_byte(retention, scores_transposed):
+    check_decode(batch=3, heads=5, topk=37, window=11, retention=retention, seed=12, pad_byte=0xA5,
+                 scores_transposed=scores_transposed, window_scores_transposed=scores_transposed, **SMALL)
 
 
 @pytest.mark.parametrize("scores_transposed", [False, True])
@@ -225,3 +242,14 @@ def test_decode_names_launch_settings_beyond_shared_memory():
 def test_decode_on_gpu_in_kept_first_order(retention, kept_first, window_kept_first):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=8 + retention,
                  kept_first=kept_first, window_kept_first=window_kept_first)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("retention", [512, 256])
+@pytest.mark.parametrize("scores_transposed", [False, True])
+def test_decode_on_gpu_ignores_the_pad_byte(retention, scores_transposed):
+    # The byte permute (prmt) that picks each column's scale reads the pad as its zero byte.
+    check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=9, pad_byte=0xA5,
+                 scores_transposed=scores_transposed, window_scores_transposed=scores_transposed,
+                 block_n=32, window_block_n=32)
