@@ -581,13 +581,43 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                                     "fraction of copy bandwidth",
                             "value": f, "target": ">= 0.80", "met": f >= 0.80, "note": ""})
     for r in decode_rows:
-        if r["batch"] >= 64 and r["topk"] == TOPK and r["window"] == WINDOW and orders(r) == ("natural", "natural"):
+        if (r["batch"] >= 64 and r["topk"] == TOPK and r["window"] == WINDOW
+                and orders(r) in (("natural", "natural"), ("kept_first", "kept_first"))):
             f = r["fraction_of_copy_bandwidth"]
             bound = (f"floor is {r['floor_bound']}: {r['floor_us']:.2f} us; "
                      f"tensor-core fraction {r['fraction_of_matmul_rate']:.2f}")
-            out.append({"name": f"decode {r['variant']} R={r['retention']} batch {r['batch']}: fraction of copy bandwidth",
+            if "n_regs" in r and "shared_bytes" in r:
+                bound += "; " + _residency(r)
+            label = "" if r["variant"] == "native" else f" ({_orders_label(*orders(r))})"
+            out.append({"name": f"decode {r['variant']} R={r['retention']}{label} batch {r['batch']}: "
+                                "fraction of copy bandwidth",
                         "value": f, "target": ">= 0.75 or a named bound", "met": f >= 0.75, "note": bound})
     return out
+
+
+# Per multiprocessor of an H100/H200 (compute capability 9.0): the limits that decide how
+# many decode programs run on one at a time.
+SM_REGISTERS = 65536
+SM_SHARED_BYTES = 233472  # the largest carve-out; 1 KB of it is reserved per program
+SM_WARPS = 64
+
+
+def _residency(row: dict) -> str:
+    """The bound of a decode row named by its compiled kernel: how many of its programs fit
+    on a multiprocessor and what limits them (registers are allocated per warp in units of
+    256). One program per SM (named as the bound) leaves each scheduler two warps, so a step's dependent chain
+    of loads, conversions, products and the softmax is not hidden by other work: the
+    kernel is latency-bound (benchmarks/kernels/NOTES.md has ncu's stall reasons)."""
+    warps = row["config"]["num_warps"]
+    by = {"registers": SM_REGISTERS // (-(-row["n_regs"] * 32 // 256) * 256 * warps),
+          "shared memory": SM_SHARED_BYTES // (row["shared_bytes"] + 1024),
+          "warps": SM_WARPS // warps}
+    limit = min(by, key=by.get)
+    programs = by[limit]
+    lead = "bound: latency, one program" if programs == 1 else f"{programs} programs"
+    return (f"{lead} of {warps} warps per SM ({100 * programs * warps / SM_WARPS:.1f}% "
+            f"occupancy, limited by {limit}: {row['n_regs']} registers per thread, {row['shared_bytes']} bytes of "
+            f"shared memory, {row.get('n_spills', 0)} spilled registers)")
 
 
 def gpu_provenance() -> dict:
