@@ -433,7 +433,7 @@ def _decode_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, B, H,
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H,
                     S: tl.constexpr, H_BLOCK: tl.constexpr, GATHER: tl.constexpr):
     """out[b, h, c] = sum_s w_s part[s, b, h, index[c]] / sum_s w_s, w_s = 2^(lse_s - max lse):
     the splits' normalized partial outputs (float32 [S, B, H, 512]) joined by their
@@ -445,7 +445,8 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, B, H,
     c = tl.arange(0, 512)
     cols = tl.load(index_ptr + c) if GATHER else c
     lse_row = lse_ptr + b * H + heads
-    split_stride = B.to(tl.int64) * H
+    # The batch from the grid: an integer argument equal to 1 is specialised to a constant.
+    split_stride = tl.num_programs(1).to(tl.int64) * H
     top = tl.load(lse_row, mask=h_ok, other=0.0)
     for s in tl.static_range(1, S):
         top = tl.maximum(top, tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0))
@@ -663,7 +664,7 @@ def decode(
     if splits > 1:  # the join also takes the output back to the model's order (permute)
         combine_heads = 8
         _combine_kernel[(triton.cdiv(heads, combine_heads), batch)](
-            out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, batch, heads,
+            out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, heads,
             S=splits, H_BLOCK=combine_heads, GATHER=permute, num_warps=4)
     elif permute:
         permute_columns(out_k, cols.inverse, out=out)

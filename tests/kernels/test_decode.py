@@ -228,6 +228,14 @@ def test_decode_on_gpu_at_v4_shape(retention, config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("retention", [512, 256])
+def test_decode_on_gpu_of_one_token_split_across_the_multiprocessors(retention):
+    # Batch 1: the most splits, and a launch whose batch argument Triton would make a constant.
+    check_decode(batch=1, heads=64, topk=512, window=128, retention=retention, seed=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_decode_names_launch_settings_beyond_shared_memory():
     # 64 native records per step in the transposed form at 3 stages: about 250 KB.
     with pytest.raises(ValueError, match=r"decode launch settings .*'num_stages': 3.* lower num_stages or block_n"):
