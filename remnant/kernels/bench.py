@@ -520,8 +520,9 @@ def decode_cases(quick: bool) -> list[DecodeCase]:
             cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window))
             if batch >= 64:  # the kernel alone, as with the column order folded into the weights
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first"))
-            if batch in (64, 128) and window:  # the window records written in kept-first order
-                cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "natural", "kept_first"))
+            if batch >= 64 and window:  # the window records written in kept-first order (the engine's call)
+                if batch in (64, 128):
+                    cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "natural", "kept_first"))
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "kept_first"))
     for topk in ([128, 2048] if not quick else [2048]):
         cases.append(DecodeCase("native", 512, 128, topk, WINDOW))

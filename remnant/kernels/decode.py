@@ -47,12 +47,12 @@ LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 EMPTY_MAX: tl.constexpr = tl.constexpr(-1e30)  # the running max of a split before its first record
 MAX_SPLITS = 16
 # The fastest launch settings per kernel in the tuning of an H200 (remnant-kernels,
-# benchmarks/kernels/h200-2026-11-30-r5.json; NOTES.md, fourth round): 64 heads per program
+# benchmarks/kernels/h200-2026-12-01-r6.json; NOTES.md, fifth round): 64 heads per program
 # on 8 warps, then these. Packed window records in natural order are read by column index,
 # a pointer per byte, whose registers make 16 records per step their best (more spill).
 DEFAULT_CONFIGS = {
     "native": dict(block_n=32, num_stages=3, scores_transposed=True, window_block_n=32, window_scores_transposed=True),
-    "packed": dict(block_n=32, num_stages=3, scores_transposed=True, window_block_n=16, window_scores_transposed=True),
+    "packed": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=16, window_scores_transposed=True),
     "packed, kept-first window": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
                                       window_scores_transposed=False),
 }
