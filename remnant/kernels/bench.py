@@ -156,7 +156,7 @@ def _store_variants(retention: int) -> list[str]:
     return ["registers"] if retention == 512 else ["registers", "stores", "loads"]
 
 
-RECONSTRUCT_VARIANTS = ["registers", "loads"]
+RECONSTRUCT_VARIANTS = ["registers", "loads", "words"]
 
 
 def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
@@ -665,7 +665,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick))
     return {
         "schema": "remnant/kernel-bench",
-        "schema_version": 4,
+        "schema_version": 5,
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
         "provenance": gpu_provenance(),

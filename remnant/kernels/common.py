@@ -58,3 +58,20 @@ def record_addresses(base_ptr, loc, PER_PAGE: tl.constexpr, stride, DATA: tl.con
     data_off = tl.multiple_of(page_off + slot * DATA, ALIGN)
     tail_off = tl.multiple_of(page_off + PER_PAGE * DATA + slot * 8, 8)
     return base_ptr + data_off, base_ptr + tail_off
+
+
+@triton.jit
+def byte_permute(a, b, selector, INTERPRETED: tl.constexpr):
+    """int32: byte k of the result is byte ((selector >> 4k) & 7) of the 8 bytes b:a (a's
+    bytes 0-3, then b's), k = 0..3, element by element: PTX's prmt.b32 (one instruction).
+    Selector nibbles must be below 8 (prmt's sign-replicating mode is not used). The
+    interpreter has no inline assembly: it shifts an int64 instead (the same bytes)."""
+    if INTERPRETED:
+        pair = (b.to(tl.int64) << 32) | (a.to(tl.int64) & 0xFFFFFFFF)
+        out = tl.zeros(pair.shape, dtype=tl.int64)
+        for k in tl.static_range(4):
+            source = ((selector >> (4 * k)) & 7).to(tl.int64)
+            out |= ((pair >> (8 * source)) & 0xFF) << (8 * k)
+        return out.to(tl.uint32).to(tl.int32, bitcast=True)
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, selector],
+                                     dtype=tl.int32, is_pure=True, pack=1)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from remnant.kernels.common import alignment, check_locs, record_addresses
+from remnant.kernels.common import alignment, byte_permute, check_locs, record_addresses
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
 from remnant.kv.paged import KeptColumns, PageLayout
 
@@ -132,19 +132,12 @@ def _selected_scales(scales, sel, INTERPRETED: tl.constexpr):
     """float32 [BN, C]: each record's scale 2^(s - 127) of each column's tile (exact), picked
     by the column's selector (_selectors) with one byte permute (prmt) of the 8 tail bytes:
     it yields s << 24, shifted to the float's exponent field. Three instructions per value
-    where comparing positions with the 7 tile starts took twelve (a quarter of the packed
-    kernel's instructions; benchmarks/kernels/NOTES.md, fifth round). The interpreter has no
-    inline assembly: it shifts the int64 instead (the same bytes)."""
-    if INTERPRETED:
-        tile = ((sel >> 12) & 7).to(tl.int64)
-        s = ((scales[:, None] >> (8 * tile[None, :])) & 0xFF).to(tl.int32)
-        return (s << 23).to(tl.float32, bitcast=True)
+    where comparing positions with the 7 tile starts took twelve (a third of the packed
+    kernel's instructions; benchmarks/kernels/NOTES.md, fifth round)."""
     shape: tl.constexpr = (scales.shape[0], sel.shape[0])
-    byte3 = tl.inline_asm_elementwise(
-        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
-        [tl.broadcast_to(scales.to(tl.int32)[:, None], shape), tl.broadcast_to((scales >> 32).to(tl.int32)[:, None], shape),
-         tl.broadcast_to(sel[None, :], shape)],
-        dtype=tl.int32, is_pure=True, pack=1)
+    byte3 = byte_permute(tl.broadcast_to(scales.to(tl.int32)[:, None], shape),
+                         tl.broadcast_to((scales >> 32).to(tl.int32)[:, None], shape),
+                         tl.broadcast_to(sel[None, :], shape), INTERPRETED)
     return (byte3.to(tl.uint32, bitcast=True) >> 1).to(tl.float32, bitcast=True)
 
 

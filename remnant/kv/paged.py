@@ -114,6 +114,10 @@ class KeptColumns:
     order: int32 [512] kept-first column order (kept in map order, dropped, RoPE 448..511),
     in which the packed decode kernel reads q and writes out (and store_kept_first writes
     window records); inverse: int32 [512], its inverse.
+    word_plan: int32 [3, 112], for each 4-byte word w of a native record's codes: the
+    packed code word where its kept codes start (they are one run, within that word and the
+    next), the byte-permute selector that moves them into place, and the mask of its kept
+    bytes (the reconstruct kernel's "words" permutation: _word_plan).
     packed: False when every NoPE coordinate is kept (native records).
     """
 
@@ -126,6 +130,7 @@ class KeptColumns:
     dropped_tile_starts: torch.Tensor
     order: torch.Tensor
     inverse: torch.Tensor
+    word_plan: torch.Tensor
 
     @property
     def packed(self) -> bool:
@@ -156,7 +161,29 @@ class KeptColumns:
         order = torch.cat([keep, dropped, torch.arange(NOPE_DIM, 512)])
         return cls(_padded(keep, device), keep.numel(), _padded(dropped, device), dropped.numel(),
                    slot_of.to(device), kept_starts.to(device), dropped_starts.to(device),
-                   order.to(device=device, dtype=torch.int32), torch.argsort(order).to(device=device, dtype=torch.int32))
+                   order.to(device=device, dtype=torch.int32), torch.argsort(order).to(device=device, dtype=torch.int32),
+                   _word_plan(slot_of).to(device))
+
+
+def _word_plan(slot_of: torch.Tensor) -> torch.Tensor:
+    """KeptColumns.word_plan from slot_of (native coordinate -> kept slot or -1).
+
+    Kept slots are sorted, so the kept codes of native word w (coordinates 4w..4w+3) are
+    consecutive packed bytes starting at slot s: all within packed words s // 4 and
+    s // 4 + 1. A byte permute of that pair (prmt: selector nibble k picks byte k of the
+    result from the pair's 8 bytes) puts kept code k at its offset (s % 4 + its rank in
+    the word); the mask clears the dropped bytes."""
+    plan = torch.zeros(3, NOPE_DIM // 4, dtype=torch.int64)
+    for w in range(NOPE_DIM // 4):
+        slots = slot_of[4 * w : 4 * w + 4].tolist()
+        kept = [k for k, slot in enumerate(slots) if slot >= 0]
+        if not kept:
+            continue
+        first = slots[kept[0]]
+        plan[0, w] = first // 4
+        plan[1, w] = sum((first % 4 + rank) << (4 * k) for rank, k in enumerate(kept))
+        plan[2, w] = sum(0xFF << (8 * k) for k in kept)
+    return (plan - (plan >= 2**31) * 2**32).to(torch.int32)  # the masks as signed int32 bit patterns
 
 
 def to_kept_first(records: torch.Tensor, cols: KeptColumns) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels.reconstruct import reconstruct as reconstruct_kernel
+from remnant.kernels.reconstruct import PERMUTES, reconstruct as reconstruct_kernel
 from remnant.kv.formats import RETENTION_VALUES
 from remnant.kv.paged import PageLayout, gather, reconstruct
 from tests.kernels.inputs import DEVICE, ON_GPU, POISON, filled_pool, keep_map, poisoned_pages
@@ -32,7 +32,7 @@ def check_reconstruct(k: int, retention: int, pages: int, seed: int, permute: st
     assert bool((gather(out, native, others.nonzero().flatten().to(DEVICE)) == POISON).all())
 
 
-@pytest.mark.parametrize("permute", ["registers", "loads"])
+@pytest.mark.parametrize("permute", PERMUTES)
 @pytest.mark.parametrize("retention", RETENTION_VALUES)
 def test_reconstruct_matches_reference(retention, permute):
     check_reconstruct(k=29, retention=retention, pages=3, seed=retention, permute=permute)
@@ -46,7 +46,7 @@ def test_reconstruct_refuses_a_keep_of_other_size():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("permute", ["registers", "loads"])
+@pytest.mark.parametrize("permute", PERMUTES)
 @pytest.mark.parametrize("retention", [64, 256, 448])
 def test_reconstruct_exact_on_gpu_at_size(retention, permute):
     check_reconstruct(k=50_001, retention=retention, pages=3000, seed=5 + retention, permute=permute)
