@@ -156,9 +156,6 @@ def _store_variants(retention: int) -> list[str]:
     return ["registers"] if retention == 512 else ["registers", "stores", "loads"]
 
 
-RECONSTRUCT_VARIANTS = ["registers", "loads", "words"]
-
-
 def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
     from remnant.kv.paged import KeptColumns
     from remnant.kernels.store import store
@@ -195,9 +192,8 @@ def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: i
 
 
 def bench_reconstruct(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
-    from remnant.kv.paged import KeptColumns
-    from remnant.kernels.reconstruct import reconstruct
-    from remnant.kv.paged import PageLayout
+    from remnant.kernels.reconstruct import PERMUTES, reconstruct
+    from remnant.kv.paged import KeptColumns, PageLayout
 
     rows = []
     for retention in retentions:
@@ -217,7 +213,7 @@ def bench_reconstruct(ceil: Ceilings, sizes: list[int], retentions: list[int], r
                 out = torch.empty(-(-k // 64), native.page_stride, dtype=torch.uint8, device="cuda")
                 out_locs = torch.arange(k, dtype=torch.int32, device="cuda")
                 calls.append((locs, out, out_locs))
-            for permute in RECONSTRUCT_VARIANTS:
+            for permute in PERMUTES:
                 seconds = _sync_time_graph(
                     [lambda locs=locs, out=out, ol=ol, p=permute: reconstruct(pool, layout, locs, keep, out, native, ol, permute=p)
                      for locs, out, ol in calls], reps)
@@ -353,7 +349,7 @@ class DecodeInputs:
 
 def check_copies(gen: torch.Generator) -> list[dict]:
     """store and reconstruct against remnant.kv.paged's references: bytes must be equal."""
-    from remnant.kernels.reconstruct import reconstruct
+    from remnant.kernels.reconstruct import PERMUTES, reconstruct
     from remnant.kernels.store import store
     from remnant.kv import paged
 
@@ -374,7 +370,7 @@ def check_copies(gen: torch.Generator) -> list[dict]:
         if keep is not None:
             picks = torch.randint(0, n + 997, (n,), device="cuda")
             ref = paged.reconstruct(want, layout, picks, keep, reference=True)
-            for permute in RECONSTRUCT_VARIANTS:
+            for permute in PERMUTES:
                 out = reconstruct(want, layout, picks, keep, check_range=True, permute=permute)
                 checks.append({"kernel": "reconstruct", "retention": retention, "records": n, "permute": permute,
                                "bytes_differing": int((out != ref).sum())})
@@ -548,8 +544,11 @@ def _order_rank(orders: tuple[str, str]) -> tuple[bool, bool]:
     return orders[0] == "kept_first", orders[1] == "kept_first"
 
 
-def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: list[dict]) -> list[dict]:
-    """The issue's targets, each with its measured value (ratios from this run only)."""
+def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: list[dict],
+            capability: str | None = None) -> list[dict]:
+    """The issue's targets, each with its measured value (ratios from this run only).
+    capability: the GPU's compute capability; on 9.0 (whose multiprocessor limits
+    _residency knows) the decode rows' bound is named from their compiled kernels."""
     out = []
     def orders(r: dict) -> tuple[str, str]:
         return r["columns"], r.get("window_columns", "natural")
@@ -587,7 +586,7 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
             f = r["fraction_of_copy_bandwidth"]
             bound = (f"floor is {r['floor_bound']}: {r['floor_us']:.2f} us; "
                      f"tensor-core fraction {r['fraction_of_matmul_rate']:.2f}")
-            if "n_regs" in r and "shared_bytes" in r:
+            if capability == "9.0" and "n_regs" in r and "shared_bytes" in r:
                 bound += "; " + _residency(r)
             label = "" if r["variant"] == "native" else f" ({_orders_label(*orders(r))})"
             out.append({"name": f"decode {r['variant']} R={r['retention']}{label} batch {r['batch']}: "
@@ -596,8 +595,8 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
     return out
 
 
-# Per multiprocessor of an H100/H200 (compute capability 9.0): the limits that decide how
-# many decode programs run on one at a time.
+# Per multiprocessor of an H100/H200 (compute capability 9.0; targets() names residency on
+# that capability only): the limits that decide how many decode programs run on one at a time.
 SM_REGISTERS = 65536
 SM_SHARED_BYTES = 233472  # the largest carve-out; 1 KB of it is reserved per program
 SM_WARPS = 64
@@ -613,11 +612,11 @@ def _residency(row: dict) -> str:
     by = {"registers": SM_REGISTERS // (-(-row["n_regs"] * 32 // 256) * 256 * warps),
           "shared memory": SM_SHARED_BYTES // (row["shared_bytes"] + 1024),
           "warps": SM_WARPS // warps}
-    limit = min(by, key=by.get)
-    programs = by[limit]
+    programs = min(by.values())
+    limits = " and ".join(name for name, fits in by.items() if fits == programs)  # each would have to give
     lead = "bound: latency, one program" if programs == 1 else f"{programs} programs"
     return (f"{lead} of {warps} warps per SM ({100 * programs * warps / SM_WARPS:.1f}% "
-            f"occupancy, limited by {limit}: {row['n_regs']} registers per thread, {row['shared_bytes']} bytes of "
+            f"occupancy, limited by {limits}: {row['n_regs']} registers per thread, {row['shared_bytes']} bytes of "
             f"shared memory, {row.get('n_spills', 0)} spilled registers)")
 
 
@@ -663,12 +662,13 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     progress(f"  best: {best}")
     progress("decode: sweep")
     decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick))
+    provenance = gpu_provenance()
     return {
         "schema": "remnant/kernel-bench",
         "schema_version": 5,
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
-        "provenance": gpu_provenance(),
+        "provenance": provenance,
         "method": {"timing": "CUDA graph of a rotation of input sets (> 3x L2), replayed; CUDA events; median",
                    "replays": reps, "quick": quick, "heads": HEADS},
         "ceilings": {"copy_gbps": ceil.copy_gbps, "matmul_bf16_tflops": ceil.matmul_tflops, "l2_bytes": ceil.l2_bytes},
@@ -677,7 +677,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
         "reconstruct": reconstruct_rows,
         "decode_tuning": tuning,
         "decode": decode_rows,
-        "targets": targets(decode_rows, store_rows, reconstruct_rows),
+        "targets": targets(decode_rows, store_rows, reconstruct_rows, provenance["gpu"]["capability"]),
     }
 
 

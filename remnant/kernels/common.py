@@ -1,9 +1,11 @@
-"""Pieces shared by the kernels: location checks and record addresses in the split page
-layout (the column tables are remnant.kv.paged's KeptColumns)."""
+"""Pieces shared by the kernels: location checks, record addresses in the split page
+layout, and the byte permute (prmt) that store codes and scales are moved with (the
+column tables are remnant.kv.paged's KeptColumns)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -60,18 +62,27 @@ def record_addresses(base_ptr, loc, PER_PAGE: tl.constexpr, stride, DATA: tl.con
     return base_ptr + data_off, base_ptr + tail_off
 
 
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1): kernels then
+    take their INTERPRETED paths (no inline assembly, float32 products)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @triton.jit
 def byte_permute(a, b, selector, INTERPRETED: tl.constexpr):
     """int32: byte k of the result is byte ((selector >> 4k) & 7) of the 8 bytes b:a (a's
     bytes 0-3, then b's), k = 0..3, element by element: PTX's prmt.b32 (one instruction).
-    Selector nibbles must be below 8 (prmt's sign-replicating mode is not used). The
-    interpreter has no inline assembly: it shifts an int64 instead (the same bytes)."""
+    A nibble with bit 3 set gives the sign of that byte, 0x00 or 0xFF, as prmt does (the
+    kernels' selectors do not use it). The interpreter has no inline assembly: it shifts
+    an int64 instead (the same bytes)."""
     if INTERPRETED:
         pair = (b.to(tl.int64) << 32) | (a.to(tl.int64) & 0xFFFFFFFF)
         out = tl.zeros(pair.shape, dtype=tl.int64)
         for k in tl.static_range(4):
-            source = ((selector >> (4 * k)) & 7).to(tl.int64)
-            out |= ((pair >> (8 * source)) & 0xFF) << (8 * k)
+            nibble = ((selector >> (4 * k)) & 0xF).to(tl.int64)
+            byte = (pair >> (8 * (nibble & 7))) & 0xFF
+            byte = tl.where(nibble >= 8, tl.where(byte >= 0x80, 0xFF, 0), byte)
+            out |= byte << (8 * k)
         return out.to(tl.uint32).to(tl.int32, bitcast=True)
     return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, selector],
                                      dtype=tl.int32, is_pure=True, pack=1)

@@ -11,7 +11,8 @@ Both variants share this code and its care: native and packed C4 records are rea
 per program as vector loads of 4-byte words (16-byte vectors on SGLang's pages, 8-byte on
 plain rows), bf16 RoPE and one int64 of scales, on addresses the compiler is told are
 aligned; each column's scale is the float32 2^(s-127) built from its tile's UE8M0 byte,
-picked by one byte permute per value (exact; _selected_scales), keys are dequantized to bf16 (exact: FP8 e4m3 times a power of two), and both
+picked by one byte permute per value (exact; _selected_scales; the packed kernel's
+transposed loops compare positions with tile starts instead), keys are dequantized to bf16 (exact: FP8 e4m3 times a power of two), and both
 matrix products run on the tensor cores in bf16 with float32 accumulation.
 
 Packed C4 records hold only the kept NoPE coordinates, so the packed variant works in
@@ -30,14 +31,13 @@ projections).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from remnant.kernels.common import alignment, byte_permute, check_locs, record_addresses
+from remnant.kernels.common import alignment, byte_permute, check_locs, interpreted, record_addresses
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
 from remnant.kv.paged import KeptColumns, PageLayout
 
@@ -648,7 +648,7 @@ def decode(
             DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
             WIN_SCORES_T=config["window_scores_transposed"],
             PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
-            WIN_BN=win_bn, SPLIT=splits > 1, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+            WIN_BN=win_bn, SPLIT=splits > 1, INTERPRETED=interpreted(),
             num_warps=num_warps, num_stages=num_stages,
         )
     except OutOfResources as exc:  # name the settings, not only the kernel's shared memory

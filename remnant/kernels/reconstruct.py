@@ -16,13 +16,11 @@ Bytes: read R + 72, write 584 per record.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import alignment, byte_permute, check_locs, record_addresses
+from remnant.kernels.common import alignment, byte_permute, check_locs, interpreted, record_addresses
 from remnant.kv.formats import NATIVE_RECORD_BYTES
 from remnant.kv.paged import KeptColumns, PageLayout
 
@@ -98,7 +96,7 @@ def reconstruct(
     check_range: bool = False,
     block_rows: int = 4,
     num_warps: int = 1,
-    permute: str = "words",
+    permute: str | None = None,
 ) -> torch.Tensor:
     """Packed records at `locs` [k] of `pages` -> native records.
 
@@ -106,15 +104,19 @@ def reconstruct(
     `out_locs` [k]: writes record i at out_locs[i] there and returns `out`. permute: how
     codes reach native order, "registers" (one contiguous load, then tl.gather), "loads"
     (each native coordinate loaded from its kept slot) or "words" (a byte permute of two
-    packed words per native word; the default: 67-77% of the copy bandwidth on an H200 at
-    R >= 256, against 55-62% by loads, benchmarks/kernels/NOTES.md); all give the same bytes.
+    packed words per native word); all give the same bytes. None: "words", or "registers"
+    when no NoPE code is kept (R = 64, nothing to permute). On an H200 "words" moved 64-74%
+    of the copy bandwidth at R >= 256 against 55-61% by loads, and "registers" 72-74% at
+    R = 64 (benchmarks/kernels/h200-2026-12-01-r7.json, NOTES.md).
     Launch: block_rows records per program on num_warps warps (4 on 1 measured best for
     "words": 8 on 1-2 and 2 on 1 were 10-15% slower).
     """
+    cols = KeptColumns.of(keep, pages.device)
+    if permute is None:
+        permute = "registers" if cols.n_kept == 0 else "words"
     if permute not in PERMUTES:
         raise ValueError(f"permute={permute!r} is not allowed; allowed: {', '.join(map(repr, PERMUTES))}")
     layout.check(pages)
-    cols = KeptColumns.of(keep, pages.device)
     if cols.record_bytes != layout.record_bytes:
         raise ValueError(f"keep holds {cols.n_kept} codes ({cols.record_bytes}-byte records), but the layout holds {layout.record_bytes}")
     if locs.ndim != 1:
@@ -141,6 +143,6 @@ def reconstruct(
         SRC_PER_PAGE=layout.per_page, SRC_ALIGN=alignment(layout, "pages"),
         DST_PER_PAGE=out_layout.per_page, DST_ALIGN=alignment(out_layout, "out"),
         N=cols.n_kept, NP=cols.kept.numel(), PERMUTE=permute, BLOCK_ROWS=block_rows,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
+        INTERPRETED=interpreted(), num_warps=num_warps,
     )
     return out

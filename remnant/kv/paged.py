@@ -173,16 +173,18 @@ def _word_plan(slot_of: torch.Tensor) -> torch.Tensor:
     s // 4 + 1. A byte permute of that pair (prmt: selector nibble k picks byte k of the
     result from the pair's 8 bytes) puts kept code k at its offset (s % 4 + its rank in
     the word); the mask clears the dropped bytes."""
-    plan = torch.zeros(3, NOPE_DIM // 4, dtype=torch.int64)
+    slots_of = slot_of.tolist()
+    plan = [[0] * (NOPE_DIM // 4) for _ in range(3)]
     for w in range(NOPE_DIM // 4):
-        slots = slot_of[4 * w : 4 * w + 4].tolist()
+        slots = slots_of[4 * w : 4 * w + 4]
         kept = [k for k, slot in enumerate(slots) if slot >= 0]
         if not kept:
             continue
         first = slots[kept[0]]
-        plan[0, w] = first // 4
-        plan[1, w] = sum((first % 4 + rank) << (4 * k) for rank, k in enumerate(kept))
-        plan[2, w] = sum(0xFF << (8 * k) for k in kept)
+        plan[0][w] = first // 4
+        plan[1][w] = sum((first % 4 + rank) << (4 * k) for rank, k in enumerate(kept))  # nibbles <= 6
+        plan[2][w] = sum(0xFF << (8 * k) for k in kept)
+    plan = torch.tensor(plan, dtype=torch.int64)
     return (plan - (plan >= 2**31) * 2**32).to(torch.int32)  # the masks as signed int32 bit patterns
 
 

@@ -62,3 +62,14 @@ def triton_fp8_codes(values: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
     _cast_fp8[(triton.cdiv(flat.numel(), 1024),)](flat, out, flat.numel(), BLOCK=1024)
     return out.view(values.shape)
+
+
+def prmt(pair: int, selector: int) -> int:
+    """PTX prmt.b32 on the 8 bytes `pair`: nibble k picks result byte k; bit 3 of a nibble
+    gives that byte's sign (0x00 or 0xFF) instead."""
+    out = 0
+    for k in range(4):
+        nibble = (selector >> (4 * k)) & 0xF
+        byte = (pair >> (8 * (nibble & 7))) & 0xFF
+        out |= ((0xFF if byte & 0x80 else 0) if nibble & 8 else byte) << (8 * k)
+    return out

@@ -59,7 +59,7 @@ def _doc() -> dict:
         "checks": [{"kernel": "store", "retention": 256, "records": 10, "permute": "stores", "bytes_differing": 0}],
         "store": store, "reconstruct": recon,
         "decode_tuning": [{"variant": "native", "config": config, "error": "did not compile"}],
-        "decode": decode, "targets": targets(decode, store, recon),
+        "decode": decode, "targets": targets(decode, store, recon, "9.0"),
     }
 
 
@@ -76,10 +76,13 @@ def test_targets_are_ratios_of_this_run():
     # columns) and as the engine makes it (the order folded, the window kept-first).
     for label in ("(natural columns)", "(kept_first columns, kept-first window)"):
         assert sum(t["name"].startswith(f"decode packed R=256 {label} batch 64") for t in doc["targets"]) == 1
-    # Rows that record their compiled kernel name its residency as the bound.
+    # Rows that record their compiled kernel name its residency as the bound (on the
+    # capability whose limits are known): here registers and shared memory each allow one.
     native = next(t for t in doc["targets"] if t["name"].startswith("decode native R=512 batch 64"))
-    assert ("bound: latency, one program of 8 warps per SM (12.5% occupancy, limited by registers: 255 registers"
-            in native["note"])
+    assert ("bound: latency, one program of 8 warps per SM (12.5% occupancy, limited by registers and shared "
+            "memory: 255 registers" in native["note"])
+    elsewhere = targets(doc["decode"], doc["store"], doc["reconstruct"], "10.0")
+    assert all("bound" not in t["note"] for t in elsewhere)
     store = next(t for t in doc["targets"] if t["name"].startswith("store"))
     assert store["value"] == pytest.approx((1 << 20) * 1356 / 500e-6 / 4000e9)
     # Targets use auto_splits' rows only: the sweep's faster native row (5 us) is not the baseline.
@@ -89,6 +92,14 @@ def test_targets_are_ratios_of_this_run():
     shown = table(doc)
     assert all(f"decode {v:<8} R=256 B=64" in shown for v in ("packed", "packed*", "packed*w"))
     assert "W=128 s=2 " in shown and "W=128 s=4!" in shown
+
+
+def test_residency_names_the_programs_that_fit_and_every_limit_at_that_count():
+    from remnant.kernels.bench import _residency
+
+    row = dict(config=dict(num_warps=4), n_regs=128, shared_bytes=40000, n_spills=0)
+    # 128 registers x 4 warps: 4 programs; 40 KB of shared memory: 5; warps: 16.
+    assert _residency(row).startswith("4 programs of 4 warps per SM (25.0% occupancy, limited by registers: 128")
 
 
 def test_each_tuned_kind_sweeps_its_forms_at_each_pipeline_depth():
