@@ -114,13 +114,6 @@ def test_each_tuned_kind_sweeps_its_forms_at_each_pipeline_depth():
     validate(doc)
 
 
-def test_schema_refuses_a_decode_row_without_its_splits():
-    doc = _doc()
-    del doc["decode"][1]["splits"]
-    with pytest.raises(RecordError, match=r"decode\[1\]"):
-        validate(doc)
-
-
 def test_split_series_holds_the_sweep_only():
     from remnant.kernels.plot import split_series
 
@@ -128,17 +121,25 @@ def test_split_series_holds_the_sweep_only():
     assert series == {"native, batch 64": [(1, 30.0), (4, 5.0)], "packed, folded, batch 64": [(1, 25.0)]}
 
 
-def test_schema_refuses_an_unknown_column_order():
-    doc = _doc()
+def _without_splits(doc: dict) -> None:
+    del doc["decode"][1]["splits"]
+
+
+def _unknown_columns(doc: dict) -> None:
     doc["decode"][2]["columns"] = "permuted"
-    with pytest.raises(RecordError, match=r"decode\[2\]\.columns"):
-        validate(doc)
 
 
-def test_schema_refuses_a_decode_row_without_its_config():
-    doc = _doc()
+def _without_config(doc: dict) -> None:
     del doc["decode"][0]["config"]
-    with pytest.raises(RecordError, match=r"decode\[0\]"):
+
+
+@pytest.mark.parametrize(("spoil", "field"), [(_without_splits, r"decode\[1\]"),
+                                              (_unknown_columns, r"decode\[2\]\.columns"),
+                                              (_without_config, r"decode\[0\]")])
+def test_schema_refuses_a_spoiled_decode_row(spoil, field):
+    doc = _doc()
+    spoil(doc)
+    with pytest.raises(RecordError, match=field):
         validate(doc)
 
 
