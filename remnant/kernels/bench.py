@@ -11,7 +11,7 @@ FLOPs count the tensor-core work the kernel issues (padding included: a packed k
 R = 384 multiplies its 320 kept columns as blocks of 256 and 64, and 64 RoPE columns, per
 C4 record, and for window tokens the kept blocks, the dropped columns padded to a power of
 two, and RoPE). The JSON (schema
-remnant/kernel-bench v4) is validated before it is written.
+remnant/kernel-bench v6) is validated before it is written.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 HEADS = 64
+H_BLOCK = 64  # heads per decode program in every tuned config: all 64 of a token
 WINDOW = 128
 TOPK = 512
 KERNEL_R = 256
@@ -237,12 +238,22 @@ class DecodeCase:
     window_columns: str = "natural"  # packed: the window records' code order (decode's window_columns)
     splits: int | None = None  # programs per token and head block (decode's splits); None: auto_splits
 
+    window_apart: bool | None = None  # packed, all orders natural: the window in a program of its own (decode's)
+
+    def resolved_window_apart(self, h_block: int = H_BLOCK) -> bool:
+        """Whether decode runs the window in a program of its own for this case."""
+        from remnant.kernels.decode import window_apart_for
+
+        return window_apart_for(self.window_apart, self.variant == "packed", self.columns, self.window_columns,
+                                self.window, self.splits, self.batch * math.ceil(HEADS / h_block), torch.device("cuda"))
+
     def resolved_splits(self, config: dict) -> int:
         """The splits decode runs for this case under `config` (which names every loop setting)."""
         from remnant.kernels.decode import split_count
 
         return split_count(self.splits, self.batch * math.ceil(HEADS / config["h_block"]), self.window, self.topk,
-                           config["block_n"], config["window_block_n"], torch.device("cuda"))
+                           config["block_n"], config["window_block_n"], torch.device("cuda"),
+                           self.resolved_window_apart(config["h_block"]))
 
 
 def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:
@@ -343,6 +354,7 @@ class DecodeInputs:
             calls.append(lambda q=q, c=c4_locs, w=win_locs, out=out: decode(
                 q, pool, layout, c, window, self.window_layout, w, sink,
                 keep, out=out, columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config),
+                window_apart=case.resolved_window_apart(config["h_block"]),
                 compiled=compiled, **config))
         return calls
 
@@ -397,7 +409,8 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> flo
     out = torch.full_like(q, float("nan"))
     window = inputs.window_pool(case)
     # The timed case's splits, whatever this check's batch would choose.
-    orders = dict(columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config))
+    orders = dict(columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config),
+                  window_apart=case.resolved_window_apart(config["h_block"]))
     if case.columns == "kept_first":  # q in and out back in kept-first order, compared in the model's
         got = torch.full_like(q, float("nan"))
         decode(q[:, :, keep.order], pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep,
@@ -431,26 +444,30 @@ def _compiled_info(compiled: list) -> dict:
 
 
 # What is tuned, each for its own best config (equal care): native records, and packed
-# records with the window in each code order (the window loop differs: by index or by words).
-TUNED = [("native", "natural"), ("packed", "natural"), ("packed", "kept_first")]
+# records with the window in each code order (the window loop differs: by index or by
+# words) or, in natural order, in a program of its own (decode's window_apart).
+TUNED = [("native", "natural", False), ("packed", "natural", False), ("packed", "natural", True),
+         ("packed", "kept_first", False)]
 
 # Per tuned kind, the loop forms in the sweep: (C4 loop records per step, its scores
 # transposed, window loop records per step, its scores transposed), each at 1-3 pipeline
 # stages, 64 heads per program on 8 warps. The forms are the best three per kind of the
-# fourth round's probes (benchmarks/kernels/NOTES.md), which also measured and dropped:
-# 16-warp programs (+35-60%), two 32-head programs per SM (+55-60%), and for native records
-# 64 records per step with transposed scores (+35-90%: spills).
+# fourth round's probes (the window apart: the sixth's; benchmarks/kernels/NOTES.md),
+# which also measured and dropped: 16-warp programs (+35-60%), two 32-head programs per SM
+# (+55-60%), and for native records 64 records per step with transposed scores (+35-90%:
+# spills).
 DECODE_FORMS = {
-    ("native", "natural"): [(32, True, 32, True), (64, False, 32, True), (16, True, 16, True)],
-    ("packed", "natural"): [(64, False, 16, True), (32, True, 16, True), (64, True, 16, True)],
-    ("packed", "kept_first"): [(64, False, 32, False), (64, False, 16, True), (32, True, 32, True)],
+    ("native", "natural", False): [(32, True, 32, True), (64, False, 32, True), (16, True, 16, True)],
+    ("packed", "natural", False): [(64, False, 16, True), (32, True, 16, True), (64, True, 16, True)],
+    ("packed", "natural", True): [(64, False, 32, True), (64, False, 16, True), (32, False, 32, True)],
+    ("packed", "kept_first", False): [(64, False, 32, False), (64, False, 16, True), (32, True, 32, True)],
 }
 DECODE_STAGES = (1, 2, 3)
 
 
-def decode_configs(kind: tuple[str, str], quick: bool) -> list[dict]:
+def decode_configs(kind: tuple[str, str, bool], quick: bool) -> list[dict]:
     forms = DECODE_FORMS[kind][:1] if quick else DECODE_FORMS[kind]
-    return [dict(h_block=64, block_n=bn, num_warps=8, num_stages=stages, scores_transposed=t,
+    return [dict(h_block=H_BLOCK, block_n=bn, num_warps=8, num_stages=stages, scores_transposed=t,
                  window_block_n=wbn, window_scores_transposed=wt)
             for bn, t, wbn, wt in forms for stages in ((1,) if quick else DECODE_STAGES)]
 
@@ -458,10 +475,10 @@ def decode_configs(kind: tuple[str, str], quick: bool) -> list[dict]:
 def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, batch: int) -> tuple[list[dict], dict]:
     """Time each TUNED kind's configs; returns the rows and {kind: its best config}."""
     rows, best = [], {}
-    for variant, window_columns in TUNED:
+    for kind in TUNED:
+        variant, window_columns, window_apart = kind
         case = DecodeCase(variant, 512 if variant == "native" else KERNEL_R, batch, TOPK, WINDOW,
-                          window_columns=window_columns)
-        kind = (variant, window_columns)
+                          window_columns=window_columns, window_apart=window_apart if variant == "packed" else None)
         nbytes, flops = _decode_bytes_flops(case)
         for config in decode_configs(kind, quick):
             compiled: list = []
@@ -473,7 +490,8 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
                              "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
             row = {"variant": variant, "window_columns": window_columns, "config": config,
-                   "splits": case.resolved_splits(config), "max_rel_error": error,
+                   "splits": case.resolved_splits(config), "window_apart": case.resolved_window_apart(config["h_block"]),
+                   "max_rel_error": error,
                    **_compiled_info(compiled), **_roofline(seconds, nbytes, flops, ceil)}
             rows.append(row)
             _progress_row(row)
@@ -487,8 +505,8 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
     return rows, {kind: c for kind, (c, _) in best.items()}
 
 
-def _tuned_kind(case: DecodeCase) -> tuple[str, str]:
-    return case.variant, case.window_columns if case.variant == "packed" else "natural"
+def _tuned_kind(case: DecodeCase) -> tuple[str, str, bool]:
+    return case.variant, case.window_columns if case.variant == "packed" else "natural", case.resolved_window_apart()
 
 
 def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, cases: list[DecodeCase]) -> list[dict]:
@@ -501,6 +519,7 @@ def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, ca
         rows.append({"variant": case.variant, "retention": case.retention, "batch": case.batch, "topk": case.topk,
                      "window": case.window, "columns": case.columns, "window_columns": case.window_columns, "heads": HEADS,
                      "config": config, "splits": case.resolved_splits(config), "auto_splits": case.splits is None,
+                     "window_apart": case.resolved_window_apart(config["h_block"]),
                      **_compiled_info(compiled),
                      **_roofline(seconds, nbytes, flops, ceil)})
         _progress_row(rows[-1])
@@ -563,8 +582,13 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                 if native and packed:
                     ratio = packed["time_us"] / native["time_us"]
                     byte_ratio = packed["bytes"] / native["bytes"]
-                    how = ("q and out permuted to and from kept-first order in the call" if columns == "natural"
-                           else "q and out in kept-first order: the permutation folded into the projections")
+                    if packed.get("window_apart"):
+                        how = ("the window read by a program of its own in natural order, the C4 records by the "
+                               "others through the kept columns, joined in natural order")
+                    elif columns == "natural":
+                        how = "q and out permuted to and from kept-first order in the call"
+                    else:
+                        how = "q and out in kept-first order: the permutation folded into the projections"
                     if window_columns == "kept_first":
                         how += "; window records written in kept-first order"
                     out.append({"name": f"decode packed ({_orders_label(columns, window_columns)})/native time, "
@@ -665,7 +689,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     provenance = gpu_provenance()
     return {
         "schema": "remnant/kernel-bench",
-        "schema_version": 5,
+        "schema_version": 6,
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
         "provenance": provenance,
@@ -691,13 +715,15 @@ def table(doc: dict) -> str:
         variant = r["variant"] + ("*" if r.get("columns") == "kept_first" else "") + (
             "w" if r.get("window_columns") == "kept_first" else "")
         splits = f"s={r['splits']}" + ("" if r["auto_splits"] else "!") if "splits" in r else ""  # (v3: no splits)
+        splits += "a" if r.get("window_apart") else ""
         lines.append(f"decode {variant:<8} R={r['retention']:<3} B={r['batch']:<4} k={r['topk']:<5} W={r['window']:<3} {splits:<5}"
                      f"{r['time_us']:9.1f} us {100 * r['fraction_of_copy_bandwidth']:5.1f}% copy "
                      f"{100 * r['fraction_of_matmul_rate']:5.1f}% mma regs={r.get('n_regs', '?')} spills={r.get('n_spills', '?')}")
     if any(r.get("columns") == "kept_first" for r in doc["decode"]):
         lines.append("packed*: q and out in kept-first column order (the permutation folded into the projections); "
                      "packed..w: window records written in kept-first order")
-    lines.append("s=N: programs per token and head block (auto_splits); s=N!: fixed, the split sweep")
+    lines.append("s=N: programs per token and head block (auto_splits); s=N!: fixed, the split sweep; "
+                 "s=Na: the window in a program of its own (window_apart)")
     for t in doc["targets"]:
         lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.3f} (target {t['target']}) {t['note']}")
     return "\n".join(lines)

@@ -26,6 +26,13 @@ own accumulator: kept_column_blocks.) Every output column has exactly one accumu
 wrapper permutes q and out to and from that order (permute_columns) unless the caller
 passes them in it (columns="kept_first": the permutation folded into the model's
 projections).
+
+Where q, out and the window are all in natural order (as SGLang calls the kernel) and the
+batch fills the GPU, the window gets a program of its own instead (window_apart): split 0
+runs the native program over the window, the other splits the packed program over the C4
+records with q read through the kept columns, and the join (_combine_kernel) reads each
+partial in its own order. That avoids the fused program's window loop, whose codes are
+read by column index (on the H200 at batch 128: 92 us against 115).
 """
 
 from __future__ import annotations
@@ -55,6 +62,10 @@ DEFAULT_CONFIGS = {
     "packed": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=16, window_scores_transposed=True),
     "packed, kept-first window": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
                                       window_scores_transposed=False),
+    # The window in a program of its own (split_count's window_apart): the native kernel's
+    # window loop, the packed kernel's C4 loop.
+    "packed, window apart": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
+                                 window_scores_transposed=True),
 }
 
 
@@ -239,103 +250,131 @@ def _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t, 
 
 
 @triton.jit
-def _decode_kernel(
-    q_ptr, q_sb, q_sh,
-    out_ptr, o_ss, o_sb, o_sh, lse_ptr,
-    sink_ptr, H,
-    win_ptr, win_locs_ptr, win_sb, W, win_stride, win_chunk,
-    c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride, c4_chunk,
-    kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr, qk_scale,
-    WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
-    N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr, DP: tl.constexpr,
-    PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
-    SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
-    # Head blocks of one token are adjacent in launch order, so they run together and the
-    # second and later blocks read the token's records from L2, not memory.
-    b = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
-    h_ok = heads < H
-    q_row = q_ptr + b * q_sb + heads * q_sh
-    o_row = out_ptr + split.to(tl.int64) * o_ss + b * o_sb + heads * o_sh
-    # This program's share of the window and of the C4 records (all of them unless SPLIT).
-    win_lo = split * win_chunk
-    win_hi = tl.minimum(W, win_lo + win_chunk)
-    c4_lo = split * c4_chunk
-    c4_hi = tl.minimum(K, c4_lo + c4_chunk)
-    r = tl.arange(0, 64)
-    n_off = tl.arange(0, BN)
-    w_off = tl.arange(0, WIN_BN)
-    win_locs = win_locs_ptr + b * win_sb
-    c4_locs = c4_locs_ptr + b * c4_sb
+def _native_loop(ptr, locs, lo, hi, STEP: tl.constexpr, PER_PAGE: tl.constexpr, ALIGN: tl.constexpr, stride,
+                 q_full, q_full_t, q_rope, q_rope_t, qk_scale, m, l, acc_full, acc_rope,
+                 SCORES_T: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Native records at locs[lo:hi], STEP per step, into the all-columns accumulators."""
+    off = tl.arange(0, STEP)
+    loc = _locations(locs, lo + off, hi)
+    for start in range(lo, hi, STEP):
+        loc_next = _locations(locs, start + STEP + off, hi)
+        valid, data, rope, scales = _load_records(ptr, loc, PER_PAGE, stride, 576, ALIGN, 448)
+        loc = loc_next
+        m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
+                                                qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
+    return m, l, acc_full, acc_rope
 
+
+@triton.jit
+def _native_program(q_row, h_ok, o_row, m, l, qk_scale,
+                    win_ptr, win_locs, win_lo, win_hi, win_stride, c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
+                    WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr,
+                    C4_ALIGN: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr,
+                    SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    """Native records (window tokens, then C4 records) in natural column order: q read and
+    out written as the model holds them. Returns the running max and sum."""
+    r = tl.arange(0, 64)
+    d = tl.arange(0, 512)
+    d_ok = d < 448
+    q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
+    q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
+    acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
+    acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
+    m, l, acc_full, acc_rope = _native_loop(win_ptr, win_locs, win_lo, win_hi, WIN_BN, WIN_PER_PAGE, WIN_ALIGN,
+                                            win_stride, q_full, q_full_t, q_rope, q_rope_t, qk_scale, m, l,
+                                            acc_full, acc_rope, WIN_SCORES_T, INTERPRETED)
     # When the window loop and the C4 loop take scores in different forms (q in registers,
     # or q^T in shared memory), the second loop loads q again (from L2) rather than hold
     # both forms through both loops.
-    acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
-    # The sink takes softmax mass and gives no value: it starts the running max and sum
-    # (of split 0; the other splits start empty, at a finite floor so that a step of only
-    # padding rescales by exp2(0), not by exp2(-inf + inf)).
-    m = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_IN_KERNEL
-    l = tl.full((H_BLOCK,), 1.0, dtype=tl.float32)
-    if SPLIT:
-        m = tl.where(split == 0, m, EMPTY_MAX)
-        l = tl.where(split == 0, l, 0.0)
-
-    if PACKED:
-        # q and out are in kept-first column order (KeptColumns.order): the N kept
-        # columns in map order, then the 448 - N dropped ones, then RoPE at 448, so both
-        # column sets load and store contiguously (scattered bf16 stores of the output by
-        # column index cost the H200 56 us of a 186 us call at batch 128). Each set has
-        # its accumulators: acc_kept (C4 records and window tokens add to it) and acc_drop
-        # (window tokens only). C4 records come first, so acc_drop is live only in the
-        # window loop (the softmax does not depend on the order). The kept set is one
-        # block of KA columns (a power of two, KA_N of them kept) or, when N is not a
-        # power of two, a block of KA = KA_N columns and a tail of KT (N = 192: 128 and
-        # 64, not 256 with 64 of padding in every product and accumulator).
-        j = tl.arange(0, KA)
-        kept_ok = j < N
-        q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
+    if WIN_SCORES_T != SCORES_T:
+        q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
         q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
-        acc_kept = tl.zeros((H_BLOCK, KA), dtype=tl.float32)
-        # Each set's scale selectors are loaded before each loop that reads them (they go
-        # unused, and are dropped, in a transposed loop): _set_scales.
-        sel_kept = _selectors(tl.load(kept_ptr + j))
+    m, l, acc_full, acc_rope = _native_loop(c4_ptr, c4_locs, c4_lo, c4_hi, BN, C4_PER_PAGE, C4_ALIGN, c4_stride,
+                                            q_full, q_full_t, q_rope, q_rope_t, qk_scale, m, l, acc_full, acc_rope,
+                                            SCORES_T, INTERPRETED)
+    inv_l = _inverse_sum(l, SPLIT)
+    out_ty = o_row.dtype.element_ty
+    tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
+    return m, l
+
+
+@triton.jit
+def _q_columns(idx, cols_ptr, Q_GATHER: tl.constexpr):
+    """The q columns of a kept-first column set at positions idx: idx itself (q given in
+    kept-first order) or, Q_GATHER, the natural columns listed at cols_ptr[idx]."""
+    if Q_GATHER:
+        return tl.load(cols_ptr + idx)
+    return idx
+
+
+@triton.jit
+def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
+                    win_ptr, win_locs, win_lo, win_hi, win_stride, c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
+                    kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
+                    WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr,
+                    C4_ALIGN: tl.constexpr, N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr,
+                    DP: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr,
+                    WIN_KEPT_FIRST: tl.constexpr, WITH_WINDOW: tl.constexpr, Q_GATHER: tl.constexpr,
+                    SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    """Packed C4 records, then (WITH_WINDOW) window tokens, in kept-first column order.
+    Returns the running max and sum.
+
+    out is written in kept-first column order (KeptColumns.order): the N kept columns in
+    map order, then the 448 - N dropped ones, then RoPE at 448, so both column sets store
+    contiguously (scattered bf16 stores of the output by column index cost the H200 56 us of
+    a 186 us call at batch 128); q is read in that order too or, Q_GATHER, from the model's
+    order through the column tables. Each set has its accumulators: acc_kept (C4 records
+    and window tokens add to it) and acc_drop (window tokens only). C4 records come first,
+    so acc_drop is live only in the window loop (the softmax does not depend on the order).
+    The kept set is one block of KA columns (a power of two, KA_N of them kept) or, when N
+    is not a power of two, a block of KA = KA_N columns and a tail of KT (N = 192: 128 and
+    64, not 256 with 64 of padding in every product and accumulator). Without the window
+    (WITH_WINDOW False: it has a program of its own) no dropped column is written: the
+    join reads none of this program's.
+    """
+    r = tl.arange(0, 64)
+    j = tl.arange(0, KA)
+    kept_ok = j < N
+    q_kept, q_kept_t = _load_q(q_row, h_ok, _q_columns(j, kept_ptr, Q_GATHER), kept_ok)
+    q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
+    acc_kept = tl.zeros((H_BLOCK, KA), dtype=tl.float32)
+    acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
+    # Each set's scale selectors are loaded before each loop that reads them (they go
+    # unused, and are dropped, in a transposed loop): _set_scales.
+    sel_kept = _selectors(tl.load(kept_ptr + j))
+    if KT:
+        t = tl.arange(0, KT)
+        tail_ok = t < N - KA
+        q_tail, q_tail_t = _load_q(q_row, h_ok, _q_columns(KA + t, kept_ptr, Q_GATHER), tail_ok)
+        acc_tail = tl.zeros((H_BLOCK, KT), dtype=tl.float32)
+        sel_tail = _selectors(tl.load(kept_ptr + KA + t))
+    n_off = tl.arange(0, BN)
+    loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
+    for start in range(c4_lo, c4_hi, BN):
+        loc_next = _locations(c4_locs, start + BN + n_off, c4_hi)
+        valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, N + 128, C4_ALIGN, N)
+        loc = loc_next
+        k_rope = rope.to(tl.bfloat16)
+        k_kept = _dequant(_code_bytes(_load_words(data, valid, KA_N // 4, KA // 4)),
+                          _set_scales(scales, j, sel_kept, kept_starts_ptr, not SCORES_T, INTERPRETED))
+        s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
         if KT:
-            t = tl.arange(0, KT)
-            tail_ok = t < N - KA
-            q_tail, q_tail_t = _load_q(q_row + KA, h_ok, t, tail_ok)
-            acc_tail = tl.zeros((H_BLOCK, KT), dtype=tl.float32)
-            sel_tail = _selectors(tl.load(kept_ptr + KA + t))
-        loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
-        for start in range(c4_lo, c4_hi, BN):
-            loc_next = _locations(c4_locs, start + BN + n_off, c4_hi)
-            valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, N + 128, C4_ALIGN, N)
-            loc = loc_next
-            k_rope = rope.to(tl.bfloat16)
-            k_kept = _dequant(_code_bytes(_load_words(data, valid, KA_N // 4, KA // 4)),
-                              _set_scales(scales, j, sel_kept, kept_starts_ptr, not SCORES_T, INTERPRETED))
-            s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
-            if KT:
-                k_tail = _dequant(_code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4)),
-                                  _set_scales(scales, KA + t, sel_tail, kept_starts_ptr, not SCORES_T, INTERPRETED))
-                s += _qk(q_tail, q_tail_t, k_tail, SCORES_T, INTERPRETED)
-            m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
-            acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
-            acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
-            if KT:
-                acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
-            m = m_new
-        # Window tokens: native records. In natural order their codes are read by native
-        # column index into both sets; the index loads hold a pointer per byte, so this loop
-        # runs best at 16 records per step (its registers bound the whole kernel's), and
-        # it cost the packed kernel 67 us of 130 on the H200 against the native
-        # kernel's 20 us for the same tokens. WIN_KEPT_FIRST: the records' codes are in
-        # kept-first order (store_kept_first), read as runs of words.
+            k_tail = _dequant(_code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4)),
+                              _set_scales(scales, KA + t, sel_tail, kept_starts_ptr, not SCORES_T, INTERPRETED))
+            s += _qk(q_tail, q_tail_t, k_tail, SCORES_T, INTERPRETED)
+        m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
+        acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+        acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+        if KT:
+            acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
+        m = m_new
+    if WITH_WINDOW:
         i = tl.arange(0, DP)
         dropped_ok = i < 448 - N
+        acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         kept = tl.load(kept_ptr + j)
         dropped = tl.load(dropped_ptr + i)
         sel_kept = _selectors(kept)
@@ -344,12 +383,15 @@ def _decode_kernel(
             kept_tail = tl.load(kept_ptr + KA + t)
             sel_tail = _selectors(kept_tail)
         if WIN_SCORES_T != SCORES_T:
-            q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
+            q_kept, q_kept_t = _load_q(q_row, h_ok, _q_columns(j, kept_ptr, Q_GATHER), kept_ok)
             q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
             if KT:
-                q_tail, q_tail_t = _load_q(q_row + KA, h_ok, t, tail_ok)
-        q_drop, q_drop_t = _load_q(q_row + N, h_ok, i, dropped_ok)
-        acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
+                q_tail, q_tail_t = _load_q(q_row, h_ok, _q_columns(KA + t, kept_ptr, Q_GATHER), tail_ok)
+        if Q_GATHER:
+            q_drop, q_drop_t = _load_q(q_row, h_ok, dropped, dropped_ok)
+        else:
+            q_drop, q_drop_t = _load_q(q_row + N, h_ok, i, dropped_ok)
+        w_off = tl.arange(0, WIN_BN)
         loc = _locations(win_locs, win_lo + w_off, win_hi)
         for start in range(win_lo, win_hi, WIN_BN):
             loc_next = _locations(win_locs, start + WIN_BN + w_off, win_hi)
@@ -385,58 +427,114 @@ def _decode_kernel(
             if KT:
                 acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
             m = m_new
-        inv_l = _inverse_sum(l, SPLIT)
-        out_ty = out_ptr.dtype.element_ty
-        tl.store(o_row[:, None] + j[None, :], (acc_kept * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & kept_ok[None, :])
-        if KT:
-            tl.store(o_row[:, None] + KA + t[None, :], (acc_tail * inv_l[:, None]).to(out_ty),
-                     mask=h_ok[:, None] & tail_ok[None, :])
+    inv_l = _inverse_sum(l, SPLIT)
+    out_ty = o_row.dtype.element_ty
+    tl.store(o_row[:, None] + j[None, :], (acc_kept * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & kept_ok[None, :])
+    if KT:
+        tl.store(o_row[:, None] + KA + t[None, :], (acc_tail * inv_l[:, None]).to(out_ty),
+                 mask=h_ok[:, None] & tail_ok[None, :])
+    if WITH_WINDOW:
         tl.store(o_row[:, None] + N + i[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & dropped_ok[None, :])
-    else:
-        d = tl.arange(0, 512)
-        d_ok = d < 448
-        q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
-        q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
-        acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
-        loc = _locations(win_locs, win_lo + w_off, win_hi)
-        for start in range(win_lo, win_hi, WIN_BN):  # window tokens
-            loc_next = _locations(win_locs, start + WIN_BN + w_off, win_hi)
-            valid, data, rope, scales = _load_records(win_ptr, loc, WIN_PER_PAGE, win_stride, 576, WIN_ALIGN, 448)
-            loc = loc_next
-            m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
-                                                    qk_scale, m, l, acc_full, acc_rope, WIN_SCORES_T, INTERPRETED)
-        if WIN_SCORES_T != SCORES_T:
-            q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
-            q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
-        loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
-        for start in range(c4_lo, c4_hi, BN):  # selected C4 records
-            loc_next = _locations(c4_locs, start + BN + n_off, c4_hi)
-            valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, 576, C4_ALIGN, 448)
-            loc = loc_next
-            m, l, acc_full, acc_rope = _native_step(valid, data, rope, scales, q_full, q_full_t, q_rope, q_rope_t,
-                                                    qk_scale, m, l, acc_full, acc_rope, SCORES_T, INTERPRETED)
-        inv_l = _inverse_sum(l, SPLIT)
-        out_ty = out_ptr.dtype.element_ty
-        tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty),
-                 mask=h_ok[:, None] & d_ok[None, :])
     tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
+    return m, l
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, q_sb, q_sh,
+    out_ptr, o_ss, o_sb, o_sh, lse_ptr,
+    sink_ptr, H,
+    win_ptr, win_locs_ptr, win_sb, W, win_stride, win_chunk,
+    c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride, c4_chunk,
+    kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr, qk_scale,
+    WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
+    N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr, DP: tl.constexpr,
+    PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
+    SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr, WINDOW_APART: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # Head blocks of one token are adjacent in launch order, so they run together and the
+    # second and later blocks read the token's records from L2, not memory.
+    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
+    h_ok = heads < H
+    q_row = q_ptr + b * q_sb + heads * q_sh
+    o_row = out_ptr + split.to(tl.int64) * o_ss + b * o_sb + heads * o_sh
+    win_locs = win_locs_ptr + b * win_sb
+    c4_locs = c4_locs_ptr + b * c4_sb
+
+    # The sink takes softmax mass and gives no value: it starts the running max and sum
+    # (of split 0; the other splits start empty, at a finite floor so that a step of only
+    # padding rescales by exp2(0), not by exp2(-inf + inf)).
+    m = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_IN_KERNEL
+    l = tl.full((H_BLOCK,), 1.0, dtype=tl.float32)
+    if SPLIT:
+        m = tl.where(split == 0, m, EMPTY_MAX)
+        l = tl.where(split == 0, l, 0.0)
+
+    if WINDOW_APART:
+        # Packed C4 records with a window in natural order, q and out in natural order:
+        # split 0 reads the whole window as the native kernel does (word loads into
+        # natural columns) and the others share the C4 records in kept-first order, q
+        # read through the kept columns; _combine_kernel joins the two orders. Reading
+        # natural window records by column index into kept-first sets cost the fused
+        # program as much as its C4 records (benchmarks/kernels/NOTES.md).
+        if split == 0:
+            m, l = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
+                                   win_ptr, win_locs, 0, W, win_stride, c4_ptr, c4_locs, 0, 0, c4_stride,
+                                   WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
+                                   SCORES_T, WIN_SCORES_T, SPLIT, INTERPRETED)
+        else:
+            c4_lo = (split - 1) * c4_chunk
+            m, l = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
+                                   win_ptr, win_locs, 0, 0, win_stride,
+                                   c4_ptr, c4_locs, c4_lo, tl.minimum(K, c4_lo + c4_chunk), c4_stride,
+                                   kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
+                                   WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP, H_BLOCK,
+                                   BN, WIN_BN, WIN_KEPT_FIRST, False, True, SCORES_T, WIN_SCORES_T, SPLIT,
+                                   INTERPRETED)
+    else:
+        # This program's share of the window and of the C4 records (all of them unless SPLIT).
+        win_lo = split * win_chunk
+        win_hi = tl.minimum(W, win_lo + win_chunk)
+        c4_lo = split * c4_chunk
+        c4_hi = tl.minimum(K, c4_lo + c4_chunk)
+        if PACKED:
+            m, l = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
+                                   win_ptr, win_locs, win_lo, win_hi, win_stride,
+                                   c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
+                                   kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
+                                   WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP, H_BLOCK,
+                                   BN, WIN_BN, WIN_KEPT_FIRST, True, False, SCORES_T, WIN_SCORES_T, SPLIT,
+                                   INTERPRETED)
+        else:
+            m, l = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
+                                   win_ptr, win_locs, win_lo, win_hi, win_stride,
+                                   c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
+                                   WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
+                                   SCORES_T, WIN_SCORES_T, SPLIT, INTERPRETED)
     if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing), for _combine_kernel
         tl.store(lse_ptr + (split * tl.num_programs(1) + b) * H + heads, m + tl.log2(l), mask=h_ok)
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H,
-                    S: tl.constexpr, H_BLOCK: tl.constexpr, GATHER: tl.constexpr):
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept,
+                    S: tl.constexpr, H_BLOCK: tl.constexpr, GATHER: tl.constexpr, FIRST_IN_PLACE: tl.constexpr):
     """out[b, h, c] = sum_s w_s part[s, b, h, index[c]] / sum_s w_s, w_s = 2^(lse_s - max lse):
     the splits' normalized partial outputs (float32 [S, B, H, 512]) joined by their
     log-sum-exp; GATHER reads each row through `index` (kept-first -> natural order), else
-    in place. Split 0 holds the sink, so the max is finite."""
+    in place. FIRST_IN_PLACE (the window apart): split 0 is the window program's
+    natural-order partial, read in place, and the others, packed C4 records only, hold no
+    dropped column (kept-first positions n_kept..447): those read as 0. Split 0 holds the
+    sink, so the max is finite."""
     b = tl.program_id(1).to(tl.int64)
     heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
     h_ok = heads < H
     c = tl.arange(0, 512)
     cols = tl.load(index_ptr + c) if GATHER else c
+    held = (cols < n_kept) | (cols >= 448)
     lse_row = lse_ptr + b * H + heads
     # The batch from the grid: an integer argument equal to 1 is specialised to a constant.
     split_stride = tl.num_programs(1).to(tl.int64) * H
@@ -448,7 +546,13 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H,
     for s in tl.static_range(S):
         w = tl.exp2(tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0) - top)
         rows = part_ptr + (s * split_stride + b * H + heads) * 512
-        acc += w[:, None] * tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None], other=0.0)
+        if FIRST_IN_PLACE and s == 0:
+            part = tl.load(rows[:, None] + c[None, :], mask=h_ok[:, None], other=0.0)
+        elif FIRST_IN_PLACE:
+            part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None] & held[None, :], other=0.0)
+        else:
+            part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None], other=0.0)
+        acc += w[:, None] * part
         norm += w
     out = acc / norm[:, None]
     tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + c[None, :], out.to(out_ptr.dtype.element_ty),
@@ -508,14 +612,42 @@ def splits_for(programs: int, multiprocessors: int) -> int:
 
 
 def split_count(splits: int | None, programs: int, window: int, topk: int, block_n: int, window_block_n: int,
-                device: torch.device) -> int:
+                device: torch.device, window_apart: bool = False) -> int:
     """The splits decode runs: `splits` (None: auto_splits), at most one per step of the
-    longer loop (a split without a step of its own would only add a partial)."""
+    longer loop (a split without a step of its own would only add a partial).
+
+    window_apart (window_apart_for): the window takes a program of its own, split 0, and the
+    rest share the C4 records, at most one per C4 step; None then chooses one more than
+    auto_splits."""
     if splits is None:
-        splits = auto_splits(programs, device)
-    if splits < 1:
-        raise ValueError(f"splits must be >= 1, got {splits}")
-    return min(splits, max(-(-window // window_block_n), -(-topk // block_n), 1))
+        splits = min(MAX_SPLITS, auto_splits(programs, device) + window_apart)
+    if splits < 1 or (window_apart and splits < 2):
+        raise ValueError(f"splits must be >= {2 if window_apart else 1}"
+                         f"{' (the window program and one for the C4 records)' if window_apart else ''}, got {splits}")
+    c4_steps = max(-(-topk // block_n), 1)
+    if window_apart:
+        return 1 + min(splits - 1, c4_steps)
+    return min(splits, max(-(-window // window_block_n), c4_steps))
+
+
+def window_apart_for(window_apart: bool | None, packed: bool, columns: str, window_columns: str, window: int,
+                     splits: int | None, programs: int, device: torch.device) -> bool:
+    """Whether decode gives the window a program of its own (decode's window_apart).
+
+    Only packed C4 records with q, out and the window in natural order (as SGLang calls
+    the kernel) can: there the fused program reads each window code by column index into
+    its kept-first sets, which cost it as much as its C4 records on the H200 (batch 128:
+    115 us, against 92 with the window apart and 96 for the native kernel; NOTES.md, sixth
+    round). None chooses it where the window is not empty and the batch alone gives every
+    multiprocessor a program (below that, splitting the fused program measured faster:
+    batch 64, 69 against 71 us)."""
+    natural = packed and columns == "natural" and window_columns == "natural"
+    if window_apart is None:
+        return natural and window > 0 and splits is None and auto_splits(programs, device) == 1
+    if window_apart and not natural:
+        raise ValueError("window_apart needs packed C4 records with q, out and the window in natural order "
+                         "(a keep list, columns='natural', window_columns='natural')")
+    return window_apart
 
 
 def auto_splits(programs: int, device: torch.device) -> int:
@@ -554,6 +686,7 @@ def decode(
     columns: str = "natural",
     window_columns: str = "natural",
     splits: int | None = None,
+    window_apart: bool | None = None,
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
@@ -584,6 +717,12 @@ def decode(
     splits: programs per (token, head block), each over its share of the window and of the
     C4 records, joined by _combine_kernel (flash-decoding); None chooses auto_splits: on
     a GPU, enough to give every multiprocessor a program when the batch alone does not.
+
+    window_apart (packed records, all three orders natural): split 0 reads the whole
+    window as the native kernel does and the other splits share the C4 records, q read
+    through the kept columns (no permute pass); the join takes both back to natural
+    order. None chooses it where it measured faster (window_apart_for); it needs splits
+    >= 2 (None: one more than auto_splits).
     """
     for name, value in (("columns", columns), ("window_columns", window_columns)):
         if value not in COLUMN_ORDERS:
@@ -614,16 +753,23 @@ def decode(
     sink = sink.float().contiguous()
     permute = cols.packed and columns == "natural"
     window_kept_first = cols.packed and window_columns == "kept_first"
+    head_blocks = triton.cdiv(heads, h_block)
+    window_apart = window_apart_for(window_apart, cols.packed, columns, window_columns, window_locs.shape[1], splits,
+                                    batch * head_blocks, q.device)
     given = dict(block_n=block_n, num_stages=num_stages, scores_transposed=scores_transposed,
                  window_block_n=window_block_n, window_scores_transposed=window_scores_transposed)
-    kind = "native" if not cols.packed else "packed, kept-first window" if window_kept_first else "packed"
+    kind = ("native" if not cols.packed else "packed, kept-first window" if window_kept_first
+            else "packed, window apart" if window_apart else "packed")
     config = {name: DEFAULT_CONFIGS[kind][name] if value is None else value for name, value in given.items()}
     block_n, num_stages, win_bn = config["block_n"], config["num_stages"], config["window_block_n"]
-    head_blocks = triton.cdiv(heads, h_block)
     kept_blocks = kept_column_blocks(cols.n_kept, cols.kept.numel())
     win_steps, c4_steps = triton.cdiv(window_locs.shape[1], win_bn), triton.cdiv(c4_locs.shape[1], block_n)
-    splits = split_count(splits, batch * head_blocks, window_locs.shape[1], c4_locs.shape[1], block_n, win_bn, q.device)
-    q_in = permute_columns(q, cols.order) if permute else q
+    splits = split_count(splits, batch * head_blocks, window_locs.shape[1], c4_locs.shape[1], block_n, win_bn, q.device,
+                         window_apart)
+    # The window's program reads q as given; the C4 programs read it through the kept
+    # columns, and the join takes their partials back to natural order.
+    q_in = permute_columns(q, cols.order) if permute and not window_apart else q
+    c4_programs = splits - 1 if window_apart else splits
     if splits > 1:  # normalized partial outputs and their log-sum-exp, joined below
         out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, batch, heads, dtype=torch.float32, device=q.device)
@@ -640,7 +786,7 @@ def decode(
             window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
             triton.cdiv(win_steps, splits) * win_bn,
             c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
-            triton.cdiv(c4_steps, splits) * block_n,
+            triton.cdiv(c4_steps, c4_programs) * block_n,
             cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E,
             WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
             C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
@@ -648,7 +794,7 @@ def decode(
             DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
             WIN_SCORES_T=config["window_scores_transposed"],
             PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
-            WIN_BN=win_bn, SPLIT=splits > 1, INTERPRETED=interpreted(),
+            WIN_BN=win_bn, SPLIT=splits > 1, WINDOW_APART=window_apart, INTERPRETED=interpreted(),
             num_warps=num_warps, num_stages=num_stages,
         )
     except OutOfResources as exc:  # name the settings, not only the kernel's shared memory
@@ -657,8 +803,8 @@ def decode(
     if splits > 1:  # the join also takes the output back to the model's order (permute)
         combine_heads = 8
         _combine_kernel[(triton.cdiv(heads, combine_heads), batch)](
-            out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, heads,
-            S=splits, H_BLOCK=combine_heads, GATHER=permute, num_warps=4)
+            out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, heads, cols.n_kept,
+            S=splits, H_BLOCK=combine_heads, GATHER=permute, FIRST_IN_PLACE=window_apart, num_warps=4)
     elif permute:
         permute_columns(out_k, cols.inverse, out=out)
     if compiled is not None:  # the benchmark records registers and spills

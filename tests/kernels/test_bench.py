@@ -35,7 +35,8 @@ def _doc() -> dict:
         nbytes, flops = _decode_bytes_flops(case)
         decode.append({"variant": variant, "retention": retention, "batch": 64, "topk": 512, "window": 128,
                        "columns": columns, "window_columns": window_columns, "heads": 64, "config": config,
-                       "splits": 2, "auto_splits": True, **_roofline(us / 1e6, nbytes, flops, ceil)})
+                       "splits": 2, "auto_splits": True, "window_apart": False,
+                       **_roofline(us / 1e6, nbytes, flops, ceil)})
     decode[0].update(config=dict(config, h_block=64, num_warps=8), n_regs=255, n_spills=14, shared_bytes=180736)
     # The split sweep: fixed split counts, faster here than auto's rows, and no target's.
     for variant, retention, orders, splits, us in (("native", 512, "natural", 1, 30.0), ("native", 512, "natural", 4, 5.0),
@@ -44,13 +45,14 @@ def _doc() -> dict:
         nbytes, flops = _decode_bytes_flops(case)
         decode.append({"variant": variant, "retention": retention, "batch": 64, "topk": 512, "window": 128,
                        "columns": orders, "window_columns": orders, "heads": 64, "config": config,
-                       "splits": splits, "auto_splits": False, **_roofline(us / 1e6, nbytes, flops, ceil)})
+                       "splits": splits, "auto_splits": False, "window_apart": False,
+                       **_roofline(us / 1e6, nbytes, flops, ceil)})
     store = [{"kernel": "store", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "stores",
               **_roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
     recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "loads",
               **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
     return {
-        "schema": "remnant/kernel-bench", "schema_version": 5, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
+        "schema": "remnant/kernel-bench", "schema_version": 6, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
         "provenance": {"gpu": {"name": "test", "capability": "9.0", "multiprocessors": 132, "l2_bytes": 60 << 20,
                                "nvidia_smi": {}},
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},
@@ -110,7 +112,7 @@ def test_each_tuned_kind_sweeps_its_forms_at_each_pipeline_depth():
         assert len(configs) == 9 and {c["num_stages"] for c in configs} == {1, 2, 3}
         assert len(decode_configs(kind, quick=True)) == 1
     doc = _doc()
-    doc["decode"][0]["config"] = decode_configs(("packed", "kept_first"), quick=False)[0]
+    doc["decode"][0]["config"] = decode_configs(("packed", "kept_first", False), quick=False)[0]
     validate(doc)
 
 

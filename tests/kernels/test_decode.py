@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels.decode import decode, kept_column_blocks, permute_columns, split_count, splits_for
+from remnant.kernels.decode import (decode, kept_column_blocks, permute_columns, split_count, splits_for,
+                                    window_apart_for)
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
@@ -142,6 +143,41 @@ def test_split_count_fills_the_multiprocessors_once():
     assert [split_count(s, 1, 21, 37, 16, 32, cpu) for s in (None, 2, 3, 8)] == [1, 2, 3, 3]
 
 
+@pytest.mark.parametrize(("retention", "splits"), [(256, None), (256, 2), (128, 3), (448, None), (64, 2)])
+def test_decode_with_the_window_in_a_program_of_its_own(retention, splits):
+    # Split 0 reads the window in natural order, the rest share the C4 records in
+    # kept-first order (q through the kept columns); the join returns natural order.
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 21, splits=splits,
+                 window_apart=True, window_block_n=16, **SOFT, **SMALL)
+
+
+@pytest.mark.parametrize("window_apart", [False, True])
+def test_decode_with_the_window_apart_or_not_and_no_window(window_apart):
+    # No window: the window's program holds the sink only.
+    check_decode(batch=2, heads=20, topk=37, window=0, retention=256, seed=31, window_apart=window_apart, **SOFT, **SMALL)
+
+
+def test_decode_fused_over_a_natural_window():
+    # One program reads both (as auto chooses below a full GPU's batch on a GPU).
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=256, seed=41, window_apart=False, **SOFT, **SMALL)
+
+
+def test_window_apart_is_chosen_for_natural_orders_with_a_window_and_a_full_batch():
+    cpu = torch.device("cpu")  # auto_splits is 1 off the GPU: every batch counts as full
+    assert window_apart_for(None, True, "natural", "natural", 128, None, 9, cpu)
+    assert not window_apart_for(None, True, "natural", "natural", 0, None, 9, cpu)  # no window
+    assert not window_apart_for(None, True, "natural", "natural", 128, 2, 9, cpu)  # splits given: fused
+    assert not window_apart_for(None, True, "kept_first", "natural", 128, None, 9, cpu)
+    assert not window_apart_for(None, False, "natural", "natural", 128, None, 9, cpu)  # native records
+    assert window_apart_for(True, True, "natural", "natural", 0, 3, 9, cpu)
+    with pytest.raises(ValueError, match="window_apart needs packed C4 records with q, out and the window in natural"):
+        window_apart_for(True, True, "natural", "kept_first", 128, None, 9, cpu)
+    # The window's program and at most one per C4 step (37 records at 16 per step: 3).
+    assert [split_count(s, 1, 21, 37, 16, 32, cpu, window_apart=True) for s in (None, 2, 8)] == [2, 2, 4]
+    with pytest.raises(ValueError, match=r"splits must be >= 2 \(the window program and one for the C4 records\)"):
+        split_count(1, 1, 21, 37, 16, 32, cpu, window_apart=True)
+
+
 def test_decode_refuses_zero_splits():
     with pytest.raises(ValueError, match="splits must be >= 1, got 0"):
         check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, splits=0)
@@ -224,6 +260,15 @@ def test_decode_refuses_a_window_of_packed_records():
                                     dict(h_block=64, block_n=32, num_warps=8, num_stages=2, splits=1)])
 def test_decode_on_gpu_at_v4_shape(retention, config):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("retention", [256, 128, 448])
+@pytest.mark.parametrize("splits", [None, 2])
+def test_decode_on_gpu_with_the_window_apart(retention, splits):
+    check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=12 + retention, splits=splits,
+                 window_apart=True)
 
 
 @pytest.mark.gpu
