@@ -10,8 +10,8 @@ Bytes are the fewest a call must move (each input read once, each output written
 FLOPs count the tensor-core work the kernel issues (padding included: a packed kernel at
 R = 384 multiplies its 320 kept columns as blocks of 256 and 64, and 64 RoPE columns, per
 C4 record, and for window tokens the kept blocks, the dropped columns padded to a power of
-two, and RoPE). The JSON (schema
-remnant/kernel-bench v6) is validated before it is written.
+two, and RoPE, or, with the window in a program of its own, the native program's 512 and
+64). The JSON (schema remnant/kernel-bench v6) is validated before it is written.
 """
 
 from __future__ import annotations
@@ -237,7 +237,6 @@ class DecodeCase:
     columns: str = "natural"  # packed: q and out in the model's order, or "kept_first" (decode's columns)
     window_columns: str = "natural"  # packed: the window records' code order (decode's window_columns)
     splits: int | None = None  # programs per token and head block (decode's splits); None: auto_splits
-
     window_apart: bool | None = None  # packed, all orders natural: the window in a program of its own (decode's)
 
     def resolved_window_apart(self, h_block: int = H_BLOCK) -> bool:
@@ -256,7 +255,7 @@ class DecodeCase:
                            self.resolved_window_apart(config["h_block"]))
 
 
-def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:
+def _decode_bytes_flops(case: DecodeCase, window_apart: bool = False) -> tuple[int, float]:
     rb = 584 if case.variant == "native" else case.retention + 72
     io = 2 * case.batch * HEADS * 512 * 2  # q read, out written (bf16)
     nbytes = case.batch * (case.topk * (rb + 4) + case.window * (584 + 4)) + io
@@ -264,7 +263,7 @@ def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:
     # native: 512 + 64 columns for the score and for P.V. Packed C4 records: the kept
     # column blocks (remnant.kernels.decode.kept_column_blocks), plus RoPE, for both.
     # Packed window tokens: kept blocks, dropped columns padded to a power of two, plus
-    # RoPE, for both.
+    # RoPE, for both; with the window apart (the native program reads it), as native.
     if case.variant == "native":
         c4_macs = win_macs = 2 * (512 + 64)
     else:
@@ -276,7 +275,7 @@ def _decode_bytes_flops(case: DecodeCase) -> tuple[int, float]:
         kept = case.retention - 64
         kept_macs = sum(kept_column_blocks(kept, padded(kept)))
         c4_macs = 2 * (kept_macs + 64)
-        win_macs = 2 * (kept_macs + padded(448 - kept) + 64)
+        win_macs = 2 * (512 + 64) if window_apart else 2 * (kept_macs + padded(448 - kept) + 64)
     flops = 2 * case.batch * HEADS * (case.topk * c4_macs + case.window * win_macs)
     return nbytes, float(flops)
 
@@ -479,7 +478,7 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
         variant, window_columns, window_apart = kind
         case = DecodeCase(variant, 512 if variant == "native" else KERNEL_R, batch, TOPK, WINDOW,
                           window_columns=window_columns, window_apart=window_apart if variant == "packed" else None)
-        nbytes, flops = _decode_bytes_flops(case)
+        nbytes, flops = _decode_bytes_flops(case, case.resolved_window_apart())
         for config in decode_configs(kind, quick):
             compiled: list = []
             try:
@@ -513,7 +512,7 @@ def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, ca
     rows = []
     for case in cases:
         config = best[_tuned_kind(case)]
-        nbytes, flops = _decode_bytes_flops(case)
+        nbytes, flops = _decode_bytes_flops(case, case.resolved_window_apart())
         compiled: list = []
         seconds = _sync_time_graph(inputs.call_sets(case, ceil.l2_bytes, config, compiled), reps)
         rows.append({"variant": case.variant, "retention": case.retention, "batch": case.batch, "topk": case.topk,

@@ -62,7 +62,7 @@ DEFAULT_CONFIGS = {
     "packed": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=16, window_scores_transposed=True),
     "packed, kept-first window": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
                                       window_scores_transposed=False),
-    # The window in a program of its own (split_count's window_apart): the native kernel's
+    # The window in a program of its own (decode's window_apart): the native kernel's
     # window loop, the packed kernel's C4 loop.
     "packed, window apart": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
                                  window_scores_transposed=True),
@@ -372,6 +372,13 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
             acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
         m = m_new
     if WITH_WINDOW:
+        # Window tokens: native records. In natural order their codes are read by native
+        # column index into both sets; the index loads hold a pointer per byte, so this
+        # loop runs best at 16 records per step (its registers bound the whole kernel's),
+        # and it cost the packed kernel 67 us of 130 on the H200 against the native
+        # kernel's 20 us for the same tokens (hence window_apart). WIN_KEPT_FIRST: the
+        # records' codes are in kept-first order (store_kept_first), read as runs of words.
+        tl.static_assert(not Q_GATHER, "q through the kept columns is for programs without the window")
         i = tl.arange(0, DP)
         dropped_ok = i < 448 - N
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
@@ -383,14 +390,11 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
             kept_tail = tl.load(kept_ptr + KA + t)
             sel_tail = _selectors(kept_tail)
         if WIN_SCORES_T != SCORES_T:
-            q_kept, q_kept_t = _load_q(q_row, h_ok, _q_columns(j, kept_ptr, Q_GATHER), kept_ok)
+            q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
             q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
             if KT:
-                q_tail, q_tail_t = _load_q(q_row, h_ok, _q_columns(KA + t, kept_ptr, Q_GATHER), tail_ok)
-        if Q_GATHER:
-            q_drop, q_drop_t = _load_q(q_row, h_ok, dropped, dropped_ok)
-        else:
-            q_drop, q_drop_t = _load_q(q_row + N, h_ok, i, dropped_ok)
+                q_tail, q_tail_t = _load_q(q_row + KA, h_ok, t, tail_ok)
+        q_drop, q_drop_t = _load_q(q_row + N, h_ok, i, dropped_ok)
         w_off = tl.arange(0, WIN_BN)
         loc = _locations(win_locs, win_lo + w_off, win_hi)
         for start in range(win_lo, win_hi, WIN_BN):
@@ -481,7 +485,7 @@ def _decode_kernel(
         # read through the kept columns; _combine_kernel joins the two orders. Reading
         # natural window records by column index into kept-first sets cost the fused
         # program as much as its C4 records (benchmarks/kernels/NOTES.md).
-        if split == 0:
+        if split == 0:  # an empty C4 range: only the window's steps run
             m, l = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
                                    win_ptr, win_locs, 0, W, win_stride, c4_ptr, c4_locs, 0, 0, c4_stride,
                                    WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
@@ -620,10 +624,12 @@ def split_count(splits: int | None, programs: int, window: int, topk: int, block
     rest share the C4 records, at most one per C4 step; None then chooses one more than
     auto_splits."""
     if splits is None:
-        splits = min(MAX_SPLITS, auto_splits(programs, device) + window_apart)
-    if splits < 1 or (window_apart and splits < 2):
-        raise ValueError(f"splits must be >= {2 if window_apart else 1}"
-                         f"{' (the window program and one for the C4 records)' if window_apart else ''}, got {splits}")
+        splits = min(MAX_SPLITS, auto_splits(programs, device) + (1 if window_apart else 0))
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    if window_apart and splits < 2:
+        raise ValueError(f"splits must be >= 2 with window_apart (the window's program and one for the C4 records), "
+                         f"got {splits}")
     c4_steps = max(-(-topk // block_n), 1)
     if window_apart:
         return 1 + min(splits - 1, c4_steps)
@@ -638,15 +644,18 @@ def window_apart_for(window_apart: bool | None, packed: bool, columns: str, wind
     the kernel) can: there the fused program reads each window code by column index into
     its kept-first sets, which cost it as much as its C4 records on the H200 (batch 128:
     115 us, against 92 with the window apart and 96 for the native kernel; NOTES.md, sixth
-    round). None chooses it where the window is not empty and the batch alone gives every
-    multiprocessor a program (below that, splitting the fused program measured faster:
-    batch 64, 69 against 71 us)."""
+    round). None chooses it where the window is not empty, splits is None and auto_splits
+    gives the fused program one split (more programs than half the multiprocessors:
+    measured faster at batch 128 and up; at batch 64, where the fused program is split in
+    two, it measured slower, 71 against 69 us); given splits keep the fused program."""
     natural = packed and columns == "natural" and window_columns == "natural"
     if window_apart is None:
         return natural and window > 0 and splits is None and auto_splits(programs, device) == 1
     if window_apart and not natural:
-        raise ValueError("window_apart needs packed C4 records with q, out and the window in natural order "
-                         "(a keep list, columns='natural', window_columns='natural')")
+        raise ValueError("window_apart needs packed C4 records with q, out and the window in natural order (a keep "
+                         f"list, columns='natural', window_columns='natural'), got "
+                         f"{'packed' if packed else 'native'} records, columns={columns!r}, "
+                         f"window_columns={window_columns!r}")
     return window_apart
 
 
@@ -721,8 +730,8 @@ def decode(
     window_apart (packed records, all three orders natural): split 0 reads the whole
     window as the native kernel does and the other splits share the C4 records, q read
     through the kept columns (no permute pass); the join takes both back to natural
-    order. None chooses it where it measured faster (window_apart_for); it needs splits
-    >= 2 (None: one more than auto_splits).
+    order. None chooses it where it measured faster (window_apart_for; never when splits
+    is given); it needs splits >= 2 (None: one more than auto_splits).
     """
     for name, value in (("columns", columns), ("window_columns", window_columns)):
         if value not in COLUMN_ORDERS:

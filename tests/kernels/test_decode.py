@@ -22,7 +22,7 @@ def set_pad_bytes(pool: torch.Tensor, layout: PageLayout, value: int) -> None:
 
 
 def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, window_kept_first=False,
-                 q_scale=2.0, sink_shift=0.0, pad_byte=0, **config) -> float:
+                 q_scale=2.0, sink_shift=0.0, pad_byte=0, window_apart=False, **config) -> float:
     """q_scale, sink_shift: the records' scales span 6 decades, so at q_scale 2 the softmax
     is nearly one-hot and the sink carries no mass; small q and a sink near log(records)
     give every term weight (the sink about a quarter of it at 0.02 and 3).
@@ -30,7 +30,9 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     window_kept_first: the window records' codes in that order (window_columns="kept_first").
     rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned).
-    pad_byte: the value of every record's pad byte (set_pad_bytes)."""
+    pad_byte: the value of every record's pad byte (set_pad_bytes).
+    window_apart: decode's, False by default so that each test checks the same program on
+    the CPU and the GPU (decode's own choice depends on the GPU's multiprocessors)."""
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(retention, gen)
     per_page = 1 if rows else 64
@@ -64,10 +66,11 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
         order = KeptColumns.of(keep, q.device).order
         got = torch.full_like(q, float("nan"))
         decode(q[:, :, order], c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=got, check_range=True,
-               columns="kept_first", **config)
+               columns="kept_first", window_apart=window_apart, **config)
         out[:, :, order] = got
     else:
-        decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=out, check_range=True, **config)
+        decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=out, check_range=True,
+               window_apart=window_apart, **config)
     assert not out.isnan().any(), "an output element was not written (or is NaN)"
     err = ((out.double() - want).norm() / want.norm()).item()
     assert err < TOLERANCE, f"relative error {err:.2e}"
@@ -143,12 +146,14 @@ def test_split_count_fills_the_multiprocessors_once():
     assert [split_count(s, 1, 21, 37, 16, 32, cpu) for s in (None, 2, 3, 8)] == [1, 2, 3, 3]
 
 
-@pytest.mark.parametrize(("retention", "splits"), [(256, None), (256, 2), (128, 3), (448, None), (64, 2)])
-def test_decode_with_the_window_in_a_program_of_its_own(retention, splits):
+@pytest.mark.parametrize(("retention", "splits"), [(256, None), (256, 2), (128, 3), (448, None), (64, 2), (384, None)])
+@pytest.mark.parametrize(("scores_transposed", "window_scores_transposed"), [(False, True), (True, False)])
+def test_decode_with_the_window_in_a_program_of_its_own(retention, splits, scores_transposed, window_scores_transposed):
     # Split 0 reads the window in natural order, the rest share the C4 records in
     # kept-first order (q through the kept columns); the join returns natural order.
     check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 21, splits=splits,
-                 window_apart=True, window_block_n=16, **SOFT, **SMALL)
+                 window_apart=True, window_block_n=16, scores_transposed=scores_transposed,
+                 window_scores_transposed=window_scores_transposed, pad_byte=0xA5, **SOFT, **SMALL)
 
 
 @pytest.mark.parametrize("window_apart", [False, True])
@@ -157,9 +162,10 @@ def test_decode_with_the_window_apart_or_not_and_no_window(window_apart):
     check_decode(batch=2, heads=20, topk=37, window=0, retention=256, seed=31, window_apart=window_apart, **SOFT, **SMALL)
 
 
-def test_decode_fused_over_a_natural_window():
-    # One program reads both (as auto chooses below a full GPU's batch on a GPU).
-    check_decode(batch=3, heads=20, topk=37, window=21, retention=256, seed=41, window_apart=False, **SOFT, **SMALL)
+def test_decode_with_its_own_choice_of_the_window_program():
+    # decode's own choice (window_apart=None): off the GPU auto_splits is 1, so the window
+    # apart; on one, at batch 3, the fused program split across programs.
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=256, seed=41, window_apart=None, **SOFT, **SMALL)
 
 
 def test_window_apart_is_chosen_for_natural_orders_with_a_window_and_a_full_batch():
@@ -170,11 +176,12 @@ def test_window_apart_is_chosen_for_natural_orders_with_a_window_and_a_full_batc
     assert not window_apart_for(None, True, "kept_first", "natural", 128, None, 9, cpu)
     assert not window_apart_for(None, False, "natural", "natural", 128, None, 9, cpu)  # native records
     assert window_apart_for(True, True, "natural", "natural", 0, 3, 9, cpu)
-    with pytest.raises(ValueError, match="window_apart needs packed C4 records with q, out and the window in natural"):
+    with pytest.raises(ValueError, match="in natural order .*, got packed records, columns='natural', "
+                                         "window_columns='kept_first'"):
         window_apart_for(True, True, "natural", "kept_first", 128, None, 9, cpu)
     # The window's program and at most one per C4 step (37 records at 16 per step: 3).
     assert [split_count(s, 1, 21, 37, 16, 32, cpu, window_apart=True) for s in (None, 2, 8)] == [2, 2, 4]
-    with pytest.raises(ValueError, match=r"splits must be >= 2 \(the window program and one for the C4 records\)"):
+    with pytest.raises(ValueError, match=r"splits must be >= 2 with window_apart \(the window's program and one for"):
         split_count(1, 1, 21, 37, 16, 32, cpu, window_apart=True)
 
 
