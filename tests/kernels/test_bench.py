@@ -22,6 +22,9 @@ def test_decode_bytes_count_records_locations_and_io():
     assert flops_320 == 2 * 64 * (2 * (256 + 64) + 2 * (256 + 256 + 64))
     native_bytes, _ = _decode_bytes_flops(DecodeCase("native", 512, batch=2, topk=512, window=128))
     assert native_bytes == 2 * (640 * 588) + io
+    # The window apart: the native program multiplies the window (512 + 64), bytes unchanged.
+    apart_bytes, apart_flops = _decode_bytes_flops(DecodeCase("packed", 256, batch=2, topk=512, window=128), True)
+    assert apart_bytes == nbytes and apart_flops == 2 * 2 * 64 * (512 * 2 * 256 + 128 * 2 * (512 + 64))
 
 
 def _doc() -> dict:
