@@ -481,10 +481,15 @@ class Model:
                 key_sets.append((dequantize(stored), None))
             masks.append(mask)
         # The reference attends in natural column order (key sets are natural records).
+        o = self.attend(layer, self._natural_q(li, st.q), key_sets, masks)
         folded = self.folded_weights.get(li)
-        if folded is None:
-            return self.attend(layer, st.q, key_sets, masks)
-        return self.attend(layer, st.q[..., folded.inverse], key_sets, masks)[..., folded.order]
+        return o if folded is None else o[..., folded.order]
+
+    def _natural_q(self, li: int, q: torch.Tensor) -> torch.Tensor:
+        """q [..., 512] of layer li in the model's natural column order (it is kept-first on
+        layers with folded_weights)."""
+        folded = self.folded_weights.get(li)
+        return q if folded is None else q[..., folded.inverse]
 
     def _select_records(self, li: int, layer: Layer, seq, pools, st: "_Step",
                         kernels: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -500,8 +505,7 @@ class Model:
             return None
         n = self._compress_new_blocks(li, layer, seq, pools, st, kernels)
         if self.capture is not None and layer.ratio == CSA_RATIO:
-            folded = self.folded_weights.get(li)  # calibration policies read natural q
-            self.capture[li].append((st.q if folded is None else st.q[..., folded.inverse]).detach().clone())
+            self.capture[li].append(self._natural_q(li, st.q).detach().clone())  # policies read natural q
         if not n:
             return None
         rec_end = (torch.arange(n, device=self.device) + 1) * layer.ratio - 1
