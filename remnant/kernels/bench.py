@@ -11,7 +11,7 @@ FLOPs count the tensor-core work the kernel issues (padding included: a packed k
 R = 384 multiplies its 320 kept columns as blocks of 256 and 64, and 64 RoPE columns, per
 C4 record, and for window tokens the kept blocks, the dropped columns padded to a power of
 two, and RoPE, or, with the window in a program of its own, the native program's 512 and
-64). The JSON (schema remnant/kernel-bench v6) is validated before it is written.
+64). The JSON (schema remnant/kernel-bench v7) is validated before it is written.
 """
 
 from __future__ import annotations
@@ -153,8 +153,18 @@ def _roofline(seconds: float, nbytes: int, flops: float, ceil: Ceilings) -> dict
 
 
 def _store_variants(retention: int) -> list[str]:
+    from remnant.kernels.store import PERMUTES
+
     # Native records need no permutation: one row, labelled by the kernel's contiguous store.
-    return ["registers"] if retention == 512 else ["registers", "stores", "loads"]
+    return ["registers"] if retention == 512 else list(PERMUTES)
+
+
+def _launch(kernel: str, permute: str) -> dict:
+    """The launch a copy row ran with: the kernel's default for its permutation."""
+    from remnant.kernels import reconstruct, store
+
+    block_rows, num_warps = (store if kernel == "store" else reconstruct).LAUNCH[permute]
+    return {"block_rows": block_rows, "num_warps": num_warps}
 
 
 def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
@@ -185,7 +195,7 @@ def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: i
                     [lambda x=x, locs=locs, p=permute: store(x, pool, layout, locs, keep, permute=p) for x, locs in calls],
                     reps)
                 rows.append({"kernel": "store", "retention": retention, "records": n, "permute": permute,
-                             "record_bytes": layout.record_bytes, **_roofline(seconds, call_bytes, 0.0, ceil)})
+                             **_launch("store", permute), "record_bytes": layout.record_bytes, **_roofline(seconds, call_bytes, 0.0, ceil)})
                 _progress_row(rows[-1])
             del pool, calls
             torch.cuda.empty_cache()
@@ -219,7 +229,7 @@ def bench_reconstruct(ceil: Ceilings, sizes: list[int], retentions: list[int], r
                     [lambda locs=locs, out=out, ol=ol, p=permute: reconstruct(pool, layout, locs, keep, out, native, ol, permute=p)
                      for locs, out, ol in calls], reps)
                 rows.append({"kernel": "reconstruct", "retention": retention, "records": k, "permute": permute,
-                             "record_bytes": layout.record_bytes, **_roofline(seconds, call_bytes, 0.0, ceil)})
+                             **_launch("reconstruct", permute), "record_bytes": layout.record_bytes, **_roofline(seconds, call_bytes, 0.0, ceil)})
                 _progress_row(rows[-1])
             del calls
         del pool
@@ -688,7 +698,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     provenance = gpu_provenance()
     return {
         "schema": "remnant/kernel-bench",
-        "schema_version": 6,
+        "schema_version": 7,
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
         "provenance": provenance,

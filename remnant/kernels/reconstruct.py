@@ -5,12 +5,14 @@ record (584 bytes) whose kept NoPE codes sit at their coordinates, dropped codes
 zero, and RoPE, scales and pad are copied. The result goes to a plain [k, 584] tensor or
 into native pages at given locations (so stock attention reads it unchanged).
 
-Three ways to permute the kept codes into native order, measured against each other by
-remnant-kernels: one contiguous load per record then tl.gather in registers ("registers"),
-one byte load per native coordinate from its kept slot, L1-served after the first touch
-("loads"), or one byte permute per native code word of the two packed words that hold
-its kept codes ("words": KeptColumns.word_plan; half the loads, each four bytes wide,
-where the byte loads kept L1 at 91% of its peak on an H200, NOTES.md).
+Two ways to permute the kept codes into native order, measured against each other by
+remnant-kernels: "registers", the plain one (the kept codes loaded, then tl.gather along
+each row, which Triton lowers to warp shuffles), and "shared", the default: the record's
+words loaded once with vector loads and each native code word built by one byte permute
+(prmt) of the two packed words that hold its kept codes (KeptColumns.word_plan), those
+words gathered on chip through shared memory. On an H200 "shared" moved 81-93% of the
+copy bandwidth at R = 64-448, against 65-74% for the best earlier permutation
+(benchmarks/kernels/NOTES.md, seventh round).
 Bytes: read R + 72, write 584 per record.
 """
 
@@ -25,7 +27,10 @@ from remnant.kv.formats import NATIVE_RECORD_BYTES
 from remnant.kv.paged import KeptColumns, PageLayout
 
 
-PERMUTES = ("registers", "loads", "words")
+PERMUTES = ("registers", "shared")
+# The fastest launch per permutation on the H200 (records per program, warps): "shared"
+# needs several warps (its gather goes through shared memory only when it spans warps).
+LAUNCH = {"registers": (4, 1), "shared": (16, 4)}
 
 
 @triton.jit
@@ -34,7 +39,8 @@ def _reconstruct_kernel(
     dst_ptr, dst_locs_ptr, dst_stride,
     slot_of_ptr, plan_ptr, n_rows,
     SRC_PER_PAGE: tl.constexpr, SRC_ALIGN: tl.constexpr, DST_PER_PAGE: tl.constexpr, DST_ALIGN: tl.constexpr,
-    N: tl.constexpr, NP: tl.constexpr, PERMUTE: tl.constexpr, BLOCK_ROWS: tl.constexpr, INTERPRETED: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, NPW: tl.constexpr, PERMUTE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -47,35 +53,44 @@ def _reconstruct_kernel(
     dst_data, dst_tail = record_addresses(dst_ptr, tl.load(dst_locs_ptr + rows, mask=row_ok, other=0),
                                           DST_PER_PAGE, dst_stride, DST_DATA, DST_ALIGN)
 
-    if PERMUTE == "words":
-        # Native code word w: its kept codes are one run of packed bytes within packed
-        # words plan[0, w] and the next (KeptColumns.word_plan); one byte permute puts
-        # them in place and the mask clears the dropped bytes.
+    if PERMUTE == "shared":
+        # Native code word w holds kept codes that are one run of packed bytes within
+        # packed words plan[0, w] and the next (kept slots are sorted); one byte permute
+        # of that pair puts them in place and the mask clears the dropped bytes.
+        # The pairs are gathered from the block's words flattened to one axis: Triton
+        # lowers a gather whose axis spans warps through shared memory (a store, then a
+        # load per value), where a gather along a row gets a warp-local layout and several
+        # shuffles per value (NOTES.md, sixth and seventh rounds).
         w = tl.arange(0, 128)
         w_ok = w < 112
-        first = tl.load(plan_ptr + w, mask=w_ok, other=0)
-        selector = tl.load(plan_ptr + 112 + w, mask=w_ok, other=0)
-        kept_bytes = tl.load(plan_ptr + 224 + w, mask=w_ok, other=0)
-        src_words = src_data.to(tl.pointer_type(tl.int32))[:, None] + first[None, :]
-        ok = row_ok[:, None] & w_ok[None, :]
-        kept_ok = ok & (kept_bytes[None, :] != 0)  # a word of dropped codes only reads nothing
-        lo = tl.load(src_words, mask=kept_ok, other=0)
-        hi = tl.load(src_words + 1, mask=kept_ok, other=0)  # at most the RoPE's first word: within the record
         shape: tl.constexpr = (BLOCK_ROWS, 128)
-        native = byte_permute(lo, hi, tl.broadcast_to(selector[None, :], shape), INTERPRETED) & kept_bytes[None, :]
-        tl.store(dst_data.to(tl.pointer_type(tl.int32))[:, None] + w[None, :], native, mask=ok)
+        if N == 0:  # no NoPE code kept: the codes are FP8 zeros
+            native = tl.zeros(shape, dtype=tl.int32)
+        else:
+            # Words up to the end of the record's data (codes, then RoPE), so that the
+            # mask keeps vector loads (one at the last code word made them single words).
+            v = tl.arange(0, NPW)
+            words = tl.load(src_data.to(tl.pointer_type(tl.int32))[:, None] + v[None, :],
+                            mask=row_ok[:, None] & (v[None, :] < N // 4 + 32), other=0)
+            first = tl.load(plan_ptr + w, mask=w_ok, other=0)
+            selector = tl.load(plan_ptr + 112 + w, mask=w_ok, other=0)
+            kept_bytes = tl.load(plan_ptr + 224 + w, mask=w_ok, other=0)
+            at = tl.arange(0, BLOCK_ROWS)[:, None] * NPW + first[None, :]
+            # Both words of every pair in one gather (one store of the words, not two).
+            pairs = tl.gather(tl.reshape(words, (BLOCK_ROWS * NPW,)),
+                              tl.reshape(tl.join(at, at + 1), (BLOCK_ROWS * 256,)), axis=0)
+            lo, hi = tl.split(tl.reshape(pairs, (BLOCK_ROWS, 128, 2)))
+            native = byte_permute(lo, hi, tl.broadcast_to(selector[None, :], shape), INTERPRETED) & kept_bytes[None, :]
+        tl.store(dst_data.to(tl.pointer_type(tl.int32))[:, None] + w[None, :], native,
+                 mask=row_ok[:, None] & w_ok[None, :])
     else:
         # Kept codes, contiguous; native coordinate c takes kept slot slot_of[c] (or zero).
         c = tl.arange(0, 512)
         slot_of = tl.load(slot_of_ptr + c)
-        if PERMUTE == "registers":
-            j = tl.arange(0, NP)
-            kept = tl.load(src_data[:, None] + j[None, :], mask=row_ok[:, None] & (j[None, :] < N), other=0)
-            native = tl.gather(kept, tl.broadcast_to(tl.maximum(slot_of, 0)[None, :], (BLOCK_ROWS, 512)), axis=1)
-            native = tl.where(slot_of[None, :] >= 0, native, 0)
-        else:
-            native = tl.load(src_data[:, None] + slot_of[None, :], mask=row_ok[:, None] & (slot_of[None, :] >= 0),
-                             other=0)
+        j = tl.arange(0, NP)
+        kept = tl.load(src_data[:, None] + j[None, :], mask=row_ok[:, None] & (j[None, :] < N), other=0)
+        native = tl.gather(kept, tl.broadcast_to(tl.maximum(slot_of, 0)[None, :], (BLOCK_ROWS, 512)), axis=1)
+        native = tl.where(slot_of[None, :] >= 0, native, 0)
         tl.store(dst_data[:, None] + c[None, :], native, mask=row_ok[:, None] & (c[None, :] < 448))
 
     r = tl.arange(0, 64)
@@ -94,28 +109,28 @@ def reconstruct(
     out_layout: PageLayout | None = None,
     out_locs: torch.Tensor | None = None,
     check_range: bool = False,
-    block_rows: int = 4,
-    num_warps: int = 1,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
     permute: str | None = None,
 ) -> torch.Tensor:
     """Packed records at `locs` [k] of `pages` -> native records.
 
     Without `out`: returns uint8 [k, 584]. With `out` (native pages), `out_layout` and
     `out_locs` [k]: writes record i at out_locs[i] there and returns `out`. permute: how
-    codes reach native order, "registers" (one contiguous load, then tl.gather), "loads"
-    (each native coordinate loaded from its kept slot) or "words" (a byte permute of two
-    packed words per native word); all give the same bytes. None: "words", or "registers"
-    when no NoPE code is kept (R = 64, nothing to permute). On an H200 "words" moved 64-74%
-    of the copy bandwidth at R >= 256 against 55-61% by loads, and "registers" 72-74% at
-    R = 64 (benchmarks/kernels/h200-2026-12-01-r7.json, NOTES.md).
-    Launch: block_rows records per program on num_warps warps (4 on 1 measured best for
-    "words": 8 on 1-2 and 2 on 1 were 10-15% slower).
+    codes reach native order, "shared" (the default: vector loads, a byte permute of two
+    packed words per native word, the words gathered through shared memory) or
+    "registers" (the plain one: the kept codes loaded, then tl.gather along the row); both
+    give the same bytes. Launch: block_rows records per program on num_warps warps, None
+    taking LAUNCH's (on an H200 "shared" moved 81-93% of the copy bandwidth with 16 records
+    on 4 warps; 8 on 4, 32 on 4 or 8 and 8-16 on 2 were up to 10% slower:
+    benchmarks/kernels/NOTES.md, seventh round).
     """
     cols = KeptColumns.of(keep, pages.device)
-    if permute is None:
-        permute = "registers" if cols.n_kept == 0 else "words"
+    permute = permute or "shared"
     if permute not in PERMUTES:
         raise ValueError(f"permute={permute!r} is not allowed; allowed: {', '.join(map(repr, PERMUTES))}")
+    block_rows = block_rows or LAUNCH[permute][0]
+    num_warps = num_warps or LAUNCH[permute][1]
     layout.check(pages)
     if cols.record_bytes != layout.record_bytes:
         raise ValueError(f"keep holds {cols.n_kept} codes ({cols.record_bytes}-byte records), but the layout holds {layout.record_bytes}")
@@ -142,7 +157,7 @@ def reconstruct(
         cols.slot_of, cols.word_plan, k,
         SRC_PER_PAGE=layout.per_page, SRC_ALIGN=alignment(layout, "pages"),
         DST_PER_PAGE=out_layout.per_page, DST_ALIGN=alignment(out_layout, "out"),
-        N=cols.n_kept, NP=cols.kept.numel(), PERMUTE=permute, BLOCK_ROWS=block_rows,
-        INTERPRETED=interpreted(), num_warps=num_warps,
+        N=cols.n_kept, NP=cols.kept.numel(), NPW=triton.next_power_of_2(cols.n_kept // 4 + 2),
+        PERMUTE=permute, BLOCK_ROWS=block_rows, INTERPRETED=interpreted(), num_warps=num_warps,
     )
     return out

@@ -20,17 +20,19 @@ from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM
 from remnant.kv.paged import KeptColumns, PageLayout
 
 
-PERMUTES = ("registers", "stores", "loads")
-LOADS_UP_TO_KEPT = 192  # the default permutation is "loads" up to R = 256, "stores" above
+PERMUTES = ("registers", "loads", "shared")
+# The fastest launch per permutation on the H200 (latents per program, warps): "shared"
+# needs several warps (its gather goes through shared memory only when it spans warps).
+LAUNCH = {"registers": (4, 1), "loads": (4, 1), "shared": (16, 4)}
 
 
 @triton.jit
 def _store_kernel(
     x_ptr, x_stride, n_rows,
     pages_ptr, locs_ptr, page_stride,
-    kept_ptr, slot_of_ptr,
+    kept_ptr,
     PER_PAGE: tl.constexpr, ALIGN: tl.constexpr,
-    N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, GATHER: tl.constexpr, LOADS: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, PERMUTE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -52,7 +54,7 @@ def _store_kernel(
     DATA: tl.constexpr = N + 128
     data, tail = record_addresses(pages_ptr, tl.load(locs_ptr + rows, mask=row_ok, other=0),
                                   PER_PAGE, page_stride, DATA, ALIGN)
-    if PACKED and LOADS:
+    if PACKED and PERMUTE == "loads":
         # The kept latents re-read by index (L1 hits: the rows were just loaded) and
         # quantized in map order with their tiles' scales: contiguous code stores, no
         # permutation of the quantized tile.
@@ -68,19 +70,20 @@ def _store_kernel(
     else:
         codes = tl.clamp(x * scale_inv[:, :, None], -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         codes = tl.reshape(codes, (BLOCK_ROWS, 512))                        # native order
-        if PACKED and not GATHER:
-            # Each kept code stored at its slot (byte stores; a row's slots are one
-            # contiguous run, so L2 merges them into whole sectors).
-            c = tl.arange(0, 512)
-            slot = tl.load(slot_of_ptr + c)
-            tl.store(data[:, None] + tl.maximum(slot, 0)[None, :], codes, mask=row_ok[:, None] & (slot[None, :] >= 0))
-        else:
-            j = tl.arange(0, NP)
-            if PACKED:
-                # The kept codes in map order, permuted in registers: stores stay contiguous.
-                kept = tl.load(kept_ptr + j)
+        j = tl.arange(0, NP)
+        if PACKED:
+            kept = tl.load(kept_ptr + j)
+            if PERMUTE == "shared":
+                # The kept codes gathered from the block's codes flattened to one axis:
+                # Triton lowers a gather whose axis spans warps through shared memory (a
+                # store, then a load per value), where a gather along a row ("registers")
+                # gets a warp-local layout and several shuffles per value (NOTES.md,
+                # seventh round).
+                at = tl.reshape(tl.arange(0, BLOCK_ROWS)[:, None] * 512 + kept[None, :], (BLOCK_ROWS * NP,))
+                codes = tl.reshape(tl.gather(tl.reshape(codes, (BLOCK_ROWS * 512,)), at, axis=0), (BLOCK_ROWS, NP))
+            else:  # the kept codes in map order, permuted in registers: stores stay contiguous
                 codes = tl.gather(codes, tl.broadcast_to(kept[None, :], (BLOCK_ROWS, NP)), axis=1)
-            tl.store(data[:, None] + j[None, :], codes, mask=row_ok[:, None] & (j[None, :] < N))
+        tl.store(data[:, None] + j[None, :], codes, mask=row_ok[:, None] & (j[None, :] < N))
 
     r = tl.arange(0, 64)
     rope = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + 448 + r[None, :], mask=row_ok[:, None], other=0.0)
@@ -113,7 +116,7 @@ def store(
     keep: "torch.Tensor | KeptColumns | None" = None,
     check_range: bool = False,
     block_rows: int | None = None,
-    num_warps: int = 1,
+    num_warps: int | None = None,
     permute: str | None = None,
 ) -> None:
     """Quantize x [n, 512] (bf16 or float; rounded to bf16 as SGLang stores K) into `pages`.
@@ -121,33 +124,32 @@ def store(
     keep None: native records; keep int64 [N]: packed records of R = N + 64. Writes record
     i at locs[i] (flat pool location). Non-finite latents are not checked here (the
     reference refuses them; SGLang's kernel gives undefined scales). permute: how packed
-    codes reach map order, "registers" (tl.gather of the quantized tile, then contiguous
-    stores), "stores" (each kept code stored at its slot) or "loads" (the kept latents
-    re-read by index and quantized in map order, then contiguous stores); all give the same
-    bytes. None picks the fastest measured on the H200 (benchmarks/kernels/h200-2026-11-30-
-    r3.json): "loads" up to R = 256 (its index loads grow with N: 98% of the copy bandwidth
-    at R = 128, 69% at 256, 49% at 384), "stores" above (54% at 384).
+    codes reach map order, "shared" (the default: the quantized codes gathered through
+    shared memory, then contiguous stores), "registers" (the plain one: tl.gather along each
+    row, warp shuffles) or "loads" (the kept latents re-read by index and quantized in map
+    order); all give the same bytes. Native records have nothing to permute ("registers").
+    Launch: block_rows latents per program on num_warps warps, None taking LAUNCH's. On an
+    H200 "shared" moved 91-99% of the copy bandwidth at R = 128-384 with 16 latents on 4
+    warps, where "loads" moved 99%, 72% and 50% (benchmarks/kernels/NOTES.md, seventh round).
     """
     if permute is not None and permute not in PERMUTES:
         raise ValueError(f"permute={permute!r} is not allowed; allowed: {', '.join(map(repr, PERMUTES))}")
     cols = KeptColumns.of(keep, x.device)
-    if permute is None:
-        permute = "loads" if cols.n_kept <= LOADS_UP_TO_KEPT else "stores"
+    permute = permute or ("shared" if cols.packed else "registers")
     if cols.record_bytes != layout.record_bytes:
         raise ValueError(f"{cols.n_kept} kept codes make {cols.record_bytes}-byte records, but the layout holds {layout.record_bytes}")
     xb, locs = _checked(x, pages, layout, locs, check_range, "store")
     if x.shape[0] == 0:
         return
-    if block_rows is None:  # the fastest on the H200 (benchmarks/kernels/NOTES.md)
-        block_rows = 2 if cols.packed and permute == "stores" else 4
+    block_rows = block_rows or LAUNCH[permute][0]
+    num_warps = num_warps or LAUNCH[permute][1]
     grid = (triton.cdiv(x.shape[0], block_rows),)
     _store_kernel[grid](
         xb, xb.stride(0), x.shape[0],
         pages, locs, layout.page_stride,
-        cols.kept, cols.slot_of,
+        cols.kept,
         PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
-        N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, GATHER=permute == "registers", LOADS=permute == "loads",
-        BLOCK_ROWS=block_rows,
+        N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, PERMUTE=permute, BLOCK_ROWS=block_rows,
         num_warps=num_warps,
     )
 
@@ -181,8 +183,8 @@ def store_kept_first(
     _store_kernel[(triton.cdiv(x.shape[0], block_rows),)](
         xb, xb.stride(0), x.shape[0],
         pages, locs, layout.page_stride,
-        cols.order, cols.slot_of,
+        cols.order,
         PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
-        N=NOPE_DIM, NP=512, PACKED=True, GATHER=False, LOADS=True, BLOCK_ROWS=block_rows,
+        N=NOPE_DIM, NP=512, PACKED=True, PERMUTE="loads", BLOCK_ROWS=block_rows,
         num_warps=num_warps,
     )

@@ -50,18 +50,18 @@ def _doc() -> dict:
                        "columns": orders, "window_columns": orders, "heads": 64, "config": config,
                        "splits": splits, "auto_splits": False, "window_apart": False,
                        **_roofline(us / 1e6, nbytes, flops, ceil)})
-    store = [{"kernel": "store", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "stores",
-              **_roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
-    recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "loads",
-              **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
+    store = [{"kernel": "store", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "shared",
+              "block_rows": 16, "num_warps": 4, **_roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
+    recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "shared",
+              "block_rows": 16, "num_warps": 4, **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
     return {
-        "schema": "remnant/kernel-bench", "schema_version": 6, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
+        "schema": "remnant/kernel-bench", "schema_version": 7, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
         "provenance": {"gpu": {"name": "test", "capability": "9.0", "multiprocessors": 132, "l2_bytes": 60 << 20,
                                "nvidia_smi": {}},
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},
         "method": {"timing": "graph", "replays": 30},
         "ceilings": {"copy_gbps": 4000.0, "matmul_bf16_tflops": 800.0, "l2_bytes": 60 << 20},
-        "checks": [{"kernel": "store", "retention": 256, "records": 10, "permute": "stores", "bytes_differing": 0}],
+        "checks": [{"kernel": "store", "retention": 256, "records": 10, "permute": "shared", "bytes_differing": 0}],
         "store": store, "reconstruct": recon,
         "decode_tuning": [{"variant": "native", "config": config, "error": "did not compile"}],
         "decode": decode, "targets": targets(decode, store, recon, "9.0"),

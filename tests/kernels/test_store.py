@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from remnant.kernels.common import alignment
-from remnant.kernels.store import store as store_kernel
+from remnant.kernels.store import PERMUTES, store as store_kernel
 from remnant.kernels.store import store_kept_first
 from remnant.kv.formats import NOPE_DIM
 from remnant.kv.paged import KeptColumns, PageLayout, gather, store, to_kept_first
@@ -51,7 +51,7 @@ def check_store(n: int, retention: int, per_page: int, pages: int, seed: int, pe
     assert torch.equal(gather(got, layout, rest), gather(want, layout, rest)), "bytes outside locs were written"
 
 
-@pytest.mark.parametrize("permute", ["registers", "stores", "loads"])
+@pytest.mark.parametrize("permute", PERMUTES)
 @pytest.mark.parametrize("retention", [512, 256, 128, 448])
 def test_store_matches_reference_in_split_pages(retention, permute):
     check_store(n=37, retention=retention, per_page=16, pages=5, seed=retention, permute=permute)
@@ -137,7 +137,7 @@ def test_store_kept_first_bit_exact_on_gpu_at_size():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the compiled FP8 cast")
-@pytest.mark.parametrize("permute", ["registers", "stores", "loads"])
+@pytest.mark.parametrize("permute", PERMUTES)
 @pytest.mark.parametrize("retention", [512, 64, 256, 384])
 def test_store_bit_exact_on_gpu_at_size(retention, permute):
     check_store(n=100_003, retention=retention, per_page=64, pages=2000, seed=11 + retention, permute=permute)

@@ -1,0 +1,90 @@
+"""The copies' "shared" permutations compile to what makes them fast on the H200.
+
+Their speed rests on how Triton lowers tl.gather: along a row it picks a warp-local layout
+and several warp shuffles per value; over the block flattened to one axis, spanning warps,
+it goes through shared memory (a store, then one load per value). That is a compiler
+choice, not the kernels' semantics, so the interpreter cannot see it: these tests compile
+the kernels for sm_90 with the installed Triton (its bundled ptxas, no GPU needed) and
+count instructions in the SASS, so a Triton upgrade that changes the lowering fails here
+rather than only in the next benchmark.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import triton
+
+TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(TOOLS, "nvdisasm")),
+                                reason="this Triton has no bundled nvdisasm to read SASS with")
+
+
+def _compile_and_list(kernel: str, signature: dict, constants: dict, num_warps: int, cubin: str) -> str:
+    """SASS listing of remnant.kernels' `kernel` ("module:name") compiled for sm_90, pointers
+    and strides specialised as 16-byte aligned (as the launcher specialises real arguments).
+    Runs in a process of its own: under TRITON_INTERPRET, which the test session sets
+    without a GPU, @triton.jit gives interpreted functions that cannot be compiled."""
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, name = kernel.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(signature)
+               if arg.endswith("ptr") or arg.endswith("stride")}
+    source = ASTSource(fn, signature={**signature, **{c: "constexpr" for c in constants}}, constexprs=constants,
+                       attrs=aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with open(cubin, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    return subprocess.run([os.path.join(TOOLS, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def sass_ops(kernel: str, signature: dict, constants: dict, num_warps: int, tmp_path) -> collections.Counter:
+    """Opcode counts of the kernel's SASS (see _compile_and_list)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = json.dumps([kernel, signature, constants, num_warps, str(tmp_path / "kernel.cubin")])
+    listing = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, env=env, check=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))).stdout
+    return collections.Counter(m.group(1).split(".")[0]
+                               for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", listing))
+
+
+RECONSTRUCT = {"src_ptr": "*u8", "src_locs_ptr": "*i32", "src_stride": "i64", "dst_ptr": "*u8", "dst_locs_ptr": "*i32",
+               "dst_stride": "i64", "slot_of_ptr": "*i32", "plan_ptr": "*i32", "n_rows": "i32"}
+STORE = {"x_ptr": "*bf16", "x_stride": "i32", "n_rows": "i32", "pages_ptr": "*u8", "locs_ptr": "*i32",
+         "page_stride": "i64", "kept_ptr": "*i32"}
+
+
+def test_reconstruct_shared_gathers_through_shared_memory_without_shuffles(tmp_path):
+    def ops(permute, rows, warps):
+        constants = dict(SRC_PER_PAGE=64, SRC_ALIGN=16, DST_PER_PAGE=64, DST_ALIGN=16, N=192, NP=256, NPW=64,
+                         PERMUTE=permute, BLOCK_ROWS=rows, INTERPRETED=False)
+        return sass_ops("remnant.kernels.reconstruct:_reconstruct_kernel", RECONSTRUCT, constants, warps, tmp_path)
+
+    shared, registers = ops("shared", 16, 4), ops("registers", 4, 1)
+    assert shared["SHFL"] == 0 and shared["LDS"] >= 32, shared
+    assert registers["SHFL"] > 100, registers  # the row gather's shuffles, which "shared" avoids
+
+
+def test_store_shared_gathers_through_shared_memory(tmp_path):
+    def ops(permute, rows, warps):
+        constants = dict(PER_PAGE=64, ALIGN=16, N=192, NP=256, PACKED=True, PERMUTE=permute, BLOCK_ROWS=rows)
+        return sass_ops("remnant.kernels.store:_store_kernel", STORE, constants, warps, tmp_path)
+
+    shared, registers = ops("shared", 16, 4), ops("registers", 4, 1)
+    # Both reduce each tile's maximum with shuffles; only the row gather adds ~1000 more.
+    assert shared["LDS"] >= 32 and shared["SHFL"] * 4 < registers["SHFL"], (shared, registers)
+
+
+if __name__ == "__main__":
+    print(_compile_and_list(*json.loads(sys.argv[1])))
