@@ -10,9 +10,9 @@ remnant-kernels: "registers", the plain one (the kept codes loaded, then tl.gath
 each row, which Triton lowers to warp shuffles), and "shared", the default: the record's
 words loaded once with vector loads and each native code word built by one byte permute
 (prmt) of the two packed words that hold its kept codes (KeptColumns.word_plan), those
-words gathered on chip through shared memory. On an H200 "shared" moved 81-93% of the
-copy bandwidth at R = 64-448, against 65-74% for the best earlier permutation
-(benchmarks/kernels/NOTES.md, seventh round).
+words gathered on chip through shared memory. On an H200 "shared" moved 81-94% of the
+copy bandwidth at R = 64-448 (benchmarks/kernels/h200-2026-12-01-r9.json), where the best
+earlier permutations moved 65-74% (NOTES.md, seventh round).
 Bytes: read R + 72, write 584 per record.
 """
 
@@ -121,9 +121,8 @@ def reconstruct(
     packed words per native word, the words gathered through shared memory) or
     "registers" (the plain one: the kept codes loaded, then tl.gather along the row); both
     give the same bytes. Launch: block_rows records per program on num_warps warps, None
-    taking LAUNCH's (on an H200 "shared" moved 81-93% of the copy bandwidth with 16 records
-    on 4 warps; 8 on 4, 32 on 4 or 8 and 8-16 on 2 were up to 10% slower:
-    benchmarks/kernels/NOTES.md, seventh round).
+    taking LAUNCH's (16 records on 4 warps for "shared"; 8 on 4, 32 on 4 or 8 and 8-16 on 2
+    were up to 10% slower on the H200: benchmarks/kernels/NOTES.md, seventh round).
     """
     cols = KeptColumns.of(keep, pages.device)
     permute = permute or "shared"

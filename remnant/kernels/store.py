@@ -24,6 +24,7 @@ PERMUTES = ("registers", "loads", "shared")
 # The fastest launch per permutation on the H200 (latents per program, warps): "shared"
 # needs several warps (its gather goes through shared memory only when it spans warps).
 LAUNCH = {"registers": (4, 1), "loads": (4, 1), "shared": (16, 4)}
+LOADS_UP_TO_KEPT = 64  # the default permutation is "loads" up to R = 128, "shared" above
 
 
 @triton.jit
@@ -124,18 +125,20 @@ def store(
     keep None: native records; keep int64 [N]: packed records of R = N + 64. Writes record
     i at locs[i] (flat pool location). Non-finite latents are not checked here (the
     reference refuses them; SGLang's kernel gives undefined scales). permute: how packed
-    codes reach map order, "shared" (the default: the quantized codes gathered through
-    shared memory, then contiguous stores), "registers" (the plain one: tl.gather along each
-    row, warp shuffles) or "loads" (the kept latents re-read by index and quantized in map
-    order); all give the same bytes. Native records have nothing to permute ("registers").
-    Launch: block_rows latents per program on num_warps warps, None taking LAUNCH's. On an
-    H200 "shared" moved 91-99% of the copy bandwidth at R = 128-384 with 16 latents on 4
-    warps, where "loads" moved 99%, 72% and 50% (benchmarks/kernels/NOTES.md, seventh round).
+    codes reach map order, "shared" (the quantized codes gathered through shared memory,
+    then contiguous stores), "loads" (the kept latents re-read by index and quantized in map
+    order) or "registers" (the plain one: tl.gather along each row, warp shuffles); all give
+    the same bytes. Native records have nothing to permute ("registers"). None picks the
+    fastest measured on the H200 (benchmarks/kernels/h200-2026-12-01-r9.json): "loads" up
+    to R = 128 (103% of the copy bandwidth there; its index loads grow with the kept codes:
+    72% at R = 256, 49% at 384), "shared" above (88% at 256, 89% at 384; 83% at 128).
+    Launch: block_rows latents per program on num_warps warps, None taking LAUNCH's.
     """
     if permute is not None and permute not in PERMUTES:
         raise ValueError(f"permute={permute!r} is not allowed; allowed: {', '.join(map(repr, PERMUTES))}")
     cols = KeptColumns.of(keep, x.device)
-    permute = permute or ("shared" if cols.packed else "registers")
+    if permute is None:
+        permute = "registers" if not cols.packed else "loads" if cols.n_kept <= LOADS_UP_TO_KEPT else "shared"
     if cols.record_bytes != layout.record_bytes:
         raise ValueError(f"{cols.n_kept} kept codes make {cols.record_bytes}-byte records, but the layout holds {layout.record_bytes}")
     xb, locs = _checked(x, pages, layout, locs, check_range, "store")

@@ -117,7 +117,7 @@ class KeptColumns:
     word_plan: int32 [3, 112], for each 4-byte word w of a native record's codes: the
     packed code word where its kept codes start (they are one run, within that word and the
     next), the byte-permute selector that moves them into place, and the mask of its kept
-    bytes (the reconstruct kernel's "words" permutation: _word_plan).
+    bytes (the reconstruct kernel's "shared" permutation: _word_plan).
     packed: False when every NoPE coordinate is kept (native records).
     """
 
