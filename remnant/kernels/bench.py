@@ -376,7 +376,7 @@ def check_copies(gen: torch.Generator) -> list[dict]:
 
     checks = []
     n = 100_003
-    for retention in (512, 256, 64, 448):
+    for retention in (512, 128, 192, 256, 320, 384, 448, 64):
         keep = _keep(retention, gen)
         layout = paged.PageLayout.sglang(64, retention)
         x = (torch.randn(n, 512, device="cuda") * torch.exp(torch.randn(n, 1, device="cuda") * 2)).to(torch.bfloat16)
@@ -686,9 +686,10 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     if any(c["bytes_differing"] for c in checks):
         raise RuntimeError(f"store or reconstruct differ from the reference: {checks}")
     progress("store")
-    store_rows = bench_store(ceil, big, [512, KERNEL_R] if quick else [512, 128, KERNEL_R, 384], reps, gen)
+    store_rows = bench_store(ceil, big, [512, KERNEL_R] if quick else [512, 128, 192, KERNEL_R, 320, 384, 448], reps, gen)
     progress("reconstruct")
-    reconstruct_rows = bench_reconstruct(ceil, big, [KERNEL_R] if quick else [64, KERNEL_R, 448], reps, gen)
+    reconstruct_rows = bench_reconstruct(ceil, big, [KERNEL_R] if quick else [64, 128, 192, KERNEL_R, 320, 448], reps,
+                                         gen)
     inputs = DecodeInputs(gen)
     progress("decode: tuning")
     tuning, best = tune_decode(inputs, ceil, reps, quick, batch=128)

@@ -24,7 +24,7 @@ PERMUTES = ("registers", "loads", "shared")
 # The fastest launch per permutation on the H200 (latents per program, warps): "shared"
 # needs several warps (its gather goes through shared memory only when it spans warps).
 LAUNCH = {"registers": (4, 1), "loads": (4, 1), "shared": (16, 4)}
-LOADS_UP_TO_KEPT = 64  # the default permutation is "loads" up to R = 128, "shared" above
+LOADS_UP_TO_KEPT = 128  # the default permutation is "loads" up to R = 192, "shared" above
 
 
 @triton.jit
@@ -129,9 +129,9 @@ def store(
     then contiguous stores), "loads" (the kept latents re-read by index and quantized in map
     order) or "registers" (the plain one: tl.gather along each row, warp shuffles); all give
     the same bytes. Native records have nothing to permute ("registers"). None picks the
-    fastest measured on the H200 (benchmarks/kernels/h200-2026-12-01-r9.json): "loads" up
-    to R = 128 (103% of the copy bandwidth there; its index loads grow with the kept codes:
-    72% at R = 256, 49% at 384), "shared" above (88% at 256, 89% at 384; 83% at 128).
+    fastest measured on the H200 (benchmarks/kernels/NOTES.md, seventh round): "loads" up to
+    R = 192 (95-107% of the copy bandwidth; its index loads grow with the kept codes: 71%
+    at R = 320, 50% at 448), "shared" above (88-93%).
     Launch: block_rows latents per program on num_warps warps, None taking LAUNCH's.
     """
     if permute is not None and permute not in PERMUTES:

@@ -67,7 +67,7 @@ STORE = {"x_ptr": "*bf16", "x_stride": "i32", "n_rows": "i32", "pages_ptr": "*u8
 
 def test_reconstruct_shared_gathers_through_shared_memory_without_shuffles(tmp_path):
     def ops(permute, rows, warps):
-        constants = dict(SRC_PER_PAGE=64, SRC_ALIGN=16, DST_PER_PAGE=64, DST_ALIGN=16, N=192, NP=256, NPW=64,
+        constants = dict(SRC_PER_PAGE=64, SRC_ALIGN=16, DST_PER_PAGE=64, DST_ALIGN=16, N=192, NP=256, NPW=128,
                          PERMUTE=permute, BLOCK_ROWS=rows, INTERPRETED=False)
         return sass_ops("remnant.kernels.reconstruct:_reconstruct_kernel", RECONSTRUCT, constants, warps, tmp_path)
 
