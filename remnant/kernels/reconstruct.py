@@ -12,7 +12,7 @@ words loaded once with vector loads and each native code word built by one byte 
 (prmt) of the two packed words that hold its kept codes (KeptColumns.word_plan), those
 words gathered on chip through shared memory. On an H200 "shared" moved 80-94% of the
 copy bandwidth at R = 64-448 (benchmarks/kernels/h200-2026-12-01-r10.json), where the best
-earlier permutations moved 65-74% (NOTES.md, seventh round).
+earlier permutations moved 66-74% (NOTES.md, seventh round).
 Bytes: read R + 72, write 584 per record.
 """
 
@@ -31,6 +31,12 @@ PERMUTES = ("registers", "shared")
 # The fastest launch per permutation on the H200 (records per program, warps): "shared"
 # needs several warps (its gather goes through shared memory only when it spans warps).
 LAUNCH = {"registers": (4, 1), "shared": (16, 4)}
+
+
+def data_words(n_kept: int) -> int:
+    """The "shared" permutation's words per record: the packed record's whole data part
+    (n_kept codes, then 128 bytes of RoPE) as 4-byte words, padded to a power of two."""
+    return triton.next_power_of_2(n_kept // 4 + 32)
 
 
 @triton.jit
@@ -122,8 +128,9 @@ def reconstruct(
     packed words per native word, the words gathered through shared memory) or
     "registers" (the plain one: the kept codes loaded, then tl.gather along the row); both
     give the same bytes. Launch: block_rows records per program on num_warps warps, None
-    taking LAUNCH's (16 records on 4 warps for "shared"; 8 on 4, 32 on 4 or 8 and 8-16 on 2
-    were up to 10% slower on the H200: benchmarks/kernels/NOTES.md, seventh round).
+    taking LAUNCH's (16 records on 4 warps for "shared" on the H200; 8 or 32 on 4 within
+    1-8%, 16 on 2 and 32 on 8 10-12% slower; on 1 warp the gather falls back to shuffles:
+    benchmarks/kernels/NOTES.md, seventh round).
     """
     cols = KeptColumns.of(keep, pages.device)
     permute = permute or "shared"
@@ -157,7 +164,7 @@ def reconstruct(
         cols.slot_of, cols.word_plan, k,
         SRC_PER_PAGE=layout.per_page, SRC_ALIGN=alignment(layout, "pages"),
         DST_PER_PAGE=out_layout.per_page, DST_ALIGN=alignment(out_layout, "out"),
-        N=cols.n_kept, NP=cols.kept.numel(), NPW=triton.next_power_of_2(cols.n_kept // 4 + 32),
+        N=cols.n_kept, NP=cols.kept.numel(), NPW=data_words(cols.n_kept),
         PERMUTE=permute, BLOCK_ROWS=block_rows, INTERPRETED=interpreted(), num_warps=num_warps,
     )
     return out

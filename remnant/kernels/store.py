@@ -131,7 +131,7 @@ def store(
     the same bytes. Native records have nothing to permute ("registers"). None picks the
     fastest measured on the H200 (benchmarks/kernels/NOTES.md, seventh round): "loads" up to
     R = 192 (95-107% of the copy bandwidth; its index loads grow with the kept codes: 71%
-    at R = 320, 50% at 448), "shared" above (88-93%).
+    at R = 320, 50% at 448), "shared" above (83-89% in h200-2026-12-01-r10.json).
     Launch: block_rows latents per program on num_warps warps, None taking LAUNCH's.
     """
     if permute is not None and permute not in PERMUTES:

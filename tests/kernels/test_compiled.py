@@ -21,6 +21,8 @@ import sys
 import pytest
 import triton
 
+from remnant.kernels import reconstruct, store
+
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(TOOLS, "nvdisasm")),
                                 reason="this Triton has no bundled nvdisasm to read SASS with")
@@ -51,10 +53,12 @@ def _compile_and_list(kernel: str, signature: dict, constants: dict, num_warps: 
 
 def sass_ops(kernel: str, signature: dict, constants: dict, num_warps: int, tmp_path) -> collections.Counter:
     """Opcode counts of the kernel's SASS (see _compile_and_list)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     args = json.dumps([kernel, signature, constants, num_warps, str(tmp_path / "kernel.cubin")])
     listing = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, env=env, check=True,
-                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))).stdout
+                             cwd=root).stdout
     return collections.Counter(m.group(1).split(".")[0]
                                for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", listing))
 
@@ -66,22 +70,24 @@ STORE = {"x_ptr": "*bf16", "x_stride": "i32", "n_rows": "i32", "pages_ptr": "*u8
 
 
 def test_reconstruct_shared_gathers_through_shared_memory_without_shuffles(tmp_path):
-    def ops(permute, rows, warps):
-        constants = dict(SRC_PER_PAGE=64, SRC_ALIGN=16, DST_PER_PAGE=64, DST_ALIGN=16, N=192, NP=256, NPW=128,
-                         PERMUTE=permute, BLOCK_ROWS=rows, INTERPRETED=False)
+    def ops(permute):  # R = 256 at the launch the kernel's wrapper uses
+        rows, warps = reconstruct.LAUNCH[permute]
+        constants = dict(SRC_PER_PAGE=64, SRC_ALIGN=16, DST_PER_PAGE=64, DST_ALIGN=16, N=192, NP=256,
+                         NPW=reconstruct.data_words(192), PERMUTE=permute, BLOCK_ROWS=rows, INTERPRETED=False)
         return sass_ops("remnant.kernels.reconstruct:_reconstruct_kernel", RECONSTRUCT, constants, warps, tmp_path)
 
-    shared, registers = ops("shared", 16, 4), ops("registers", 4, 1)
+    shared, registers = ops("shared"), ops("registers")
     assert shared["SHFL"] == 0 and shared["LDS"] >= 32, shared
     assert registers["SHFL"] > 100, registers  # the row gather's shuffles, which "shared" avoids
 
 
 def test_store_shared_gathers_through_shared_memory(tmp_path):
-    def ops(permute, rows, warps):
+    def ops(permute):  # R = 256 at the launch the kernel's wrapper uses
+        rows, warps = store.LAUNCH[permute]
         constants = dict(PER_PAGE=64, ALIGN=16, N=192, NP=256, PACKED=True, PERMUTE=permute, BLOCK_ROWS=rows)
         return sass_ops("remnant.kernels.store:_store_kernel", STORE, constants, warps, tmp_path)
 
-    shared, registers = ops("shared", 16, 4), ops("registers", 4, 1)
+    shared, registers = ops("shared"), ops("registers")
     # Both reduce each tile's maximum with shuffles; only the row gather adds ~1000 more.
     assert shared["LDS"] >= 32 and shared["SHFL"] * 4 < registers["SHFL"], (shared, registers)
 

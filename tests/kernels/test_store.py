@@ -21,7 +21,7 @@ def _scaled_kept(x: torch.Tensor, keep) -> torch.Tensor:
     return scaled if keep is None else scaled[:, keep.to(scaled.device)]
 
 
-def check_store(n: int, retention: int, per_page: int, pages: int, seed: int, permute: str = "registers") -> None:
+def check_store(n: int, retention: int, per_page: int, pages: int, seed: int, permute: str | None = "registers") -> None:
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(retention, gen)
     layout = PageLayout.sglang(per_page, retention) if per_page > 1 else PageLayout.rows(
@@ -44,7 +44,7 @@ def check_store(n: int, retention: int, per_page: int, pages: int, seed: int, pe
     differ = got_rec[:, :codes_n] != want_rec[:, :codes_n]
     interpreted = triton_fp8_codes(_scaled_kept(x, keep))
     assert torch.equal(got_rec[:, :codes_n][differ], interpreted[differ])
-    assert differ.float().mean() < 0.1
+    assert codes_n == 0 or differ.float().mean() < 0.1  # R = 64 keeps no code
     untouched = torch.ones(layout.capacity(got), dtype=torch.bool)
     untouched[locs.cpu()] = False
     rest = untouched.nonzero().flatten()
@@ -52,9 +52,15 @@ def check_store(n: int, retention: int, per_page: int, pages: int, seed: int, pe
 
 
 @pytest.mark.parametrize("permute", PERMUTES)
-@pytest.mark.parametrize("retention", [512, 256, 128, 448])
+@pytest.mark.parametrize("retention", [512, 448, 320, 256, 192, 128, 64])
 def test_store_matches_reference_in_split_pages(retention, permute):
     check_store(n=37, retention=retention, per_page=16, pages=5, seed=retention, permute=permute)
+
+
+@pytest.mark.parametrize("retention", [512, 256, 192, 128])
+def test_store_default_permutation_matches_reference(retention):
+    # "loads" up to R = 192, "shared" above: both sides of the switch.
+    check_store(n=41, retention=retention, per_page=16, pages=5, seed=3 + retention, permute=None)
 
 
 def check_store_kept_first(n: int, retention: int, pages: int, seed: int) -> None:
