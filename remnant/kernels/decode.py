@@ -527,7 +527,7 @@ def _decode_kernel(
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept,
                     S: tl.constexpr, H_BLOCK: tl.constexpr, GATHER: tl.constexpr, FIRST_IN_PLACE: tl.constexpr):
     """out[b, h, c] = sum_s w_s part[s, b, h, index[c]] / sum_s w_s, w_s = 2^(lse_s - max lse):
-    the splits' normalized partial outputs (float32 [S, B, H, 512]) joined by their
+    the splits' normalized partial outputs ([S, B, H, 512] in out's dtype) joined by their
     log-sum-exp; GATHER reads each row through `index` (kept-first -> natural order), else
     in place. FIRST_IN_PLACE (the window apart): split 0 is the window program's
     natural-order partial, read in place, and the others, packed C4 records only, hold no
@@ -780,7 +780,10 @@ def decode(
     q_in = permute_columns(q, cols.order) if permute and not window_apart else q
     c4_programs = splits - 1 if window_apart else splits
     if splits > 1:  # normalized partial outputs and their log-sum-exp, joined below
-        out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
+        # Partials in the output's dtype: in bf16 they cost half the bytes of float32 to
+        # write and to join, and the folded packed call at batch 64 2.7 us of 42 on the
+        # H200 (the native one 0.4; NOTES.md, eighth round), for one more rounding.
+        out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=out.dtype, device=q.device)
         lse = torch.empty(splits, batch, heads, dtype=torch.float32, device=q.device)
         out_strides = out_k.stride()[:3]
     else:

@@ -22,7 +22,8 @@ def set_pad_bytes(pool: torch.Tensor, layout: PageLayout, value: int) -> None:
 
 
 def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, window_kept_first=False,
-                 q_scale=2.0, sink_shift=0.0, pad_byte=0, window_apart=False, **config) -> float:
+                 q_scale=2.0, sink_shift=0.0, pad_byte=0, window_apart=False, out_dtype=torch.bfloat16,
+                 **config) -> float:
     """q_scale, sink_shift: the records' scales span 6 decades, so at q_scale 2 the softmax
     is nearly one-hot and the sink carries no mass; small q and a sink near log(records)
     give every term weight (the sink about a quarter of it at 0.02 and 3).
@@ -32,7 +33,8 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned).
     pad_byte: the value of every record's pad byte (set_pad_bytes).
     window_apart: decode's, False by default so that each test checks the same program on
-    the CPU and the GPU (decode's own choice depends on the GPU's multiprocessors)."""
+    the CPU and the GPU (decode's own choice depends on the GPU's multiprocessors).
+    out_dtype: the output's dtype (decode writes the given out), which split partials take."""
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(retention, gen)
     per_page = 1 if rows else 64
@@ -57,14 +59,14 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
         want = decode_native(q, c4, c4_layout, *args, reference=True)
     else:
         want = decode_packed(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink, reference=True)
-    out = torch.full_like(q, float("nan"))
+    out = torch.full_like(q, float("nan"), dtype=out_dtype)
     if window_kept_first:  # the kernel reads a copy of the window written in kept-first order
         cols = KeptColumns.of(keep, DEVICE)
         win = rewritten(win, win_layout, lambda records: to_kept_first(records, cols))
         config["window_columns"] = "kept_first"
     if kept_first:  # q in, out back in KeptColumns.order, as with the order folded into the weights
         order = KeptColumns.of(keep, q.device).order
-        got = torch.full_like(q, float("nan"))
+        got = torch.full_like(out, float("nan"))
         decode(q[:, :, order], c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=got, check_range=True,
                columns="kept_first", window_apart=window_apart, **config)
         out[:, :, order] = got
@@ -183,6 +185,13 @@ def test_window_apart_is_chosen_for_natural_orders_with_a_window_and_a_full_batc
     assert [split_count(s, 1, 21, 37, 16, 32, cpu, window_apart=True) for s in (None, 2, 8)] == [2, 2, 4]
     with pytest.raises(ValueError, match=r"splits must be >= 2 with window_apart \(the window's program and one for"):
         split_count(1, 1, 21, 37, 16, 32, cpu, window_apart=True)
+
+
+@pytest.mark.parametrize("retention", [512, 256])
+def test_split_decode_into_a_float32_output(retention):
+    """Split partials take the output's dtype: float32 here, bf16 in the other tests."""
+    check_decode(batch=2, heads=20, topk=37, window=13, retention=retention, seed=retention + 7, splits=3,
+                 out_dtype=torch.float32, **SMALL)
 
 
 def test_decode_refuses_zero_splits():
