@@ -50,13 +50,6 @@ from remnant.kv.paged import KeptColumns, PageLayout
 
 LOG2E = 1.4426950408889634
 COLUMN_ORDERS = ("natural", "kept_first")
-JOINS = ("program", "kernel")
-# Join counters per (device, stream): one int32 per (token, head block), zero between
-# launches (each join's last program resets its own). Never freed or grown, so that a CUDA
-# graph captured with one keeps a valid address; a stream of its own for each, so that
-# launches on different streams never share a count.
-JOIN_COUNTERS = 1 << 16
-_join_counters: dict[tuple, torch.Tensor] = {}
 LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 EMPTY_MAX: tl.constexpr = tl.constexpr(-1e30)  # the running max of a split before its first record
 MAX_SPLITS = 16
@@ -459,12 +452,11 @@ def _decode_kernel(
     win_ptr, win_locs_ptr, win_sb, W, win_stride, win_chunk,
     c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride, c4_chunk,
     kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr, qk_scale,
-    final_ptr, f_sb, f_sh, inverse_ptr, counts_ptr,
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
     SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr, WINDOW_APART: tl.constexpr,
-    JOIN: tl.constexpr, GATHER: tl.constexpr, INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
     # second and later blocks read the token's records from L2, not memory.
@@ -527,74 +519,48 @@ def _decode_kernel(
                                    c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
                                    WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
                                    SCORES_T, WIN_SCORES_T, SPLIT, INTERPRETED)
-    if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing), for the join
+    if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing), for _combine_kernel
         tl.store(lse_ptr + (split * tl.num_programs(1) + b) * H + heads, m + tl.log2(l), mask=h_ok)
-    if JOIN:
-        # The last of a token's splits to finish joins them (_join), instead of a kernel
-        # after this one: every thread's partial and log-sum-exp stores come before the
-        # barrier, whose arrival thread 0 counts with a release (and, for the last, an
-        # acquire of the others' stores: their partials are read from L2). The last resets
-        # the count for the next launch. At batch 64 on the H200 the join kernel cost
-        # 4-5 us of a 40-60 us call (NOTES.md, eighth round).
-        tl.debug_barrier()
-        count = counts_ptr + b * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-            _join(out_ptr, lse_ptr, final_ptr, f_sb, f_sh, inverse_ptr, H, N, b, tl.program_id(0) * H_BLOCK,
-                  tl.num_programs(2), H_BLOCK, GATHER, WINDOW_APART, ".cg")
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(noinline=True)
-def _join(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept, b, head0, S,
-          H_BLOCK: tl.constexpr, GATHER: tl.constexpr, FIRST_IN_PLACE: tl.constexpr, CACHE: tl.constexpr):
-    """out[b, h, c] = sum_s w_s part[s, b, h, index[c]] / sum_s w_s, w_s = 2^(lse_s - max lse),
-    for token b and heads head0 .. head0 + H_BLOCK - 1: the S splits' normalized partial outputs (float32
-    [S, B, H, 512]) joined by their log-sum-exp; GATHER reads each row through
-    `index` (kept-first -> natural order), else in place. FIRST_IN_PLACE (the window apart):
-    split 0 is the window program's natural-order partial, read in place, and the others,
-    packed C4 records only, hold no dropped column (kept-first positions n_kept..447): those
-    read as 0. Split 0 holds the sink, so the max is finite. CACHE: the partials' load
-    cache modifier (".cg", L2 only, where other programs of the same launch wrote them).
-    Not inlined: in the decode kernel, whose loops hold 255 registers, the join's own
-    registers spilled into them (compiled for sm_90: 14 more spill stores in the native
-    kernel's loops)."""
-    heads = head0 + tl.arange(0, H_BLOCK)
+@triton.jit
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept,
+                    S: tl.constexpr, H_BLOCK: tl.constexpr, GATHER: tl.constexpr, FIRST_IN_PLACE: tl.constexpr):
+    """out[b, h, c] = sum_s w_s part[s, b, h, index[c]] / sum_s w_s, w_s = 2^(lse_s - max lse):
+    the splits' normalized partial outputs (float32 [S, B, H, 512]) joined by their
+    log-sum-exp; GATHER reads each row through `index` (kept-first -> natural order), else
+    in place. FIRST_IN_PLACE (the window apart): split 0 is the window program's
+    natural-order partial, read in place, and the others, packed C4 records only, hold no
+    dropped column (kept-first positions n_kept..447): those read as 0. Split 0 holds the
+    sink, so the max is finite."""
+    b = tl.program_id(1).to(tl.int64)
+    heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
     h_ok = heads < H
     c = tl.arange(0, 512)
     cols = tl.load(index_ptr + c) if GATHER else c
     held = (cols < n_kept) | (cols >= 448)
     lse_row = lse_ptr + b * H + heads
-    split_stride = tl.num_programs(1).to(tl.int64) * H  # the batch from the grid, as in _decode_kernel
-    top = tl.load(lse_row, mask=h_ok, other=0.0, cache_modifier=CACHE)
-    for s in range(1, S):
-        top = tl.maximum(top, tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0, cache_modifier=CACHE))
+    # The batch from the grid: an integer argument equal to 1 is specialised to a constant.
+    split_stride = tl.num_programs(1).to(tl.int64) * H
+    top = tl.load(lse_row, mask=h_ok, other=0.0)
+    for s in tl.static_range(1, S):
+        top = tl.maximum(top, tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0))
     acc = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
     norm = tl.zeros((H_BLOCK,), dtype=tl.float32)
-    for s in range(S):
-        w = tl.exp2(tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0, cache_modifier=CACHE) - top)
+    for s in tl.static_range(S):
+        w = tl.exp2(tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0) - top)
         rows = part_ptr + (s * split_stride + b * H + heads) * 512
-        if FIRST_IN_PLACE:  # split 0 in place and whole, the others through the order, kept columns only
-            at = tl.where(s == 0, c, cols)
-            ok = held | (s == 0)
+        if FIRST_IN_PLACE and s == 0:
+            part = tl.load(rows[:, None] + c[None, :], mask=h_ok[:, None], other=0.0)
+        elif FIRST_IN_PLACE:
+            part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None] & held[None, :], other=0.0)
         else:
-            at = cols
-            ok = c >= 0
-        part = tl.load(rows[:, None] + at[None, :], mask=h_ok[:, None] & ok[None, :], other=0.0, cache_modifier=CACHE)
-        acc += w[:, None] * part.to(tl.float32)
+            part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None], other=0.0)
+        acc += w[:, None] * part
         norm += w
     out = acc / norm[:, None]
     tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + c[None, :], out.to(out_ptr.dtype.element_ty),
              mask=h_ok[:, None])
-
-
-@triton.jit
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept, S,
-                    H_BLOCK: tl.constexpr, GATHER: tl.constexpr, FIRST_IN_PLACE: tl.constexpr):
-    """The splits' join as a kernel of its own (_join per token and block of H_BLOCK heads):
-    the plain form of the join that split programs do themselves (decode's join), and
-    decode's where the join counters do not reach (join_counters)."""
-    _join(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept, tl.program_id(1).to(tl.int64),
-          tl.program_id(0) * H_BLOCK, S, H_BLOCK, GATHER, FIRST_IN_PLACE, "")
 
 
 @triton.jit
@@ -693,19 +659,6 @@ def window_apart_for(window_apart: bool | None, packed: bool, columns: str, wind
     return window_apart
 
 
-def join_counters(device: torch.device, programs: int) -> torch.Tensor | None:
-    """The join counters of `device`'s current stream (JOIN_COUNTERS of them, made zero on
-    first use), or None where `programs` (tokens x head blocks) is more than that: decode
-    then joins with a kernel."""
-    if programs > JOIN_COUNTERS:
-        return None
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    if key not in _join_counters:
-        _join_counters[key] = torch.zeros(JOIN_COUNTERS, dtype=torch.int32, device=device)
-    return _join_counters[key]
-
-
 def auto_splits(programs: int, device: torch.device) -> int:
     """splits_for this device's multiprocessors; 1 off the GPU."""
     if device.type != "cuda":
@@ -743,7 +696,6 @@ def decode(
     window_columns: str = "natural",
     splits: int | None = None,
     window_apart: bool | None = None,
-    join: str = "program",
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
@@ -772,13 +724,8 @@ def decode(
     native kernel reads natural window records only, and refuses "kept_first".
 
     splits: programs per (token, head block), each over its share of the window and of the
-    C4 records, joined by their log-sum-exp (flash-decoding); None chooses auto_splits: on
+    C4 records, joined by _combine_kernel (flash-decoding); None chooses auto_splits: on
     a GPU, enough to give every multiprocessor a program when the batch alone does not.
-
-    join (splits > 1): "program", the last split of each token to finish joins them
-    (counted in join_counters; where those do not reach, a kernel does), or "kernel", a
-    kernel after the splits' (_combine_kernel, the plain form). Both read the same partials
-    with the same arithmetic, so their outputs are equal.
 
     window_apart (packed records, all three orders natural): split 0 reads the whole
     window as the native kernel does and the other splits share the C4 records, q read
@@ -786,8 +733,6 @@ def decode(
     order. None chooses it where it measured faster (window_apart_for; never when splits
     is given); it needs splits >= 2 (None: one more than auto_splits).
     """
-    if join not in JOINS:
-        raise ValueError(f"join={join!r} is not allowed; allowed: {', '.join(map(repr, JOINS))}")
     for name, value in (("columns", columns), ("window_columns", window_columns)):
         if value not in COLUMN_ORDERS:
             raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(map(repr, COLUMN_ORDERS))}")
@@ -835,8 +780,6 @@ def decode(
     q_in = permute_columns(q, cols.order) if permute and not window_apart else q
     c4_programs = splits - 1 if window_apart else splits
     if splits > 1:  # normalized partial outputs and their log-sum-exp, joined below
-        # float32: bf16 partials were 3-9% faster on the H200 but, where the partials nearly
-        # cancel, doubled the error (a soft softmax: 5e-3 -> 1.1e-2; NOTES.md, eighth round).
         out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, batch, heads, dtype=torch.float32, device=q.device)
         out_strides = out_k.stride()[:3]
@@ -844,7 +787,6 @@ def decode(
         out_k = torch.empty_like(q_in, dtype=out.dtype) if permute else out
         lse = sink  # not read
         out_strides = (0, *out_k.stride()[:2])
-    counts = join_counters(q.device, batch * head_blocks) if splits > 1 and join == "program" else None
     try:
         kernel = _decode_kernel[(head_blocks, batch, splits)](
             q_in, q_in.stride(0), q_in.stride(1),
@@ -855,25 +797,23 @@ def decode(
             c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
             triton.cdiv(c4_steps, c4_programs) * block_n,
             cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E,
-            out, out.stride(0), out.stride(1), cols.inverse, sink if counts is None else counts,
             WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
             C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
             N=cols.n_kept, KA=kept_blocks[0], KA_N=min(cols.n_kept, kept_blocks[0]), KT=kept_blocks[1],
             DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
             WIN_SCORES_T=config["window_scores_transposed"],
             PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
-            WIN_BN=win_bn, SPLIT=splits > 1, WINDOW_APART=window_apart, JOIN=counts is not None, GATHER=permute,
-            INTERPRETED=interpreted(), num_warps=num_warps, num_stages=num_stages,
+            WIN_BN=win_bn, SPLIT=splits > 1, WINDOW_APART=window_apart, INTERPRETED=interpreted(),
+            num_warps=num_warps, num_stages=num_stages,
         )
     except OutOfResources as exc:  # name the settings, not only the kernel's shared memory
         raise ValueError(f"decode launch settings {dict(h_block=h_block, num_warps=num_warps, **config)} need "
                          f"{exc.required} bytes of {exc.name}, the GPU has {exc.limit}: lower num_stages or block_n") from exc
     if splits > 1:  # the join also takes the output back to the model's order (permute)
-        if counts is None:  # not joined by the splits' programs
-            combine_heads = 8
-            _combine_kernel[(triton.cdiv(heads, combine_heads), batch)](
-                out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, heads, cols.n_kept, splits,
-                H_BLOCK=combine_heads, GATHER=permute, FIRST_IN_PLACE=window_apart, num_warps=4)
+        combine_heads = 8
+        _combine_kernel[(triton.cdiv(heads, combine_heads), batch)](
+            out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, heads, cols.n_kept,
+            S=splits, H_BLOCK=combine_heads, GATHER=permute, FIRST_IN_PLACE=window_apart, num_warps=4)
     elif permute:
         permute_columns(out_k, cols.inverse, out=out)
     if compiled is not None:  # the benchmark records registers and spills

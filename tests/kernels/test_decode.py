@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels import decode as decode_module
-from remnant.kernels.decode import (decode, join_counters, kept_column_blocks, permute_columns, split_count, splits_for,
+from remnant.kernels.decode import (decode, kept_column_blocks, permute_columns, split_count, splits_for,
                                     window_apart_for)
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
@@ -23,8 +22,7 @@ def set_pad_bytes(pool: torch.Tensor, layout: PageLayout, value: int) -> None:
 
 
 def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, window_kept_first=False,
-                 q_scale=2.0, sink_shift=0.0, pad_byte=0, window_apart=False, outputs: list | None = None,
-                 **config) -> float:
+                 q_scale=2.0, sink_shift=0.0, pad_byte=0, window_apart=False, **config) -> float:
     """q_scale, sink_shift: the records' scales span 6 decades, so at q_scale 2 the softmax
     is nearly one-hot and the sink carries no mass; small q and a sink near log(records)
     give every term weight (the sink about a quarter of it at 0.02 and 3).
@@ -34,8 +32,7 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned).
     pad_byte: the value of every record's pad byte (set_pad_bytes).
     window_apart: decode's, False by default so that each test checks the same program on
-    the CPU and the GPU (decode's own choice depends on the GPU's multiprocessors).
-    outputs: where given, the output is appended to it."""
+    the CPU and the GPU (decode's own choice depends on the GPU's multiprocessors)."""
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(retention, gen)
     per_page = 1 if rows else 64
@@ -67,7 +64,7 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
         config["window_columns"] = "kept_first"
     if kept_first:  # q in, out back in KeptColumns.order, as with the order folded into the weights
         order = KeptColumns.of(keep, q.device).order
-        got = torch.full_like(out, float("nan"))
+        got = torch.full_like(q, float("nan"))
         decode(q[:, :, order], c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=got, check_range=True,
                columns="kept_first", window_apart=window_apart, **config)
         out[:, :, order] = got
@@ -75,8 +72,6 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
         decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=out, check_range=True,
                window_apart=window_apart, **config)
     assert not out.isnan().any(), "an output element was not written (or is NaN)"
-    if outputs is not None:
-        outputs.append(out)
     err = ((out.double() - want).norm() / want.norm()).item()
     assert err < TOLERANCE, f"relative error {err:.2e}"
     return err
@@ -125,36 +120,6 @@ def test_decode_split_across_programs_matches_reference(retention, splits, kept_
     # and more (4 is capped to 3) one split gets C4 records only.
     check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + splits, splits=splits,
                  kept_first=kept_first, window_kept_first=window_kept_first, window_block_n=16, **SOFT, **SMALL)
-
-
-@pytest.mark.parametrize(("retention", "splits", "kept_first", "window_apart"),
-                         [(512, 3, False, False), (256, 3, False, False), (256, 2, True, False), (256, 3, False, True)])
-def test_the_splits_join_themselves_as_the_join_kernel_does(retention, splits, kept_first, window_apart):
-    # The last split of each token joins the partials (join="program") with the arithmetic
-    # of the kernel that otherwise runs after them (join="kernel"): natural order (the join
-    # gathers), kept-first q and out, the window apart (split 0 in natural order); and the
-    # counters are zero again afterwards.
-    outputs = []
-    for join in ("kernel", "program", "program"):
-        check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + splits + 40,
-                     splits=splits, kept_first=kept_first, window_apart=window_apart, window_block_n=16, join=join,
-                     outputs=outputs, **SOFT, **SMALL)
-    assert torch.equal(outputs[0].view(torch.int16), outputs[1].view(torch.int16))
-    assert torch.equal(outputs[1].view(torch.int16), outputs[2].view(torch.int16))
-    assert not join_counters(torch.device(DEVICE), 1).any()
-
-
-def test_the_join_kernel_takes_over_beyond_the_join_counters(monkeypatch):
-    # 3 tokens x 2 head blocks are more programs than 4 counters: decode joins with a kernel.
-    monkeypatch.setattr(decode_module, "JOIN_COUNTERS", 4)
-    assert join_counters(torch.device(DEVICE), 5) is None
-    assert join_counters(torch.device(DEVICE), 4) is join_counters(torch.device(DEVICE), 1)
-    check_decode(batch=3, heads=20, topk=37, window=21, retention=256, seed=5, splits=2, join="program", **SMALL)
-
-
-def test_decode_refuses_an_unknown_join():
-    with pytest.raises(ValueError, match="join='atomic' is not allowed; allowed: 'program', 'kernel'"):
-        check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, join="atomic")
 
 
 @pytest.mark.parametrize(("retention", "window_kept_first"), [(512, False), (256, True), (256, False)])
