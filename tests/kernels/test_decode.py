@@ -185,6 +185,13 @@ def test_window_apart_is_chosen_for_natural_orders_with_a_window_and_a_full_batc
         split_count(1, 1, 21, 37, 16, 32, cpu, window_apart=True)
 
 
+@pytest.mark.parametrize(("retention", "kept_first"), [(512, False), (256, True)])
+def test_decode_of_the_window_alone(retention, kept_first):
+    # Top-k 0 (no C4 records, as remnant-kernels times the part the calls share), split in two.
+    check_decode(batch=3, heads=20, topk=0, window=21, retention=retention, seed=retention + 21, splits=2,
+                 kept_first=kept_first, window_kept_first=kept_first, window_block_n=16, **SMALL)
+
+
 def test_decode_refuses_zero_splits():
     with pytest.raises(ValueError, match="splits must be >= 1, got 0"):
         check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, splits=0)
