@@ -27,37 +27,30 @@ def test_decode_bytes_count_records_locations_and_io():
     assert apart_bytes == nbytes and apart_flops == 2 * 2 * 64 * (512 * 2 * 256 + 128 * 2 * (512 + 64))
 
 
+def _decode_row(ceil: Ceilings, config: dict, variant: str, retention: int, columns: str, window_columns: str,
+                us: float, topk: int = 512, splits: int = 2, auto_splits: bool = True) -> dict:
+    """A decode row of batch 64, window 128, as bench_decode writes it, taking `us`."""
+    nbytes, flops = _decode_bytes_flops(DecodeCase(variant, retention, 64, topk, 128, columns, window_columns))
+    return {"variant": variant, "retention": retention, "batch": 64, "topk": topk, "window": 128, "columns": columns,
+            "window_columns": window_columns, "heads": 64, "config": config, "splits": splits,
+            "auto_splits": auto_splits, "window_apart": False, **_roofline(us / 1e6, nbytes, flops, ceil)}
+
+
 def _doc() -> dict:
     ceil = Ceilings(copy_gbps=4000.0, matmul_tflops=800.0, l2_bytes=60 << 20)
     config = dict(h_block=32, block_n=32, num_warps=4, num_stages=1, scores_transposed=True)
-    decode = []
-    for variant, retention, columns, window_columns, us in (
-            ("native", 512, "natural", "natural", 20.0), ("packed", 256, "natural", "natural", 14.0),
-            ("packed", 256, "kept_first", "natural", 12.0), ("packed", 256, "kept_first", "kept_first", 10.0)):
-        case = DecodeCase(variant, retention, 64, 512, 128, columns, window_columns)
-        nbytes, flops = _decode_bytes_flops(case)
-        decode.append({"variant": variant, "retention": retention, "batch": 64, "topk": 512, "window": 128,
-                       "columns": columns, "window_columns": window_columns, "heads": 64, "config": config,
-                       "splits": 2, "auto_splits": True, "window_apart": False,
-                       **_roofline(us / 1e6, nbytes, flops, ceil)})
+    decode = [_decode_row(ceil, config, variant, retention, columns, window_columns, us)
+              for variant, retention, columns, window_columns, us in (
+                  ("native", 512, "natural", "natural", 20.0), ("packed", 256, "natural", "natural", 14.0),
+                  ("packed", 256, "kept_first", "natural", 12.0), ("packed", 256, "kept_first", "kept_first", 10.0))]
     decode[0].update(config=dict(config, h_block=64, num_warps=8), n_regs=255, n_spills=14, shared_bytes=180736)
     # The split sweep: fixed split counts, faster here than auto's rows, and no target's.
     for variant, retention, orders, splits, us in (("native", 512, "natural", 1, 30.0), ("native", 512, "natural", 4, 5.0),
                                                    ("packed", 256, "kept_first", 1, 25.0)):
-        case = DecodeCase(variant, retention, 64, 512, 128, orders, orders, splits=splits)
-        nbytes, flops = _decode_bytes_flops(case)
-        decode.append({"variant": variant, "retention": retention, "batch": 64, "topk": 512, "window": 128,
-                       "columns": orders, "window_columns": orders, "heads": 64, "config": config,
-                       "splits": splits, "auto_splits": False, "window_apart": False,
-                       **_roofline(us / 1e6, nbytes, flops, ceil)})
+        decode.append(_decode_row(ceil, config, variant, retention, orders, orders, us, splits=splits, auto_splits=False))
     # The calls without C4 records (top-k 0), native and folded, at the auto rows' splits.
     for variant, retention, orders, us in (("native", 512, "natural", 8.0), ("packed", 256, "kept_first", 9.0)):
-        case = DecodeCase(variant, retention, 64, 0, 128, orders, orders)
-        nbytes, flops = _decode_bytes_flops(case)
-        decode.append({"variant": variant, "retention": retention, "batch": 64, "topk": 0, "window": 128,
-                       "columns": orders, "window_columns": orders, "heads": 64, "config": config,
-                       "splits": 2, "auto_splits": True, "window_apart": False,
-                       **_roofline(us / 1e6, nbytes, flops, ceil)})
+        decode.append(_decode_row(ceil, config, variant, retention, orders, orders, us, topk=0))
     store = [{"kernel": "store", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "shared",
               "block_rows": 16, "num_warps": 4, **_roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
     recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "shared",
@@ -92,15 +85,15 @@ def test_targets_are_ratios_of_this_run():
             in window["note"])
     assert "without C4 records" not in ratio["note"]  # no packed natural-order row without them
     # Rows without C4 records at other splits than the full calls' say nothing of them.
+    def folded_note(rows: list[dict]) -> str:
+        return next(t["note"] for t in targets(rows, doc["store"], doc["reconstruct"]) if t["name"] == window["name"])
+
     other = [dict(r, splits=1) if r["topk"] == 0 and r["variant"] == "packed" else r for r in doc["decode"]]
-    folded = next(t for t in targets(other, doc["store"], doc["reconstruct"])
-                  if t["name"].startswith("decode packed (kept_first columns, kept-first window)/native time, batch 64"))
-    assert "without C4 records" not in folded["note"]
+    assert "without C4 records" not in folded_note(other)
     # Nor a ratio of the rest where the native call's rest is not positive (timing noise).
     noisy = [dict(r, time_us=25.0) if r["topk"] == 0 and r["variant"] == "native" else r for r in doc["decode"]]
-    folded = next(t for t in targets(noisy, doc["store"], doc["reconstruct"])
-                  if t["name"].startswith("decode packed (kept_first columns, kept-first window)/native time, batch 64"))
-    assert "native 25.0 us and packed 9.0 us" in folded["note"] and "the C4 records' time" not in folded["note"]
+    note = folded_note(noisy)
+    assert "native 25.0 us and packed 9.0 us" in note and "the C4 records' time" not in note
     # The bandwidth target names the rows of the call as SGLang makes it today (natural
     # columns) and as the engine makes it (the order folded, the window kept-first).
     for label in ("(natural columns)", "(kept_first columns, kept-first window)"):
