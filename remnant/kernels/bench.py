@@ -518,6 +518,13 @@ def _tuned_kind(case: DecodeCase) -> tuple[str, str, bool]:
     return case.variant, case.window_columns if case.variant == "packed" else "natural", case.resolved_window_apart()
 
 
+def _partials(splits: int) -> str | None:
+    """The dtype decode gives a case's split partials (None: unsplit, no partials)."""
+    from remnant.kernels.decode import partials_for
+
+    return partials_for(None, splits) if splits > 1 else None
+
+
 def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, cases: list[DecodeCase]) -> list[dict]:
     rows = []
     for case in cases:
@@ -529,6 +536,7 @@ def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, ca
                      "window": case.window, "columns": case.columns, "window_columns": case.window_columns, "heads": HEADS,
                      "config": config, "splits": case.resolved_splits(config), "auto_splits": case.splits is None,
                      "window_apart": case.resolved_window_apart(config["h_block"]),
+                     "partials": _partials(case.resolved_splits(config)),
                      **_compiled_info(compiled),
                      **_roofline(seconds, nbytes, flops, ceil)})
         _progress_row(rows[-1])

@@ -2,7 +2,8 @@
 records; the engine also passes HCA layers' C128 records, or none, in the same slot).
 
 For each decode token b and each block of H_BLOCK query heads, one program (or `splits`
-programs, each over a share of the records, joined by their log-sum-exp) runs one online
+programs, each over a share of the records, their partial outputs written in float32 or
+row-scaled float16 and joined by their log-sum-exp: _combine_kernel) runs one online
 softmax over the attention sink, W window tokens and K selected C4 records, V = K (the same
 512-vector), as DeepSeek-V4's sparse MLA decode does. Window tokens are native records;
 C4 records are native (the stock baseline) or packed (kernel mode).
@@ -53,6 +54,7 @@ COLUMN_ORDERS = ("natural", "kept_first")
 LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 EMPTY_MAX: tl.constexpr = tl.constexpr(-1e30)  # the running max of a split before its first record
 MAX_SPLITS = 16
+PARTIAL_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # The fastest launch settings per kernel in the tuning of an H200 (remnant-kernels,
 # benchmarks/kernels/h200-2026-12-01-r6.json; NOTES.md, fifth round): 64 heads per program
 # on 8 warps, then these. Packed window records in natural order are read by column index,
@@ -271,9 +273,10 @@ def _native_program(q_row, h_ok, o_row, m, l, qk_scale,
                     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr,
                     C4_ALIGN: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr,
                     SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+                    SCALED: tl.constexpr, INTERPRETED: tl.constexpr):
     """Native records (window tokens, then C4 records) in natural column order: q read and
-    out written as the model holds them. Returns the running max and sum."""
+    out written as the model holds them. Returns the running max and sum, and the scale
+    of the partial it wrote (SCALED: float16 partials, _row_scale; else 1)."""
     r = tl.arange(0, 64)
     d = tl.arange(0, 512)
     d_ok = d < 448
@@ -294,10 +297,26 @@ def _native_program(q_row, h_ok, o_row, m, l, qk_scale,
                                             q_full, q_full_t, q_rope, q_rope_t, qk_scale, m, l, acc_full, acc_rope,
                                             SCORES_T, INTERPRETED)
     inv_l = _inverse_sum(l, SPLIT)
+    scale = tl.full((H_BLOCK,), 1.0, tl.float32)
+    if SCALED:
+        scale = _row_scale(tl.maximum(tl.max(tl.abs(acc_full), axis=1), tl.max(tl.abs(acc_rope), axis=1)) * inv_l)
+        inv_l = inv_l / scale
     out_ty = o_row.dtype.element_ty
     tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & d_ok[None, :])
     tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
-    return m, l
+    return m, l, scale
+
+
+@triton.jit
+def _row_scale(top):
+    """The scale of each row of a float16 partial: the power of two at or below the row's
+    largest magnitude `top` (1 where top is 0 or subnormal). The row is written divided by
+    it, so its values lie within (-2, 2) whatever their magnitude (exact: a power of two),
+    and float16's 11 bits round each to 2^-11 of the row's largest, 4-8x finer than bf16.
+    Unscaled bf16 partials doubled the error where partials nearly cancel (NOTES.md, eighth
+    round)."""
+    bits = top.to(tl.int32, bitcast=True) & 0x7F800000
+    return tl.where(bits > 0, bits.to(tl.float32, bitcast=True), 1.0)
 
 
 @triton.jit
@@ -318,9 +337,10 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
                     DP: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr,
                     WIN_KEPT_FIRST: tl.constexpr, WITH_WINDOW: tl.constexpr, Q_GATHER: tl.constexpr,
                     SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+                    SCALED: tl.constexpr, INTERPRETED: tl.constexpr):
     """Packed C4 records, then (WITH_WINDOW) window tokens, in kept-first column order.
-    Returns the running max and sum.
+    Returns the running max and sum, and the scale of the partial it wrote (SCALED: float16
+    partials, _row_scale; else 1).
 
     out is written in kept-first column order (KeptColumns.order): the N kept columns in
     map order, then the 448 - N dropped ones, then RoPE at 448, so both column sets store
@@ -432,6 +452,15 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
                 acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
             m = m_new
     inv_l = _inverse_sum(l, SPLIT)
+    scale = tl.full((H_BLOCK,), 1.0, tl.float32)
+    if SCALED:
+        top = tl.maximum(tl.max(tl.abs(acc_kept), axis=1), tl.max(tl.abs(acc_rope), axis=1))
+        if KT:
+            top = tl.maximum(top, tl.max(tl.abs(acc_tail), axis=1))
+        if WITH_WINDOW:
+            top = tl.maximum(top, tl.max(tl.abs(acc_drop), axis=1))
+        scale = _row_scale(top * inv_l)
+        inv_l = inv_l / scale
     out_ty = o_row.dtype.element_ty
     tl.store(o_row[:, None] + j[None, :], (acc_kept * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & kept_ok[None, :])
     if KT:
@@ -441,7 +470,7 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
         tl.store(o_row[:, None] + N + i[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & dropped_ok[None, :])
     tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
-    return m, l
+    return m, l, scale
 
 
 @triton.jit
@@ -455,7 +484,8 @@ def _decode_kernel(
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
-    SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr, WINDOW_APART: tl.constexpr,
+    SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
+    WINDOW_APART: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
@@ -486,19 +516,19 @@ def _decode_kernel(
         # natural window records by column index into kept-first sets cost the fused
         # program as much as its C4 records (benchmarks/kernels/NOTES.md).
         if split == 0:  # an empty C4 range: only the window's steps run
-            m, l = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                   win_ptr, win_locs, 0, W, win_stride, c4_ptr, c4_locs, 0, 0, c4_stride,
-                                   WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
-                                   SCORES_T, WIN_SCORES_T, SPLIT, INTERPRETED)
+            m, l, scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
+                                          win_ptr, win_locs, 0, W, win_stride, c4_ptr, c4_locs, 0, 0, c4_stride,
+                                          WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
+                                          SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
         else:
             c4_lo = (split - 1) * c4_chunk
-            m, l = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                   win_ptr, win_locs, 0, 0, win_stride,
-                                   c4_ptr, c4_locs, c4_lo, tl.minimum(K, c4_lo + c4_chunk), c4_stride,
-                                   kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
-                                   WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP, H_BLOCK,
-                                   BN, WIN_BN, WIN_KEPT_FIRST, False, True, SCORES_T, WIN_SCORES_T, SPLIT,
-                                   INTERPRETED)
+            m, l, scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
+                                          win_ptr, win_locs, 0, 0, win_stride,
+                                          c4_ptr, c4_locs, c4_lo, tl.minimum(K, c4_lo + c4_chunk), c4_stride,
+                                          kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
+                                          WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP, H_BLOCK,
+                                          BN, WIN_BN, WIN_KEPT_FIRST, False, True, SCORES_T, WIN_SCORES_T, SPLIT,
+                                          SCALED, INTERPRETED)
     else:
         # This program's share of the window and of the C4 records (all of them unless SPLIT).
         win_lo = split * win_chunk
@@ -506,28 +536,33 @@ def _decode_kernel(
         c4_lo = split * c4_chunk
         c4_hi = tl.minimum(K, c4_lo + c4_chunk)
         if PACKED:
-            m, l = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                   win_ptr, win_locs, win_lo, win_hi, win_stride,
-                                   c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
-                                   kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
-                                   WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP, H_BLOCK,
-                                   BN, WIN_BN, WIN_KEPT_FIRST, True, False, SCORES_T, WIN_SCORES_T, SPLIT,
-                                   INTERPRETED)
+            m, l, scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
+                                          win_ptr, win_locs, win_lo, win_hi, win_stride,
+                                          c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
+                                          kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
+                                          WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP, H_BLOCK,
+                                          BN, WIN_BN, WIN_KEPT_FIRST, True, False, SCORES_T, WIN_SCORES_T, SPLIT,
+                                          SCALED, INTERPRETED)
         else:
-            m, l = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                   win_ptr, win_locs, win_lo, win_hi, win_stride,
-                                   c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
-                                   WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
-                                   SCORES_T, WIN_SCORES_T, SPLIT, INTERPRETED)
-    if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing), for _combine_kernel
-        tl.store(lse_ptr + (split * tl.num_programs(1) + b) * H + heads, m + tl.log2(l), mask=h_ok)
+            m, l, scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
+                                          win_ptr, win_locs, win_lo, win_hi, win_stride,
+                                          c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
+                                          WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
+                                          SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
+    if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing) and scale, for _combine_kernel
+        row = (split * tl.num_programs(1) + b) * H + heads
+        tl.store(lse_ptr + row, m + tl.log2(l), mask=h_ok)
+        if SCALED:
+            tl.store(lse_ptr + tl.num_programs(2) * tl.num_programs(1) * H + row, scale, mask=h_ok)
 
 
 @triton.jit
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept,
-                    S: tl.constexpr, H_BLOCK: tl.constexpr, GATHER: tl.constexpr, FIRST_IN_PLACE: tl.constexpr):
+                    S: tl.constexpr, H_BLOCK: tl.constexpr, GATHER: tl.constexpr, FIRST_IN_PLACE: tl.constexpr,
+                    SCALED: tl.constexpr):
     """out[b, h, c] = sum_s w_s part[s, b, h, index[c]] / sum_s w_s, w_s = 2^(lse_s - max lse):
-    the splits' normalized partial outputs (float32 [S, B, H, 512]) joined by their
+    the splits' normalized partial outputs ([S, B, H, 512]: float32, or SCALED float16 each
+    row divided by its scale, lse_ptr's second [S, B, H] block) joined by their
     log-sum-exp; GATHER reads each row through `index` (kept-first -> natural order), else
     in place. FIRST_IN_PLACE (the window apart): split 0 is the window program's
     natural-order partial, read in place, and the others, packed C4 records only, hold no
@@ -556,7 +591,11 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept
             part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None] & held[None, :], other=0.0)
         else:
             part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None], other=0.0)
-        acc += w[:, None] * part
+        if SCALED:
+            w_part = w * tl.load(lse_row + (S + s) * split_stride, mask=h_ok, other=0.0)
+        else:
+            w_part = w
+        acc += w_part[:, None] * part.to(tl.float32)
         norm += w
     out = acc / norm[:, None]
     tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + c[None, :], out.to(out_ptr.dtype.element_ty),
@@ -659,6 +698,18 @@ def window_apart_for(window_apart: bool | None, packed: bool, columns: str, wind
     return window_apart
 
 
+def partials_for(partials: str | None, splits: int) -> str:
+    """The split partials' dtype decode uses (its `partials`): as given, or where None,
+    float16 (row-scaled) for two splits or fewer and float32 for more. On the H200 (NOTES.md,
+    ninth round) float16 partials took the two-split calls 2-7% less time (the window apart at
+    batch 128: 87.9 -> 81.4 us; folded batch 64: 42.3 -> 40.5) and the 8- and 16-split
+    calls of batch 1 and 16 about 0.6-0.8 us (3%) more: each split's row maxima cost more
+    there than the bytes they save."""
+    if partials is not None:
+        return partials
+    return "float16" if splits <= 2 else "float32"
+
+
 def auto_splits(programs: int, device: torch.device) -> int:
     """splits_for this device's multiprocessors; 1 off the GPU."""
     if device.type != "cuda":
@@ -696,6 +747,7 @@ def decode(
     window_columns: str = "natural",
     splits: int | None = None,
     window_apart: bool | None = None,
+    partials: str | None = None,
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
@@ -732,10 +784,15 @@ def decode(
     through the kept columns (no permute pass); the join takes both back to natural
     order. None chooses it where it measured faster (window_apart_for; never when splits
     is given); it needs splits >= 2 (None: one more than auto_splits).
+
+    partials (split decodes): the dtype of the splits' partial outputs, "float32" or
+    "float16" (each row scaled by a power of two, _row_scale: as precise as float32 for a
+    bf16 output, half the bytes written and joined); None chooses partials_for.
     """
-    for name, value in (("columns", columns), ("window_columns", window_columns)):
-        if value not in COLUMN_ORDERS:
-            raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(map(repr, COLUMN_ORDERS))}")
+    for name, value, allowed in (("columns", columns, COLUMN_ORDERS), ("window_columns", window_columns, COLUMN_ORDERS),
+                                 ("partials", partials, (None, *PARTIAL_DTYPES))):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q must be [B, H, {HEAD_DIM}], got {tuple(q.shape)}")
     batch, heads, _ = q.shape
@@ -779,9 +836,11 @@ def decode(
     # columns, and the join takes their partials back to natural order.
     q_in = permute_columns(q, cols.order) if permute and not window_apart else q
     c4_programs = splits - 1 if window_apart else splits
-    if splits > 1:  # normalized partial outputs and their log-sum-exp, joined below
-        out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
-        lse = torch.empty(splits, batch, heads, dtype=torch.float32, device=q.device)
+    scaled = splits > 1 and partials_for(partials, splits) == "float16"
+    if splits > 1:  # normalized partial outputs, their log-sum-exp (and scales), joined below
+        out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=PARTIAL_DTYPES[partials_for(partials, splits)],
+                            device=q.device)
+        lse = torch.empty(2 if scaled else 1, splits, batch, heads, dtype=torch.float32, device=q.device)
         out_strides = out_k.stride()[:3]
     else:
         out_k = torch.empty_like(q_in, dtype=out.dtype) if permute else out
@@ -803,7 +862,7 @@ def decode(
             DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
             WIN_SCORES_T=config["window_scores_transposed"],
             PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
-            WIN_BN=win_bn, SPLIT=splits > 1, WINDOW_APART=window_apart, INTERPRETED=interpreted(),
+            WIN_BN=win_bn, SPLIT=splits > 1, SCALED=scaled, WINDOW_APART=window_apart, INTERPRETED=interpreted(),
             num_warps=num_warps, num_stages=num_stages,
         )
     except OutOfResources as exc:  # name the settings, not only the kernel's shared memory
@@ -813,7 +872,7 @@ def decode(
         combine_heads = 8
         _combine_kernel[(triton.cdiv(heads, combine_heads), batch)](
             out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, heads, cols.n_kept,
-            S=splits, H_BLOCK=combine_heads, GATHER=permute, FIRST_IN_PLACE=window_apart, num_warps=4)
+            S=splits, H_BLOCK=combine_heads, GATHER=permute, FIRST_IN_PLACE=window_apart, SCALED=scaled, num_warps=4)
     elif permute:
         permute_columns(out_k, cols.inverse, out=out)
     if compiled is not None:  # the benchmark records registers and spills

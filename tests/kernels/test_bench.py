@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from remnant.kernels.bench import Ceilings, DecodeCase, _decode_bytes_flops, _roofline, main, table, targets
+from remnant.kernels.bench import (Ceilings, DecodeCase, _decode_bytes_flops, _partials, _roofline, main, table,
+                                   targets)
 from remnant.records.schema import RecordError, validate
 
 
@@ -33,7 +34,8 @@ def _decode_row(ceil: Ceilings, config: dict, variant: str, retention: int, colu
     nbytes, flops = _decode_bytes_flops(DecodeCase(variant, retention, 64, topk, 128, columns, window_columns))
     return {"variant": variant, "retention": retention, "batch": 64, "topk": topk, "window": 128, "columns": columns,
             "window_columns": window_columns, "heads": 64, "config": config, "splits": splits,
-            "auto_splits": auto_splits, "window_apart": False, **_roofline(us / 1e6, nbytes, flops, ceil)}
+            "auto_splits": auto_splits, "window_apart": False, "partials": _partials(splits),
+            **_roofline(us / 1e6, nbytes, flops, ceil)}
 
 
 def _doc() -> dict:
@@ -155,9 +157,14 @@ def _without_config(doc: dict) -> None:
     del doc["decode"][0]["config"]
 
 
+def _bf16_partials(doc: dict) -> None:
+    doc["decode"][3]["partials"] = "bfloat16"
+
+
 @pytest.mark.parametrize(("spoil", "field"), [(_without_splits, r"decode\[1\]"),
                                               (_unknown_columns, r"decode\[2\]\.columns"),
-                                              (_without_config, r"decode\[0\]")])
+                                              (_without_config, r"decode\[0\]"),
+                                              (_bf16_partials, r"decode\[3\]\.partials")])
 def test_schema_refuses_a_spoiled_decode_row(spoil, field):
     doc = _doc()
     spoil(doc)

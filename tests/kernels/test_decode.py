@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels.decode import (decode, kept_column_blocks, permute_columns, split_count, splits_for,
-                                    window_apart_for)
+from remnant.kernels.decode import (decode, kept_column_blocks, partials_for, permute_columns, split_count,
+                                    splits_for, window_apart_for)
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
@@ -21,8 +21,18 @@ def set_pad_bytes(pool: torch.Tensor, layout: PageLayout, value: int) -> None:
     tails.unflatten(1, (layout.per_page, 8))[:, :, 7] = value
 
 
+def set_magnitude(pool: torch.Tensor, layout: PageLayout, scale_byte: int) -> None:
+    """Every record's 7 UE8M0 scale bytes set to `scale_byte` and its bf16 RoPE multiplied
+    by the same 2^(scale_byte - 127): all its values that far from the FP8 codes' range."""
+    tails = pool[:, layout.per_page * layout.data_bytes:][:, : layout.per_page * 8]
+    tails.unflatten(1, (layout.per_page, 8))[:, :, :7] = scale_byte
+    body = pool[:, : layout.per_page * layout.data_bytes].unflatten(1, (layout.per_page, layout.data_bytes))
+    rope = body[:, :, layout.data_bytes - 128:].view(torch.bfloat16)
+    rope.mul_(2.0 ** (scale_byte - 127))
+
+
 def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, window_kept_first=False,
-                 q_scale=2.0, sink_shift=0.0, pad_byte=0, window_apart=False, **config) -> float:
+                 q_scale=2.0, sink_shift=0.0, pad_byte=0, scale_byte=None, window_apart=False, **config) -> float:
     """q_scale, sink_shift: the records' scales span 6 decades, so at q_scale 2 the softmax
     is nearly one-hot and the sink carries no mass; small q and a sink near log(records)
     give every term weight (the sink about a quarter of it at 0.02 and 3).
@@ -31,6 +41,7 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned).
     pad_byte: the value of every record's pad byte (set_pad_bytes).
+    scale_byte: every record's scale byte (set_magnitude), None to keep the drawn ones.
     window_apart: decode's, False by default so that each test checks the same program on
     the CPU and the GPU (decode's own choice depends on the GPU's multiprocessors)."""
     gen = torch.Generator().manual_seed(seed)
@@ -42,6 +53,9 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     win = filled_pool(win_layout, -(-2 * max(window, 1) // per_page) + 1, None, gen)
     set_pad_bytes(c4, c4_layout, pad_byte)
     set_pad_bytes(win, win_layout, pad_byte)
+    if scale_byte is not None:
+        set_magnitude(c4, c4_layout, scale_byte)
+        set_magnitude(win, win_layout, scale_byte)
     c4_locs = torch.stack([torch.randperm(c4_layout.capacity(c4), generator=gen)[:topk] for _ in range(batch)])
     win_locs = torch.stack([torch.randperm(win_layout.capacity(win), generator=gen)[:window] for _ in range(batch)])
     if topk > 3:
@@ -115,11 +129,28 @@ def test_decode_over_a_window_written_in_kept_first_order(retention, kept_first)
 @pytest.mark.parametrize(("retention", "splits", "kept_first", "window_kept_first"),
                          [(512, 2, False, False), (512, 3, False, False), (256, 3, False, False),
                           (256, 2, True, True), (128, 4, False, True), (384, 3, True, False)])
-def test_decode_split_across_programs_matches_reference(retention, splits, kept_first, window_kept_first):
+@pytest.mark.parametrize("partials", ["float32", "float16"])
+def test_decode_split_across_programs_matches_reference(retention, splits, kept_first, window_kept_first, partials):
     # topk 37 and window 21 at 16 per step: 3 C4 steps and 2 window steps, so at 3 splits
     # and more (4 is capped to 3) one split gets C4 records only.
     check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + splits, splits=splits,
-                 kept_first=kept_first, window_kept_first=window_kept_first, window_block_n=16, **SOFT, **SMALL)
+                 kept_first=kept_first, window_kept_first=window_kept_first, window_block_n=16, partials=partials,
+                 **SOFT, **SMALL)
+
+
+@pytest.mark.parametrize("scale_byte", [150, 90])
+@pytest.mark.parametrize(("retention", "window_apart"), [(512, False), (256, False), (256, True)])
+def test_decode_float16_partials_hold_values_beyond_float16s_range(scale_byte, retention, window_apart):
+    # Values (codes and RoPE) near 2^23 (float16 overflows above 65504) or 2^-37 (below its
+    # smallest subnormal, 2^-24): each partial row is scaled into (-2, 2) before it is rounded.
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=scale_byte, splits=2,
+                 window_apart=window_apart, partials="float16", scale_byte=scale_byte, window_block_n=16, **SOFT,
+                 **SMALL)
+
+
+def test_decode_refuses_an_unknown_partials_dtype():
+    with pytest.raises(ValueError, match=r"partials='bfloat16' is not allowed; allowed: None, 'float32', 'float16'"):
+        check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, splits=2, partials="bfloat16")
 
 
 @pytest.mark.parametrize(("retention", "window_kept_first"), [(512, False), (256, True), (256, False)])
@@ -137,6 +168,11 @@ def test_kept_columns_split_into_a_power_of_two_and_a_tail_only_where_it_saves_p
     cases = {(0, 16): (16, 0), (64, 64): (64, 0), (128, 128): (128, 0), (192, 256): (128, 64), (256, 256): (256, 0),
              (320, 512): (256, 64), (384, 512): (256, 128), (448, 512): (512, 0)}
     assert {key: kept_column_blocks(*key) for key in cases} == cases
+
+
+def test_partials_are_float16_for_two_splits_or_fewer_unless_given():
+    assert [partials_for(None, splits) for splits in (2, 3, 16)] == ["float16", "float32", "float32"]
+    assert partials_for("float32", 2) == "float32" and partials_for("float16", 16) == "float16"
 
 
 def test_split_count_fills_the_multiprocessors_once():
@@ -283,6 +319,17 @@ def test_decode_on_gpu_at_v4_shape(retention, config):
 def test_decode_on_gpu_with_the_window_apart(retention, splits):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=12 + retention, splits=splits,
                  window_apart=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("retention", "kept_first"), [(512, False), (256, False), (256, True)])
+@pytest.mark.parametrize("scale_byte", [None, 150, 90])
+@pytest.mark.parametrize("partials", ["float16", "float32"])
+def test_decode_on_gpu_split_in_two_with_each_partials_dtype(retention, kept_first, scale_byte, partials):
+    # Two splits, as at batch 64 on an H200, with values in and far beyond float16's range.
+    check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=21, splits=2, kept_first=kept_first,
+                 window_kept_first=kept_first, scale_byte=scale_byte, partials=partials)
 
 
 @pytest.mark.gpu
