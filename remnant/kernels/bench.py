@@ -481,6 +481,13 @@ def decode_configs(kind: tuple[str, str, bool], quick: bool) -> list[dict]:
             for bn, t, wbn, wt in forms for stages in ((1,) if quick else DECODE_STAGES)]
 
 
+def _partials(splits: int) -> str | None:
+    """The dtype decode gives a case's split partials (None: unsplit, no partials)."""
+    from remnant.kernels.decode import partials_for
+
+    return partials_for(None, splits) if splits > 1 else None
+
+
 def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, batch: int) -> tuple[list[dict], dict]:
     """Time each TUNED kind's configs; returns the rows and {kind: its best config}."""
     rows, best = [], {}
@@ -500,7 +507,7 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
                 continue
             row = {"variant": variant, "window_columns": window_columns, "config": config,
                    "splits": case.resolved_splits(config), "window_apart": case.resolved_window_apart(config["h_block"]),
-                   "max_rel_error": error,
+                   "partials": _partials(case.resolved_splits(config)), "max_rel_error": error,
                    **_compiled_info(compiled), **_roofline(seconds, nbytes, flops, ceil)}
             rows.append(row)
             _progress_row(row)
@@ -516,13 +523,6 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
 
 def _tuned_kind(case: DecodeCase) -> tuple[str, str, bool]:
     return case.variant, case.window_columns if case.variant == "packed" else "natural", case.resolved_window_apart()
-
-
-def _partials(splits: int) -> str | None:
-    """The dtype decode gives a case's split partials (None: unsplit, no partials)."""
-    from remnant.kernels.decode import partials_for
-
-    return partials_for(None, splits) if splits > 1 else None
 
 
 def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, cases: list[DecodeCase]) -> list[dict]:

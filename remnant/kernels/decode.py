@@ -297,26 +297,27 @@ def _native_program(q_row, h_ok, o_row, m, l, qk_scale,
                                             q_full, q_full_t, q_rope, q_rope_t, qk_scale, m, l, acc_full, acc_rope,
                                             SCORES_T, INTERPRETED)
     inv_l = _inverse_sum(l, SPLIT)
-    scale = tl.full((H_BLOCK,), 1.0, tl.float32)
+    row_scale = tl.full((H_BLOCK,), 1.0, tl.float32)
     if SCALED:
-        scale = _row_scale(tl.maximum(tl.max(tl.abs(acc_full), axis=1), tl.max(tl.abs(acc_rope), axis=1)) * inv_l)
-        inv_l = inv_l / scale
+        row_scale = _row_scale(tl.maximum(tl.max(tl.abs(acc_full), axis=1), tl.max(tl.abs(acc_rope), axis=1)) * inv_l)
+        inv_l = inv_l / row_scale
     out_ty = o_row.dtype.element_ty
     tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & d_ok[None, :])
     tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
-    return m, l, scale
+    return m, l, row_scale
 
 
 @triton.jit
 def _row_scale(top):
-    """The scale of each row of a float16 partial: the power of two at or below the row's
-    largest magnitude `top` (1 where top is 0 or subnormal). The row is written divided by
-    it, so its values lie within (-2, 2) whatever their magnitude (exact: a power of two),
-    and float16's 11 bits round each to 2^-11 of the row's largest, 4-8x finer than bf16.
-    Unscaled bf16 partials doubled the error where partials nearly cancel (NOTES.md, eighth
-    round)."""
-    bits = top.to(tl.int32, bitcast=True) & 0x7F800000
-    return tl.where(bits > 0, bits.to(tl.float32, bitcast=True), 1.0)
+    """The scale of each row of a float16 partial: 2^-14 times the power of two at or below
+    the row's largest magnitude `top` (at least 2^-126, the least normal float32). The row
+    is written divided by it (exact: a power of two), so its largest value lies in [2^14,
+    2^15), under float16's 65504 (less in a row below 2^-112), and every value down to
+    2^-28 of the largest is a normal float16, rounded to 2^-11 of itself as float32 would
+    be to 2^-24 (the bf16 output rounds to 2^-8); infinities and NaN stay so. Unscaled
+    bf16 partials doubled the error where partials nearly cancel (NOTES.md, eighth round)."""
+    bits = (top.to(tl.int32, bitcast=True) & 0x7F800000) - (14 << 23)
+    return tl.maximum(bits, 1 << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -452,15 +453,15 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
                 acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
             m = m_new
     inv_l = _inverse_sum(l, SPLIT)
-    scale = tl.full((H_BLOCK,), 1.0, tl.float32)
+    row_scale = tl.full((H_BLOCK,), 1.0, tl.float32)
     if SCALED:
         top = tl.maximum(tl.max(tl.abs(acc_kept), axis=1), tl.max(tl.abs(acc_rope), axis=1))
         if KT:
             top = tl.maximum(top, tl.max(tl.abs(acc_tail), axis=1))
         if WITH_WINDOW:
             top = tl.maximum(top, tl.max(tl.abs(acc_drop), axis=1))
-        scale = _row_scale(top * inv_l)
-        inv_l = inv_l / scale
+        row_scale = _row_scale(top * inv_l)
+        inv_l = inv_l / row_scale
     out_ty = o_row.dtype.element_ty
     tl.store(o_row[:, None] + j[None, :], (acc_kept * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & kept_ok[None, :])
     if KT:
@@ -470,7 +471,7 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
         tl.store(o_row[:, None] + N + i[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & dropped_ok[None, :])
     tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
-    return m, l, scale
+    return m, l, row_scale
 
 
 @triton.jit
@@ -516,13 +517,13 @@ def _decode_kernel(
         # natural window records by column index into kept-first sets cost the fused
         # program as much as its C4 records (benchmarks/kernels/NOTES.md).
         if split == 0:  # an empty C4 range: only the window's steps run
-            m, l, scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
+            m, l, row_scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
                                           win_ptr, win_locs, 0, W, win_stride, c4_ptr, c4_locs, 0, 0, c4_stride,
                                           WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
                                           SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
         else:
             c4_lo = (split - 1) * c4_chunk
-            m, l, scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
+            m, l, row_scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
                                           win_ptr, win_locs, 0, 0, win_stride,
                                           c4_ptr, c4_locs, c4_lo, tl.minimum(K, c4_lo + c4_chunk), c4_stride,
                                           kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
@@ -536,7 +537,7 @@ def _decode_kernel(
         c4_lo = split * c4_chunk
         c4_hi = tl.minimum(K, c4_lo + c4_chunk)
         if PACKED:
-            m, l, scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
+            m, l, row_scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
                                           win_ptr, win_locs, win_lo, win_hi, win_stride,
                                           c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
                                           kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
@@ -544,16 +545,16 @@ def _decode_kernel(
                                           BN, WIN_BN, WIN_KEPT_FIRST, True, False, SCORES_T, WIN_SCORES_T, SPLIT,
                                           SCALED, INTERPRETED)
         else:
-            m, l, scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
+            m, l, row_scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
                                           win_ptr, win_locs, win_lo, win_hi, win_stride,
                                           c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
                                           WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
                                           SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
-    if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing) and scale, for _combine_kernel
+    if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing) and row scale, for _combine_kernel
         row = (split * tl.num_programs(1) + b) * H + heads
         tl.store(lse_ptr + row, m + tl.log2(l), mask=h_ok)
-        if SCALED:
-            tl.store(lse_ptr + tl.num_programs(2) * tl.num_programs(1) * H + row, scale, mask=h_ok)
+        if SCALED:  # lse_ptr's second [S, B, H] block
+            tl.store(lse_ptr + tl.num_programs(2).to(tl.int64) * tl.num_programs(1) * H + row, row_scale, mask=h_ok)
 
 
 @triton.jit
@@ -700,11 +701,12 @@ def window_apart_for(window_apart: bool | None, packed: bool, columns: str, wind
 
 def partials_for(partials: str | None, splits: int) -> str:
     """The split partials' dtype decode uses (its `partials`): as given, or where None,
-    float16 (row-scaled) for two splits or fewer and float32 for more. On the H200 (NOTES.md,
-    ninth round) float16 partials took the two-split calls 2-7% less time (the window apart at
-    batch 128: 87.9 -> 81.4 us; folded batch 64: 42.3 -> 40.5) and the 8- and 16-split
-    calls of batch 1 and 16 about 0.6-0.8 us (3%) more: each split's row maxima cost more
-    there than the bytes they save."""
+    float16 (row-scaled: _row_scale) for two splits or fewer and float32 for more. On the
+    H200 (NOTES.md, ninth round) float16 partials took the packed two-split calls 4-8% less
+    time (the window apart at batch 128: 87.9 -> 81.4 us; folded batch 64: 42.3 -> 40.5;
+    native batch 64 within 1%), and the 8- and 16-split calls of batch 1 and 16 about
+    0.5-0.8 us (3%) more: each split's row maxima cost more there than the bytes they
+    save."""
     if partials is not None:
         return partials
     return "float16" if splits <= 2 else "float32"
@@ -786,8 +788,9 @@ def decode(
     is given); it needs splits >= 2 (None: one more than auto_splits).
 
     partials (split decodes): the dtype of the splits' partial outputs, "float32" or
-    "float16" (each row scaled by a power of two, _row_scale: as precise as float32 for a
-    bf16 output, half the bytes written and joined); None chooses partials_for.
+    "float16" (half the bytes written and joined; each row scaled by a power of two,
+    _row_scale, so that values down to 2^-28 of its largest keep 11 bits, finer than a bf16
+    output); None chooses partials_for.
     """
     for name, value, allowed in (("columns", columns, COLUMN_ORDERS), ("window_columns", window_columns, COLUMN_ORDERS),
                                  ("partials", partials, (None, *PARTIAL_DTYPES))):
@@ -836,10 +839,10 @@ def decode(
     # columns, and the join takes their partials back to natural order.
     q_in = permute_columns(q, cols.order) if permute and not window_apart else q
     c4_programs = splits - 1 if window_apart else splits
-    scaled = splits > 1 and partials_for(partials, splits) == "float16"
-    if splits > 1:  # normalized partial outputs, their log-sum-exp (and scales), joined below
-        out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=PARTIAL_DTYPES[partials_for(partials, splits)],
-                            device=q.device)
+    partial_dtype = partials_for(partials, splits)
+    scaled = splits > 1 and partial_dtype == "float16"
+    if splits > 1:  # normalized partial outputs, their log-sum-exp (and row scales: float16), joined below
+        out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=PARTIAL_DTYPES[partial_dtype], device=q.device)
         lse = torch.empty(2 if scaled else 1, splits, batch, heads, dtype=torch.float32, device=q.device)
         out_strides = out_k.stride()[:3]
     else:

@@ -161,10 +161,20 @@ def _bf16_partials(doc: dict) -> None:
     doc["decode"][3]["partials"] = "bfloat16"
 
 
+def _partials_unsplit(doc: dict) -> None:
+    doc["decode"][3]["splits"] = 1  # float16 partials left on a row of one split
+
+
+def _no_partials_split(doc: dict) -> None:
+    doc["decode"][3]["partials"] = None  # two splits and no partials' dtype
+
+
 @pytest.mark.parametrize(("spoil", "field"), [(_without_splits, r"decode\[1\]"),
                                               (_unknown_columns, r"decode\[2\]\.columns"),
                                               (_without_config, r"decode\[0\]"),
-                                              (_bf16_partials, r"decode\[3\]\.partials")])
+                                              (_bf16_partials, r"decode\[3\]\.partials"),
+                                              (_partials_unsplit, r"decode\[3\]\.partials"),
+                                              (_no_partials_split, r"decode\[3\]\.partials")])
 def test_schema_refuses_a_spoiled_decode_row(spoil, field):
     doc = _doc()
     spoil(doc)

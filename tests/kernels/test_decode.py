@@ -21,18 +21,21 @@ def set_pad_bytes(pool: torch.Tensor, layout: PageLayout, value: int) -> None:
     tails.unflatten(1, (layout.per_page, 8))[:, :, 7] = value
 
 
-def set_magnitude(pool: torch.Tensor, layout: PageLayout, scale_byte: int) -> None:
-    """Every record's 7 UE8M0 scale bytes set to `scale_byte` and its bf16 RoPE multiplied
-    by the same 2^(scale_byte - 127): all its values that far from the FP8 codes' range."""
+def set_magnitude(pool: torch.Tensor, layout: PageLayout, scale_byte: int | tuple[int, ...]) -> None:
+    """Every record's 7 UE8M0 scale bytes set to `scale_byte` (one for all tiles, or one per
+    tile) and its bf16 RoPE multiplied by 2^(first scale byte - 127): its values that far
+    from the FP8 codes' range."""
+    bytes_ = (scale_byte,) * 7 if isinstance(scale_byte, int) else scale_byte
     tails = pool[:, layout.per_page * layout.data_bytes:][:, : layout.per_page * 8]
-    tails.unflatten(1, (layout.per_page, 8))[:, :, :7] = scale_byte
+    tails.unflatten(1, (layout.per_page, 8))[:, :, :7] = torch.tensor(bytes_, dtype=torch.uint8, device=pool.device)
     body = pool[:, : layout.per_page * layout.data_bytes].unflatten(1, (layout.per_page, layout.data_bytes))
     rope = body[:, :, layout.data_bytes - 128:].view(torch.bfloat16)
-    rope.mul_(2.0 ** (scale_byte - 127))
+    rope.mul_(2.0 ** (bytes_[0] - 127))
 
 
 def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, window_kept_first=False,
-                 q_scale=2.0, sink_shift=0.0, pad_byte=0, scale_byte=None, window_apart=False, **config) -> float:
+                 q_scale=2.0, sink_shift=0.0, pad_byte=0, scale_byte=None, per_tile=False, window_apart=False,
+                 **config) -> float:
     """q_scale, sink_shift: the records' scales span 6 decades, so at q_scale 2 the softmax
     is nearly one-hot and the sink carries no mass; small q and a sink near log(records)
     give every term weight (the sink about a quarter of it at 0.02 and 3).
@@ -41,7 +44,9 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned).
     pad_byte: the value of every record's pad byte (set_pad_bytes).
-    scale_byte: every record's scale byte (set_magnitude), None to keep the drawn ones.
+    scale_byte: every record's scale bytes (set_magnitude), None to keep the drawn ones.
+    per_tile: also bound the error of each 64-column scale tile and of RoPE on its own, so
+    that a tile far smaller than the others cannot hide in the whole output's norm.
     window_apart: decode's, False by default so that each test checks the same program on
     the CPU and the GPU (decode's own choice depends on the GPU's multiprocessors)."""
     gen = torch.Generator().manual_seed(seed)
@@ -88,6 +93,10 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     assert not out.isnan().any(), "an output element was not written (or is NaN)"
     err = ((out.double() - want).norm() / want.norm()).item()
     assert err < TOLERANCE, f"relative error {err:.2e}"
+    if per_tile:  # natural columns: tiles 0-6 of the NoPE part, then RoPE
+        diff, ref = (out.double() - want).unflatten(2, (8, 64)), want.unflatten(2, (8, 64))
+        tile_errors = (diff.square().sum(dim=(0, 1, 3)) / ref.square().sum(dim=(0, 1, 3))).sqrt().tolist()
+        assert max(tile_errors) < TOLERANCE, f"relative error per tile {[f'{e:.1e}' for e in tile_errors]}"
     return err
 
 
@@ -138,14 +147,19 @@ def test_decode_split_across_programs_matches_reference(retention, splits, kept_
                  **SOFT, **SMALL)
 
 
-@pytest.mark.parametrize("scale_byte", [150, 90])
+# Every record's values (codes and RoPE) near 2^23 (float16 overflows above 65504), near
+# 2^-37 (below its least subnormal, 2^-24), or with tile 0 and RoPE near 2^10 and tile 6
+# near 2^-14, 2^-24 of the row's largest (float16 subnormal unless the row is scaled up).
+MAGNITUDES = [150, 90, (137, 127, 127, 127, 127, 127, 113)]
+
+
+@pytest.mark.parametrize("scale_byte", MAGNITUDES)
 @pytest.mark.parametrize(("retention", "window_apart"), [(512, False), (256, False), (256, True)])
 def test_decode_float16_partials_hold_values_beyond_float16s_range(scale_byte, retention, window_apart):
-    # Values (codes and RoPE) near 2^23 (float16 overflows above 65504) or 2^-37 (below its
-    # smallest subnormal, 2^-24): each partial row is scaled into (-2, 2) before it is rounded.
-    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=scale_byte, splits=2,
-                 window_apart=window_apart, partials="float16", scale_byte=scale_byte, window_block_n=16, **SOFT,
-                 **SMALL)
+    # Each partial row is scaled so that its largest value lies just under float16's top.
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=7, splits=2,
+                 window_apart=window_apart, partials="float16", scale_byte=scale_byte, per_tile=True,
+                 window_block_n=16, **SOFT, **SMALL)
 
 
 def test_decode_refuses_an_unknown_partials_dtype():
@@ -324,12 +338,20 @@ def test_decode_on_gpu_with_the_window_apart(retention, splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("retention", "kept_first"), [(512, False), (256, False), (256, True)])
-@pytest.mark.parametrize("scale_byte", [None, 150, 90])
+@pytest.mark.parametrize("scale_byte", [None, *MAGNITUDES])
 @pytest.mark.parametrize("partials", ["float16", "float32"])
 def test_decode_on_gpu_split_in_two_with_each_partials_dtype(retention, kept_first, scale_byte, partials):
     # Two splits, as at batch 64 on an H200, with values in and far beyond float16's range.
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=21, splits=2, kept_first=kept_first,
-                 window_kept_first=kept_first, scale_byte=scale_byte, partials=partials)
+                 window_kept_first=kept_first, scale_byte=scale_byte, per_tile=True, partials=partials)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("partials", ["float16", "float32"])
+def test_decode_on_gpu_of_one_token_in_sixteen_splits_with_each_partials_dtype(partials):
+    check_decode(batch=1, heads=64, topk=512, window=128, retention=512, seed=22, splits=16,
+                 scale_byte=MAGNITUDES[2], per_tile=True, partials=partials)
 
 
 @pytest.mark.gpu
