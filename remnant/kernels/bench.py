@@ -481,15 +481,10 @@ def decode_configs(kind: tuple[str, str, bool], quick: bool) -> list[dict]:
             for bn, t, wbn, wt in forms for stages in ((1,) if quick else DECODE_STAGES)]
 
 
-def _partials(splits: int) -> str | None:
-    """The dtype decode gives a case's split partials (None: unsplit, no partials)."""
-    from remnant.kernels.decode import partials_for
-
-    return partials_for(None, splits) if splits > 1 else None
-
-
 def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, batch: int) -> tuple[list[dict], dict]:
     """Time each TUNED kind's configs; returns the rows and {kind: its best config}."""
+    from remnant.kernels.decode import partials_for
+
     rows, best = [], {}
     for kind in TUNED:
         variant, window_columns, window_apart = kind
@@ -507,7 +502,7 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
                 continue
             row = {"variant": variant, "window_columns": window_columns, "config": config,
                    "splits": case.resolved_splits(config), "window_apart": case.resolved_window_apart(config["h_block"]),
-                   "partials": _partials(case.resolved_splits(config)), "max_rel_error": error,
+                   "partials": partials_for(None, case.resolved_splits(config)), "max_rel_error": error,
                    **_compiled_info(compiled), **_roofline(seconds, nbytes, flops, ceil)}
             rows.append(row)
             _progress_row(row)
@@ -526,6 +521,8 @@ def _tuned_kind(case: DecodeCase) -> tuple[str, str, bool]:
 
 
 def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, cases: list[DecodeCase]) -> list[dict]:
+    from remnant.kernels.decode import partials_for
+
     rows = []
     for case in cases:
         config = best[_tuned_kind(case)]
@@ -536,7 +533,7 @@ def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, ca
                      "window": case.window, "columns": case.columns, "window_columns": case.window_columns, "heads": HEADS,
                      "config": config, "splits": case.resolved_splits(config), "auto_splits": case.splits is None,
                      "window_apart": case.resolved_window_apart(config["h_block"]),
-                     "partials": _partials(case.resolved_splits(config)),
+                     "partials": partials_for(None, case.resolved_splits(config)),
                      **_compiled_info(compiled),
                      **_roofline(seconds, nbytes, flops, ceil)})
         _progress_row(rows[-1])

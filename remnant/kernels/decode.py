@@ -299,12 +299,18 @@ def _native_program(q_row, h_ok, o_row, m, l, qk_scale,
     inv_l = _inverse_sum(l, SPLIT)
     row_scale = tl.full((H_BLOCK,), 1.0, tl.float32)
     if SCALED:
-        row_scale = _row_scale(tl.maximum(tl.max(tl.abs(acc_full), axis=1), tl.max(tl.abs(acc_rope), axis=1)) * inv_l)
+        row_scale = _row_scale(tl.maximum(_row_max(acc_full), _row_max(acc_rope)) * inv_l)
         inv_l = inv_l / row_scale
     out_ty = o_row.dtype.element_ty
     tl.store(o_row[:, None] + d[None, :], (acc_full * inv_l[:, None]).to(out_ty), mask=h_ok[:, None] & d_ok[None, :])
     tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
     return m, l, row_scale
+
+
+@triton.jit
+def _row_max(acc):
+    """Each row's largest magnitude of an accumulator [H, C]."""
+    return tl.max(tl.abs(acc), axis=1)
 
 
 @triton.jit
@@ -455,11 +461,11 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
     inv_l = _inverse_sum(l, SPLIT)
     row_scale = tl.full((H_BLOCK,), 1.0, tl.float32)
     if SCALED:
-        top = tl.maximum(tl.max(tl.abs(acc_kept), axis=1), tl.max(tl.abs(acc_rope), axis=1))
+        top = tl.maximum(_row_max(acc_kept), _row_max(acc_rope))
         if KT:
-            top = tl.maximum(top, tl.max(tl.abs(acc_tail), axis=1))
+            top = tl.maximum(top, _row_max(acc_tail))
         if WITH_WINDOW:
-            top = tl.maximum(top, tl.max(tl.abs(acc_drop), axis=1))
+            top = tl.maximum(top, _row_max(acc_drop))
         row_scale = _row_scale(top * inv_l)
         inv_l = inv_l / row_scale
     out_ty = o_row.dtype.element_ty
@@ -518,18 +524,18 @@ def _decode_kernel(
         # program as much as its C4 records (benchmarks/kernels/NOTES.md).
         if split == 0:  # an empty C4 range: only the window's steps run
             m, l, row_scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                          win_ptr, win_locs, 0, W, win_stride, c4_ptr, c4_locs, 0, 0, c4_stride,
-                                          WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
-                                          SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
+                                              win_ptr, win_locs, 0, W, win_stride, c4_ptr, c4_locs, 0, 0, c4_stride,
+                                              WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
+                                              SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
         else:
             c4_lo = (split - 1) * c4_chunk
             m, l, row_scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                          win_ptr, win_locs, 0, 0, win_stride,
-                                          c4_ptr, c4_locs, c4_lo, tl.minimum(K, c4_lo + c4_chunk), c4_stride,
-                                          kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
-                                          WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP, H_BLOCK,
-                                          BN, WIN_BN, WIN_KEPT_FIRST, False, True, SCORES_T, WIN_SCORES_T, SPLIT,
-                                          SCALED, INTERPRETED)
+                                              win_ptr, win_locs, 0, 0, win_stride,
+                                              c4_ptr, c4_locs, c4_lo, tl.minimum(K, c4_lo + c4_chunk), c4_stride,
+                                              kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
+                                              WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP,
+                                              H_BLOCK, BN, WIN_BN, WIN_KEPT_FIRST, False, True, SCORES_T, WIN_SCORES_T,
+                                              SPLIT, SCALED, INTERPRETED)
     else:
         # This program's share of the window and of the C4 records (all of them unless SPLIT).
         win_lo = split * win_chunk
@@ -538,18 +544,18 @@ def _decode_kernel(
         c4_hi = tl.minimum(K, c4_lo + c4_chunk)
         if PACKED:
             m, l, row_scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                          win_ptr, win_locs, win_lo, win_hi, win_stride,
-                                          c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
-                                          kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
-                                          WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP, H_BLOCK,
-                                          BN, WIN_BN, WIN_KEPT_FIRST, True, False, SCORES_T, WIN_SCORES_T, SPLIT,
-                                          SCALED, INTERPRETED)
+                                              win_ptr, win_locs, win_lo, win_hi, win_stride,
+                                              c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
+                                              kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
+                                              WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP,
+                                              H_BLOCK, BN, WIN_BN, WIN_KEPT_FIRST, True, False, SCORES_T, WIN_SCORES_T,
+                                              SPLIT, SCALED, INTERPRETED)
         else:
             m, l, row_scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                          win_ptr, win_locs, win_lo, win_hi, win_stride,
-                                          c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
-                                          WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
-                                          SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
+                                              win_ptr, win_locs, win_lo, win_hi, win_stride,
+                                              c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
+                                              WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
+                                              SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
     if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing) and row scale, for _combine_kernel
         row = (split * tl.num_programs(1) + b) * H + heads
         tl.store(lse_ptr + row, m + tl.log2(l), mask=h_ok)
@@ -699,14 +705,17 @@ def window_apart_for(window_apart: bool | None, packed: bool, columns: str, wind
     return window_apart
 
 
-def partials_for(partials: str | None, splits: int) -> str:
-    """The split partials' dtype decode uses (its `partials`): as given, or where None,
-    float16 (row-scaled: _row_scale) for two splits or fewer and float32 for more. On the
+def partials_for(partials: str | None, splits: int) -> str | None:
+    """The split partials' dtype decode uses (its `partials`): None for one split (no
+    partials); else as given or, where None, float16 (row-scaled: _row_scale) for two
+    splits and float32 for more. On the
     H200 (NOTES.md, ninth round) float16 partials took the packed two-split calls 4-8% less
     time (the window apart at batch 128: 87.9 -> 81.4 us; folded batch 64: 42.3 -> 40.5;
     native batch 64 within 1%), and the 8- and 16-split calls of batch 1 and 16 about
     0.5-0.8 us (3%) more: each split's row maxima cost more there than the bytes they
     save."""
+    if splits == 1:
+        return None
     if partials is not None:
         return partials
     return "float16" if splits <= 2 else "float32"
@@ -840,7 +849,7 @@ def decode(
     q_in = permute_columns(q, cols.order) if permute and not window_apart else q
     c4_programs = splits - 1 if window_apart else splits
     partial_dtype = partials_for(partials, splits)
-    scaled = splits > 1 and partial_dtype == "float16"
+    scaled = partial_dtype == "float16"
     if splits > 1:  # normalized partial outputs, their log-sum-exp (and row scales: float16), joined below
         out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=PARTIAL_DTYPES[partial_dtype], device=q.device)
         lse = torch.empty(2 if scaled else 1, splits, batch, heads, dtype=torch.float32, device=q.device)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from remnant.kernels.bench import (Ceilings, DecodeCase, _decode_bytes_flops, _partials, _roofline, main, table,
-                                   targets)
+from remnant.kernels.bench import Ceilings, DecodeCase, _decode_bytes_flops, _roofline, main, table, targets
+from remnant.kernels.decode import partials_for
 from remnant.records.schema import RecordError, validate
 
 
@@ -34,7 +34,7 @@ def _decode_row(ceil: Ceilings, config: dict, variant: str, retention: int, colu
     nbytes, flops = _decode_bytes_flops(DecodeCase(variant, retention, 64, topk, 128, columns, window_columns))
     return {"variant": variant, "retention": retention, "batch": 64, "topk": topk, "window": 128, "columns": columns,
             "window_columns": window_columns, "heads": 64, "config": config, "splits": splits,
-            "auto_splits": auto_splits, "window_apart": False, "partials": _partials(splits),
+            "auto_splits": auto_splits, "window_apart": False, "partials": partials_for(None, splits),
             **_roofline(us / 1e6, nbytes, flops, ceil)}
 
 

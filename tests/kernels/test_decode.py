@@ -187,6 +187,7 @@ def test_kept_columns_split_into_a_power_of_two_and_a_tail_only_where_it_saves_p
 def test_partials_are_float16_for_two_splits_or_fewer_unless_given():
     assert [partials_for(None, splits) for splits in (2, 3, 16)] == ["float16", "float32", "float32"]
     assert partials_for("float32", 2) == "float32" and partials_for("float16", 16) == "float16"
+    assert partials_for(None, 1) is None and partials_for("float16", 1) is None  # one split: no partials
 
 
 def test_split_count_fills_the_multiprocessors_once():
