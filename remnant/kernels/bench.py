@@ -11,7 +11,7 @@ FLOPs count the tensor-core work the kernel issues (padding included: a packed k
 R = 384 multiplies its 320 kept columns as blocks of 256 and 64, and 64 RoPE columns, per
 C4 record, and for window tokens the kept blocks, the dropped columns padded to a power of
 two, and RoPE, or, with the window in a program of its own, the native program's 512 and
-64). The JSON (schema remnant/kernel-bench v8) is validated before it is written.
+64). The JSON (schema remnant/kernel-bench v9) is validated before it is written.
 """
 
 from __future__ import annotations
@@ -256,6 +256,16 @@ class DecodeCase:
         return window_apart_for(self.window_apart, self.variant == "packed", self.columns, self.window_columns,
                                 self.window, self.splits, self.batch * math.ceil(HEADS / h_block), torch.device("cuda"))
 
+    def split_details(self, config: dict) -> dict:
+        """What decode chooses for this case's splits under `config`: the partials' dtype
+        and the split plan (both None for one split)."""
+        from remnant.kernels.decode import partials_for, split_plan_for
+
+        splits = self.resolved_splits(config)
+        return {"partials": partials_for(None, splits),
+                "split_plan": split_plan_for(None, splits, self.variant == "packed" and self.window_columns == "kept_first",
+                                             self.resolved_window_apart(config["h_block"]))}
+
     def resolved_splits(self, config: dict) -> int:
         """The splits decode runs for this case under `config` (which names every loop setting)."""
         from remnant.kernels.decode import split_count
@@ -483,8 +493,6 @@ def decode_configs(kind: tuple[str, str, bool], quick: bool) -> list[dict]:
 
 def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, batch: int) -> tuple[list[dict], dict]:
     """Time each TUNED kind's configs; returns the rows and {kind: its best config}."""
-    from remnant.kernels.decode import partials_for
-
     rows, best = [], {}
     for kind in TUNED:
         variant, window_columns, window_apart = kind
@@ -502,7 +510,7 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
                 continue
             row = {"variant": variant, "window_columns": window_columns, "config": config,
                    "splits": case.resolved_splits(config), "window_apart": case.resolved_window_apart(config["h_block"]),
-                   "partials": partials_for(None, case.resolved_splits(config)), "max_rel_error": error,
+                   **case.split_details(config), "max_rel_error": error,
                    **_compiled_info(compiled), **_roofline(seconds, nbytes, flops, ceil)}
             rows.append(row)
             _progress_row(row)
@@ -521,8 +529,6 @@ def _tuned_kind(case: DecodeCase) -> tuple[str, str, bool]:
 
 
 def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, cases: list[DecodeCase]) -> list[dict]:
-    from remnant.kernels.decode import partials_for
-
     rows = []
     for case in cases:
         config = best[_tuned_kind(case)]
@@ -533,8 +539,7 @@ def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, ca
                      "window": case.window, "columns": case.columns, "window_columns": case.window_columns, "heads": HEADS,
                      "config": config, "splits": case.resolved_splits(config), "auto_splits": case.splits is None,
                      "window_apart": case.resolved_window_apart(config["h_block"]),
-                     "partials": partials_for(None, case.resolved_splits(config)),
-                     **_compiled_info(compiled),
+                     **case.split_details(config), **_compiled_info(compiled),
                      **_roofline(seconds, nbytes, flops, ceil)})
         _progress_row(rows[-1])
     return rows
@@ -549,6 +554,8 @@ def decode_cases(quick: bool) -> list[DecodeCase]:
             cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window))
             if batch >= 64:  # the kernel alone, as with the column order folded into the weights
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first"))
+            if batch < 64 and window:  # the engine's folded call at small batches (splits cut by cost)
+                cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "kept_first"))
             if batch >= 64 and window:  # the window records written in kept-first order (the engine's call)
                 if batch in (64, 128):
                     cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "natural", "kept_first"))
@@ -728,7 +735,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     provenance = gpu_provenance()
     return {
         "schema": "remnant/kernel-bench",
-        "schema_version": 8,
+        "schema_version": 9,
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
         "provenance": provenance,
@@ -755,6 +762,7 @@ def table(doc: dict) -> str:
             "w" if r.get("window_columns") == "kept_first" else "")
         splits = f"s={r['splits']}" + ("" if r["auto_splits"] else "!") if "splits" in r else ""  # (v3: no splits)
         splits += "a" if r.get("window_apart") else ""
+        splits += "c" if r.get("split_plan") == "by_cost" else ""
         lines.append(f"decode {variant:<8} R={r['retention']:<3} B={r['batch']:<4} k={r['topk']:<5} W={r['window']:<3} {splits:<5}"
                      f"{r['time_us']:9.1f} us {100 * r['fraction_of_copy_bandwidth']:5.1f}% copy "
                      f"{100 * r['fraction_of_matmul_rate']:5.1f}% mma regs={r.get('n_regs', '?')} spills={r.get('n_spills', '?')}")
@@ -762,7 +770,7 @@ def table(doc: dict) -> str:
         lines.append("packed*: q and out in kept-first column order (the permutation folded into the projections); "
                      "packed..w: window records written in kept-first order")
     lines.append("s=N: programs per token and head block (auto_splits); s=N!: fixed, the split sweep; "
-                 "s=Na: the window in a program of its own (window_apart)")
+                 "s=Na: the window in a program of its own (window_apart); s=Nc: splits cut by cost (split_plan)")
     for t in doc["targets"]:
         lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.3f} (target {t['target']}) {t['note']}")
     return "\n".join(lines)

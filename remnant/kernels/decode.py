@@ -55,6 +55,14 @@ LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 EMPTY_MAX: tl.constexpr = tl.constexpr(-1e30)  # the running max of a split before its first record
 MAX_SPLITS = 16
 PARTIAL_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+SPLIT_PLANS = ("even", "by_cost")
+# How many C4 steps one window step costs when splits are cut by cost (split_plan
+# "by_cost"): the packed program's window step (32 tokens, four column sets) against its C4
+# step (64 records). On the H200, of 1, 1.34 (the two loops' per-step times in the ninth
+# round's stamps), 2 and 2.5, 2 was fastest at 8 splits (NOTES.md, tenth round).
+WINDOW_STEP_COST: tl.constexpr = tl.constexpr(2)
+# The fewest splits at which decode cuts them by cost unless told (split_plan_for).
+BY_COST_FROM_SPLITS = 8
 # The fastest launch settings per kernel in the tuning of an H200 (remnant-kernels,
 # benchmarks/kernels/h200-2026-12-01-r6.json; NOTES.md, fifth round): 64 heads per program
 # on 8 warps, then these. Packed window records in natural order are read by column index,
@@ -481,6 +489,20 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
 
 
 @triton.jit
+def _split_step(s, S, win_steps, c4_steps):
+    """The first step of split s of S (s = S: the end) when splits are cut by cost: one
+    sequence, the window's steps then the C4 records', cut into S parts of equal cost (a
+    window step costs WINDOW_STEP_COST C4 steps) at the nearest step boundary (a half
+    rounds up). So a split whose share is all window or all C4 records runs one loop, not
+    two with a pipeline fill each. Split s's end and split s + 1's start are one
+    computation: every step is read once."""
+    window_cost = win_steps * WINDOW_STEP_COST
+    cut = (window_cost + c4_steps) * s // S
+    return tl.where(cut <= window_cost, (cut + WINDOW_STEP_COST // 2) // WINDOW_STEP_COST,
+                    win_steps + cut - window_cost)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, q_sb, q_sh,
     out_ptr, o_ss, o_sb, o_sh, lse_ptr,
@@ -492,7 +514,7 @@ def _decode_kernel(
     N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
     SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
-    WINDOW_APART: tl.constexpr,
+    WINDOW_APART: tl.constexpr, BY_COST: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
@@ -537,11 +559,24 @@ def _decode_kernel(
                                               H_BLOCK, BN, WIN_BN, WIN_KEPT_FIRST, False, True, SCORES_T, WIN_SCORES_T,
                                               SPLIT, SCALED, INTERPRETED)
     else:
-        # This program's share of the window and of the C4 records (all of them unless SPLIT).
-        win_lo = split * win_chunk
-        win_hi = tl.minimum(W, win_lo + win_chunk)
-        c4_lo = split * c4_chunk
-        c4_hi = tl.minimum(K, c4_lo + c4_chunk)
+        # This program's share of the window and of the C4 records (all of them unless
+        # SPLIT): a share of each (split_plan "even"), or BY_COST steps p0..p1 of the
+        # window's steps followed by the C4 records' (_split_step). Two branches, not one
+        # formula: the same ranges computed another way compiled to code 3-7% slower
+        # (NOTES.md, tenth round).
+        if BY_COST:
+            win_steps = tl.cdiv(W, WIN_BN)
+            p0 = _split_step(split, tl.num_programs(2), win_steps, tl.cdiv(K, BN))
+            p1 = _split_step(split + 1, tl.num_programs(2), win_steps, tl.cdiv(K, BN))
+            win_lo = tl.minimum(p0, win_steps) * WIN_BN
+            win_hi = tl.minimum(tl.minimum(p1, win_steps) * WIN_BN, W)
+            c4_lo = tl.maximum(p0 - win_steps, 0) * BN
+            c4_hi = tl.minimum(tl.maximum(p1 - win_steps, 0) * BN, K)
+        else:
+            win_lo = split * win_chunk
+            win_hi = tl.minimum(W, win_lo + win_chunk)
+            c4_lo = split * c4_chunk
+            c4_hi = tl.minimum(K, c4_lo + c4_chunk)
         if PACKED:
             m, l, row_scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
                                               win_ptr, win_locs, win_lo, win_hi, win_stride,
@@ -721,6 +756,25 @@ def partials_for(partials: str | None, splits: int) -> str | None:
     return "float16" if splits <= 2 else "float32"
 
 
+def split_plan_for(split_plan: str | None, splits: int, window_kept_first: bool, window_apart: bool) -> str | None:
+    """How decode shares the window and the C4 records among a token's splits (its
+    `split_plan`): None for one split; "even", each split a like share of each (with the
+    window apart: of the C4 records); or "by_cost", each split a contiguous range of the
+    window's steps then the C4 records', cut at equal cost (_split_step), so that most
+    splits run one loop. None chooses "by_cost" for the packed program with a kept-first
+    window at BY_COST_FROM_SPLITS splits or more: on the H200 its folded call at batch 1
+    and 16 (8 splits) took 10% less time, while at 2 and 4 splits the even plan was as fast
+    or faster and the native kernel gained nothing at 8 and 16 (NOTES.md, tenth round)."""
+    if splits == 1:
+        return None
+    if split_plan is None:
+        return "by_cost" if window_kept_first and not window_apart and splits >= BY_COST_FROM_SPLITS else "even"
+    if split_plan == "by_cost" and window_apart:
+        raise ValueError("split_plan='by_cost' cannot take the window apart: its program is split 0 by construction; "
+                         "pass window_apart=False or split_plan='even'")
+    return split_plan
+
+
 def auto_splits(programs: int, device: torch.device) -> int:
     """splits_for this device's multiprocessors; 1 off the GPU."""
     if device.type != "cuda":
@@ -759,6 +813,7 @@ def decode(
     splits: int | None = None,
     window_apart: bool | None = None,
     partials: str | None = None,
+    split_plan: str | None = None,
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
@@ -800,9 +855,14 @@ def decode(
     "float16" (half the bytes written and joined; each row scaled by a power of two,
     _row_scale, so that values down to 2^-28 of its largest keep 11 bits, finer than a bf16
     output); None chooses partials_for.
+
+    split_plan (split decodes): "even" (each split a share of the window and of the C4
+    records) or "by_cost" (each a contiguous range of the window's steps then the C4
+    records', cut at equal cost); None chooses split_plan_for.
     """
     for name, value, allowed in (("columns", columns, COLUMN_ORDERS), ("window_columns", window_columns, COLUMN_ORDERS),
-                                 ("partials", partials, (None, *PARTIAL_DTYPES))):
+                                 ("partials", partials, (None, *PARTIAL_DTYPES)),
+                                 ("split_plan", split_plan, (None, *SPLIT_PLANS))):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
@@ -850,6 +910,7 @@ def decode(
     c4_programs = splits - 1 if window_apart else splits
     partial_dtype = partials_for(partials, splits)
     scaled = partial_dtype == "float16"
+    by_cost = split_plan_for(split_plan, splits, window_kept_first, window_apart) == "by_cost"
     if splits > 1:  # normalized partial outputs, their log-sum-exp (and row scales: float16), joined below
         out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=PARTIAL_DTYPES[partial_dtype], device=q.device)
         lse = torch.empty(2 if scaled else 1, splits, batch, heads, dtype=torch.float32, device=q.device)
@@ -874,7 +935,8 @@ def decode(
             DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
             WIN_SCORES_T=config["window_scores_transposed"],
             PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
-            WIN_BN=win_bn, SPLIT=splits > 1, SCALED=scaled, WINDOW_APART=window_apart, INTERPRETED=interpreted(),
+            WIN_BN=win_bn, SPLIT=splits > 1, SCALED=scaled, WINDOW_APART=window_apart, BY_COST=by_cost,
+            INTERPRETED=interpreted(),
             num_warps=num_warps, num_stages=num_stages,
         )
     except OutOfResources as exc:  # name the settings, not only the kernel's shared memory

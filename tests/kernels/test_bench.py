@@ -7,7 +7,7 @@ import json
 import pytest
 
 from remnant.kernels.bench import Ceilings, DecodeCase, _decode_bytes_flops, _roofline, main, table, targets
-from remnant.kernels.decode import partials_for
+from remnant.kernels.decode import partials_for, split_plan_for
 from remnant.records.schema import RecordError, validate
 
 
@@ -35,6 +35,7 @@ def _decode_row(ceil: Ceilings, config: dict, variant: str, retention: int, colu
     return {"variant": variant, "retention": retention, "batch": 64, "topk": topk, "window": 128, "columns": columns,
             "window_columns": window_columns, "heads": 64, "config": config, "splits": splits,
             "auto_splits": auto_splits, "window_apart": False, "partials": partials_for(None, splits),
+            "split_plan": split_plan_for(None, splits, variant == "packed" and window_columns == "kept_first", False),
             **_roofline(us / 1e6, nbytes, flops, ceil)}
 
 
@@ -48,7 +49,8 @@ def _doc() -> dict:
     decode[0].update(config=dict(config, h_block=64, num_warps=8), n_regs=255, n_spills=14, shared_bytes=180736)
     # The split sweep: fixed split counts, faster here than auto's rows, and no target's.
     for variant, retention, orders, splits, us in (("native", 512, "natural", 1, 30.0), ("native", 512, "natural", 4, 5.0),
-                                                   ("packed", 256, "kept_first", 1, 25.0)):
+                                                   ("packed", 256, "kept_first", 1, 25.0),
+                                                   ("packed", 256, "kept_first", 8, 26.0)):
         decode.append(_decode_row(ceil, config, variant, retention, orders, orders, us, splits=splits, auto_splits=False))
     # The calls without C4 records (top-k 0), native and folded, at the auto rows' splits.
     for variant, retention, orders, us in (("native", 512, "natural", 8.0), ("packed", 256, "kept_first", 9.0)):
@@ -58,7 +60,7 @@ def _doc() -> dict:
     recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "shared",
               "block_rows": 16, "num_warps": 4, **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
     return {
-        "schema": "remnant/kernel-bench", "schema_version": 8, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
+        "schema": "remnant/kernel-bench", "schema_version": 9, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
         "provenance": {"gpu": {"name": "test", "capability": "9.0", "multiprocessors": 132, "l2_bytes": 60 << 20,
                                "nvidia_smi": {}},
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},
@@ -116,6 +118,7 @@ def test_targets_are_ratios_of_this_run():
     shown = table(doc)
     assert all(f"decode {v:<8} R=256 B=64" in shown for v in ("packed", "packed*", "packed*w"))
     assert "W=128 s=2 " in shown and "W=128 s=4!" in shown
+    assert "W=128 s=8!c" in shown  # the folded call's 8 splits, cut by cost
 
 
 def test_residency_names_the_programs_that_fit_and_every_limit_at_that_count():
@@ -142,7 +145,7 @@ def test_split_series_holds_the_sweep_only():
     from remnant.kernels.plot import split_series
 
     series = split_series(_doc())
-    assert series == {"native, batch 64": [(1, 30.0), (4, 5.0)], "packed, folded, batch 64": [(1, 25.0)]}
+    assert series == {"native, batch 64": [(1, 30.0), (4, 5.0)], "packed, folded, batch 64": [(1, 25.0), (8, 26.0)]}
 
 
 def _without_splits(doc: dict) -> None:
@@ -162,11 +165,19 @@ def _bf16_partials(doc: dict) -> None:
 
 
 def _partials_unsplit(doc: dict) -> None:
-    doc["decode"][3]["splits"] = 1  # float16 partials left on a row of one split
+    doc["decode"][3].update(splits=1, split_plan=None)  # float16 partials left on a row of one split
 
 
 def _no_partials_split(doc: dict) -> None:
     doc["decode"][3]["partials"] = None  # two splits and no partials' dtype
+
+
+def _unknown_split_plan(doc: dict) -> None:
+    doc["decode"][3]["split_plan"] = "balanced"
+
+
+def _no_split_plan_split(doc: dict) -> None:
+    doc["decode"][3]["split_plan"] = None  # two splits and no plan
 
 
 @pytest.mark.parametrize(("spoil", "field"), [(_without_splits, r"decode\[1\]"),
@@ -174,7 +185,9 @@ def _no_partials_split(doc: dict) -> None:
                                               (_without_config, r"decode\[0\]"),
                                               (_bf16_partials, r"decode\[3\]\.partials"),
                                               (_partials_unsplit, r"decode\[3\]\.partials"),
-                                              (_no_partials_split, r"decode\[3\]\.partials")])
+                                              (_no_partials_split, r"decode\[3\]\.partials"),
+                                              (_unknown_split_plan, r"decode\[3\]\.split_plan"),
+                                              (_no_split_plan_split, r"decode\[3\]\.split_plan")])
 def test_schema_refuses_a_spoiled_decode_row(spoil, field):
     doc = _doc()
     spoil(doc)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from remnant.kernels.decode import (decode, kept_column_blocks, partials_for, permute_columns, split_count,
-                                    splits_for, window_apart_for)
+from remnant.kernels.decode import (_split_step, decode, kept_column_blocks, partials_for, permute_columns,
+                                    split_count, split_plan_for, splits_for, window_apart_for)
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
@@ -145,6 +147,62 @@ def test_decode_split_across_programs_matches_reference(retention, splits, kept_
     check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + splits, splits=splits,
                  kept_first=kept_first, window_kept_first=window_kept_first, window_block_n=16, partials=partials,
                  **SOFT, **SMALL)
+
+
+# Splits cut by cost (a window step costs two C4 steps), at 16 records per step: window 21
+# and top-k 37 (2 and 3 steps) give two splits all window, then all C4 records; three give
+# one window step each, then the C4 records; window 11 and top-k 90 (1 and 6 steps) give a
+# first split of the window and two C4 steps, then 4 C4 steps; five splits there cut the
+# C4 records three ways. Every record must be read exactly once for the softmax to match.
+@pytest.mark.parametrize(("retention", "window", "topk", "splits", "kept_first", "window_kept_first"),
+                         [(256, 21, 37, 2, True, True), (256, 21, 37, 3, False, True), (512, 21, 37, 3, False, False),
+                          (128, 11, 90, 2, True, True), (384, 11, 90, 5, False, False), (512, 11, 90, 5, False, False),
+                          (256, 0, 37, 3, True, True)])
+@pytest.mark.parametrize("partials", ["float32", "float16"])
+def test_decode_split_by_cost_matches_reference(retention, window, topk, splits, kept_first, window_kept_first,
+                                                partials):
+    check_decode(batch=3, heads=20, topk=topk, window=window, retention=retention, seed=retention + splits + window,
+                 splits=splits, kept_first=kept_first, window_kept_first=window_kept_first, window_block_n=16,
+                 partials=partials, split_plan="by_cost", **SOFT, **SMALL)
+
+
+@triton.jit
+def _cuts_kernel(out_ptr, S, win_steps, c4_steps):
+    s = tl.program_id(0)
+    tl.store(out_ptr + s, _split_step(s, S, win_steps, c4_steps))
+
+
+def split_cuts(splits: int, win_steps: int, c4_steps: int) -> list[int]:
+    """The first step of each split cut by cost, and the end (the kernel's own _split_step)."""
+    out = torch.full((splits + 1,), -1, dtype=torch.int32, device=DEVICE)
+    _cuts_kernel[(splits + 1,)](out, splits, win_steps, c4_steps)
+    return out.tolist()
+
+
+def test_splits_by_cost_give_most_splits_one_loop():
+    # V4's folded call: 4 window steps (32 tokens) and 8 C4 steps (64 packed records). At 8
+    # splits, four of one window step, then four of two C4 steps: one loop each.
+    assert split_cuts(8, 4, 8) == [0, 1, 2, 3, 4, 6, 8, 10, 12]
+    # Two splits: the window, then the C4 records (which measured slower than "even" on
+    # the H200, so split_plan_for keeps "even" there).
+    assert split_cuts(2, 4, 8) == [0, 4, 12]
+    # The cut inside the C4 records, and none at all: no window, or no C4 records.
+    assert split_cuts(2, 1, 6) == [0, 3, 7]
+    assert split_cuts(3, 0, 6) == [0, 2, 4, 6] and split_cuts(2, 3, 0) == [0, 2, 3]
+
+
+def test_split_plan_is_by_cost_for_a_kept_first_window_at_eight_splits_or_more():
+    assert [split_plan_for(None, s, True, False) for s in (1, 2, 7, 8, 16)] == [None, "even", "even", "by_cost", "by_cost"]
+    assert [split_plan_for(None, 8, kept, apart) for kept, apart in ((False, False), (False, True))] == ["even", "even"]
+    assert split_plan_for("by_cost", 2, False, False) == "by_cost" and split_plan_for("even", 8, True, False) == "even"
+    assert split_plan_for("by_cost", 1, True, False) is None  # one split: nothing to plan
+    with pytest.raises(ValueError, match="split_plan='by_cost' cannot take the window apart"):
+        split_plan_for("by_cost", 3, False, True)
+
+
+def test_decode_refuses_an_unknown_split_plan():
+    with pytest.raises(ValueError, match=r"split_plan='balanced' is not allowed; allowed: None, 'even', 'by_cost'"):
+        check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, splits=2, split_plan="balanced")
 
 
 # Every record's values (codes and RoPE) near 2^23 (float16 overflows above 65504), near
@@ -345,6 +403,17 @@ def test_decode_on_gpu_split_in_two_with_each_partials_dtype(retention, kept_fir
     # Two splits, as at batch 64 on an H200, with values in and far beyond float16's range.
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=21, splits=2, kept_first=kept_first,
                  window_kept_first=kept_first, scale_byte=scale_byte, per_tile=True, partials=partials)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("retention", "kept_first", "window_kept_first"), [(256, True, True), (256, False, False),
+                                                                            (512, False, False)])
+@pytest.mark.parametrize("splits", [2, 5, 8])
+def test_decode_on_gpu_split_by_cost(retention, kept_first, window_kept_first, splits):
+    # At V4's shape: 4 window steps and 8 (packed) or 16 (native) C4 steps.
+    check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=23 + splits, splits=splits,
+                 kept_first=kept_first, window_kept_first=window_kept_first, split_plan="by_cost", per_tile=True)
 
 
 @pytest.mark.gpu
