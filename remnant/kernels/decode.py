@@ -57,10 +57,13 @@ MAX_SPLITS = 16
 PARTIAL_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 SPLIT_PLANS = ("even", "by_cost")
 # How many C4 steps one window step costs when splits are cut by cost (split_plan
-# "by_cost"): the packed program's window step (32 tokens, four column sets) against its C4
-# step (64 records). On the H200, of 1, 1.34 (the two loops' per-step times in the ninth
-# round's stamps), 2 and 2.5, 2 was fastest at 8 splits (NOTES.md, tenth round).
-WINDOW_STEP_COST: tl.constexpr = tl.constexpr(2)
+# "by_cost"). Packed: its window step (32 tokens, four column sets) against its C4 step (64
+# records); on the H200, of 1, 1.34 (the two loops' per-step times in the ninth round's
+# stamps), 2 and 2.5, 2 was fastest at 8 splits (NOTES.md, tenth round). Native: both loops
+# step over 32 native records the same way, so 1 (cut at 2 it gave its window-only split
+# 4 C4 steps too few: batch 64 +11%; NOTES.md, eleventh round).
+PACKED_WINDOW_STEP_COST: tl.constexpr = tl.constexpr(2)
+NATIVE_WINDOW_STEP_COST: tl.constexpr = tl.constexpr(1)
 # The fewest splits at which decode cuts them by cost unless told (split_plan_for).
 BY_COST_FROM_SPLITS = 8
 # The fastest launch settings per kernel in the tuning of an H200 (remnant-kernels,
@@ -489,11 +492,11 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
 
 
 @triton.jit
-def _split_step(s, S, win_steps, c4_steps):
+def _split_step(s, S, win_steps, c4_steps, WINDOW_STEP_COST: tl.constexpr):
     """The first step of split s of S (s = S: the end) when splits are cut by cost: one
     sequence, the window's steps then the C4 records', cut into S parts of equal cost (a
-    window step costs WINDOW_STEP_COST C4 steps) at the nearest step boundary (a half
-    rounds up). So a split whose share is all window or all C4 records runs one loop, not
+    window step costs WINDOW_STEP_COST C4 steps: PACKED_ or NATIVE_WINDOW_STEP_COST) at
+    the nearest step boundary (a half rounds up). So a split whose share is all window or all C4 records runs one loop, not
     two with a pipeline fill each. Split s's end and split s + 1's start are one
     computation: every step is read once."""
     window_cost = win_steps * WINDOW_STEP_COST
@@ -566,8 +569,9 @@ def _decode_kernel(
         # (NOTES.md, tenth round).
         if BY_COST:
             win_steps = tl.cdiv(W, WIN_BN)
-            p0 = _split_step(split, tl.num_programs(2), win_steps, tl.cdiv(K, BN))
-            p1 = _split_step(split + 1, tl.num_programs(2), win_steps, tl.cdiv(K, BN))
+            cost: tl.constexpr = PACKED_WINDOW_STEP_COST if PACKED else NATIVE_WINDOW_STEP_COST
+            p0 = _split_step(split, tl.num_programs(2), win_steps, tl.cdiv(K, BN), cost)
+            p1 = _split_step(split + 1, tl.num_programs(2), win_steps, tl.cdiv(K, BN), cost)
             win_lo = tl.minimum(p0, win_steps) * WIN_BN
             win_hi = tl.minimum(tl.minimum(p1, win_steps) * WIN_BN, W)
             c4_lo = tl.maximum(p0 - win_steps, 0) * BN

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.decode import (_split_step, decode, kept_column_blocks, partials_for, permute_columns,
+from remnant.kernels.decode import (NATIVE_WINDOW_STEP_COST, PACKED_WINDOW_STEP_COST, _split_step, decode, kept_column_blocks, partials_for, permute_columns,
                                     split_count, split_plan_for, splits_for, window_apart_for)
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
@@ -167,15 +167,16 @@ def test_decode_split_by_cost_matches_reference(retention, window, topk, splits,
 
 
 @triton.jit
-def _cuts_kernel(out_ptr, S, win_steps, c4_steps):
+def _cuts_kernel(out_ptr, S, win_steps, c4_steps, COST: tl.constexpr):
     s = tl.program_id(0)
-    tl.store(out_ptr + s, _split_step(s, S, win_steps, c4_steps))
+    tl.store(out_ptr + s, _split_step(s, S, win_steps, c4_steps, COST))
 
 
-def split_cuts(splits: int, win_steps: int, c4_steps: int) -> list[int]:
-    """The first step of each split cut by cost, and the end (the kernel's own _split_step)."""
+def split_cuts(splits: int, win_steps: int, c4_steps: int, cost: int = 2) -> list[int]:
+    """The first step of each split cut by cost, and the end (the kernel's own _split_step;
+    cost: a window step's in C4 steps, the packed kernel's 2 unless given)."""
     out = torch.full((splits + 1,), -1, dtype=torch.int32, device=DEVICE)
-    _cuts_kernel[(splits + 1,)](out, splits, win_steps, c4_steps)
+    _cuts_kernel[(splits + 1,)](out, splits, win_steps, c4_steps, COST=cost)
     return out.tolist()
 
 
@@ -189,6 +190,16 @@ def test_splits_by_cost_give_most_splits_one_loop():
     # The cut inside the C4 records, and none at all: no window, or no C4 records.
     assert split_cuts(2, 1, 6) == [0, 3, 7]
     assert split_cuts(3, 0, 6) == [0, 2, 4, 6] and split_cuts(2, 3, 0) == [0, 2, 3]
+
+
+def test_native_splits_by_cost_weigh_a_window_step_as_a_c4_step():
+    # Native at V4's shape: 4 window steps and 16 C4 steps of 32 records each. Two splits
+    # take 10 steps each (split 0 the window and 192 C4 records); at the packed weight (2)
+    # split 0 would take the window and 4 C4 steps, split 1 the other 12 C4 steps.
+    assert PACKED_WINDOW_STEP_COST == 2 and NATIVE_WINDOW_STEP_COST == 1
+    assert split_cuts(2, 4, 16, cost=NATIVE_WINDOW_STEP_COST) == [0, 10, 20]
+    assert split_cuts(2, 4, 16, cost=PACKED_WINDOW_STEP_COST) == [0, 8, 20]
+    assert split_cuts(4, 4, 16, cost=NATIVE_WINDOW_STEP_COST) == [0, 5, 10, 15, 20]
 
 
 def test_split_plan_is_by_cost_for_a_kept_first_window_at_eight_splits_or_more():
