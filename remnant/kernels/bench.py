@@ -27,8 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -594,7 +593,7 @@ def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[Decode
         cases.append(DecodeCase("native", 512, batch, TOPK, WINDOW, splits=auto, split_plan="by_cost"))
         folded = DecodeCase("packed", KERNEL_R, batch, TOPK, WINDOW, "kept_first", "kept_first", splits=auto)
         if split_plan_for(None, auto, True, False) == "by_cost":
-            cases.append(dataclasses.replace(folded, split_plan="even"))
+            cases.append(replace(folded, split_plan="even"))
     return cases
 
 
@@ -635,7 +634,7 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
         return r["columns"], r.get("window_columns", "natural")
 
     # The split sweep's rows are evidence, not targets; a native row cut by cost at a
-    # target's split count is named in its note (_other_plan).
+    # target's split count is named in that target's note.
     by_cost_native = {(r["batch"], r["topk"], r["window"], r["splits"]): r for r in decode_rows
                       if r["variant"] == "native" and not r["auto_splits"] and r.get("split_plan") == "by_cost"}
     decode_rows = [r for r in decode_rows if r["auto_splits"]]

@@ -60,8 +60,8 @@ SPLIT_PLANS = ("even", "by_cost")
 # "by_cost"). Packed: its window step (32 tokens, four column sets) against its C4 step (64
 # records); on the H200, of 1, 1.34 (the two loops' per-step times in the ninth round's
 # stamps), 2 and 2.5, 2 was fastest at 8 splits (NOTES.md, tenth round). Native: both loops
-# step over 32 native records the same way, so 1 (cut at 2 it gave its window-only split
-# 4 C4 steps too few: batch 64 +11%; NOTES.md, eleventh round).
+# step over 32 native records the same way, so 1 (at 2, two splits at batch 64 gave split 0
+# the window and 4 of the 16 C4 steps, split 1 the other 12: +11%; NOTES.md, eleventh round).
 PACKED_WINDOW_STEP_COST: tl.constexpr = tl.constexpr(2)
 NATIVE_WINDOW_STEP_COST: tl.constexpr = tl.constexpr(1)
 # The fewest splits at which decode cuts them by cost unless told (split_plan_for).
@@ -496,9 +496,9 @@ def _split_step(s, S, win_steps, c4_steps, WINDOW_STEP_COST: tl.constexpr):
     """The first step of split s of S (s = S: the end) when splits are cut by cost: one
     sequence, the window's steps then the C4 records', cut into S parts of equal cost (a
     window step costs WINDOW_STEP_COST C4 steps: PACKED_ or NATIVE_WINDOW_STEP_COST) at
-    the nearest step boundary (a half rounds up). So a split whose share is all window or all C4 records runs one loop, not
-    two with a pipeline fill each. Split s's end and split s + 1's start are one
-    computation: every step is read once."""
+    the nearest step boundary (a half rounds up). So a split whose share is all window or
+    all C4 records runs one loop, not two with a pipeline fill each. Split s's end and split
+    s + 1's start are one computation: every step is read once."""
     window_cost = win_steps * WINDOW_STEP_COST
     cut = (window_cost + c4_steps) * s // S
     return tl.where(cut <= window_cost, (cut + WINDOW_STEP_COST // 2) // WINDOW_STEP_COST,
