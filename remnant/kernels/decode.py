@@ -62,8 +62,8 @@ SPLIT_PLANS = ("even", "by_cost")
 # stamps), 2 and 2.5, 2 was fastest at 8 splits (NOTES.md, tenth round). Native: both loops
 # step over 32 native records the same way, so 1 (at 2, two splits at batch 64 gave split 0
 # the window and 4 of the 16 C4 steps, split 1 the other 12: +11%; NOTES.md, eleventh round).
-PACKED_WINDOW_STEP_COST: tl.constexpr = tl.constexpr(2)
-NATIVE_WINDOW_STEP_COST: tl.constexpr = tl.constexpr(1)
+PACKED_WINDOW_STEP_COST = 2
+NATIVE_WINDOW_STEP_COST = 1
 # The fewest splits at which decode cuts them by cost unless told (split_plan_for).
 BY_COST_FROM_SPLITS = 8
 # The fastest launch settings per kernel in the tuning of an H200 (remnant-kernels,
@@ -495,7 +495,7 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
 def _split_step(s, S, win_steps, c4_steps, WINDOW_STEP_COST: tl.constexpr):
     """The first step of split s of S (s = S: the end) when splits are cut by cost: one
     sequence, the window's steps then the C4 records', cut into S parts of equal cost (a
-    window step costs WINDOW_STEP_COST C4 steps: PACKED_ or NATIVE_WINDOW_STEP_COST) at
+    window step costs WINDOW_STEP_COST C4 steps: window_step_cost) at
     the nearest step boundary (a half rounds up). So a split whose share is all window or
     all C4 records runs one loop, not two with a pipeline fill each. Split s's end and split
     s + 1's start are one computation: every step is read once."""
@@ -517,7 +517,7 @@ def _decode_kernel(
     N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
     SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
-    WINDOW_APART: tl.constexpr, BY_COST: tl.constexpr,
+    WINDOW_APART: tl.constexpr, BY_COST: tl.constexpr, WIN_STEP_COST: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
@@ -569,9 +569,8 @@ def _decode_kernel(
         # (NOTES.md, tenth round).
         if BY_COST:
             win_steps = tl.cdiv(W, WIN_BN)
-            cost: tl.constexpr = PACKED_WINDOW_STEP_COST if PACKED else NATIVE_WINDOW_STEP_COST
-            p0 = _split_step(split, tl.num_programs(2), win_steps, tl.cdiv(K, BN), cost)
-            p1 = _split_step(split + 1, tl.num_programs(2), win_steps, tl.cdiv(K, BN), cost)
+            p0 = _split_step(split, tl.num_programs(2), win_steps, tl.cdiv(K, BN), WIN_STEP_COST)
+            p1 = _split_step(split + 1, tl.num_programs(2), win_steps, tl.cdiv(K, BN), WIN_STEP_COST)
             win_lo = tl.minimum(p0, win_steps) * WIN_BN
             win_hi = tl.minimum(tl.minimum(p1, win_steps) * WIN_BN, W)
             c4_lo = tl.maximum(p0 - win_steps, 0) * BN
@@ -768,7 +767,9 @@ def split_plan_for(split_plan: str | None, splits: int, window_kept_first: bool,
     splits run one loop. None chooses "by_cost" for the packed program with a kept-first
     window at BY_COST_FROM_SPLITS splits or more: on the H200 its folded call at batch 1
     and 16 (8 splits) took 10% less time, while at 2 and 4 splits the even plan was as fast
-    or faster and the native kernel gained nothing at 8 and 16 (NOTES.md, tenth round)."""
+    or faster (NOTES.md, tenth and eleventh rounds). The native kernel stays even: cut by
+    cost it measured 1.4-2.5% faster at 2 and 8 splits and slower at 4 and 16, inside the
+    2-7% by which two compiled forms of one computation differ there."""
     if splits == 1:
         return None
     if split_plan is None:
@@ -777,6 +778,12 @@ def split_plan_for(split_plan: str | None, splits: int, window_kept_first: bool,
         raise ValueError("split_plan='by_cost' cannot take the window apart: its program is split 0 by construction; "
                          "pass window_apart=False or split_plan='even'")
     return split_plan
+
+
+def window_step_cost(packed: bool) -> int:
+    """How many C4 steps one window step weighs when decode cuts splits by cost (its
+    split_plan "by_cost"; _split_step): PACKED_ or NATIVE_WINDOW_STEP_COST."""
+    return PACKED_WINDOW_STEP_COST if packed else NATIVE_WINDOW_STEP_COST
 
 
 def auto_splits(programs: int, device: torch.device) -> int:
@@ -940,6 +947,7 @@ def decode(
             WIN_SCORES_T=config["window_scores_transposed"],
             PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
             WIN_BN=win_bn, SPLIT=splits > 1, SCALED=scaled, WINDOW_APART=window_apart, BY_COST=by_cost,
+            WIN_STEP_COST=window_step_cost(cols.packed),
             INTERPRETED=interpreted(),
             num_warps=num_warps, num_stages=num_stages,
         )

@@ -92,7 +92,7 @@ def test_targets_are_ratios_of_this_run():
             in window["note"])
     assert "without C4 records" not in ratio["note"]  # no packed natural-order row without them
     # The sweep's native row cut by cost at the same splits is named beside each ratio.
-    assert ("native with its splits cut by cost (split_plan='by_cost', the split sweep) 18.0 us against 20.0: "
+    assert ("native with its splits cut by cost (split_plan='by_cost', timed beside the split sweep) 18.0 us against 20.0: "
             "the ratio against it 0.556" in window["note"])
     assert "cut by cost" in ratio["note"]
     # Rows without C4 records at other splits than the full calls' say nothing of them.
@@ -165,8 +165,9 @@ def test_decode_cases_time_the_other_split_plan_at_auto_splits_count():
     assert [(c.variant, c.batch, c.splits, c.split_plan, c.window_columns) for c in others] == [
         ("native", 16, 8, "by_cost", "natural"), ("packed", 16, 8, "even", "kept_first"),
         ("native", 64, 2, "by_cost", "natural")]
-    assert all(c.splits is not None for c in others)  # fixed splits: evidence rows, not targets'
     assert [c.batch for c in decode_cases(quick=True, multiprocessors=132) if c.split_plan] == [64]
+    # On a GPU that batch 64 fills unsplit there is no plan to compare.
+    assert [c.batch for c in decode_cases(quick=True, multiprocessors=64) if c.split_plan] == []
 
 
 def _without_splits(doc: dict) -> None:

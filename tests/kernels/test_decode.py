@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.decode import (NATIVE_WINDOW_STEP_COST, PACKED_WINDOW_STEP_COST, _split_step, decode, kept_column_blocks, partials_for, permute_columns,
-                                    split_count, split_plan_for, splits_for, window_apart_for)
+from remnant.kernels.decode import (_split_step, decode, kept_column_blocks, partials_for, permute_columns,
+                                    split_count, split_plan_for, splits_for, window_apart_for,
+                                    window_step_cost)
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
@@ -149,11 +150,14 @@ def test_decode_split_across_programs_matches_reference(retention, splits, kept_
                  **SOFT, **SMALL)
 
 
-# Splits cut by cost (a window step costs two C4 steps), at 16 records per step: window 21
-# and top-k 37 (2 and 3 steps) give two splits all window, then all C4 records; three give
-# one window step each, then the C4 records; window 11 and top-k 90 (1 and 6 steps) give a
-# first split of the window and two C4 steps, then 4 C4 steps; five splits there cut the
-# C4 records three ways. Every record must be read exactly once for the softmax to match.
+# Splits cut by cost, at 16 records per step. Packed (a window step weighs two C4 steps):
+# window 21 and top-k 37 (2 and 3 steps) give two splits all window, then all C4 records
+# (cuts 0, 2, 5); three give one window step each, then the C4 records (0, 1, 2, 5); window
+# 11 and top-k 90 (1 and 6 steps) give a first split of the window and two C4 steps, then
+# 4 C4 steps (0, 3, 7); five splits there the window, then C4 steps 1, 1, 2, 2 (0, 1, 2, 3,
+# 5, 7). Native (one C4 step): three splits of window 21 and top-k 37 cut at 0, 1, 3, 5
+# (a split with a step of each loop), five of window 11 and top-k 90 at 0, 1, 2, 4, 5, 7.
+# Every record must be read exactly once for the softmax to match.
 @pytest.mark.parametrize(("retention", "window", "topk", "splits", "kept_first", "window_kept_first"),
                          [(256, 21, 37, 2, True, True), (256, 21, 37, 3, False, True), (512, 21, 37, 3, False, False),
                           (128, 11, 90, 2, True, True), (384, 11, 90, 5, False, False), (512, 11, 90, 5, False, False),
@@ -196,10 +200,11 @@ def test_native_splits_by_cost_weigh_a_window_step_as_a_c4_step():
     # Native at V4's shape: 4 window steps and 16 C4 steps of 32 records each. Two splits
     # take 10 steps each (split 0 the window and 192 C4 records); at the packed weight (2)
     # split 0 would take the window and 4 C4 steps, split 1 the other 12 C4 steps.
-    assert PACKED_WINDOW_STEP_COST == 2 and NATIVE_WINDOW_STEP_COST == 1
-    assert split_cuts(2, 4, 16, cost=NATIVE_WINDOW_STEP_COST) == [0, 10, 20]
-    assert split_cuts(2, 4, 16, cost=PACKED_WINDOW_STEP_COST) == [0, 8, 20]
-    assert split_cuts(4, 4, 16, cost=NATIVE_WINDOW_STEP_COST) == [0, 5, 10, 15, 20]
+    assert split_cuts(2, 4, 16, cost=window_step_cost(packed=False)) == [0, 10, 20]
+    assert split_cuts(2, 4, 16, cost=window_step_cost(packed=True)) == [0, 8, 20]
+    assert split_cuts(4, 4, 16, cost=window_step_cost(packed=False)) == [0, 5, 10, 15, 20]
+    # The packed kernel's own shape (8 C4 steps of 64 records): the window, then the C4 records.
+    assert split_cuts(2, 4, 8, cost=window_step_cost(packed=True)) == [0, 4, 12]
 
 
 def test_split_plan_is_by_cost_for_a_kept_first_window_at_eight_splits_or_more():
