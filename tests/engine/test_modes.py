@@ -48,7 +48,14 @@ def test_triton_and_kernel_give_the_same_tokens(args, retention):
     kernel = [_greedy(model, p) for p in PROMPTS]
     assert [t for t, _ in triton] == [k for k, _ in kernel]
     for (_, (lt, _, _)), (_, (lk, _, _)), (_, (ln, _, _)) in zip(triton, kernel, native):
-        torch.testing.assert_close(lk, lt, rtol=1e-3, atol=1e-3)  # same math up to float32 rounding
+        # The same math up to float32 rounding: most steps' logits agree to ~1e-5. A step
+        # may differ by a few 1e-3 where rounding flips a near tie in the indexer's top-k
+        # (seen on an AMD EPYC CI machine: prompt 517 at R = 256, one step of 25 at 4.9e-3,
+        # the others under 5e-5), so the bound on the whole is norm-wise; a column read
+        # wrongly moves every step, and the logits by about as much as retention does.
+        step_max = (lk - lt).abs().amax(dim=1)
+        assert step_max.median() < 1e-4, f"per-step differences {step_max.tolist()}"
+        assert (lk - lt).norm() / lt.norm() < 1e-3
         assert (lt - ln).abs().max() > 1e-3  # and retention really acts
 
 
