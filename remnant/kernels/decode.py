@@ -495,10 +495,10 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
 def _split_step(s, S, win_steps, c4_steps, WINDOW_STEP_COST: tl.constexpr):
     """The first step of split s of S (s = S: the end) when splits are cut by cost: one
     sequence, the window's steps then the C4 records', cut into S parts of equal cost (a
-    window step costs WINDOW_STEP_COST C4 steps: window_step_cost) at
-    the nearest step boundary (a half rounds up). So a split whose share is all window or
-    all C4 records runs one loop, not two with a pipeline fill each. Split s's end and split
-    s + 1's start are one computation: every step is read once."""
+    window step costs WINDOW_STEP_COST C4 steps: window_step_cost) at the nearest step
+    boundary (a half rounds up). So a split whose share is all window or all C4 records runs
+    one loop, not two with a pipeline fill each. Split s's end and split s + 1's start are
+    one computation: every step is read once."""
     window_cost = win_steps * WINDOW_STEP_COST
     cut = (window_cost + c4_steps) * s // S
     return tl.where(cut <= window_cost, (cut + WINDOW_STEP_COST // 2) // WINDOW_STEP_COST,

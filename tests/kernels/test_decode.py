@@ -176,11 +176,11 @@ def _cuts_kernel(out_ptr, S, win_steps, c4_steps, COST: tl.constexpr):
     tl.store(out_ptr + s, _split_step(s, S, win_steps, c4_steps, COST))
 
 
-def split_cuts(splits: int, win_steps: int, c4_steps: int, cost: int = 2) -> list[int]:
+def split_cuts(splits: int, win_steps: int, c4_steps: int, cost: int | None = None) -> list[int]:
     """The first step of each split cut by cost, and the end (the kernel's own _split_step;
-    cost: a window step's in C4 steps, the packed kernel's 2 unless given)."""
+    cost: a window step's in C4 steps, the packed kernel's unless given)."""
     out = torch.full((splits + 1,), -1, dtype=torch.int32, device=DEVICE)
-    _cuts_kernel[(splits + 1,)](out, splits, win_steps, c4_steps, COST=cost)
+    _cuts_kernel[(splits + 1,)](out, splits, win_steps, c4_steps, COST=window_step_cost(True) if cost is None else cost)
     return out.tolist()
 
 
