@@ -28,6 +28,13 @@ from remnant.kv.paged import KeptColumns, PageLayout
 
 
 PERMUTES = ("registers", "shared")
+# The most kept NoPE codes at which "shared" stores native code words one 4-byte word per
+# thread (VECTOR_CODES off), in the layout its gather gives them, not as 16-byte vectors:
+# those need the words moved to another layout first (4 rounds through shared memory, 8
+# barriers per program), which at few kept codes cost a reconstruct more than its gather.
+# On the H200, 4M records (benchmarks/kernels/NOTES.md, twelfth round): R = 128 1010 -> 970 us,
+# R = 192 1004 -> 987; R = 256 within 0.4%; R = 320 and 448 0.7% and 1.6% slower.
+WORD_STORES_UP_TO_KEPT = 128
 # The fastest launch per permutation on the H200 (records per program, warps): "shared"
 # needs several warps (its gather goes through shared memory only when it spans warps).
 LAUNCH = {"registers": (4, 1), "shared": (16, 4)}
@@ -39,14 +46,14 @@ def data_words(n_kept: int) -> int:
     return triton.next_power_of_2(n_kept // 4 + 32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["zero"])
 def _reconstruct_kernel(
     src_ptr, src_locs_ptr, src_stride,
     dst_ptr, dst_locs_ptr, dst_stride,
-    slot_of_ptr, plan_ptr, n_rows,
+    slot_of_ptr, plan_ptr, n_rows, zero,
     SRC_PER_PAGE: tl.constexpr, SRC_ALIGN: tl.constexpr, DST_PER_PAGE: tl.constexpr, DST_ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, NPW: tl.constexpr, PERMUTE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    VECTOR_CODES: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -88,8 +95,12 @@ def _reconstruct_kernel(
                               tl.reshape(tl.join(at, at + 1), (BLOCK_ROWS * 256,)), axis=0)
             lo, hi = tl.split(tl.reshape(pairs, (BLOCK_ROWS, 128, 2)))
             native = byte_permute(lo, hi, tl.broadcast_to(selector[None, :], shape), INTERPRETED) & kept_bytes[None, :]
-        tl.store(dst_data.to(tl.pointer_type(tl.int32))[:, None] + w[None, :], native,
-                 mask=row_ok[:, None] & w_ok[None, :])
+        dst_words = dst_data.to(tl.pointer_type(tl.int32))
+        if not VECTOR_CODES:
+            # zero is 0, passed unspecialized: the compiler cannot prove these stores 16-byte
+            # aligned, so it stores each word where the gather put it (WORD_STORES_UP_TO_KEPT).
+            dst_words += zero
+        tl.store(dst_words[:, None] + w[None, :], native, mask=row_ok[:, None] & w_ok[None, :])
     else:
         # Kept codes, contiguous; native coordinate c takes kept slot slot_of[c] (or zero).
         c = tl.arange(0, 512)
@@ -161,10 +172,11 @@ def reconstruct(
     _reconstruct_kernel[grid](
         pages, src_locs, layout.page_stride,
         out, dst_locs, out_layout.page_stride,
-        cols.slot_of, cols.word_plan, k,
+        cols.slot_of, cols.word_plan, k, 0,
         SRC_PER_PAGE=layout.per_page, SRC_ALIGN=alignment(layout, "pages"),
         DST_PER_PAGE=out_layout.per_page, DST_ALIGN=alignment(out_layout, "out"),
         N=cols.n_kept, NP=cols.kept.numel(), NPW=data_words(cols.n_kept),
-        PERMUTE=permute, BLOCK_ROWS=block_rows, INTERPRETED=interpreted(), num_warps=num_warps,
+        PERMUTE=permute, BLOCK_ROWS=block_rows, VECTOR_CODES=cols.n_kept > WORD_STORES_UP_TO_KEPT,
+        INTERPRETED=interpreted(), num_warps=num_warps,
     )
     return out

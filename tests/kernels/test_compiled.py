@@ -64,21 +64,32 @@ def sass_ops(kernel: str, signature: dict, constants: dict, num_warps: int, tmp_
 
 
 RECONSTRUCT = {"src_ptr": "*u8", "src_locs_ptr": "*i32", "src_stride": "i64", "dst_ptr": "*u8", "dst_locs_ptr": "*i32",
-               "dst_stride": "i64", "slot_of_ptr": "*i32", "plan_ptr": "*i32", "n_rows": "i32"}
+               "dst_stride": "i64", "slot_of_ptr": "*i32", "plan_ptr": "*i32", "n_rows": "i32", "zero": "i32"}
 STORE = {"x_ptr": "*bf16", "x_stride": "i32", "n_rows": "i32", "pages_ptr": "*u8", "locs_ptr": "*i32",
          "page_stride": "i64", "kept_ptr": "*i32"}
 
 
-def test_reconstruct_shared_gathers_through_shared_memory_without_shuffles(tmp_path):
-    def ops(permute):  # R = 256 at the launch the kernel's wrapper uses
-        rows, warps = reconstruct.LAUNCH[permute]
-        constants = dict(SRC_PER_PAGE=64, SRC_ALIGN=16, DST_PER_PAGE=64, DST_ALIGN=16, N=192, NP=256,
-                         NPW=reconstruct.data_words(192), PERMUTE=permute, BLOCK_ROWS=rows, INTERPRETED=False)
-        return sass_ops("remnant.kernels.reconstruct:_reconstruct_kernel", RECONSTRUCT, constants, warps, tmp_path)
+def _reconstruct_ops(permute: str, n_kept: int, tmp_path) -> collections.Counter:
+    """At the launch and code stores the kernel's wrapper uses for n_kept kept codes."""
+    rows, warps = reconstruct.LAUNCH[permute]
+    constants = dict(SRC_PER_PAGE=64, SRC_ALIGN=16, DST_PER_PAGE=64, DST_ALIGN=16, N=n_kept,
+                     NP=triton.next_power_of_2(n_kept), NPW=reconstruct.data_words(n_kept), PERMUTE=permute,
+                     BLOCK_ROWS=rows, VECTOR_CODES=n_kept > reconstruct.WORD_STORES_UP_TO_KEPT, INTERPRETED=False)
+    return sass_ops("remnant.kernels.reconstruct:_reconstruct_kernel", RECONSTRUCT, constants, warps, tmp_path)
 
-    shared, registers = ops("shared"), ops("registers")
+
+def test_reconstruct_shared_gathers_through_shared_memory_without_shuffles(tmp_path):
+    # R = 256
+    shared, registers = _reconstruct_ops("shared", 192, tmp_path), _reconstruct_ops("registers", 192, tmp_path)
     assert shared["SHFL"] == 0 and shared["LDS"] >= 32, shared
     assert registers["SHFL"] > 100, registers  # the row gather's shuffles, which "shared" avoids
+
+
+def test_reconstruct_shared_stores_few_kept_codes_as_the_gather_left_them(tmp_path):
+    # R = 128: the gather's one barrier and nothing more. Stored as 16-byte vectors, the same
+    # words took a layout conversion first (stmatrix, 8 barriers more): 4% of the H200's time.
+    few = _reconstruct_ops("shared", 64, tmp_path)
+    assert few["STSM"] == 0 and few["BAR"] == 1 and few["SHFL"] == 0, few
 
 
 def test_store_shared_gathers_through_shared_memory(tmp_path):

@@ -47,6 +47,6 @@ def test_reconstruct_refuses_a_keep_of_other_size():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("permute", PERMUTES)
-@pytest.mark.parametrize("retention", [64, 256, 448])
+@pytest.mark.parametrize("retention", [64, 128, 256, 448])  # 128: code words stored one per thread
 def test_reconstruct_exact_on_gpu_at_size(retention, permute):
     check_reconstruct(k=50_001, retention=retention, pages=3000, seed=5 + retention, permute=permute)
