@@ -10,9 +10,9 @@ remnant-kernels: "registers", the plain one (the kept codes loaded, then tl.gath
 each row, which Triton lowers to warp shuffles), and "shared", the default: the record's
 words loaded once with vector loads and each native code word built by one byte permute
 (prmt) of the two packed words that hold its kept codes (KeptColumns.word_plan), those
-words gathered on chip through shared memory. On an H200 "shared" moved 80-94% of the
-copy bandwidth at R = 64-448 (benchmarks/kernels/h200-2026-12-01-r10.json), where the best
-earlier permutations moved 66-74% (NOTES.md, seventh round).
+words gathered on chip through shared memory. On an H200 "shared" moved 83-93% of the
+copy bandwidth at R = 64-448 (benchmarks/kernels/h200-2026-12-01-r15.json), where the best
+earlier permutations moved 66-74% (NOTES.md, seventh and twelfth rounds).
 Bytes: read R + 72, write 584 per record.
 """
 
