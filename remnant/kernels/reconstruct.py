@@ -11,8 +11,8 @@ each row, which Triton lowers to warp shuffles), and "shared", the default: the 
 words loaded once with vector loads and each native code word built by one byte permute
 (prmt) of the two packed words that hold its kept codes (KeptColumns.word_plan), those
 words gathered on chip through shared memory. On an H200 "shared" moved 83-93% of the
-copy bandwidth at R = 64-448 (benchmarks/kernels/h200-2026-12-01-r15.json), where the best
-earlier permutations moved 66-74% (NOTES.md, seventh and twelfth rounds).
+copy bandwidth at R = 64-448 (benchmarks/kernels/h200-2026-12-01-r15.json; NOTES.md,
+twelfth round), where the best earlier permutations moved 66-74% (seventh round).
 Bytes: read R + 72, write 584 per record.
 """
 
@@ -33,7 +33,8 @@ PERMUTES = ("registers", "shared")
 # those need the words moved to another layout first (4 rounds through shared memory, 8
 # barriers per program), which at few kept codes cost a reconstruct more than its gather.
 # On the H200, 4M records (benchmarks/kernels/NOTES.md, twelfth round): R = 128 1010 -> 970 us,
-# R = 192 1004 -> 987; R = 256 within 0.4%; R = 320 and 448 0.7% and 1.6% slower.
+# R = 192 1004 -> 987; R = 256 0.4% faster; R = 320 and 448 0.7% and 1.6% slower. R = 64 (no
+# kept code, so no gather) takes them too: 894 us in r15 against 898 with vector stores (r14).
 WORD_STORES_UP_TO_KEPT = 128
 # The fastest launch per permutation on the H200 (records per program, warps): "shared"
 # needs several warps (its gather goes through shared memory only when it spans warps).
