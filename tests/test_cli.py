@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.signals import default_sigint
+
 BIN = Path(sys.executable).parent
 
 
@@ -99,7 +101,7 @@ def test_sweep_of_modes_gives_three_run_dirs(tmp_path):
 def _start_long_run(tmp_path: Path, run_dir: Path) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen(
         [str(BIN / "remnant-run"), "workload=smoke", "workload.measured_requests=2000", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
     )
     requests = run_dir / "requests.jsonl"
     deadline = time.monotonic() + 60

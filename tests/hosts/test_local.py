@@ -24,6 +24,7 @@ import pytest
 from remnant.config import ConfigError, LocalHostConfig, ModelConfig, RetentionConfig, validate_local
 from remnant.hosts import HostError, ServerSpec, make_host
 from remnant.hosts.local import LABEL_RUN_DIR, LABEL_RUN_ID, context_digest, context_files
+from tests.signals import default_sigint
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +103,7 @@ def _start_long_run(tmp_path: Path, run_dir: Path, client) -> tuple[subprocess.P
     proc = subprocess.Popen(
         [str(BIN / "remnant-run"), *LOCAL, "workload=smoke", "workload.measured_requests=2000",
          f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
     )
     requests = run_dir / "requests.jsonl"
     deadline = time.monotonic() + 300
