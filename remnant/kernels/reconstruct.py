@@ -47,6 +47,12 @@ def data_words(n_kept: int) -> int:
     return triton.next_power_of_2(n_kept // 4 + 32)
 
 
+def vector_code_stores(n_kept: int) -> bool:
+    """Whether "shared" stores native code words as 16-byte vectors (VECTOR_CODES) for
+    n_kept kept codes: above WORD_STORES_UP_TO_KEPT."""
+    return n_kept > WORD_STORES_UP_TO_KEPT
+
+
 @triton.jit(do_not_specialize=["zero"])
 def _reconstruct_kernel(
     src_ptr, src_locs_ptr, src_stride,
@@ -177,7 +183,7 @@ def reconstruct(
         SRC_PER_PAGE=layout.per_page, SRC_ALIGN=alignment(layout, "pages"),
         DST_PER_PAGE=out_layout.per_page, DST_ALIGN=alignment(out_layout, "out"),
         N=cols.n_kept, NP=cols.kept.numel(), NPW=data_words(cols.n_kept),
-        PERMUTE=permute, BLOCK_ROWS=block_rows, VECTOR_CODES=cols.n_kept > WORD_STORES_UP_TO_KEPT,
+        PERMUTE=permute, BLOCK_ROWS=block_rows, VECTOR_CODES=vector_code_stores(cols.n_kept),
         INTERPRETED=interpreted(), num_warps=num_warps,
     )
     return out

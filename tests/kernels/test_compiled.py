@@ -74,7 +74,7 @@ def _reconstruct_ops(permute: str, n_kept: int, tmp_path) -> collections.Counter
     rows, warps = reconstruct.LAUNCH[permute]
     constants = dict(SRC_PER_PAGE=64, SRC_ALIGN=16, DST_PER_PAGE=64, DST_ALIGN=16, N=n_kept,
                      NP=triton.next_power_of_2(n_kept), NPW=reconstruct.data_words(n_kept), PERMUTE=permute,
-                     BLOCK_ROWS=rows, VECTOR_CODES=n_kept > reconstruct.WORD_STORES_UP_TO_KEPT, INTERPRETED=False)
+                     BLOCK_ROWS=rows, VECTOR_CODES=reconstruct.vector_code_stores(n_kept), INTERPRETED=False)
     return sass_ops("remnant.kernels.reconstruct:_reconstruct_kernel", RECONSTRUCT, constants, warps, tmp_path)
 
 
