@@ -47,16 +47,20 @@ def test_triton_and_kernel_give_the_same_tokens(args, retention):
     model.set_c4_formats({i: C4Format("kernel", rmap.keep_tensor(i)) for i in model.csa_layers})
     kernel = [_greedy(model, p) for p in PROMPTS]
     assert [t for t, _ in triton] == [k for k, _ in kernel]
+    step_medians = []
     for (_, (lt, _, _)), (_, (lk, _, _)), (_, (ln, _, _)) in zip(triton, kernel, native):
-        # The same math up to float32 rounding: most steps' logits agree to ~1e-5. A step
-        # may differ by a few 1e-3 where rounding flips a near tie in the indexer's top-k
-        # (seen on an AMD EPYC CI machine: prompt 517 at R = 256, one step of 25 at 4.9e-3,
-        # the others under 5e-5), so the bound on the whole is norm-wise; a column read
-        # wrongly moves every step, and the logits by about as much as retention does.
-        step_max = (lk - lt).abs().amax(dim=1)
-        assert step_max.median() < 1e-4, f"per-step differences {step_max.tolist()}"
+        # The same math up to float32 rounding: most steps' logits agree to ~1e-5. Where
+        # rounding flips a near tie in the indexer's top-k, one prompt moves: one step by a
+        # few 1e-3 (an AMD EPYC CI machine: prompt 517 at R = 256, 4.9e-3) or every step by
+        # ~2e-4, as a flip in the prefill would (an Intel Xeon one: prompt 97 at R = 448,
+        # median 2.2e-4, the other prompts 1e-5-4e-5). A wrong read moves every prompt: a 0.1%
+        # scale error in packed_keys gave each prompt a median of 2.7e-4 to 6.1e-4 at all
+        # three retentions, a kept column read as 0 4e-3 to 7e-3. So the bound is on the
+        # middle prompt's median step, and norm-wise on each.
+        step_medians.append(float((lk - lt).abs().amax(dim=1).median()))
         assert (lk - lt).norm() / lt.norm() < 1e-3
         assert (lt - ln).abs().max() > 1e-3  # and retention really acts
+    assert sorted(step_medians)[len(step_medians) // 2] < 1e-4, f"each prompt's median step difference {step_medians}"
 
 
 @pytest.mark.parametrize("mode", ["triton", "kernel"])
