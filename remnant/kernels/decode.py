@@ -66,6 +66,15 @@ PACKED_WINDOW_STEP_COST = 2
 NATIVE_WINDOW_STEP_COST = 1
 # The fewest splits at which decode cuts them by cost unless told (split_plan_for).
 BY_COST_FROM_SPLITS = 8
+# Heads per program and warps of the join (_combine_kernel) and of the permute pass
+# (permute_columns). Reading a row by index is one 2-byte load per value, and at 8 heads
+# per program those loads held SGLang's call (natural q and out) 7-11 us above the folded
+# one at batch 1-64; 2 heads per program spreads them over four times the programs: on the
+# H200 that call ran 29.9 -> 23.7 us at batch 1, 34.5 -> 29.6 at 16 and 68.1 -> 63.0 at 64,
+# native's and the folded call's joins 0-11% faster, the permute pass 6.5 -> 4.6 us at
+# batch 64 (NOTES.md, thirteenth round).
+JOIN_LAUNCH = (2, 4)
+PERMUTE_LAUNCH = (2, 2)
 # The fastest launch settings per kernel in the tuning of an H200 (remnant-kernels,
 # benchmarks/kernels/h200-2026-12-01-r6.json; NOTES.md, fifth round): 64 heads per program
 # on 8 warps, then these. Packed window records in natural order are read by column index,
@@ -673,10 +682,10 @@ def permute_columns(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | No
         raise ValueError(f"permute_columns needs contiguous rows and an index of {width}, got strides {x.stride()}, "
                          f"{out.stride()} and index {tuple(index.shape)}")
     if batch and heads:
-        h_block = 8
+        h_block, warps = PERMUTE_LAUNCH
         _permute_columns_kernel[(triton.cdiv(heads, h_block), batch)](
             x, x.stride(0), x.stride(1), out, out.stride(0), out.stride(1), index, heads,
-            C=width, H_BLOCK=h_block, num_warps=4)
+            C=width, H_BLOCK=h_block, num_warps=warps)
     return out
 
 
@@ -955,10 +964,11 @@ def decode(
         raise ValueError(f"decode launch settings {dict(h_block=h_block, num_warps=num_warps, **config)} need "
                          f"{exc.required} bytes of {exc.name}, the GPU has {exc.limit}: lower num_stages or block_n") from exc
     if splits > 1:  # the join also takes the output back to the model's order (permute)
-        combine_heads = 8
-        _combine_kernel[(triton.cdiv(heads, combine_heads), batch)](
+        join_heads, join_warps = JOIN_LAUNCH
+        _combine_kernel[(triton.cdiv(heads, join_heads), batch)](
             out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, heads, cols.n_kept,
-            S=splits, H_BLOCK=combine_heads, GATHER=permute, FIRST_IN_PLACE=window_apart, SCALED=scaled, num_warps=4)
+            S=splits, H_BLOCK=join_heads, GATHER=permute, FIRST_IN_PLACE=window_apart, SCALED=scaled,
+            num_warps=join_warps)
     elif permute:
         permute_columns(out_k, cols.inverse, out=out)
     if compiled is not None:  # the benchmark records registers and spills

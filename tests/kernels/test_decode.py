@@ -144,8 +144,9 @@ def test_decode_over_a_window_written_in_kept_first_order(retention, kept_first)
 @pytest.mark.parametrize("partials", ["float32", "float16"])
 def test_decode_split_across_programs_matches_reference(retention, splits, kept_first, window_kept_first, partials):
     # topk 37 and window 21 at 16 per step: 3 C4 steps and 2 window steps, so at 3 splits
-    # and more (4 is capped to 3) one split gets C4 records only.
-    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + splits, splits=splits,
+    # and more (4 is capped to 3) one split gets C4 records only. 19 heads: the last head
+    # block of decode (16 per program) and of the join (JOIN_LAUNCH's 2) are partly masked.
+    check_decode(batch=3, heads=19, topk=37, window=21, retention=retention, seed=retention + splits, splits=splits,
                  kept_first=kept_first, window_kept_first=window_kept_first, window_block_n=16, partials=partials,
                  **SOFT, **SMALL)
 
