@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -84,7 +85,45 @@ class LoadClient:
         return time.perf_counter() - self.t0
 
     def run(self, phases: list[Phase], on_phase_end: Callable[[PhaseResult], None] = lambda _: None) -> list[PhaseResult]:
-        return asyncio.run(self.run_async(phases, on_phase_end))
+        """Run the phases; Ctrl-C or SIGTERM cancels what is in flight and raises KeyboardInterrupt.
+
+        Records of finished requests are already on disk. asyncio.Runner turns SIGINT into
+        a cancellation of the main task; SIGTERM gets the same treatment here. A
+        KeyboardInterrupt raised by a Python signal handler inside a task instead leaves
+        that task's exception unretrieved, and asyncio logs its traceback whenever the task
+        is collected, after the run has printed where its run.json is.
+        """
+        terminated: list[int] = []
+        with asyncio.Runner() as runner:
+            try:
+                results = runner.run(self._cancel_on_sigterm(self.run_async(phases, on_phase_end), terminated))
+            except asyncio.CancelledError:
+                if not terminated:
+                    raise
+        if terminated:  # also when the signal came as the last phase ended
+            raise KeyboardInterrupt(f"signal {terminated[0]}")
+        return results
+
+    @staticmethod
+    async def _cancel_on_sigterm(work, terminated: list[int]):
+        """Await `work`; SIGTERM cancels this task and notes the signal in `terminated`."""
+        loop, main = asyncio.get_running_loop(), asyncio.current_task()
+
+        def on_sigterm() -> None:
+            terminated.append(signal.SIGTERM)
+            main.cancel()
+
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        except (RuntimeError, ValueError):  # not the main thread: the caller's handling stands
+            return await work
+        try:
+            return await work
+        finally:
+            # remove_signal_handler leaves SIG_DFL behind; put back what the caller had.
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, previous)
 
     async def run_async(self, phases: list[Phase], on_phase_end=lambda _: None) -> list[PhaseResult]:
         total = sum(len(p.requests) for p in phases)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -152,3 +155,35 @@ def test_a_failed_turn_records_the_rest_of_its_session_as_skipped(tmp_path):
     assert recs[0].error.startswith("HTTP 404")
     assert all(r.error == "skipped: turn 0 of the session failed" for r in recs[1:])
     assert res.requests == 3 and res.failed == 3
+
+
+class _SignalledClient(LoadClient):
+    """Sends itself SIGTERM as its third record is written: inside a request's task, where
+    Python runs the signal handler."""
+
+    def _append(self, rec) -> None:
+        super()._append(rec)
+        if len(self.requests_path.read_text().splitlines()) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_cancels_the_run_and_leaves_no_task_behind(server, tmp_path, caplog):
+    """remnant-run turns SIGTERM into KeyboardInterrupt; raised inside a request's task, that
+    left a task's exception unretrieved and asyncio logged its traceback when the task was
+    collected, after remnant-run had printed the run.json path (seen in CI)."""
+    from remnant.run import _sigterm_as_interrupt
+
+    path = tmp_path / "r.jsonl"
+    client = _SignalledClient(server.base_url, path, progress=False)
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="signal 15") as raised:
+            client.run([_phase("measured", 40, 2)])
+        del raised  # its traceback would keep a stray task alive past gc.collect()
+        assert signal.getsignal(signal.SIGTERM) is _sigterm_as_interrupt  # the caller's handler is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    recs = load_requests_jsonl(path)
+    assert 3 <= len(recs) < 40 and all(r.success for r in recs)
