@@ -59,6 +59,25 @@ def _base_limits(cfg: RunConfig) -> list[str]:
     return limits + list(cfg.limits)
 
 
+def _check_served_mode(mode: str, server_info: dict | None, base_url: str, started_here: bool) -> list[str]:
+    """Limits to record about the server's mode; raises HostError where the server reports
+    another mode than the run's: an external server started in one mode and driven as
+    another would file its numbers under the wrong mode. A server this run started got
+    the run's mode; an external one that does not say (SGLang's /server_info has no
+    remnant_mode) is taken at the config's word, and run.json says so."""
+    from remnant.hosts import HostError
+
+    served = (server_info or {}).get("remnant_mode")
+    if served is None:
+        return [] if started_here else [
+            f"the external server did not report its mode (no remnant_mode in /server_info): mode={mode} is as "
+            "configured, not checked"]
+    if served != mode:
+        raise HostError(f"mode={mode}, but the server at {base_url} reports remnant_mode={served!r}: "
+                        f"give mode={served} or drive a server started in {mode} mode")
+    return []
+
+
 def _sigterm_as_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -106,6 +125,8 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         with host.serve(spec) as endpoint:
             environment = endpoint.environment
             server_info = endpoint.server_info
+            limits += _check_served_mode(cfg.mode.name, server_info, endpoint.base_url,
+                                         started_here=cfg.host.kind != "external")
             if needs_server_info(cfg.workload):
                 stage.name = "workload"
                 plan = plan_workload(cfg.workload, cfg.model, server_info)

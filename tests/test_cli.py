@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -157,6 +159,65 @@ def test_external_host_attaches_and_never_stops(server, tmp_path):
     assert doc["host"] == {"kind": "external", "base_url": server.base_url}
     assert doc["environment"] is None  # unknown where an external server runs
     assert server.proc.poll() is None  # still running
+
+
+def test_external_host_refuses_a_server_in_another_mode(server, tmp_path):
+    p = remnant_run("host=external", f"host.base_url={server.base_url}", "mode=kernel", "workload=smoke",
+                    f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert p.returncode == 1, p.stderr
+    doc = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert doc["status"] == "failed" and doc["error"]["stage"] == "serve"
+    assert "reports remnant_mode='native'" in doc["error"]["message"] and "give mode=native" in p.stderr
+    assert not (tmp_path / "run" / "requests.jsonl").exists() or not (tmp_path / "run" / "requests.jsonl").read_text()
+    assert check(tmp_path / "run" / "run.json").returncode == 0
+
+
+class _ModelessServer(BaseHTTPRequestHandler):
+    """SGLang's HTTP surface as far as a run needs it, with a /server_info that, like
+    SGLang's, does not say which Remnant mode it serves."""
+
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        body = b"{}" if self.path == "/server_info" else b"ok"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802
+        length = int(self.headers.get("Content-Length", 0))
+        req = json.loads(self.rfile.read(length) or b"{}")
+        if self.path != "/generate":
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        n = req["sampling_params"]["max_new_tokens"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(n):
+            frame = {"text": "x", "output_ids": list(range(i + 1)), "meta_info": {
+                "id": "r", "prompt_tokens": len(req["input_ids"]), "completion_tokens": i + 1, "cached_tokens": 0,
+                "finish_reason": {"type": "length", "length": n} if i == n - 1 else None}}
+            self.wfile.write(b"data: " + json.dumps(frame).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_external_server_that_does_not_report_its_mode_is_recorded_unchecked(tmp_path):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _ModelessServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        p = remnant_run("host=external", f"host.base_url=http://127.0.0.1:{srv.server_port}", "mode=kernel",
+                        "workload=smoke", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    finally:
+        srv.shutdown()
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert doc["status"] == "completed" and doc["metrics"]["completed"] > 0
+    assert any("did not report its mode" in line and "mode=kernel is as configured" in line for line in doc["limits"])
 
 
 def test_external_host_unreachable_fails_cleanly(tmp_path):
