@@ -98,6 +98,8 @@ def test_sweep_of_modes_gives_three_run_dirs(tmp_path):
     # Same request stream in every cell, so modes compare request by request.
     assert len({d["workload"]["fingerprint"] for d in docs.values()}) == 1
     assert check(tmp_path / "sweep").returncode == 0
+    # stdout is the cells' run.json paths and nothing else (Hydra's logs go to stderr).
+    assert sorted(p.stdout.splitlines()) == sorted(str(f) for f in (tmp_path / "sweep").glob("*/run.json"))
 
 
 def _start_long_run(tmp_path: Path, run_dir: Path) -> tuple[subprocess.Popen, dict]:
