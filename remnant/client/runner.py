@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -22,6 +23,12 @@ from tqdm import tqdm
 
 from remnant.client.request_record import RequestRecord
 from remnant.workloads.base import Phase, PlannedRequest
+
+
+def _interrupt_message(signum: int) -> str:
+    """KeyboardInterrupt's message for a signal: remnant-run records "interrupted by Ctrl-C"
+    for an empty one."""
+    return "" if signum == signal.SIGINT else f"signal {signum}"
 
 
 class ServerGone(RuntimeError):
@@ -85,45 +92,50 @@ class LoadClient:
         return time.perf_counter() - self.t0
 
     def run(self, phases: list[Phase], on_phase_end: Callable[[PhaseResult], None] = lambda _: None) -> list[PhaseResult]:
-        """Run the phases; Ctrl-C or SIGTERM cancels what is in flight and raises KeyboardInterrupt.
+        """Run the phases; Ctrl-C or SIGTERM cancels what is in flight and raises KeyboardInterrupt
+        (its message "signal 15" for SIGTERM, empty for Ctrl-C). Records of finished
+        requests are already on disk.
 
-        Records of finished requests are already on disk. asyncio.Runner turns SIGINT into
-        a cancellation of the main task; SIGTERM gets the same treatment here. A
-        KeyboardInterrupt raised by a Python signal handler inside a task instead leaves
-        that task's exception unretrieved, and asyncio logs its traceback whenever the task
-        is collected, after the run has printed where its run.json is.
+        From the loop's start to its close, both signals only cancel the main task. A
+        KeyboardInterrupt raised by a signal handler inside a task (as remnant-run's SIGTERM
+        handler raises it) instead leaves that task's exception unretrieved, and asyncio
+        logs its traceback whenever the task is collected, after the run has printed where
+        its run.json is. A second signal still breaks out at once, as a second Ctrl-C does
+        under asyncio.Runner.
         """
-        terminated: list[int] = []
-        with asyncio.Runner() as runner:
-            try:
-                results = runner.run(self._cancel_on_sigterm(self.run_async(phases, on_phase_end), terminated))
-            except asyncio.CancelledError:
-                if not terminated:
-                    raise
-        if terminated:  # also when the signal came as the last phase ended
-            raise KeyboardInterrupt(f"signal {terminated[0]}")
-        return results
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            return asyncio.run(self.run_async(phases, on_phase_end))
+        received: list[int] = []
+        main: list[asyncio.Task] = []
 
-    @staticmethod
-    async def _cancel_on_sigterm(work, terminated: list[int]):
-        """Await `work`; SIGTERM cancels this task and notes the signal in `terminated`."""
-        loop, main = asyncio.get_running_loop(), asyncio.current_task()
+        def on_signal(signum, frame) -> None:
+            received.append(signum)
+            if len(received) > 1:
+                raise KeyboardInterrupt(_interrupt_message(received[0]))
+            if main:
+                main[0].cancel()
+                main[0].get_loop().call_soon_threadsafe(lambda: None)  # wake the loop if it waits
 
-        def on_sigterm() -> None:
-            terminated.append(signal.SIGTERM)
-            main.cancel()
+        async def cancellable() -> list[PhaseResult]:
+            main.append(asyncio.current_task())
+            if received:  # a signal came before this task existed
+                raise asyncio.CancelledError
+            return await self.run_async(phases, on_phase_end)
 
-        previous = signal.getsignal(signal.SIGTERM)
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-        except (RuntimeError, ValueError):  # not the main thread: the caller's handling stands
-            return await work
-        try:
-            return await work
+            with asyncio.Runner() as runner:
+                try:
+                    results = runner.run(cancellable())
+                except asyncio.CancelledError:
+                    if not received:
+                        raise
         finally:
-            # remove_signal_handler leaves SIG_DFL behind; put back what the caller had.
-            loop.remove_signal_handler(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if received:  # also when the signal came as the last phase ended
+            raise KeyboardInterrupt(_interrupt_message(received[0]))
+        return results
 
     async def run_async(self, phases: list[Phase], on_phase_end=lambda _: None) -> list[PhaseResult]:
         total = sum(len(p.requests) for p in phases)

@@ -158,32 +158,52 @@ def test_a_failed_turn_records_the_rest_of_its_session_as_skipped(tmp_path):
 
 
 class _SignalledClient(LoadClient):
-    """Sends itself SIGTERM as its third record is written: inside a request's task, where
-    Python runs the signal handler."""
+    """Sends itself `signals` as its third record is written: inside a request's task,
+    where Python runs the signal handlers."""
+
+    def __init__(self, *args, signals: tuple[int, ...], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.signals = signals
 
     def _append(self, rec) -> None:
         super()._append(rec)
         if len(self.requests_path.read_text().splitlines()) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
+            for sig in self.signals:
+                os.kill(os.getpid(), sig)
 
 
-def test_sigterm_cancels_the_run_and_leaves_no_task_behind(server, tmp_path, caplog):
+@pytest.mark.parametrize("sig, message", [(signal.SIGTERM, "signal 15"), (signal.SIGINT, "")], ids=["sigterm", "ctrl-c"])
+def test_a_signal_cancels_the_run_and_leaves_no_task_behind(server, tmp_path, caplog, sig, message):
     """remnant-run turns SIGTERM into KeyboardInterrupt; raised inside a request's task, that
     left a task's exception unretrieved and asyncio logged its traceback when the task was
     collected, after remnant-run had printed the run.json path (seen in CI)."""
     from remnant.run import _sigterm_as_interrupt
 
     path = tmp_path / "r.jsonl"
-    client = _SignalledClient(server.base_url, path, progress=False)
+    client = _SignalledClient(server.base_url, path, progress=False, signals=(sig,))
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    sigint_before = signal.getsignal(signal.SIGINT)
     try:
-        with pytest.raises(KeyboardInterrupt, match="signal 15") as raised:
+        with pytest.raises(KeyboardInterrupt) as raised:
             client.run([_phase("measured", 40, 2)])
+        assert str(raised.value) == message
         del raised  # its traceback would keep a stray task alive past gc.collect()
-        assert signal.getsignal(signal.SIGTERM) is _sigterm_as_interrupt  # the caller's handler is back
+        # The caller's handlers are back.
+        assert signal.getsignal(signal.SIGTERM) is _sigterm_as_interrupt
+        assert signal.getsignal(signal.SIGINT) is sigint_before
     finally:
         signal.signal(signal.SIGTERM, previous)
     gc.collect()
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
     recs = load_requests_jsonl(path)
     assert 3 <= len(recs) < 40 and all(r.success for r in recs)
+
+
+def test_a_second_signal_breaks_out_at_once(server, tmp_path):
+    path = tmp_path / "r.jsonl"
+    sigint_before, sigterm_before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    client = _SignalledClient(server.base_url, path, progress=False, signals=(signal.SIGINT, signal.SIGTERM))
+    with pytest.raises(KeyboardInterrupt):
+        client.run([_phase("measured", 40, 2)])
+    assert signal.getsignal(signal.SIGINT) is sigint_before and signal.getsignal(signal.SIGTERM) is sigterm_before
+    assert 3 <= len(load_requests_jsonl(path)) < 40
