@@ -1,5 +1,6 @@
 """The three modes in the embedded engine: packed storage at the KV write, triton and
-kernel give the same tokens for the same map, and keeping everything gives native's."""
+kernel give the same tokens for the same map (bar near ties), and keeping everything gives
+native's."""
 
 from __future__ import annotations
 
@@ -21,15 +22,19 @@ def args() -> ModelArgs:
     return ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig()))
 
 
-def _greedy(model: Model, prompt: list[int], n: int = 24):
-    """Greedy tokens, the logits of every step, and the pools (in the model's current mode)."""
+def _greedy(model: Model, prompt: list[int], n: int = 24, forced: list[int] | None = None):
+    """Greedy tokens, the logits of every step, and the pools (in the model's current mode).
+    forced: feed these tokens instead of the model's own (teacher forcing), so that two
+    modes' logits stay comparable step by step even where a near tie picks another token."""
     pools = scratch_pools(model, len(prompt) + n)
     seq = new_sequence(pools, len(prompt) + n)
     logits = model.forward([seq], [prompt], pools)
     out, steps = [], [logits]
-    for _ in range(n):
+    for k in range(n):
         token = int(logits[0].argmax())
         out.append(token)
+        if forced is not None:
+            token = forced[k]
         logits = model.forward([seq], [[token]], pools)
         steps.append(logits)
     return out, (torch.cat(steps), pools, seq)
@@ -45,10 +50,16 @@ def test_triton_and_kernel_give_the_same_tokens(args, retention):
     rmap = setup_retention(model, "triton", "tiny", retention=retention)
     triton = [_greedy(model, p) for p in PROMPTS]
     model.set_c4_formats({i: C4Format("kernel", rmap.keep_tensor(i)) for i in model.csa_layers})
-    kernel = [_greedy(model, p) for p in PROMPTS]
-    assert [t for t, _ in triton] == [k for k, _ in kernel]
+    kernel = [_greedy(model, p, forced=t) for p, (t, _) in zip(PROMPTS, triton)]
     step_medians = []
-    for (_, (lt, _, _)), (_, (lk, _, _)), (_, (ln, _, _)) in zip(triton, kernel, native):
+    for (tt, (lt, _, _)), (tk, (lk, _, _)), (_, (ln, _, _)) in zip(triton, kernel, native):
+        # Fed triton's tokens, kernel picks the same ones wherever triton's choice is not a
+        # near tie: a top-2 margin over 1e-2, twice the largest rounding move seen (below);
+        # free-running, one flipped tie would make the rest of the two runs incomparable.
+        top2 = lt[:-1].topk(2, dim=1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-2
+        assert [a for a, c in zip(tk, clear) if c] == [b for b, c in zip(tt, clear) if c]
+        assert clear.float().mean() > 0.8  # the check above covers most steps
         # The same math up to float32 rounding: most steps' logits agree to ~1e-5. Where
         # rounding flips a near tie in the indexer's top-k, one prompt moves: one step by a
         # few 1e-3 (an AMD EPYC CI machine: prompt 517 at R = 256, 4.9e-3) or every step by
