@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
+from tests.loopback import loopback_server, stream_generate
 from tests.signals import default_sigint
 
 BIN = Path(sys.executable).parent
@@ -193,29 +193,17 @@ class _ModelessServer(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        n = req["sampling_params"]["max_new_tokens"]
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for i in range(n):
-            frame = {"text": "x", "output_ids": list(range(i + 1)), "meta_info": {
-                "id": "r", "prompt_tokens": len(req["input_ids"]), "completion_tokens": i + 1, "cached_tokens": 0,
-                "finish_reason": {"type": "length", "length": n} if i == n - 1 else None}}
-            self.wfile.write(b"data: " + json.dumps(frame).encode() + b"\n\n")
-        self.wfile.write(b"data: [DONE]\n\n")
+        stream_generate(self, req["sampling_params"]["max_new_tokens"], prompt_tokens=len(req["input_ids"]),
+                        incremental=False)
 
     def log_message(self, *args):
         pass
 
 
 def test_external_server_that_does_not_report_its_mode_is_recorded_unchecked(tmp_path):
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _ModelessServer)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        p = remnant_run("host=external", f"host.base_url=http://127.0.0.1:{srv.server_port}", "mode=kernel",
-                        "workload=smoke", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
-    finally:
-        srv.shutdown()
+    with loopback_server(_ModelessServer) as url:
+        p = remnant_run("host=external", f"host.base_url={url}", "mode=kernel", "workload=smoke",
+                        f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     doc = json.loads((tmp_path / "run" / "run.json").read_text())
     assert doc["status"] == "completed" and doc["metrics"]["completed"] > 0

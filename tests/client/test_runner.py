@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
@@ -16,6 +16,7 @@ import pytest
 from remnant.client.metrics import load_requests_jsonl
 from remnant.client.runner import LoadClient
 from remnant.workloads.base import Phase, PlannedRequest
+from tests.loopback import loopback_server, stream_generate
 
 
 def _phase(name: str, n: int, c: int, tokens: int = 4) -> Phase:
@@ -81,13 +82,9 @@ class _NoFlush(BaseHTTPRequestHandler):
 
 
 def test_flush_404_is_recorded_not_retried(tmp_path):
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _NoFlush)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        client = LoadClient(f"http://127.0.0.1:{srv.server_port}", tmp_path / "r.jsonl", progress=False)
+    with loopback_server(_NoFlush) as url:
+        client = LoadClient(url, tmp_path / "r.jsonl", progress=False)
         (res,) = client.run([_phase("measured", 2, 1)])
-    finally:
-        srv.shutdown()
     assert res.flush.ok is False and res.flush.status_code == 404 and res.flush.attempts == 1
     assert res.failed == 2
     recs = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
@@ -103,30 +100,16 @@ class _IncrementalSSE(BaseHTTPRequestHandler):
             self.send_response(200)
             self.end_headers()
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for i in range(5):
-            frame = {"text": "x", "output_ids": [i], "meta_info": {
-                "id": "r", "prompt_tokens": 3, "completion_tokens": i + 1, "cached_tokens": 0,
-                "finish_reason": {"type": "length", "length": 5} if i == 4 else None}}
-            self.wfile.write(b"data: " + json.dumps(frame).encode() + b"\n\n")
-            self.wfile.flush()
-            time.sleep(0.01)
-        self.wfile.write(b"data: [DONE]\n\n")
+        stream_generate(self, 5, prompt_tokens=3, incremental=True, delay_s=0.01)
 
     def log_message(self, *args):
         pass
 
 
 def test_tokens_counted_by_completion_tokens(tmp_path):
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _IncrementalSSE)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        client = LoadClient(f"http://127.0.0.1:{srv.server_port}", tmp_path / "r.jsonl", progress=False)
+    with loopback_server(_IncrementalSSE) as url:
+        client = LoadClient(url, tmp_path / "r.jsonl", progress=False)
         (res,) = client.run([_phase("measured", 1, 1, tokens=5)])
-    finally:
-        srv.shutdown()
     rec = res.records[0]
     assert rec.success and rec.chunk_tokens == [1, 1, 1, 1, 1] and rec.completion_tokens == 5
 
@@ -141,15 +124,11 @@ def test_dispatch_delay_counts_from_when_the_slot_freed(server, tmp_path):
 
 
 def test_a_failed_turn_records_the_rest_of_its_session_as_skipped(tmp_path):
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _NoFlush)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
     session = [PlannedRequest(f"s-t{k}", 2, input_ids=[1, 2, 3], session="s", turn=k) for k in range(3)]
     phase = Phase("measured", session, 1, sessions=[session])
-    try:
-        client = LoadClient(f"http://127.0.0.1:{srv.server_port}", tmp_path / "r.jsonl", progress=False)
+    with loopback_server(_NoFlush) as url:
+        client = LoadClient(url, tmp_path / "r.jsonl", progress=False)
         (res,) = client.run([phase])
-    finally:
-        srv.shutdown()
     recs = load_requests_jsonl(tmp_path / "r.jsonl")
     assert [(r.turn, r.success) for r in recs] == [(0, False), (1, False), (2, False)]
     assert recs[0].error.startswith("HTTP 404")
