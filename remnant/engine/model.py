@@ -45,7 +45,8 @@ from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.packing import check_keep, pack, unpack
-from remnant.kv.paged import KeptColumns, PageLayout, from_kept_first, store, store_kept_first, to_kept_first
+from remnant.kv.paged import (KeptColumns, PageLayout, dequantize_kept_first, quantize_kept_first, store,
+                              store_kept_first)
 
 CSA_RATIO = 4
 HCA_RATIO = 128
@@ -176,19 +177,20 @@ class C4Format:
 
     @property
     def window_kept_first(self) -> bool:
-        """Kernel mode keeps this layer's window ring with each record's codes in kept-first
-        order (remnant.kv.paged.to_kept_first), which the packed decode kernel reads with
-        word loads (window_columns="kept_first"; benchmarks/kernels/NOTES.md). The torch
-        reference reads and writes the ring through the same permutation."""
+        """Kernel mode keeps this layer's window ring as kept-first window records
+        (remnant.kv.paged.quantize_kept_first: codes in kept-first order, scale tiles of 64
+        kept-first positions), which the packed decode kernel reads with word loads and
+        scales found from positions (window_columns="kept_first"; benchmarks/kernels/
+        NOTES.md). The torch reference writes and reads the ring in the same form."""
         return self.mode == "kernel"
 
-    def ring_records(self, native: torch.Tensor) -> torch.Tensor:
-        """Native window records uint8 [n, 584] -> as this layer's ring stores them."""
-        return to_kept_first(native, self.columns) if self.window_kept_first else native
+    def ring_records(self, latents: torch.Tensor) -> torch.Tensor:
+        """Window latents float [n, 512] -> uint8 [n, 584] as this layer's ring stores them."""
+        return quantize_kept_first(latents, self.columns) if self.window_kept_first else quantize(latents)
 
-    def native_ring_records(self, stored: torch.Tensor) -> torch.Tensor:
-        """Records read from this layer's ring -> native records."""
-        return from_kept_first(stored, self.columns) if self.window_kept_first else stored
+    def ring_keys(self, stored: torch.Tensor) -> torch.Tensor:
+        """Records read from this layer's ring -> keys float32 [n, 512] in natural order."""
+        return dequantize_kept_first(stored, self.columns) if self.window_kept_first else dequantize(stored)
 
 
 NATIVE_RING = C4Format()  # the ring of a layer without a C4 format (HCA, window-only): natural order
@@ -457,17 +459,19 @@ class Model:
         in st.q's column order (kept-first on layers with folded_weights)."""
         a = self.args
         length = seq.length
-        kv = quantize(st.kv)
         # Sliding window: the ring holds the previous window - 1 tokens; the chunk's own
-        # tokens join from memory, then the last `window` of them go into the ring.
-        prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length, device=self.device)
+        # tokens join from memory, quantized as the ring stores them (the kernels read a
+        # decode token's own record from its ring slot), then the last `window` of them go
+        # into the ring.
         ring = self._ring_format(li)
-        prev = ring.native_ring_records(pools.swa[li, pools.swa_slots(seq.swa_block, prev_pos)])
-        keys = dequantize(torch.cat([prev, kv]))
+        kv = ring.ring_records(st.kv)
+        prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length, device=self.device)
+        prev = pools.swa[li, pools.swa_slots(seq.swa_block, prev_pos)]
+        keys = ring.ring_keys(torch.cat([prev, kv]))
         kpos = torch.cat([prev_pos, st.pos])
         win_mask = (kpos[None, :] <= st.pos[:, None]) & (kpos[None, :] > st.pos[:, None] - a.window_size)
         tail = slice(max(0, kv.shape[0] - a.window_size), None)
-        pools.swa[li, pools.swa_slots(seq.swa_block, st.pos[tail])] = ring.ring_records(kv[tail])
+        pools.swa[li, pools.swa_slots(seq.swa_block, st.pos[tail])] = kv[tail]
         key_sets, masks = [(keys, None)], [win_mask]
 
         selected = self._select_records(li, layer, seq, pools, st, kernels=False)

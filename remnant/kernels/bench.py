@@ -303,7 +303,11 @@ def _decode_bytes_flops(case: DecodeCase, window_apart: bool = False) -> tuple[i
 
 
 class DecodeInputs:
-    """Pools shared by all decode cases (native and packed C4, native window), random locs."""
+    """Pools shared by all decode cases (native and packed C4, one window pool), random locs.
+
+    Random codes and scales are valid window records of either form (native, or kept-first:
+    remnant.kv.paged.quantize_kept_first), so every case reads the one window pool, and the
+    reference reads it in the case's form (window_columns)."""
 
     def __init__(self, gen: torch.Generator, c4_records: int = 4 * 2**20, window_records: int = 2**20):
         from remnant.kv.paged import PageLayout
@@ -313,20 +317,6 @@ class DecodeInputs:
         self.window = self._random_records(self.window_layout, window_records)
         self.c4_records = c4_records
         self.pools: dict[int, tuple] = {}
-        self.kept_first_windows: dict[int, torch.Tensor] = {}
-
-    def window_pool(self, case: "DecodeCase") -> torch.Tensor:
-        """The window records the case's kernel reads: as stored, or a copy with each record's
-        codes in the retention's kept-first order (as store_kept_first writes them)."""
-        if case.window_columns == "natural":
-            return self.window
-        if case.retention not in self.kept_first_windows:
-            from remnant.kv.paged import rewritten, to_kept_first
-
-            _, _, keep = self.pool(case.retention)
-            self.kept_first_windows[case.retention] = rewritten(self.window, self.window_layout,
-                                                                lambda records: to_kept_first(records, keep))
-        return self.kept_first_windows[case.retention]
 
     def _random_records(self, layout, records: int) -> torch.Tensor:
         # Random codes with realistic scales: byte 120..134 exponents, codes any finite FP8.
@@ -363,7 +353,7 @@ class DecodeInputs:
 
         layout, pool, keep = self.pool(512 if case.variant == "native" else case.retention)
         nbytes, _ = _decode_bytes_flops(case)
-        window = self.window_pool(case)
+        window = self.window
         calls = []
         sink = torch.randn(HEADS, device="cuda")
         for _ in range(_rotations(nbytes, l2_bytes)):
@@ -428,7 +418,7 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> flo
     win_locs = base + torch.arange(case.window, device="cuda")
     sink = torch.randn(HEADS, device="cuda")
     out = torch.full_like(q, float("nan"))
-    window = inputs.window_pool(case)
+    window = inputs.window
     # The timed case's splits, whatever this check's batch would choose.
     orders = dict(columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config),
                   window_apart=case.resolved_window_apart(config["h_block"]), split_plan=case.split_plan)
@@ -440,11 +430,11 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> flo
     else:
         decode(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep, out=out, **orders, **config)
     if case.variant == "native":
-        ref = decode_native(q, pool, layout, c4_locs, inputs.window, inputs.window_layout, win_locs, sink, reference=True)
+        ref = decode_native(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, reference=True)
     else:
         keep_idx = keep.kept[: keep.n_kept].long().cpu()
-        ref = decode_packed(q, pool, layout, c4_locs, keep_idx, inputs.window, inputs.window_layout, win_locs, sink,
-                            reference=True)
+        ref = decode_packed(q, pool, layout, c4_locs, keep_idx, window, inputs.window_layout, win_locs, sink,
+                            reference=True, window_columns=case.window_columns)
     if out.isnan().any():
         return float("inf")
     errors = (out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)

@@ -19,10 +19,11 @@ matrix products run on the tensor cores in bf16 with float32 accumulation.
 Packed C4 records hold only the kept NoPE coordinates, so the packed variant works in
 kept-first column order (KeptColumns.order): q is read and out written as the N kept
 columns in map order, the 448 - N dropped ones, then RoPE, each set contiguous. Scores of
-C4 records use the kept columns and RoPE only and add to acc_kept; window records
-(native) add to acc_kept and acc_drop, their codes read by column index into both sets or,
-when they were written in kept-first order (window_columns="kept_first"), as runs of
-words. (A kept set whose size is not a power of two is a block and a tail, each with its
+C4 records use the kept columns and RoPE only and add to acc_kept; window records add to
+acc_kept and acc_drop: native ones with their codes read by column index into both sets,
+or kept-first window records (window_columns="kept_first": remnant.kv.paged.
+quantize_kept_first, codes in kept-first order and scale tiles of 64 kept-first
+positions) as runs of words, each code's scale found from its position. (A kept set whose size is not a power of two is a block and a tail, each with its
 own accumulator: kept_column_blocks.) Every output column has exactly one accumulator and is rounded to bf16 once. The
 wrapper permutes q and out to and from that order (permute_columns) unless the caller
 passes them in it (columns="kept_first": the permutation folded into the model's
@@ -423,19 +424,31 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
         # column index into both sets; the index loads hold a pointer per byte, so this
         # loop runs best at 16 records per step (its registers bound the whole kernel's),
         # and it cost the packed kernel 67 us of 130 on the H200 against the native
-        # kernel's 20 us for the same tokens (hence window_apart). WIN_KEPT_FIRST: the
-        # records' codes are in kept-first order (store_kept_first), read as runs of words.
+        # kernel's 20 us for the same tokens (hence window_apart). WIN_KEPT_FIRST:
+        # kept-first window records (store_kept_first), read as runs of words.
         tl.static_assert(not Q_GATHER, "q through the kept columns is for programs without the window")
         i = tl.arange(0, DP)
         dropped_ok = i < 448 - N
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         kept = tl.load(kept_ptr + j)
         dropped = tl.load(dropped_ptr + i)
-        sel_kept = _selectors(kept)
-        sel_drop = _selectors(dropped)
+        if WIN_KEPT_FIRST:
+            # Their scale tiles are of 64 kept-first positions, so a column's selector
+            # follows from its position, as a native column's from its index: computed in
+            # place, not held. Held (natural tiles: the kept and dropped lists' selectors)
+            # they spilled, 60 values against 22, and took the folded call 3-4 us more on the
+            # H200 at batch 64 and 128 (NOTES.md, fifteenth round).
+            sel_kept = _selectors(j)
+            sel_drop = _selectors(N + i)
+        else:
+            sel_kept = _selectors(kept)
+            sel_drop = _selectors(dropped)
         if KT:
             kept_tail = tl.load(kept_ptr + KA + t)
-            sel_tail = _selectors(kept_tail)
+            if WIN_KEPT_FIRST:
+                sel_tail = _selectors(KA + t)
+            else:
+                sel_tail = _selectors(kept_tail)
         if WIN_SCORES_T != SCORES_T:
             q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
             q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
@@ -460,12 +473,13 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
                 drop_codes = _load_columns(data, valid, dropped, dropped_ok)
                 if KT:
                     tail_codes = _load_columns(data, valid, kept_tail, tail_ok)
-            k_kept = _dequant(kept_codes, _set_scales(scales, j, sel_kept, kept_starts_ptr, not WIN_SCORES_T, INTERPRETED))
-            k_drop = _dequant(drop_codes, _set_scales(scales, i, sel_drop, dropped_starts_ptr, not WIN_SCORES_T,
-                                                      INTERPRETED))
+            k_kept = _dequant(kept_codes, _set_scales(scales, j, sel_kept, kept_starts_ptr,
+                                                      WIN_KEPT_FIRST or not WIN_SCORES_T, INTERPRETED))
+            k_drop = _dequant(drop_codes, _set_scales(scales, i, sel_drop, dropped_starts_ptr,
+                                                      WIN_KEPT_FIRST or not WIN_SCORES_T, INTERPRETED))
             if KT:
-                k_tail = _dequant(tail_codes, _set_scales(scales, KA + t, sel_tail, kept_starts_ptr, not WIN_SCORES_T,
-                                                          INTERPRETED))
+                k_tail = _dequant(tail_codes, _set_scales(scales, KA + t, sel_tail, kept_starts_ptr,
+                                                          WIN_KEPT_FIRST or not WIN_SCORES_T, INTERPRETED))
             s = (_qk(q_kept, q_kept_t, k_kept, WIN_SCORES_T, INTERPRETED)
                  + _qk(q_drop, q_drop_t, k_drop, WIN_SCORES_T, INTERPRETED)
                  + _qk(q_rope, q_rope_t, k_rope, WIN_SCORES_T, INTERPRETED))
@@ -856,10 +870,12 @@ def decode(
     order, dropped ones, RoPE), as when that permutation is folded into the projections
     that make q and read out, once at load time. Native records ignore it.
 
-    window_columns (packed records): the window records' code order, "natural" (as the
-    stock store writes them) or "kept_first" (written by remnant.kernels.store.
-    store_kept_first in KeptColumns.order, so the kernel reads them with word loads). The
-    native kernel reads natural window records only, and refuses "kept_first".
+    window_columns (packed records): the window records' form, "natural" (native records,
+    as the stock store writes them) or "kept_first" (kept-first window records, written by
+    remnant.kernels.store.store_kept_first: the latent quantized in KeptColumns.order, so
+    that the kernel reads both column sets with word loads and finds each code's scale from
+    its position). The native kernel reads natural window records only, and refuses
+    "kept_first".
 
     splits: programs per (token, head block), each over its share of the window and of the
     C4 records, joined by _combine_kernel (flash-decoding); None chooses auto_splits: on

@@ -34,7 +34,7 @@ def _store_kernel(
     kept_ptr,
     PER_PAGE: tl.constexpr, ALIGN: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, PACKED: tl.constexpr, PERMUTE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
+    X_ORDER: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -44,9 +44,14 @@ def _store_kernel(
 
     # One contiguous load of each latent as 8 tiles of 64 (tile 7 is RoPE, not quantized),
     # then the exact operations of SGLang's _quant_k_cache_fused_kernel per NoPE tile.
+    # X_ORDER (kept-first window records, quantize_kept_first): the latent is read through
+    # the column order at kept_ptr [512] instead, so the tiles are of its positions.
     x_rows = x_ptr + rows[:, None, None].to(tl.int64) * x_stride
-    x = tl.load(x_rows + tiles[None, :, None] * 64 + lanes[None, None, :],
-                mask=row_ok[:, None, None], other=0.0).to(tl.float32)      # [BR, 8, 64]
+    if X_ORDER:
+        x_cols = tl.load(kept_ptr + tiles[:, None] * 64 + lanes[None, :])
+    else:
+        x_cols = tiles[:, None] * 64 + lanes[None, :]
+    x = tl.load(x_rows + x_cols[None, :, :], mask=row_ok[:, None, None], other=0.0).to(tl.float32)  # [BR, 8, 64]
     amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-8)                      # [BR, 8]
     ceil_log2 = tl.math.ceil(tl.log2(amax / 448.0))
     scale_inv = 1.0 / tl.exp2(ceil_log2)
@@ -152,8 +157,8 @@ def store(
         pages, locs, layout.page_stride,
         cols.kept,
         PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
-        N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, PERMUTE=permute, BLOCK_ROWS=block_rows,
-        num_warps=num_warps,
+        N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, PERMUTE=permute, X_ORDER=False,
+        BLOCK_ROWS=block_rows, num_warps=num_warps,
     )
 
 
@@ -167,13 +172,14 @@ def store_kept_first(
     block_rows: int = 4,
     num_warps: int = 1,
 ) -> None:
-    """Quantize x [n, 512] into native records (584 bytes) whose 448 codes are in kept-first
-    order (KeptColumns.order: the kept columns in map order, then the dropped ones); RoPE,
-    scales and pad as in a native record.
+    """Quantize x [n, 512] into kept-first window records (584 bytes): the native record of
+    x read in kept-first column order (KeptColumns.order: the kept columns in map order, the
+    dropped ones, RoPE), so its 7 scale tiles are of 64 kept-first positions
+    (remnant.kv.paged.quantize_kept_first, bit for bit).
 
-    The same bytes as a native record with its codes permuted, written for the packed decode
-    kernel's window (decode(..., window_columns="kept_first")), which then reads both column
-    sets with word loads instead of loading each code by its column index.
+    Written for the packed decode kernel's window (decode(..., window_columns="kept_first")),
+    which then reads both column sets with word loads and derives each code's scale from
+    its position, instead of loading each code and a scale selector by its column index.
     """
     if layout.record_bytes != NATIVE_RECORD_BYTES:
         raise ValueError(f"store_kept_first writes native {NATIVE_RECORD_BYTES}-byte records, but the layout holds "
@@ -182,12 +188,12 @@ def store_kept_first(
     xb, locs = _checked(x, pages, layout, locs, check_range, "store_kept_first")
     if x.shape[0] == 0:
         return
-    # A "packed" record of all 448 codes whose column list is the kept-first order.
+    # A native record of the latent read through the kept-first order.
     _store_kernel[(triton.cdiv(x.shape[0], block_rows),)](
         xb, xb.stride(0), x.shape[0],
         pages, locs, layout.page_stride,
         cols.order,
         PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
-        N=NOPE_DIM, NP=512, PACKED=True, PERMUTE="loads", BLOCK_ROWS=block_rows,
+        N=NOPE_DIM, NP=512, PACKED=False, PERMUTE="registers", X_ORDER=True, BLOCK_ROWS=block_rows,
         num_warps=num_warps,
     )

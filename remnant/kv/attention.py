@@ -144,17 +144,27 @@ def decode_packed(
     sink: torch.Tensor,
     scale: float = SOFTMAX_SCALE,
     dtype: torch.dtype = torch.float64,
+    window_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel mode: attention read directly from packed records.
 
     Scores of C4 records use only the kept coordinates (q restricted to keep + RoPE); their
     output lands in those coordinates and is zero in the dropped ones. Arguments and result
-    as in decode_reconstructed.
+    as in decode_reconstructed. window_order: int [512], the natural column of each column
+    of the window records when they were quantized in another order (kernel mode's
+    kept-first rings: KeptColumns.order); None: native records.
     """
     _check_inputs(q, window, sink)
     check_keep(keep)
     idx = selected(indices, c4_packed.shape[0])
     cols = torch.cat([keep, torch.arange(NOPE_DIM, HEAD_DIM)]).to(q.device)
     keys = packed_keys(c4_packed[idx], keep).to(dtype)
+    window_keys = dequantize(window)
+    if window_order is not None:
+        if window_order.shape != (HEAD_DIM,):
+            raise ValueError(f"window_order must be a column order [{HEAD_DIM}], got {tuple(window_order.shape)}")
+        natural = torch.empty_like(window_keys)
+        natural[:, window_order.to(device=window_keys.device, dtype=torch.long)] = window_keys
+        window_keys = natural
     qd = q.to(dtype)
-    return _combine(qd, sink.to(dtype), dequantize(window).to(dtype), qd[:, cols], keys, cols, scale)
+    return _combine(qd, sink.to(dtype), window_keys.to(dtype), qd[:, cols], keys, cols, scale)

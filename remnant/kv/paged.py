@@ -21,7 +21,7 @@ import torch
 
 from remnant.kv.attention import SOFTMAX_SCALE, decode_native as _decode_native_records
 from remnant.kv.attention import decode_packed as _decode_packed_records
-from remnant.kv.codec import quantize
+from remnant.kv.codec import dequantize, quantize
 from remnant.kv.formats import NATIVE_RECORD_BYTES, NOPE_DIM, SCALE_BYTES, page_bytes
 from remnant.kv.packing import check_keep, pack, unpack
 
@@ -112,8 +112,8 @@ class KeptColumns:
     these, where a value per column held in registers spilled (the other loops derive a
     byte selector per column from kept and dropped).
     order: int32 [512] kept-first column order (kept in map order, dropped, RoPE 448..511),
-    in which the packed decode kernel reads q and writes out (and store_kept_first writes
-    window records); inverse: int32 [512], its inverse.
+    in which the packed decode kernel reads q and writes out (and store_kept_first
+    quantizes window records: quantize_kept_first); inverse: int32 [512], its inverse.
     word_plan: int32 [3, 112], for each 4-byte word w of a native record's codes: the
     packed code word where its kept codes start (they are one run, within that word and the
     next), the byte-permute selector that moves them into place, and the mask of its kept
@@ -188,30 +188,22 @@ def _word_plan(slot_of: torch.Tensor) -> torch.Tensor:
     return (plan - (plan >= 2**31) * 2**32).to(torch.int32)  # the masks as signed int32 bit patterns
 
 
-def to_kept_first(records: torch.Tensor, cols: KeptColumns) -> torch.Tensor:
-    """Native records uint8 [k, 584] with their 448 codes put in kept-first order
-    (cols.order: kept columns in map order, then dropped ones); RoPE, scales and pad as
-    they are. The reference of remnant.kernels.store.store_kept_first, and the form the
-    engine keeps kernel-mode window rings in (decode's window_columns="kept_first")."""
-    out = records.clone()
-    out[:, :NOPE_DIM] = records[:, cols.order[:NOPE_DIM].to(device=records.device, dtype=torch.long)]
-    return out
+def quantize_kept_first(x: torch.Tensor, cols: KeptColumns) -> torch.Tensor:
+    """Latents x float [n, 512] -> kept-first window records uint8 [n, 584]: the native
+    record of x with its columns in kept-first order (cols.order: the kept columns in map
+    order, the dropped ones, then RoPE), so each of the 7 FP8 scale tiles covers 64
+    consecutive kept-first positions, not 64 natural columns. A code's scale then follows
+    from its position, as a native code's from its column, and the packed decode kernel
+    computes it in place where held per-column selectors spilled (NOTES.md, fifteenth
+    round). The reference of remnant.kernels.store.store_kept_first, and the form of the
+    engine's kernel-mode window rings (decode's window_columns="kept_first"). The values
+    differ from a native record's only in how coordinates share a scale."""
+    return quantize(x[:, cols.order.to(device=x.device, dtype=torch.long)])
 
 
-def from_kept_first(records: torch.Tensor, cols: KeptColumns) -> torch.Tensor:
-    """The inverse of to_kept_first: native records in their natural code order."""
-    out = records.clone()
-    out[:, cols.order[:NOPE_DIM].to(device=records.device, dtype=torch.long)] = records[:, :NOPE_DIM]
-    return out
-
-
-def rewritten(pages: torch.Tensor, layout: PageLayout, transform) -> torch.Tensor:
-    """A copy of `pages` with every record replaced by transform(records uint8 [n,
-    record_bytes]) (e.g. a window pool put in kept-first order with to_kept_first)."""
-    every = torch.arange(layout.capacity(pages), device=pages.device)
-    out = pages.clone()
-    write(out, layout, every, transform(gather(pages, layout, every)))
-    return out
+def dequantize_kept_first(records: torch.Tensor, cols: KeptColumns) -> torch.Tensor:
+    """Kept-first window records uint8 [n, 584] -> float32 [n, 512] in natural column order."""
+    return dequantize(records)[:, cols.inverse.to(device=records.device, dtype=torch.long)]
 
 
 def keep_tensor(keep: "torch.Tensor | KeptColumns") -> torch.Tensor:
@@ -286,8 +278,8 @@ def store_kept_first(
     keep: "torch.Tensor | KeptColumns",
     reference: bool = False,
 ) -> None:
-    """Quantize latents x float [n, 512] into native records with their codes in kept-first
-    order (to_kept_first) and write them at `locs` [n] (layout.record_bytes 584)."""
+    """Quantize latents x float [n, 512] into kept-first window records
+    (quantize_kept_first) and write them at `locs` [n] (layout.record_bytes 584)."""
     if _use_kernels(x, pages, reference=reference):
         from remnant.kernels.store import store_kept_first as store_kernel
 
@@ -295,7 +287,7 @@ def store_kept_first(
     if layout.record_bytes != NATIVE_RECORD_BYTES:
         raise ValueError(f"kept-first records are {NATIVE_RECORD_BYTES} bytes but the layout holds "
                          f"{layout.record_bytes}-byte records")
-    write(pages, layout, locs, to_kept_first(quantize(x), KeptColumns.of(keep, x.device)))
+    write(pages, layout, locs, quantize_kept_first(x, KeptColumns.of(keep, x.device)))
 
 
 def reconstruct(
@@ -385,17 +377,23 @@ def decode_packed(
     scale: float = SOFTMAX_SCALE,
     reference: bool = False,
     dtype: torch.dtype = torch.float64,
+    window_columns: str = "natural",
 ) -> torch.Tensor:
     """Sparse decode directly over packed C4 records in pages (the kernel mode).
 
     As decode_native, with c4 holding packed records (R + 72 bytes) and keep int64 [N] the
-    layer's kept NoPE indices.
+    layer's kept NoPE indices. window_columns: the window records' form, "natural" (native
+    records) or "kept_first" (quantize_kept_first's, as kernel mode keeps its rings).
     """
+    if window_columns not in ("natural", "kept_first"):
+        raise ValueError(f"window_columns={window_columns!r} is not allowed; allowed: 'natural', 'kept_first'")
     if _use_kernels(q, c4, window, reference=reference):
         from remnant.kernels.decode import decode
 
-        return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale)
+        return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale,
+                      window_columns=window_columns)
     kept = keep_tensor(keep)
+    window_order = KeptColumns.of(keep, torch.device("cpu")).order if window_columns == "kept_first" else None
     return _per_token(q, c4, c4_layout, c4_locs, window, window_layout, window_locs,
                       lambda qb, win, rows: _decode_packed_records(qb, win, rows, kept, torch.arange(rows.shape[0]),
-                                                                   sink, scale, dtype))
+                                                                   sink, scale, dtype, window_order))

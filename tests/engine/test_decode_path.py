@@ -20,7 +20,9 @@ from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
 from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
-from remnant.kv.paged import decode_native, decode_packed, from_kept_first, rewritten, to_kept_first
+from remnant.kv.codec import dequantize
+from remnant.kv.formats import NOPE_DIM
+from remnant.kv.paged import decode_native, decode_packed, dequantize_kept_first
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -101,10 +103,13 @@ def _check_same_greedy(reference: Model, kernels: Model, prompts, steps) -> None
 @needs_interpreter
 def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
     # Layers 0 (window-only) and 1 (CSA) see the same prompt in both modes, so after one
-    # prefill (the torch path's ring_records) the kernel-mode ring of layer 1 is the native
-    # one with codes in kept-first order; layer 0's is unchanged. Decode steps' reads and
-    # writes of those rings are checked by the greedy comparisons (a ring read in the wrong
-    # order moves the logits by about 1).
+    # prefill (the torch path's ring_records) the kernel-mode ring of layer 1 holds the
+    # native ring's latents as kept-first window records: each coordinate's code at its
+    # kept-first position, equal to the native code wherever its scale tile has the same
+    # scale (the same value cast at the same scale), with scales of kept-first tiles;
+    # layer 0's ring is unchanged. Decode steps' reads and writes of those rings are
+    # checked by the greedy comparisons (a ring read in the wrong order moves the logits
+    # by about 1).
     native, _ = _models(args, "cpu", "native", {})
     kernel, _ = _models(args, "cpu", "kernel", {"retention": 256})
     prompt = ([_ids(200, 5)], 1)
@@ -112,8 +117,20 @@ def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
     _, _, got = _greedy(kernel, *prompt)
     assert args.compress_ratios[:2] == [0, 4]
     assert torch.equal(got.swa[0], want.swa[0])
-    assert torch.equal(got.swa[1], to_kept_first(want.swa[1], kernel.c4_formats[1].columns))
-    assert not torch.equal(got.swa[1], want.swa[1])
+    cols = kernel.c4_formats[1].columns
+    ring, native_ring = got.swa[1], want.swa[1]
+    assert torch.equal(ring[:, NOPE_DIM:576], native_ring[:, NOPE_DIM:576])  # RoPE
+    position = cols.inverse[:NOPE_DIM].long()  # each natural column's kept-first position
+    same_scale = ring[:, 576 + position // 64] == native_ring[:, 576 + torch.arange(NOPE_DIM) // 64]
+    assert torch.equal(ring[:, position][same_scale], native_ring[:, :NOPE_DIM][same_scale])
+    written = native_ring.any(dim=1)
+    assert bool(written.any()) and bool((~same_scale[written]).any()), "the two tilings should give some columns other scales"
+    # Elsewhere the two are FP8 roundings of one value at two scales: each within 2^-4 of
+    # it (2^-10 of its scale below FP8's normal range).
+    a, b = dequantize_kept_first(ring, cols)[:, :NOPE_DIM], dequantize(native_ring)[:, :NOPE_DIM]
+    coarser = torch.maximum(ring[:, 576 + position // 64], native_ring[:, 576 + torch.arange(NOPE_DIM) // 64])
+    bound = 2.0**-3 * torch.maximum(a.abs(), b.abs()) + torch.exp2(coarser.float() - 127 - 9)
+    assert bool(((a - b).abs() <= bound).all())
 
 
 @needs_interpreter
@@ -132,14 +149,13 @@ def test_kernels_match_reference_before_any_record(args, mode, retention):
 
 def _float64_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, scale,
                     columns="natural", window_columns="natural", **launch):
-    """remnant.kernels.decode's signature over the float64 paged references (which read
-    q, out and window records in natural order: kept-first ones are put back)."""
-    if window_columns == "kept_first":
-        window = rewritten(window, window_layout, lambda records: from_kept_first(records, keep))
+    """remnant.kernels.decode's signature over the float64 paged references (which read q
+    and out in natural order: kept-first ones are put back)."""
     if keep.packed:
         kept_first = columns == "kept_first"
         out = decode_packed(q[..., keep.inverse.long()] if kept_first else q, c4, c4_layout, c4_locs, keep,
-                            window, window_layout, window_locs, sink, scale, reference=True)
+                            window, window_layout, window_locs, sink, scale, reference=True,
+                            window_columns=window_columns)
         out = out[..., keep.order.long()] if kept_first else out
     else:
         out = decode_native(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, scale,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kv.paged import PageLayout, store
+from remnant.kv.paged import PageLayout, store, store_kept_first
 
 POISON = 0xAB
 ON_GPU = torch.cuda.is_available()
@@ -35,11 +35,16 @@ def poisoned_pages(layout: PageLayout, pages: int) -> torch.Tensor:
     return torch.full((pages, layout.page_stride), POISON, dtype=torch.uint8, device=DEVICE)
 
 
-def filled_pool(layout: PageLayout, pages: int, keep, gen: torch.Generator) -> torch.Tensor:
-    """A pool whose every slot holds a real record (written by the reference store)."""
+def filled_pool(layout: PageLayout, pages: int, keep, gen: torch.Generator, kept_first: bool = False) -> torch.Tensor:
+    """A pool whose every slot holds a real record (written by the reference store): with
+    kept_first, a kept-first window record of `keep`'s order (store_kept_first)."""
     pool = poisoned_pages(layout, pages)
     n = layout.capacity(pool)
-    store(latents(n, gen).to(DEVICE), pool, layout, torch.arange(n, device=DEVICE), keep, reference=True)
+    x, locs = latents(n, gen).to(DEVICE), torch.arange(n, device=DEVICE)
+    if kept_first:
+        store_kept_first(x, pool, layout, locs, keep, reference=True)
+    else:
+        store(x, pool, layout, locs, keep, reference=True)
     return pool
 
 

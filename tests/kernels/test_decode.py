@@ -10,7 +10,7 @@ import triton.language as tl
 from remnant.kernels.decode import (_split_step, decode, kept_column_blocks, partials_for, permute_columns,
                                     split_count, split_plan_for, splits_for, window_apart_for,
                                     window_step_cost)
-from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, rewritten, to_kept_first
+from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
 # bf16 operands and a bf16 output: errors of a few 1e-3 (METHOD: 1e-3..1e-2).
@@ -43,7 +43,8 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     is nearly one-hot and the sink carries no mass; small q and a sink near log(records)
     give every term weight (the sink about a quarter of it at 0.02 and 3).
     kept_first: q and out in kept-first column order (columns="kept_first");
-    window_kept_first: the window records' codes in that order (window_columns="kept_first").
+    window_kept_first: the window holds kept-first window records (store_kept_first: codes
+    in that order, scale tiles of 64 kept-first positions; window_columns="kept_first").
     rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned).
     pad_byte: the value of every record's pad byte (set_pad_bytes).
@@ -58,7 +59,8 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     c4_layout = PageLayout.rows(PageLayout.sglang(1, retention).record_bytes) if rows else PageLayout.sglang(64, retention)
     c4 = filled_pool(c4_layout, -(-4 * topk // per_page) + 1, keep, gen)
     win_layout = PageLayout.rows(584) if rows else PageLayout.sglang(64)
-    win = filled_pool(win_layout, -(-2 * max(window, 1) // per_page) + 1, None, gen)
+    win = filled_pool(win_layout, -(-2 * max(window, 1) // per_page) + 1, keep if window_kept_first else None, gen,
+                      kept_first=window_kept_first)
     set_pad_bytes(c4, c4_layout, pad_byte)
     set_pad_bytes(win, win_layout, pad_byte)
     if scale_byte is not None:
@@ -78,11 +80,10 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     if keep is None:
         want = decode_native(q, c4, c4_layout, *args, reference=True)
     else:
-        want = decode_packed(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink, reference=True)
+        want = decode_packed(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink, reference=True,
+                             window_columns="kept_first" if window_kept_first else "natural")
     out = torch.full_like(q, float("nan"))
-    if window_kept_first:  # the kernel reads a copy of the window written in kept-first order
-        cols = KeptColumns.of(keep, DEVICE)
-        win = rewritten(win, win_layout, lambda records: to_kept_first(records, cols))
+    if window_kept_first:
         config["window_columns"] = "kept_first"
     if kept_first:  # q in, out back in KeptColumns.order, as with the order folded into the weights
         order = KeptColumns.of(keep, q.device).order

@@ -9,7 +9,7 @@ from remnant.kernels.common import alignment
 from remnant.kernels.store import PERMUTES, store as store_kernel
 from remnant.kernels.store import store_kept_first
 from remnant.kv.formats import NOPE_DIM
-from remnant.kv.paged import KeptColumns, PageLayout, gather, store, to_kept_first
+from remnant.kv.paged import KeptColumns, PageLayout, gather, quantize_kept_first, store
 from tests.kernels.inputs import DEVICE, ON_GPU, POISON, keep_map, latents, poisoned_pages, triton_fp8_codes
 
 
@@ -69,9 +69,8 @@ def check_store_kept_first(n: int, retention: int, pages: int, seed: int) -> Non
     layout = PageLayout.sglang(16)
     x = latents(n, gen).to(DEVICE)
     locs = torch.randperm(16 * pages, generator=gen)[:n].to(DEVICE)
-    native = poisoned_pages(layout, pages)
-    store(x, native, layout, locs, None, reference=True)
-    want = to_kept_first(gather(native, layout, locs), KeptColumns.of(keep, DEVICE))
+    cols = KeptColumns.of(keep, DEVICE)
+    want = quantize_kept_first(x, cols)
     got_pages = poisoned_pages(layout, pages)
     store_kept_first(x, got_pages, layout, locs, keep, check_range=True)
     got = gather(got_pages, layout, locs)
@@ -80,8 +79,7 @@ def check_store_kept_first(n: int, retention: int, pages: int, seed: int) -> Non
     else:  # codes may differ only where the interpreter's FP8 cast does (see check_store)
         assert torch.equal(got[:, NOPE_DIM:], want[:, NOPE_DIM:]), "RoPE, scales or pad differ"
         differ = got[:, :NOPE_DIM] != want[:, :NOPE_DIM]
-        order = KeptColumns.of(keep, torch.device("cpu")).order[:NOPE_DIM].long()
-        interpreted = triton_fp8_codes(_scaled_kept(x, None)[:, order.to(x.device)])
+        interpreted = triton_fp8_codes(_scaled_kept(x[:, cols.order.long()], None))
         assert torch.equal(got[:, :NOPE_DIM][differ], interpreted[differ])
         assert differ.float().mean() < 0.1
     untouched = torch.ones(layout.capacity(got_pages), dtype=torch.bool)
@@ -90,7 +88,7 @@ def check_store_kept_first(n: int, retention: int, pages: int, seed: int) -> Non
 
 
 @pytest.mark.parametrize("retention", [256, 64, 448])
-def test_store_kept_first_is_the_native_record_with_codes_permuted(retention):
+def test_store_kept_first_quantizes_the_latent_in_kept_first_order(retention):
     check_store_kept_first(n=37, retention=retention, pages=5, seed=retention + 1)
 
 

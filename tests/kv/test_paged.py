@@ -1,40 +1,91 @@
-"""remnant.kv.paged: the kept-first code order of native records (to_kept_first, from_kept_first)."""
+"""remnant.kv.paged: kept-first window records (quantize_kept_first, dequantize_kept_first,
+store_kept_first) and the reconstruct kernel's word plan."""
 
 from __future__ import annotations
 
 import torch
 
-from remnant.kv.paged import KeptColumns, from_kept_first, to_kept_first
-from tests.kernels.inputs import prmt
+from remnant.kv.codec import dequantize, quantize
+from remnant.kv.formats import NOPE_DIM
+from remnant.kv.paged import (KeptColumns, PageLayout, decode_packed, dequantize_kept_first, gather,
+                              quantize_kept_first, store_kept_first)
+from tests.kernels.inputs import latents, prmt
+
+CPU = torch.device("cpu")
 
 
-def test_kept_first_order_round_trips_and_moves_only_codes():
-    gen = torch.Generator().manual_seed(4)
-    keep = torch.randperm(448, generator=gen)[:192].sort().values
-    cols = KeptColumns.of(keep, torch.device("cpu"))
-    records = torch.randint(0, 256, (5, 584), dtype=torch.uint8, generator=gen)
-    permuted = to_kept_first(records, cols)
-    assert torch.equal(permuted[:, :192], records[:, keep])  # kept codes first, in map order
-    dropped = torch.ones(448, dtype=torch.bool)
+def _cols(seed: int, n_kept: int = 192) -> tuple[torch.Tensor, KeptColumns]:
+    keep = torch.randperm(448, generator=torch.Generator().manual_seed(seed))[:n_kept].sort().values
+    return keep, KeptColumns.of(keep, CPU)
+
+
+def test_kept_first_records_tile_scales_by_kept_first_position():
+    # Natural tile t of every latent has magnitude 4^t, so a natural tiling and a kept-first
+    # one give different scales; the record must be the native record of the latent read in
+    # kept-first order: codes of the kept columns (map order), then the dropped, and tile
+    # t's scale from kept-first positions 64t..64t+63.
+    keep, cols = _cols(4)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(5))
+    x[:, :NOPE_DIM] *= (4.0 ** (torch.arange(NOPE_DIM) // 64)).float()
+    records = quantize_kept_first(x, cols)
+    dropped = torch.ones(NOPE_DIM, dtype=torch.bool)
     dropped[keep] = False
-    assert torch.equal(permuted[:, 192:448], records[:, :448][:, dropped])
-    assert torch.equal(permuted[:, 448:], records[:, 448:])
-    assert torch.equal(from_kept_first(permuted, cols), records)
+    permuted = torch.cat([x[:, keep], x[:, :NOPE_DIM][:, dropped], x[:, NOPE_DIM:]], dim=1)
+    assert torch.equal(records, quantize(permuted))
+    xb = x.to(torch.bfloat16).float()[:, cols.order.long()]
+    amax = xb[:, :NOPE_DIM].abs().unflatten(1, (7, 64)).amax(-1)
+    assert torch.equal(records[:, 576:583].long(), (torch.ceil(torch.log2(amax / 448)) + 127).long())
+    assert not torch.equal(records[:, 576:583], quantize(x)[:, 576:583])
 
 
-def test_rewritten_pages_are_a_copy_with_every_record_transformed():
-    from remnant.kv.paged import PageLayout, gather, rewritten
+def test_kept_first_records_round_trip_to_natural_order():
+    _, cols = _cols(6, n_kept=256)
+    x = latents(9, torch.Generator().manual_seed(7)).float()
+    back = dequantize_kept_first(quantize_kept_first(x, cols), cols)
+    assert torch.equal(back[:, NOPE_DIM:], x[:, NOPE_DIM:])  # RoPE is bf16 as given
+    # FP8 e4m3: within 2^-4 of each value, or 2^-10 of its tile's scale below the normals.
+    scales = torch.exp2(quantize_kept_first(x, cols)[:, 576:583].float() - 127)
+    floor = scales[:, cols.inverse[:NOPE_DIM].long() // 64] * 2.0**-10
+    assert bool(((back - x)[:, :NOPE_DIM].abs() <= 2.0**-4 * x[:, :NOPE_DIM].abs() + floor).all())
+    # All 448 kept: kept-first order is the natural one, and the records are native.
+    native = KeptColumns.of(None, CPU)
+    assert torch.equal(quantize_kept_first(x, native), quantize(x))
+    assert torch.equal(dequantize_kept_first(quantize(x), native), dequantize(quantize(x)))
 
-    gen = torch.Generator().manual_seed(5)
-    keep = torch.randperm(448, generator=gen)[:192].sort().values
-    cols = KeptColumns.of(keep, torch.device("cpu"))
+
+def test_store_kept_first_reference_writes_quantize_kept_first_records():
+    keep, cols = _cols(8)
     layout = PageLayout.sglang(16)
-    pages = torch.randint(0, 256, (3, layout.page_stride), dtype=torch.uint8, generator=gen)
-    before = pages.clone()
-    out = rewritten(pages, layout, lambda records: to_kept_first(records, cols))
-    every = torch.arange(layout.capacity(pages))
-    assert torch.equal(gather(out, layout, every), to_kept_first(gather(pages, layout, every), cols))
-    assert torch.equal(pages, before)
+    pages = torch.full((3, layout.page_stride), 0xAB, dtype=torch.uint8)
+    x = latents(11, torch.Generator().manual_seed(9))
+    locs = torch.tensor([0, 5, 17, 3, 40, 41, 2, 33, 20, 9, 47])
+    store_kept_first(x, pages, layout, locs, keep, reference=True)
+    assert torch.equal(gather(pages, layout, locs), quantize_kept_first(x, cols))
+
+
+def test_reference_decode_reads_a_kept_first_window_in_natural_order():
+    # The same latents as native and as kept-first window records: the reference decodes
+    # of the two differ by FP8 rounding only, and reading the kept-first ones as native
+    # records (a wrong window_columns) is far off.
+    keep, cols = _cols(10, n_kept=192)
+    gen = torch.Generator().manual_seed(11)
+    layout = PageLayout.rows(584)
+    win_x = latents(8, gen)
+    native, kept_first = (torch.zeros(8, 584, dtype=torch.uint8) for _ in range(2))
+    native[:] = quantize(win_x)
+    kept_first[:] = quantize_kept_first(win_x, cols)
+    c4_layout = PageLayout.rows(192 + 136)
+    c4 = torch.zeros(4, 192 + 136, dtype=torch.uint8)
+    q = torch.randn(2, 3, 512, generator=gen) * 0.05
+    sink = torch.zeros(3)
+    win_locs = torch.arange(8).repeat(2, 1)
+    c4_locs = torch.full((2, 1), -1)
+    want = decode_packed(q, c4, c4_layout, c4_locs, keep, native, layout, win_locs, sink, reference=True)
+    got = decode_packed(q, c4, c4_layout, c4_locs, keep, kept_first, layout, win_locs, sink, reference=True,
+                        window_columns="kept_first")
+    wrong = decode_packed(q, c4, c4_layout, c4_locs, keep, kept_first, layout, win_locs, sink, reference=True)
+    assert (got - want).norm() < 0.05 * want.norm()
+    assert (wrong - want).norm() > 0.3 * want.norm()
 
 
 def test_word_plan_rebuilds_every_native_code_word_from_two_packed_words():
