@@ -438,8 +438,11 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
             # place, not held. Held (natural tiles: the kept and dropped lists' selectors)
             # they spilled, 60 values against 22, and took the folded call 3-4 us more on the
             # H200 at batch 64 and 128 (NOTES.md, fifteenth round).
+            # (Padding positions past 448, as at N = 64 with 384 dropped in 512, take the
+            # zero pad byte's selector: their codes are masked to 0, and a tile-8 selector
+            # would have prmt replicate a sign instead.)
             sel_kept = _selectors(j)
-            sel_drop = _selectors(N + i)
+            sel_drop = _selectors(tl.minimum(N + i, 448))
         else:
             sel_kept = _selectors(kept)
             sel_drop = _selectors(dropped)

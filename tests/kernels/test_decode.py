@@ -139,6 +139,15 @@ def test_decode_over_a_window_written_in_kept_first_order(retention, kept_first)
                  window_kept_first=True, **SMALL)
 
 
+@pytest.mark.parametrize("scale_byte", [120, 130])
+def test_decode_over_a_kept_first_window_whose_dropped_set_is_padded_past_448(scale_byte):
+    # R = 128: 384 dropped columns padded to 512, so kept-first positions run to 575; those
+    # past 448 must scale by the zero pad byte. A tile-8 selector makes prmt copy the sign
+    # of scale byte 0, an infinite scale where that byte is >= 128 (0 x inf: NaN).
+    check_decode(batch=2, heads=20, topk=9, window=21, retention=128, seed=30, kept_first=True,
+                 window_kept_first=True, scale_byte=scale_byte, **SMALL)
+
+
 @pytest.mark.parametrize(("retention", "splits", "kept_first", "window_kept_first"),
                          [(512, 2, False, False), (512, 3, False, False), (256, 3, False, False),
                           (256, 2, True, True), (128, 4, False, True), (384, 3, True, False)])
