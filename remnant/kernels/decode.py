@@ -65,8 +65,10 @@ SPLIT_PLANS = ("even", "by_cost")
 # the window and 4 of the 16 C4 steps, split 1 the other 12: +11%; NOTES.md, eleventh round).
 PACKED_WINDOW_STEP_COST = 2
 NATIVE_WINDOW_STEP_COST = 1
-# The fewest splits at which decode cuts them by cost unless told (split_plan_for).
+# The fewest splits at which decode cuts the folded call's by cost unless told, and the
+# split counts at which it cuts the native kernel's so (split_plan_for).
 BY_COST_FROM_SPLITS = 8
+NATIVE_BY_COST_SPLITS = (2,)
 # Heads per program and warps of the join (_combine_kernel) and of the permute pass
 # (permute_columns). Reading a row by index is one 2-byte load per value, and at 8 heads
 # per program those loads held SGLang's call (natural q and out) 7-11 us above the folded
@@ -785,20 +787,25 @@ def partials_for(partials: str | None, splits: int) -> str | None:
     return "float16" if splits <= 2 else "float32"
 
 
-def split_plan_for(split_plan: str | None, splits: int, window_kept_first: bool, window_apart: bool) -> str | None:
+def split_plan_for(split_plan: str | None, splits: int, packed: bool, window_kept_first: bool,
+                   window_apart: bool) -> str | None:
     """How decode shares the window and the C4 records among a token's splits (its
     `split_plan`): None for one split; "even", each split a like share of each (with the
     window apart: of the C4 records); or "by_cost", each split a contiguous range of the
     window's steps then the C4 records', cut at equal cost (_split_step), so that most
     splits run one loop. None chooses "by_cost" for the packed program with a kept-first
     window at BY_COST_FROM_SPLITS splits or more: on the H200 its folded call at batch 1
-    and 16 (8 splits) took 10% less time, while at 2 and 4 splits the even plan was as fast
-    or faster (NOTES.md, tenth and eleventh rounds). The native kernel stays even: cut by
-    cost it measured 1.4-2.5% faster at 2 and 8 splits and slower at 4 and 16, inside the
-    2-7% by which two compiled forms of one computation differ there."""
+    and 16 (8 splits) took 10% less time, while at 2 and 4 splits the even plan was faster
+    (batch 48 and 64: 35.5 / 37.4 us even, 38.6 / 40.8 by cost; NOTES.md, tenth, eleventh
+    and fifteenth rounds). For the native kernel (packed False) at NATIVE_BY_COST_SPLITS:
+    at 2 splits (batch 45-66 on an H200) cut by cost it was 2-4% faster in three runs
+    (batch 64: 58.4 / 60.7, 58.8 / 60.4, 58.7 / 60.1 us; batch 48: 57.1 / 58.3), and the
+    baseline takes its faster plan; at 4 and 16 splits it was slower, at 8 within 1%."""
     if splits == 1:
         return None
     if split_plan is None:
+        if not packed:
+            return "by_cost" if splits in NATIVE_BY_COST_SPLITS else "even"
         return "by_cost" if window_kept_first and not window_apart and splits >= BY_COST_FROM_SPLITS else "even"
     if split_plan == "by_cost" and window_apart:
         raise ValueError("split_plan='by_cost' cannot take the window apart: its program is split 0 by construction; "
@@ -949,7 +956,7 @@ def decode(
     c4_programs = splits - 1 if window_apart else splits
     partial_dtype = partials_for(partials, splits)
     scaled = partial_dtype == "float16"
-    by_cost = split_plan_for(split_plan, splits, window_kept_first, window_apart) == "by_cost"
+    by_cost = split_plan_for(split_plan, splits, cols.packed, window_kept_first, window_apart) == "by_cost"
     if splits > 1:  # normalized partial outputs, their log-sum-exp (and row scales: float16), joined below
         out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=PARTIAL_DTYPES[partial_dtype], device=q.device)
         lse = torch.empty(2 if scaled else 1, splits, batch, heads, dtype=torch.float32, device=q.device)

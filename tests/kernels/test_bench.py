@@ -35,7 +35,8 @@ def _decode_row(ceil: Ceilings, config: dict, variant: str, retention: int, colu
     return {"variant": variant, "retention": retention, "batch": 64, "topk": topk, "window": 128, "columns": columns,
             "window_columns": window_columns, "heads": 64, "config": config, "splits": splits,
             "auto_splits": auto_splits, "window_apart": False, "partials": partials_for(None, splits),
-            "split_plan": split_plan_for(None, splits, variant == "packed" and window_columns == "kept_first", False),
+            "split_plan": split_plan_for(None, splits, variant == "packed", variant == "packed" and window_columns == "kept_first",
+                                         False),
             **_roofline(us / 1e6, nbytes, flops, ceil)}
 
 
@@ -52,9 +53,9 @@ def _doc() -> dict:
                                                    ("packed", 256, "kept_first", 1, 25.0),
                                                    ("packed", 256, "kept_first", 8, 26.0)):
         decode.append(_decode_row(ceil, config, variant, retention, orders, orders, us, splits=splits, auto_splits=False))
-    # The other split plan at the auto rows' splits: native cut by cost.
+    # The other split plan at the auto rows' splits: native even (decode cuts its 2 splits by cost).
     decode.append(dict(_decode_row(ceil, config, "native", 512, "natural", "natural", 18.0, auto_splits=False),
-                       split_plan="by_cost"))
+                       split_plan="even"))
     # The calls without C4 records (top-k 0), native and folded, at the auto rows' splits.
     for variant, retention, orders, us in (("native", 512, "natural", 8.0), ("packed", 256, "kept_first", 9.0)):
         decode.append(_decode_row(ceil, config, variant, retention, orders, orders, us, topk=0))
@@ -91,10 +92,10 @@ def test_targets_are_ratios_of_this_run():
             "and packed 9.0 us (the full calls: 20.0 and 10.0); the C4 records' time packed/native 0.083"
             in window["note"])
     assert "without C4 records" not in ratio["note"]  # no packed natural-order row without them
-    # The sweep's native row cut by cost at the same splits is named beside each ratio.
-    assert ("native with its splits cut by cost (split_plan='by_cost', timed beside the split sweep) 18.0 us against 20.0: "
-            "the ratio against it 0.556" in window["note"])
-    assert "cut by cost" in ratio["note"]
+    # The sweep's native row with the other split plan at the same splits is named beside each ratio.
+    assert ("native with split_plan='even' (timed beside the split sweep; decode chose 'by_cost') 18.0 us against "
+            "20.0: the ratio against it 0.556" in window["note"])
+    assert "split_plan='even'" in ratio["note"]
     # Rows without C4 records at other splits than the full calls' say nothing of them.
     def folded_note(rows: list[dict]) -> str:
         return next(t["note"] for t in targets(rows, doc["store"], doc["reconstruct"]) if t["name"] == window["name"])
@@ -152,7 +153,8 @@ def test_split_series_holds_the_sweep_only():
     from remnant.kernels.plot import split_series
 
     series = split_series(_doc())
-    assert series == {"native, batch 64": [(1, 30.0), (4, 5.0)], "native, batch 64, cut by cost": [(2, 18.0)],
+    # (The native row at 2 splits is the other plan's, even: decode cuts native's 2 by cost.)
+    assert series == {"native, batch 64": [(1, 30.0), (2, 18.0), (4, 5.0)],
                       "packed, folded, batch 64": [(1, 25.0)], "packed, folded, batch 64, cut by cost": [(8, 26.0)]}
 
 
@@ -160,12 +162,13 @@ def test_decode_cases_time_the_other_split_plan_at_auto_splits_count():
     from remnant.kernels.bench import decode_cases
 
     others = [c for c in decode_cases(quick=False, multiprocessors=132) if c.split_plan is not None]
-    # Native cut by cost at 8 splits (batch 16) and 2 (batch 64); the folded call even at
-    # batch 16, where decode cuts its 8 splits by cost (at batch 64 it runs even already).
+    # Each kernel's plan that decode does not choose: native cut by cost at 8 splits (batch
+    # 16) and even at 2 (batch 64, where decode cuts it by cost); the folded call even at
+    # 8 splits (decode cuts them by cost) and by cost at 2.
     assert [(c.variant, c.batch, c.splits, c.split_plan, c.window_columns) for c in others] == [
         ("native", 16, 8, "by_cost", "natural"), ("packed", 16, 8, "even", "kept_first"),
-        ("native", 64, 2, "by_cost", "natural")]
-    assert [c.batch for c in decode_cases(quick=True, multiprocessors=132) if c.split_plan] == [64]
+        ("native", 64, 2, "even", "natural"), ("packed", 64, 2, "by_cost", "kept_first")]
+    assert [c.batch for c in decode_cases(quick=True, multiprocessors=132) if c.split_plan] == [64, 64]
     # On a GPU that batch 64 fills unsplit there is no plan to compare.
     assert [c.batch for c in decode_cases(quick=True, multiprocessors=64) if c.split_plan] == []
 

@@ -219,12 +219,21 @@ def test_native_splits_by_cost_weigh_a_window_step_as_a_c4_step():
 
 
 def test_split_plan_is_by_cost_for_a_kept_first_window_at_eight_splits_or_more():
-    assert [split_plan_for(None, s, True, False) for s in (1, 2, 7, 8, 16)] == [None, "even", "even", "by_cost", "by_cost"]
-    assert [split_plan_for(None, 8, kept, apart) for kept, apart in ((False, False), (False, True))] == ["even", "even"]
-    assert split_plan_for("by_cost", 2, False, False) == "by_cost" and split_plan_for("even", 8, True, False) == "even"
-    assert split_plan_for("by_cost", 1, True, False) is None  # one split: nothing to plan
+    assert [split_plan_for(None, s, True, True, False) for s in (1, 2, 7, 8, 16)] == [None, "even", "even", "by_cost",
+                                                                                      "by_cost"]
+    assert [split_plan_for(None, 8, True, kept, apart) for kept, apart in ((False, False), (False, True))] == ["even",
+                                                                                                              "even"]
+    assert split_plan_for("by_cost", 2, True, False, False) == "by_cost"
+    assert split_plan_for("even", 8, True, True, False) == "even"
+    assert split_plan_for("by_cost", 1, True, True, False) is None  # one split: nothing to plan
     with pytest.raises(ValueError, match="split_plan='by_cost' cannot take the window apart"):
-        split_plan_for("by_cost", 3, False, True)
+        split_plan_for("by_cost", 3, True, False, True)
+
+
+def test_split_plan_is_by_cost_for_the_native_kernel_at_two_splits_only():
+    assert [split_plan_for(None, s, False, False, False) for s in (1, 2, 3, 4, 8, 16)] == [None, "by_cost", "even",
+                                                                                             "even", "even", "even"]
+    assert split_plan_for("even", 2, False, False, False) == "even"
 
 
 def test_decode_refuses_an_unknown_split_plan():
