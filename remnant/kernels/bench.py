@@ -651,8 +651,8 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                     how += _shared_cost(by, batch, window, (columns, window_columns), native, packed)
                     plan = native.get("split_plan")
                     other_plan = {"even": "by_cost", "by_cost": "even"}.get(plan)
-                    other = native_plans.get((batch, TOPK, window, native["splits"], other_plan))
-                    if other:
+                    other = native_plans.get((batch, TOPK, window, native["splits"], other_plan)) if other_plan else None
+                    if other:  # (one split has no plan, and no other)
                         how += (f"; native with split_plan={other_plan!r} (timed beside the split sweep; decode "
                                 f"chose {plan!r}) {other['time_us']:.1f} us against {native['time_us']:.1f}: the "
                                 f"ratio against it {packed['time_us'] / other['time_us']:.3f}")
