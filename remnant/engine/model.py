@@ -181,8 +181,10 @@ class C4Format:
         (remnant.kv.paged.quantize_kept_first: codes in kept-first order, scale tiles of 64
         kept-first positions), which the packed decode kernel reads with word loads and
         scales found from positions (window_columns="kept_first"; benchmarks/kernels/
-        NOTES.md). The torch reference writes and reads the ring in the same form."""
-        return self.mode == "kernel"
+        NOTES.md). The torch reference writes and reads the ring in the same form. With
+        all 448 coordinates kept the two forms are one (the order is the natural one), and
+        the ring is native: the native decode kernel reads that layer."""
+        return self.mode == "kernel" and self.columns is not None and self.columns.packed
 
     def ring_records(self, latents: torch.Tensor) -> torch.Tensor:
         """Window latents float [n, 512] -> uint8 [n, 584] as this layer's ring stores them."""

@@ -245,7 +245,7 @@ class DecodeCase:
     topk: int
     window: int
     columns: str = "natural"  # packed: q and out in the model's order, or "kept_first" (decode's columns)
-    window_columns: str = "natural"  # packed: the window records' code order (decode's window_columns)
+    window_columns: str = "natural"  # packed: the window records' form, native or kept-first (decode's window_columns)
     splits: int | None = None  # programs per token and head block (decode's splits); None: auto_splits
     window_apart: bool | None = None  # packed, all orders natural: the window in a program of its own (decode's)
     split_plan: str | None = None  # how splits share the records (decode's split_plan); None: split_plan_for

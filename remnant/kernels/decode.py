@@ -200,8 +200,9 @@ def _dequant(codes, scale):
 
 @triton.jit
 def _set_scales(scales, col, sel, starts_ptr, BY_SELECTOR: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A packed column set's scales [BN, C]: by its selectors `sel` (BY_SELECTOR, in the
-    q K^T form) or by its positions `col` and tile starts (the transposed form)."""
+    """A packed column set's scales [BN, C]: by its selectors `sel` (BY_SELECTOR: the q K^T
+    form, and kept-first window records in either form, whose selectors follow from
+    positions) or by its positions `col` and tile starts (natural tiles, transposed form)."""
     if BY_SELECTOR:
         return _selected_scales(scales, sel, INTERPRETED)
     return _tile_start_scales(scales, col, starts_ptr)
@@ -392,8 +393,8 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
     q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
     acc_kept = tl.zeros((H_BLOCK, KA), dtype=tl.float32)
     acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
-    # Each set's scale selectors are loaded before each loop that reads them (they go
-    # unused, and are dropped, in a transposed loop): _set_scales.
+    # Each set's scale selectors are loaded before each loop that reads them (a transposed
+    # loop over natural tiles leaves them unused, and they are dropped): _set_scales.
     sel_kept = _selectors(tl.load(kept_ptr + j))
     if KT:
         t = tl.arange(0, KT)

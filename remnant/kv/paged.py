@@ -110,7 +110,8 @@ class KeptColumns:
     are sorted, so column j of a set lies in tile t or later exactly when j >= entry t: the
     decode kernel's transposed loops pick each column's scale by comparing positions with
     these, where a value per column held in registers spilled (the other loops derive a
-    byte selector per column from kept and dropped).
+    byte selector per column from kept and dropped; kept-first window records, tiled by
+    position, need neither).
     order: int32 [512] kept-first column order (kept in map order, dropped, RoPE 448..511),
     in which the packed decode kernel reads q and writes out (and store_kept_first
     quantizes window records: quantize_kept_first); inverse: int32 [512], its inverse.

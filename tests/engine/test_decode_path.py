@@ -123,7 +123,7 @@ def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
     position = cols.inverse[:NOPE_DIM].long()  # each natural column's kept-first position
     same_scale = ring[:, 576 + position // 64] == native_ring[:, 576 + torch.arange(NOPE_DIM) // 64]
     assert torch.equal(ring[:, position][same_scale], native_ring[:, :NOPE_DIM][same_scale])
-    written = native_ring.any(dim=1)
+    written = (native_ring != 0).any(dim=1)
     assert bool(written.any()) and bool((~same_scale[written]).any()), "the two tilings should give some columns other scales"
     # Elsewhere the two are FP8 roundings of one value at two scales: each within 2^-4 of
     # it (2^-10 of its scale below FP8's normal range).
@@ -131,6 +131,18 @@ def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
     coarser = torch.maximum(ring[:, 576 + position // 64], native_ring[:, 576 + torch.arange(NOPE_DIM) // 64])
     bound = 2.0**-3 * torch.maximum(a.abs(), b.abs()) + torch.exp2(coarser.float() - 127 - 9)
     assert bool(((a - b).abs() <= bound).all())
+
+
+@needs_interpreter
+def test_kernel_mode_keeping_everything_decodes_through_the_native_kernel(args):
+    # All 448 kept: kept-first order is the natural one, so the ring stays native and the
+    # decode takes the native kernel (which refuses window_columns="kept_first").
+    reference = Model(args, device="cpu", decode_path="reference")
+    kernels = Model(args, device="cpu", decode_path="kernels")
+    for model in (reference, kernels):
+        model.set_c4_formats({i: C4Format("kernel", torch.arange(448)) for i in model.csa_layers})
+    assert not kernels.c4_formats[1].window_kept_first
+    _check_same_greedy(reference, kernels, [_ids(20, 9)], 3)
 
 
 @needs_interpreter

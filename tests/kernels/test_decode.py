@@ -153,12 +153,19 @@ def test_decode_over_a_kept_first_window_whose_dropped_set_is_padded_past_448(sc
                           (256, 2, True, True), (128, 4, False, True), (384, 3, True, False)])
 @pytest.mark.parametrize("partials", ["float32", "float16"])
 def test_decode_split_across_programs_matches_reference(retention, splits, kept_first, window_kept_first, partials):
+    # (decode's own plan: native's 2 splits are cut by cost, the rest even; the test below
+    # pins native's 2 even.)
     # topk 37 and window 21 at 16 per step: 3 C4 steps and 2 window steps, so at 3 splits
     # and more (4 is capped to 3) one split gets C4 records only. 19 heads: the last head
     # block of decode (16 per program) and of the join (JOIN_LAUNCH's 2) are partly masked.
     check_decode(batch=3, heads=19, topk=37, window=21, retention=retention, seed=retention + splits, splits=splits,
                  kept_first=kept_first, window_kept_first=window_kept_first, window_block_n=16, partials=partials,
                  **SOFT, **SMALL)
+
+
+def test_decode_of_native_records_split_evenly_in_two():
+    check_decode(batch=3, heads=19, topk=37, window=21, retention=512, seed=70, splits=2, window_block_n=16,
+                 split_plan="even", **SOFT, **SMALL)
 
 
 # Splits cut by cost, at 16 records per step. Packed (a window step weighs two C4 steps):
