@@ -95,7 +95,7 @@ def test_reconstruct_shared_stores_few_kept_codes_as_the_gather_left_them(tmp_pa
 def test_store_shared_gathers_through_shared_memory(tmp_path):
     def ops(permute):  # R = 256 at the launch the kernel's wrapper uses
         rows, warps = store.LAUNCH[permute]
-        constants = dict(PER_PAGE=64, ALIGN=16, N=192, NP=256, PACKED=True, PERMUTE=permute, BLOCK_ROWS=rows)
+        constants = dict(PER_PAGE=64, ALIGN=16, N=192, NP=256, PACKED=True, PERMUTE=permute, X_ORDER=False, BLOCK_ROWS=rows)
         return sass_ops("remnant.kernels.store:_store_kernel", STORE, constants, warps, tmp_path)
 
     shared, registers = ops("shared"), ops("registers")
