@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from remnant.kv.codec import dequantize
+from remnant.kv.codec import dequantize, dequantize_ordered
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, NUM_TILES, ROPE_BYTES, TILE, UE8M0_BIAS
 from remnant.kv.packing import check_keep, unpack
 
@@ -159,12 +159,6 @@ def decode_packed(
     idx = selected(indices, c4_packed.shape[0])
     cols = torch.cat([keep, torch.arange(NOPE_DIM, HEAD_DIM)]).to(q.device)
     keys = packed_keys(c4_packed[idx], keep).to(dtype)
-    window_keys = dequantize(window)
-    if window_order is not None:
-        if window_order.shape != (HEAD_DIM,):
-            raise ValueError(f"window_order must be a column order [{HEAD_DIM}], got {tuple(window_order.shape)}")
-        natural = torch.empty_like(window_keys)
-        natural[:, window_order.to(device=window_keys.device, dtype=torch.long)] = window_keys
-        window_keys = natural
+    window_keys = dequantize(window) if window_order is None else dequantize_ordered(window, window_order)
     qd = q.to(dtype)
     return _combine(qd, sink.to(dtype), window_keys.to(dtype), qd[:, cols], keys, cols, scale)

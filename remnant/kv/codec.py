@@ -66,3 +66,15 @@ def dequantize(records: torch.Tensor) -> torch.Tensor:
     nope = codes.view(n, NUM_TILES, TILE) * torch.exp2(exponent).unsqueeze(-1)
     rope = records[:, _ROPE_START:_SCALE_START].contiguous().view(torch.bfloat16).float()
     return torch.cat([nope.reshape(n, NOPE_DIM), rope], dim=1)
+
+
+def dequantize_ordered(records: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Decode records quantized from latents with their columns in `order` (int [512]: the
+    record's column j holds natural column order[j], as quantize(x[:, order]) makes them).
+    Returns float32 [n, 512] in natural column order."""
+    if order.shape != (HEAD_DIM,):
+        raise ValueError(f"order must be a column order [{HEAD_DIM}], got {tuple(order.shape)}")
+    keys = dequantize(records)
+    natural = torch.empty_like(keys)
+    natural[:, order.to(device=keys.device, dtype=torch.long)] = keys
+    return natural

@@ -21,7 +21,7 @@ import torch
 
 from remnant.kv.attention import SOFTMAX_SCALE, decode_native as _decode_native_records
 from remnant.kv.attention import decode_packed as _decode_packed_records
-from remnant.kv.codec import dequantize, quantize
+from remnant.kv.codec import dequantize_ordered, quantize
 from remnant.kv.formats import NATIVE_RECORD_BYTES, NOPE_DIM, SCALE_BYTES, page_bytes
 from remnant.kv.packing import check_keep, pack, unpack
 
@@ -204,7 +204,7 @@ def quantize_kept_first(x: torch.Tensor, cols: KeptColumns) -> torch.Tensor:
 
 def dequantize_kept_first(records: torch.Tensor, cols: KeptColumns) -> torch.Tensor:
     """Kept-first window records uint8 [n, 584] -> float32 [n, 512] in natural column order."""
-    return dequantize(records)[:, cols.inverse.to(device=records.device, dtype=torch.long)]
+    return dequantize_ordered(records, cols.order)
 
 
 def keep_tensor(keep: "torch.Tensor | KeptColumns") -> torch.Tensor:
