@@ -433,8 +433,6 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
         i = tl.arange(0, DP)
         dropped_ok = i < 448 - N
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
-        kept = tl.load(kept_ptr + j)
-        dropped = tl.load(dropped_ptr + i)
         if WIN_KEPT_FIRST:
             # Their scale tiles are of 64 kept-first positions, so a column's selector
             # follows from its position, as a native column's from its index: computed in
@@ -446,14 +444,15 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
             # would have prmt replicate a sign instead.)
             sel_kept = _selectors(j)
             sel_drop = _selectors(tl.minimum(N + i, 448))
-        else:
+            if KT:
+                sel_tail = _selectors(KA + t)
+        else:  # natural order: the column lists give each code's address and its tile
+            kept = tl.load(kept_ptr + j)
+            dropped = tl.load(dropped_ptr + i)
             sel_kept = _selectors(kept)
             sel_drop = _selectors(dropped)
-        if KT:
-            kept_tail = tl.load(kept_ptr + KA + t)
-            if WIN_KEPT_FIRST:
-                sel_tail = _selectors(KA + t)
-            else:
+            if KT:
+                kept_tail = tl.load(kept_ptr + KA + t)
                 sel_tail = _selectors(kept_tail)
         if WIN_SCORES_T != SCORES_T:
             q_kept, q_kept_t = _load_q(q_row, h_ok, j, kept_ok)
