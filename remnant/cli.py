@@ -168,3 +168,7 @@ def run_main() -> None:
     logging.basicConfig(level=logging.WARNING)
     register_configs()
     _run()
+
+
+if __name__ == "__main__":  # python -m remnant.cli, where the console script is not installed
+    run_main()

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from remnant.records.provenance import GIT_COMMIT_ENV
+
 HEADS = 64
 H_BLOCK = 64  # heads per decode program in every tuned config: all 64 of a token
 WINDOW = 128
@@ -726,7 +728,7 @@ def gpu_provenance() -> dict:
 
     return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
             "python": platform.python_version(), "host": socket.gethostname(),
-            "git_commit": os.environ.get("REMNANT_GIT_COMMIT", "unknown")}
+            "git_commit": os.environ.get(GIT_COMMIT_ENV, "unknown")}
 
 
 def run(quick: bool, reps: int, seed: int, progress=print) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 import remnant
 
 _GIT_TIMEOUT_S = 10.0
+# Names the commit of a copy of the tree that has no .git (sources, the kernel benchmark).
+GIT_COMMIT_ENV = "REMNANT_GIT_COMMIT"
 _SMI_TIMEOUT_S = 10.0
 
 
@@ -82,8 +85,10 @@ def sources() -> dict:
 
     git_sha / git_dirty describe the checkout remnant is imported from; dirty counts
     untracked, non-ignored files too, since they can change what runs. Both are None
-    outside a checkout or without git. sglang_version is set where sglang is installed in
-    this environment; image_digest is left to the host that ran a container.
+    outside a checkout or without git, except that a copy of a checkout without its .git
+    (as a lent GPU machine gets) may name its commit in REMNANT_GIT_COMMIT (40 hex digits;
+    git_dirty then stays None: nothing can tell). sglang_version is set where sglang is
+    installed in this environment; image_digest is left to the host that ran a container.
     """
     sha = dirty = None
     root = _checkout_root()
@@ -93,6 +98,8 @@ def sources() -> dict:
             sha = out.strip()
             status = _git(root, "status", "--porcelain")
             dirty = None if status is None else bool(status.strip())
+    elif re.fullmatch(r"[0-9a-f]{40}", os.environ.get(GIT_COMMIT_ENV, "")):
+        sha = os.environ[GIT_COMMIT_ENV]
     return {
         "remnant_version": remnant.__version__,
         "git_sha": sha,

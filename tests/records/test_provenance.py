@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import remnant
+from remnant.records import provenance
 from remnant.records.provenance import artifact, environment, sha256_file, sources
 from remnant.records.schema import load_schema, validate
 
@@ -50,6 +51,17 @@ def test_sources_of_this_checkout():
     assert re.fullmatch(r"[0-9a-f]{40}", s["git_sha"]), s
     assert isinstance(s["git_dirty"], bool)
     assert s["image_digest"] is None
+
+
+@pytest.mark.parametrize(("named", "want"), [("0123456789abcdef0123456789abcdef01234567", True), ("HEAD", False),
+                                            ("", False)])
+def test_sources_outside_a_checkout_take_the_commit_it_is_given(monkeypatch, named, want):
+    # A copy of the tree without its .git (a lent GPU machine's) names its commit in the
+    # environment; anything but a full hex sha is not taken for one.
+    monkeypatch.setattr(provenance, "_checkout_root", lambda: None)
+    monkeypatch.setenv(provenance.GIT_COMMIT_ENV, named)
+    s = sources()
+    assert s["git_sha"] == (named if want else None) and s["git_dirty"] is None
 
 
 def test_environment_validates_as_the_run_environment():
