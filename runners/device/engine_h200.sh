@@ -17,6 +17,9 @@ python3 -c "import numpy" 2>/dev/null || skip=none
 wheels=$(ls .whl/*.whl .whl-run/*.whl | grep -v "/$skip-")
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
 export PYTHONPATH=/tmp/site:$PWD
+# An installed remnant maps conf/ and schemas/ to remnant.conf and remnant.schemas
+# (pyproject's package-dir); this copy is imported in place, so link them there.
+for d in conf schemas; do [ -e remnant/$d ] || ln -s ../$d remnant/$d; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import remnant.cli, remnant.engine.server, remnant.kernels.decode, httpx, pandas" || exit 1
 timeout ${RUN_TIMEOUT_S:-540} python3 -m remnant.cli -m mode=native,triton,kernel model=dsv4_flash_attn host.device=cuda \
