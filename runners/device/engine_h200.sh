@@ -28,3 +28,8 @@ timeout ${RUN_TIMEOUT_S:-540} python3 -m remnant.cli -m mode=native,triton,kerne
 for run in "$OUT"/multirun/*/run.json; do
     python3 -m remnant.records.check "$run" || echo "check failed: $run"
 done
+# The device tool brings back few files: every cell's directory in one archive, and the
+# run records beside it.
+tar -czf "$OUT/multirun.tgz" -C "$OUT" multirun
+for run in "$OUT"/multirun/*/run.json; do cp "$run" "$OUT/$(basename "$(dirname "$run")").run.json"; done
+rm -rf "$OUT/multirun"
