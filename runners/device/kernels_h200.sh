@@ -6,7 +6,8 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     -d .whl jsonschema jsonschema-specifications referencing rpds-py attrs
 #   (the device image may already have attrs);
-#   the device's copy of the tree has no .git, so pass the commit for the JSON's provenance:
+#   the device's copy of the tree has no .git, or the session start's (runs' sources then name that
+#   commit, dirty), so pass the commit for the JSON's provenance:
 #   REMNANT_GIT_COMMIT=<hash> GPU_TESTS="tests/kernels tests/sglang/test_buffers.py
 #   tests/engine/test_decode_path.py" bash runners/device/kernels_h200.sh
 set -u
