@@ -539,6 +539,11 @@ def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, ca
     return rows
 
 
+def _other_split_plan(plan: str | None) -> str | None:
+    """The split plan decode did not choose (None for one split, which has no plan)."""
+    return {"even": "by_cost", "by_cost": "even"}.get(plan)
+
+
 def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[DecodeCase]:
     """The decode rows' cases; multiprocessors (default: this GPU's) sets the split counts
     of the rows that time the other split plan at auto_splits' count."""
@@ -587,7 +592,7 @@ def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[Decode
         for case in (DecodeCase("native", 512, batch, TOPK, WINDOW, splits=auto),
                      DecodeCase("packed", KERNEL_R, batch, TOPK, WINDOW, "kept_first", "kept_first", splits=auto)):
             chosen = split_plan_for(None, auto, case.variant == "packed", case.window_columns == "kept_first", False)
-            cases.append(replace(case, split_plan="even" if chosen == "by_cost" else "by_cost"))
+            cases.append(replace(case, split_plan=_other_split_plan(chosen)))
     return cases
 
 
@@ -652,7 +657,7 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                         how += "; window records written in kept-first order"
                     how += _shared_cost(by, batch, window, (columns, window_columns), native, packed)
                     plan = native.get("split_plan")
-                    other_plan = {"even": "by_cost", "by_cost": "even"}.get(plan)
+                    other_plan = _other_split_plan(plan)
                     other = native_plans.get((batch, TOPK, window, native["splits"], other_plan)) if other_plan else None
                     if other:  # (one split has no plan, and no other)
                         how += (f"; native with split_plan={other_plan!r} (timed beside the split sweep; decode "

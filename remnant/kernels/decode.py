@@ -23,9 +23,10 @@ C4 records use the kept columns and RoPE only and add to acc_kept; window record
 acc_kept and acc_drop: native ones with their codes read by column index into both sets,
 or kept-first window records (window_columns="kept_first": remnant.kv.paged.
 quantize_kept_first, codes in kept-first order and scale tiles of 64 kept-first
-positions) as runs of words, each code's scale found from its position. (A kept set whose size is not a power of two is a block and a tail, each with its
-own accumulator: kept_column_blocks.) Every output column has exactly one accumulator and is rounded to bf16 once. The
-wrapper permutes q and out to and from that order (permute_columns) unless the caller
+positions) as runs of words, each code's scale found from its position. (A kept set
+whose size is not a power of two is a block and a tail, each with its own accumulator:
+kept_column_blocks.) Every output column has exactly one accumulator and is rounded to
+bf16 once. The wrapper permutes q and out to and from that order (permute_columns) unless the caller
 passes them in it (columns="kept_first": the permutation folded into the model's
 projections).
 
