@@ -80,7 +80,7 @@ def _progress_row(row: dict) -> None:
     """One line per finished case on stderr, so a run cut short still shows its numbers."""
     shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
              if k in ("kernel", "variant", "retention", "records", "permute", "batch", "topk", "window", "columns",
-                      "window_columns", "config", "splits", "time_us",
+                      "window_columns", "config", "splits", "join", "time_us",
                       "fraction_of_copy_bandwidth", "fraction_of_matmul_rate", "n_regs", "n_spills", "max_rel_error",
                       "error")}
     print(json.dumps(shown), file=sys.stderr, flush=True)
@@ -251,6 +251,7 @@ class DecodeCase:
     splits: int | None = None  # programs per token and head block (decode's splits); None: auto_splits
     window_apart: bool | None = None  # packed, all orders natural: the window in a program of its own (decode's)
     split_plan: str | None = None  # how splits share the records (decode's split_plan); None: split_plan_for
+    join: str | None = None  # how splits join (decode's join); None: join_for
 
     def resolved_window_apart(self, h_block: int = H_BLOCK) -> bool:
         """Whether decode runs the window in a program of its own for this case."""
@@ -260,15 +261,18 @@ class DecodeCase:
                                 self.window, self.splits, self.batch * math.ceil(HEADS / h_block), torch.device("cuda"))
 
     def split_details(self, config: dict) -> dict:
-        """What decode chooses for this case's splits under `config`: the partials' dtype
-        and the split plan (both None for one split)."""
-        from remnant.kernels.decode import partials_for, split_plan_for
+        """What decode chooses for this case's splits under `config`: the partials' dtype,
+        the split plan and the join (each None for one split)."""
+        from remnant.kernels.decode import join_for, partials_for, split_plan_for
 
         splits = self.resolved_splits(config)
+        packed = self.variant == "packed"
+        window_apart = self.resolved_window_apart(config["h_block"])
         return {"partials": partials_for(None, splits),
-                "split_plan": split_plan_for(self.split_plan, splits, self.variant == "packed",
-                                             self.variant == "packed" and self.window_columns == "kept_first",
-                                             self.resolved_window_apart(config["h_block"]))}
+                "split_plan": split_plan_for(self.split_plan, splits, packed,
+                                             packed and self.window_columns == "kept_first", window_apart),
+                "join": join_for(self.join, splits, None, packed and self.columns == "natural", window_apart,
+                                 torch.device("cuda"))}
 
     def resolved_splits(self, config: dict) -> int:
         """The splits decode runs for this case under `config` (which names every loop setting)."""
@@ -368,7 +372,7 @@ class DecodeInputs:
                 q, pool, layout, c, window, self.window_layout, w, sink,
                 keep, out=out, columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config),
                 window_apart=case.resolved_window_apart(config["h_block"]), split_plan=case.split_plan,
-                compiled=compiled, **config))
+                join=case.join, compiled=compiled, **config))
         return calls
 
 
@@ -423,7 +427,8 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> flo
     window = inputs.window
     # The timed case's splits, whatever this check's batch would choose.
     orders = dict(columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config),
-                  window_apart=case.resolved_window_apart(config["h_block"]), split_plan=case.split_plan)
+                  window_apart=case.resolved_window_apart(config["h_block"]), split_plan=case.split_plan,
+                  join=case.join)
     if case.columns == "kept_first":  # q in and out back in kept-first order, compared in the model's
         got = torch.full_like(q, float("nan"))
         decode(q[:, :, keep.order], pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep,
@@ -593,6 +598,8 @@ def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[Decode
                      DecodeCase("packed", KERNEL_R, batch, TOPK, WINDOW, "kept_first", "kept_first", splits=auto)):
             chosen = split_plan_for(None, auto, case.variant == "packed", case.window_columns == "kept_first", False)
             cases.append(replace(case, split_plan=_other_split_plan(chosen)))
+            if auto == 2:  # and the join decode does not choose at two splits: the kernel, not the exchange
+                cases.append(replace(case, join="kernel"))
     return cases
 
 
@@ -633,9 +640,10 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
         return r["columns"], r.get("window_columns", "natural")
 
     # The split sweep's rows are evidence, not targets; a native row at a target's split
-    # count with the other split plan is named in that target's note.
-    native_plans = {(r["batch"], r["topk"], r["window"], r["splits"], r.get("split_plan")): r for r in decode_rows
-                    if r["variant"] == "native" and not r["auto_splits"]}
+    # count with the other split plan, and both rows with the other join, are named in
+    # that target's note.
+    fixed = {(r["variant"], orders(r), r["batch"], r["topk"], r["window"], r["splits"], r.get("split_plan"),
+              r.get("join")): r for r in decode_rows if not r["auto_splits"]}
     decode_rows = [r for r in decode_rows if r["auto_splits"]]
     by = {(r["variant"], r["retention"], r["batch"], r["topk"], r["window"], orders(r)): r for r in decode_rows}
     for columns, window_columns in sorted({orders(r) for r in decode_rows if r["variant"] == "packed"}, key=_order_rank):
@@ -656,13 +664,22 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                     if window_columns == "kept_first":
                         how += "; window records written in kept-first order"
                     how += _shared_cost(by, batch, window, (columns, window_columns), native, packed)
-                    plan = native.get("split_plan")
+                    plan, join = native.get("split_plan"), native.get("join")
                     other_plan = _other_split_plan(plan)
-                    other = native_plans.get((batch, TOPK, window, native["splits"], other_plan)) if other_plan else None
+                    natural = ("natural", "natural")
+                    other = (fixed.get(("native", natural, batch, TOPK, window, native["splits"], other_plan, join))
+                             if other_plan else None)
                     if other:  # (one split has no plan, and no other)
                         how += (f"; native with split_plan={other_plan!r} (timed beside the split sweep; decode "
                                 f"chose {plan!r}) {other['time_us']:.1f} us against {native['time_us']:.1f}: the "
                                 f"ratio against it {packed['time_us'] / other['time_us']:.3f}")
+                    native_k = fixed.get(("native", natural, batch, TOPK, window, native["splits"], plan, "kernel"))
+                    packed_k = fixed.get(("packed", (columns, window_columns), batch, TOPK, window, packed["splits"],
+                                          packed.get("split_plan"), "kernel"))
+                    if join == "exchange" and packed.get("join") == "exchange" and native_k and packed_k:
+                        how += (f"; with join='kernel' (the splits' partials joined by a kernel of its own; decode "
+                                f"chose 'exchange') native {native_k['time_us']:.1f} us and packed "
+                                f"{packed_k['time_us']:.1f}: ratio {packed_k['time_us'] / native_k['time_us']:.3f}")
                     out.append({"name": f"decode packed ({_orders_label(columns, window_columns)})/native time, "
                                         f"batch {batch}, top-k {TOPK}, window {window}",
                                 "value": ratio, "target": "<= 0.62", "met": ratio <= 0.62,
@@ -762,7 +779,7 @@ def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
     provenance = gpu_provenance()
     return {
         "schema": "remnant/kernel-bench",
-        "schema_version": 9,
+        "schema_version": 10,
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
         "provenance": provenance,

@@ -86,3 +86,20 @@ def byte_permute(a, b, selector, INTERPRETED: tl.constexpr):
         return out.to(tl.uint32).to(tl.int32, bitcast=True)
     return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, selector],
                                      dtype=tl.int32, is_pure=True, pack=1)
+
+
+def launch_in_pairs(kernel) -> None:
+    """Makes a compiled Triton kernel (a JIT function's warmup's) launch its axis-0 programs
+    as clusters of two CTAs, 2x and 2x + 1, each its own program (the grid's axis 0
+    doubles), which the GPU schedules together (sm_90 and later). Triton 3.6 launches a
+    kernel's clusters from its packed metadata (num_warps, num_ctas, shared), which says
+    num_ctas = 1 for a kernel compiled for one CTA per program; asking for num_ctas at
+    compile time instead would split each program's tensors across the cluster.
+    Idempotent; later launches of the JIT function with the same specialization reuse this
+    kernel object, and so its clusters."""
+    num_warps, num_ctas, shared = kernel.packed_metadata
+    if num_ctas == 2:
+        return
+    if num_ctas != 1:
+        raise ValueError(f"launch_in_pairs takes a kernel compiled for one CTA per program, got num_ctas={num_ctas}")
+    kernel.packed_metadata = (num_warps, 2, shared)

@@ -3,7 +3,8 @@ records; the engine also passes HCA layers' C128 records, or none, in the same s
 
 For each decode token b and each block of H_BLOCK query heads, one program (or `splits`
 programs, each over a share of the records, their partial outputs written in float32 or
-row-scaled float16 and joined by their log-sum-exp: _combine_kernel) runs one online
+row-scaled float16 and joined by their log-sum-exp: by _combine_kernel, or, for two splits
+launched as one cluster of two CTAs, by the splits themselves: join_for) runs one online
 softmax over the attention sink, W window tokens and K selected C4 records, V = K (the same
 512-vector), as DeepSeek-V4's sparse MLA decode does. Window tokens are native records;
 C4 records are native (the stock baseline) or packed (kernel mode).
@@ -47,7 +48,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from remnant.kernels.common import alignment, byte_permute, check_locs, interpreted, record_addresses
+from remnant.kernels.common import (alignment, byte_permute, check_locs, interpreted, launch_in_pairs,
+                                   record_addresses)
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
 from remnant.kv.paged import KeptColumns, PageLayout
 
@@ -58,6 +60,7 @@ EMPTY_MAX: tl.constexpr = tl.constexpr(-1e30)  # the running max of a split befo
 MAX_SPLITS = 16
 PARTIAL_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 SPLIT_PLANS = ("even", "by_cost")
+JOINS = ("kernel", "exchange")
 # How many C4 steps one window step costs when splits are cut by cost (split_plan
 # "by_cost"). Packed: its window step (32 tokens, four column sets) against its C4 step (64
 # records); on the H200, of 1, 1.34 (the two loops' per-step times in the ninth round's
@@ -352,6 +355,15 @@ def _row_scale(top):
 
 
 @triton.jit
+def _cluster_barrier():
+    """Both CTAs of the cluster arrive (releasing their writes) and wait (acquiring the
+    other's); every thread of each runs it once."""
+    tl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
+                              "mov.b32 $0, 0;", "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def _q_columns(idx, cols_ptr, Q_GATHER: tl.constexpr):
     """The q columns of a kept-first column set at positions idx: idx itself (q given in
     kept-first order) or, Q_GATHER, the natural columns listed at cols_ptr[idx]."""
@@ -537,7 +549,7 @@ def _split_step(s, S, win_steps, c4_steps, WINDOW_STEP_COST: tl.constexpr):
 @triton.jit
 def _decode_kernel(
     q_ptr, q_sb, q_sh,
-    out_ptr, o_ss, o_sb, o_sh, lse_ptr,
+    out_ptr, o_ss, o_sb, o_sh, lse_ptr, fin_ptr, f_sb, f_sh,
     sink_ptr, H,
     win_ptr, win_locs_ptr, win_sb, W, win_stride, win_chunk,
     c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride, c4_chunk,
@@ -546,14 +558,23 @@ def _decode_kernel(
     N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
     SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
-    WINDOW_APART: tl.constexpr, BY_COST: tl.constexpr, WIN_STEP_COST: tl.constexpr,
+    WINDOW_APART: tl.constexpr, BY_COST: tl.constexpr, WIN_STEP_COST: tl.constexpr, EXCHANGE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
-    # second and later blocks read the token's records from L2, not memory.
+    # second and later blocks read the token's records from L2, not memory. EXCHANGE: the
+    # launch pairs CTAs 2x and 2x + 1 along axis 0 into a cluster (launch_in_pairs), the
+    # token's two splits, which join their partials into fin_ptr themselves (below).
     b = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
+    if EXCHANGE:
+        split = tl.program_id(0) % 2
+        head_block = tl.program_id(0) // 2
+        n_splits = 2
+    else:
+        split = tl.program_id(2)
+        head_block = tl.program_id(0)
+        n_splits = tl.num_programs(2)
+    heads = head_block * H_BLOCK + tl.arange(0, H_BLOCK)
     h_ok = heads < H
     q_row = q_ptr + b * q_sb + heads * q_sh
     o_row = out_ptr + split.to(tl.int64) * o_ss + b * o_sb + heads * o_sh
@@ -598,8 +619,8 @@ def _decode_kernel(
         # (NOTES.md, tenth round).
         if BY_COST:
             win_steps = tl.cdiv(W, WIN_BN)
-            p0 = _split_step(split, tl.num_programs(2), win_steps, tl.cdiv(K, BN), WIN_STEP_COST)
-            p1 = _split_step(split + 1, tl.num_programs(2), win_steps, tl.cdiv(K, BN), WIN_STEP_COST)
+            p0 = _split_step(split, n_splits, win_steps, tl.cdiv(K, BN), WIN_STEP_COST)
+            p1 = _split_step(split + 1, n_splits, win_steps, tl.cdiv(K, BN), WIN_STEP_COST)
             win_lo = tl.minimum(p0, win_steps) * WIN_BN
             win_hi = tl.minimum(tl.minimum(p1, win_steps) * WIN_BN, W)
             c4_lo = tl.maximum(p0 - win_steps, 0) * BN
@@ -623,57 +644,73 @@ def _decode_kernel(
                                               c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
                                               WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
                                               SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
-    if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing) and row scale, for _combine_kernel
-        row = (split * tl.num_programs(1) + b) * H + heads
+    if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing) and row scale, for the join
+        batch_heads = tl.num_programs(1).to(tl.int64) * H
+        row = split * batch_heads + b * H + heads
         tl.store(lse_ptr + row, m + tl.log2(l), mask=h_ok)
         if SCALED:  # lse_ptr's second [S, B, H] block
-            tl.store(lse_ptr + tl.num_programs(2).to(tl.int64) * tl.num_programs(1) * H + row, row_scale, mask=h_ok)
+            tl.store(lse_ptr + n_splits * batch_heads + row, row_scale, mask=h_ok)
+    if EXCHANGE:
+        # Both splits' partials and statistics are written: once both CTAs pass the cluster
+        # barrier (release, then acquire), each joins half of the columns, rank 0 columns
+        # 0-255 and rank 1 256-511, reading both partials from L2 (.cg: never this SM's L1).
+        _cluster_barrier()
+        c = split * 256 + tl.arange(0, 256)
+        _join(out_ptr, lse_ptr, fin_ptr + b * f_sb + heads * f_sh, b, heads, h_ok, H, batch_heads, c, c, c >= 0, 2,
+              False, SCALED, ".cg")
+
+
+@triton.jit
+def _join(part_ptr, lse_ptr, out_rows, b, heads, h_ok, H, split_stride, c, cols, held, S: tl.constexpr,
+          FIRST_IN_PLACE: tl.constexpr, SCALED: tl.constexpr, CACHE: tl.constexpr):
+    """out_rows[h, c] = sum_s w_s part[s, b, h, cols] / sum_s w_s, w_s = 2^(lse_s - max lse),
+    for heads [Hb] (h_ok) and output columns c [C] read from partial columns cols [C]
+    (held: columns the packed splits of FIRST_IN_PLACE hold): the splits' normalized
+    partial outputs ([S, B, H, 512]: float32, or SCALED float16 each row divided by its
+    scale, lse_ptr's second [S, B, H] block) joined by their log-sum-exp (_combine_kernel).
+    CACHE: the loads' cache modifier. Split 0 holds the sink, so the max is finite."""
+    lse_row = lse_ptr + b * H + heads
+    top = tl.load(lse_row, mask=h_ok, other=0.0, cache_modifier=CACHE)
+    for s in tl.static_range(1, S):
+        top = tl.maximum(top, tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0, cache_modifier=CACHE))
+    acc = tl.zeros((heads.shape[0], c.shape[0]), dtype=tl.float32)
+    norm = tl.zeros((heads.shape[0],), dtype=tl.float32)
+    for s in tl.static_range(S):
+        w = tl.exp2(tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0, cache_modifier=CACHE) - top)
+        rows = part_ptr + (s * split_stride + b * H + heads) * 512
+        if FIRST_IN_PLACE and s == 0:
+            part = tl.load(rows[:, None] + c[None, :], mask=h_ok[:, None], other=0.0, cache_modifier=CACHE)
+        elif FIRST_IN_PLACE:
+            part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None] & held[None, :], other=0.0,
+                           cache_modifier=CACHE)
+        else:
+            part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None], other=0.0, cache_modifier=CACHE)
+        if SCALED:
+            w_part = w * tl.load(lse_row + (S + s) * split_stride, mask=h_ok, other=0.0, cache_modifier=CACHE)
+        else:
+            w_part = w
+        acc += w_part[:, None] * part.to(tl.float32)
+        norm += w
+    out = acc / norm[:, None]
+    tl.store(out_rows[:, None] + c[None, :], out.to(out_rows.dtype.element_ty), mask=h_ok[:, None])
 
 
 @triton.jit
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept,
                     S: tl.constexpr, H_BLOCK: tl.constexpr, GATHER: tl.constexpr, FIRST_IN_PLACE: tl.constexpr,
                     SCALED: tl.constexpr):
-    """out[b, h, c] = sum_s w_s part[s, b, h, index[c]] / sum_s w_s, w_s = 2^(lse_s - max lse):
-    the splits' normalized partial outputs ([S, B, H, 512]: float32, or SCALED float16 each
-    row divided by its scale, lse_ptr's second [S, B, H] block) joined by their
-    log-sum-exp; GATHER reads each row through `index` (kept-first -> natural order), else
-    in place. FIRST_IN_PLACE (the window apart): split 0 is the window program's
-    natural-order partial, read in place, and the others, packed C4 records only, hold no
-    dropped column (kept-first positions n_kept..447): those read as 0. Split 0 holds the
-    sink, so the max is finite."""
+    """The join of a token's S splits (_join) for a block of H_BLOCK heads, all 512 columns:
+    GATHER reads each row through `index` (kept-first -> natural order), else in place.
+    FIRST_IN_PLACE (the window apart): split 0 is the window program's natural-order
+    partial, read in place, and the others, packed C4 records only, hold no dropped column
+    (kept-first positions n_kept..447): those read as 0."""
     b = tl.program_id(1).to(tl.int64)
     heads = tl.program_id(0) * H_BLOCK + tl.arange(0, H_BLOCK)
-    h_ok = heads < H
     c = tl.arange(0, 512)
     cols = tl.load(index_ptr + c) if GATHER else c
-    held = (cols < n_kept) | (cols >= 448)
-    lse_row = lse_ptr + b * H + heads
     # The batch from the grid: an integer argument equal to 1 is specialised to a constant.
-    split_stride = tl.num_programs(1).to(tl.int64) * H
-    top = tl.load(lse_row, mask=h_ok, other=0.0)
-    for s in tl.static_range(1, S):
-        top = tl.maximum(top, tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0))
-    acc = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
-    norm = tl.zeros((H_BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(S):
-        w = tl.exp2(tl.load(lse_row + s * split_stride, mask=h_ok, other=0.0) - top)
-        rows = part_ptr + (s * split_stride + b * H + heads) * 512
-        if FIRST_IN_PLACE and s == 0:
-            part = tl.load(rows[:, None] + c[None, :], mask=h_ok[:, None], other=0.0)
-        elif FIRST_IN_PLACE:
-            part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None] & held[None, :], other=0.0)
-        else:
-            part = tl.load(rows[:, None] + cols[None, :], mask=h_ok[:, None], other=0.0)
-        if SCALED:
-            w_part = w * tl.load(lse_row + (S + s) * split_stride, mask=h_ok, other=0.0)
-        else:
-            w_part = w
-        acc += w_part[:, None] * part.to(tl.float32)
-        norm += w
-    out = acc / norm[:, None]
-    tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + c[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None])
+    _join(part_ptr, lse_ptr, out_ptr + b * o_sb + heads * o_sh, b, heads, heads < H, H,
+          tl.num_programs(1).to(tl.int64) * H, c, cols, (cols < n_kept) | (cols >= 448), S, FIRST_IN_PLACE, SCALED, "")
 
 
 @triton.jit
@@ -814,6 +851,36 @@ def split_plan_for(split_plan: str | None, splits: int, packed: bool, window_kep
     return split_plan
 
 
+def join_for(join: str | None, splits: int, partials: str | None, permute: bool, window_apart: bool,
+             device: torch.device) -> str | None:
+    """How decode joins a token's splits (its `join`): None for one split; "kernel", the
+    splits' partials written to global memory and joined by _combine_kernel; or "exchange",
+    a token's two splits launched as one cluster of two CTAs that join through each other's
+    shared memory and each write half of the output (_exchange_send and its neighbours).
+    None chooses "exchange" wherever it can run, unless `partials` names the kernel join's
+    partials: two splits, the output in the kernel's own column order (no permutation back
+    to natural order, no window apart: their join reads the partials by index), compiled
+    for a GPU with clusters (sm_90 and later; the interpreter runs programs one at a time)."""
+    if splits == 1:
+        return None
+    why = None
+    if splits != 2:
+        why = f"{splits} splits (it pairs two)"
+    elif permute:
+        why = "columns='natural' over packed records (the join kernel permutes the output back)"
+    elif window_apart:
+        why = "the window apart (the join kernel reads its partials in two orders)"
+    elif device.type != "cuda" or interpreted():
+        why = "no compiled CUDA launch (Triton's interpreter runs programs one at a time)"
+    elif torch.cuda.get_device_capability(device) < (9, 0):
+        why = "a GPU before sm_90 (no thread block clusters)"
+    if join is None:
+        return "kernel" if why or partials is not None else "exchange"
+    if join == "exchange" and why:
+        raise ValueError(f"join='exchange' cannot run with {why}; pass join='kernel' or leave it None")
+    return join
+
+
 def window_step_cost(packed: bool) -> int:
     """How many C4 steps one window step weighs when decode cuts splits by cost (its
     split_plan "by_cost"; _split_step): PACKED_ or NATIVE_WINDOW_STEP_COST."""
@@ -859,6 +926,7 @@ def decode(
     window_apart: bool | None = None,
     partials: str | None = None,
     split_plan: str | None = None,
+    join: str | None = None,
     compiled: list | None = None,
 ) -> torch.Tensor:
     """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
@@ -909,7 +977,7 @@ def decode(
     """
     for name, value, allowed in (("columns", columns, COLUMN_ORDERS), ("window_columns", window_columns, COLUMN_ORDERS),
                                  ("partials", partials, (None, *PARTIAL_DTYPES)),
-                                 ("split_plan", split_plan, (None, *SPLIT_PLANS))):
+                                 ("split_plan", split_plan, (None, *SPLIT_PLANS)), ("join", join, (None, *JOINS))):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
@@ -955,6 +1023,8 @@ def decode(
     # columns, and the join takes their partials back to natural order.
     q_in = permute_columns(q, cols.order) if permute and not window_apart else q
     c4_programs = splits - 1 if window_apart else splits
+    join = join_for(join, splits, partials, permute, window_apart, q.device)
+    exchange = join == "exchange"
     partial_dtype = partials_for(partials, splits)
     scaled = partial_dtype == "float16"
     by_cost = split_plan_for(split_plan, splits, cols.packed, window_kept_first, window_apart) == "by_cost"
@@ -966,31 +1036,36 @@ def decode(
         out_k = torch.empty_like(q_in, dtype=out.dtype) if permute else out
         lse = sink  # not read
         out_strides = (0, *out_k.stride()[:2])
-    try:
-        kernel = _decode_kernel[(head_blocks, batch, splits)](
-            q_in, q_in.stride(0), q_in.stride(1),
-            out_k, *out_strides, lse,
+    # The exchange join's splits write `out` themselves (fin_ptr), and its launch doubles
+    # axis 0 into clusters of two (launch_in_pairs).
+    grid = (head_blocks, batch, 1 if exchange else splits)
+    args = (q_in, q_in.stride(0), q_in.stride(1),
+            out_k, *out_strides, lse, out, out.stride(0), out.stride(1),
             sink, heads,
             window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
             triton.cdiv(win_steps, splits) * win_bn,
             c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
             triton.cdiv(c4_steps, c4_programs) * block_n,
-            cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E,
-            WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
-            C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
-            N=cols.n_kept, KA=kept_blocks[0], KA_N=min(cols.n_kept, kept_blocks[0]), KT=kept_blocks[1],
-            DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
-            WIN_SCORES_T=config["window_scores_transposed"],
-            PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
-            WIN_BN=win_bn, SPLIT=splits > 1, SCALED=scaled, WINDOW_APART=window_apart, BY_COST=by_cost,
-            WIN_STEP_COST=window_step_cost(cols.packed),
-            INTERPRETED=interpreted(),
-            num_warps=num_warps, num_stages=num_stages,
-        )
+            cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E)
+    constants = dict(
+        WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
+        C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
+        N=cols.n_kept, KA=kept_blocks[0], KA_N=min(cols.n_kept, kept_blocks[0]), KT=kept_blocks[1],
+        DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
+        WIN_SCORES_T=config["window_scores_transposed"],
+        PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
+        WIN_BN=win_bn, SPLIT=splits > 1, SCALED=scaled, WINDOW_APART=window_apart, BY_COST=by_cost,
+        WIN_STEP_COST=window_step_cost(cols.packed), EXCHANGE=exchange,
+        INTERPRETED=interpreted(),
+        num_warps=num_warps, num_stages=num_stages)
+    try:
+        if exchange:  # compiled first, so that its first launch is already in pairs
+            launch_in_pairs(_decode_kernel.warmup(*args, grid=grid, **constants))
+        kernel = _decode_kernel[grid](*args, **constants)
     except OutOfResources as exc:  # name the settings, not only the kernel's shared memory
         raise ValueError(f"decode launch settings {dict(h_block=h_block, num_warps=num_warps, **config)} need "
                          f"{exc.required} bytes of {exc.name}, the GPU has {exc.limit}: lower num_stages or block_n") from exc
-    if splits > 1:  # the join also takes the output back to the model's order (permute)
+    if join == "kernel":  # the join also takes the output back to the model's order (permute)
         join_heads, join_warps = JOIN_LAUNCH
         _combine_kernel[(triton.cdiv(heads, join_heads), batch)](
             out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, heads, cols.n_kept,

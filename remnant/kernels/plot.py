@@ -33,13 +33,15 @@ def decode_series(doc: dict, window: int, topk: int, retention: int) -> dict[str
 
 def split_series(doc: dict) -> dict[str, list[tuple[int, float]]]:
     """{label: [(splits, time_us)]} of the split sweep's rows (fixed splits), per kernel and
-    batch, and apart those whose splits were cut by cost (split_plan)."""
+    batch, and apart those whose splits were cut by cost (split_plan) and two splits joined
+    by the join kernel (where decode's own choice is the exchange: join_for)."""
     series: dict[str, list[tuple[int, float]]] = {}
     for row in doc["decode"]:
         key = _line_key(row)
         if not row.get("auto_splits", True) and key in DECODE_LINES:
             name = "native" if key[0] == "native" else "packed, folded" if key[1] == "kept_first" else DECODE_LINES[key]
             plan = ", cut by cost" if row.get("split_plan") == "by_cost" else ""
+            plan += ", join kernel" if row.get("join") == "kernel" and row["splits"] == 2 else ""
             series.setdefault(f"{name}, batch {row['batch']}{plan}", []).append((row["splits"], row["time_us"]))
     return {label: sorted(points) for label, points in sorted(series.items())}
 

@@ -37,6 +37,9 @@ def _decode_row(ceil: Ceilings, config: dict, variant: str, retention: int, colu
             "auto_splits": auto_splits, "window_apart": False, "partials": partials_for(None, splits),
             "split_plan": split_plan_for(None, splits, variant == "packed", variant == "packed" and window_columns == "kept_first",
                                          False),
+            # join_for on an sm_90 GPU: two splits in the kernel's own order join by exchange.
+            "join": None if splits == 1 else "kernel" if splits > 2 or (variant, columns) == ("packed", "natural")
+            else "exchange",
             **_roofline(us / 1e6, nbytes, flops, ceil)}
 
 
@@ -56,6 +59,10 @@ def _doc() -> dict:
     # The other split plan at the auto rows' splits: native even (decode cuts its 2 splits by cost).
     decode.append(dict(_decode_row(ceil, config, "native", 512, "natural", "natural", 18.0, auto_splits=False),
                        split_plan="even"))
+    # The other join at the auto rows' two splits, native and folded: the join kernel.
+    for variant, retention, orders, us in (("native", 512, "natural", 24.0), ("packed", 256, "kept_first", 15.0)):
+        decode.append(dict(_decode_row(ceil, config, variant, retention, orders, orders, us, auto_splits=False),
+                           join="kernel"))
     # The calls without C4 records (top-k 0), native and folded, at the auto rows' splits.
     for variant, retention, orders, us in (("native", 512, "natural", 8.0), ("packed", 256, "kept_first", 9.0)):
         decode.append(_decode_row(ceil, config, variant, retention, orders, orders, us, topk=0))
@@ -64,7 +71,7 @@ def _doc() -> dict:
     recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "shared",
               "block_rows": 16, "num_warps": 4, **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
     return {
-        "schema": "remnant/kernel-bench", "schema_version": 9, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
+        "schema": "remnant/kernel-bench", "schema_version": 10, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
         "provenance": {"gpu": {"name": "test", "capability": "9.0", "multiprocessors": 132, "l2_bytes": 60 << 20,
                                "nvidia_smi": {}},
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},
@@ -96,6 +103,10 @@ def test_targets_are_ratios_of_this_run():
     assert ("native with split_plan='even' (timed beside the split sweep; decode chose 'by_cost') 18.0 us against "
             "20.0: the ratio against it 0.556" in window["note"])
     assert "split_plan='even'" in ratio["note"]
+    # And both calls with the join decode did not choose (the join kernel) beside the folded ratio.
+    assert ("with join='kernel' (the splits' partials joined by a kernel of its own; decode chose 'exchange') native "
+            "24.0 us and packed 15.0: ratio 0.625" in window["note"])
+    assert "join='kernel'" not in ratio["note"]  # natural columns: the join kernel permutes, no exchange to compare
     # One split has no plan: the split sweep's one-split native row is no other plan's.
     one = _doc()
     for row in one["decode"]:
@@ -161,7 +172,9 @@ def test_split_series_holds_the_sweep_only():
     series = split_series(_doc())
     # (The native row at 2 splits is the other plan's, even: decode cuts native's 2 by cost.)
     assert series == {"native, batch 64": [(1, 30.0), (2, 18.0), (4, 5.0)],
-                      "packed, folded, batch 64": [(1, 25.0)], "packed, folded, batch 64, cut by cost": [(8, 26.0)]}
+                      "native, batch 64, cut by cost, join kernel": [(2, 24.0)],
+                      "packed, folded, batch 64": [(1, 25.0)], "packed, folded, batch 64, cut by cost": [(8, 26.0)],
+                      "packed, folded, batch 64, join kernel": [(2, 15.0)]}
 
 
 def test_decode_cases_time_the_other_split_plan_at_auto_splits_count():
@@ -177,6 +190,16 @@ def test_decode_cases_time_the_other_split_plan_at_auto_splits_count():
     assert [c.batch for c in decode_cases(quick=True, multiprocessors=132) if c.split_plan] == [64, 64]
     # On a GPU that batch 64 fills unsplit there is no plan to compare.
     assert [c.batch for c in decode_cases(quick=True, multiprocessors=64) if c.split_plan] == []
+
+
+def test_decode_cases_time_the_join_kernel_where_decode_joins_two_splits_by_exchange():
+    from remnant.kernels.bench import decode_cases
+
+    kernels = [(c.variant, c.batch, c.splits, c.split_plan, c.columns, c.window_columns)
+               for c in decode_cases(quick=False, multiprocessors=132) if c.join is not None]
+    assert kernels == [("native", 64, 2, None, "natural", "natural"), ("packed", 64, 2, None, "kept_first", "kept_first")]
+    assert all(c.join == "kernel" for c in decode_cases(quick=True, multiprocessors=132) if c.join)
+    assert not any(c.join for c in decode_cases(quick=True, multiprocessors=64))  # batch 64 unsplit there
 
 
 def _without_splits(doc: dict) -> None:

@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.decode import (_split_step, decode, kept_column_blocks, partials_for, permute_columns,
-                                    split_count, split_plan_for, splits_for, window_apart_for,
+from remnant.kernels.decode import (_split_step, decode, join_for, kept_column_blocks, partials_for,
+                                    permute_columns, split_count, split_plan_for, splits_for, window_apart_for,
                                     window_step_cost)
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
@@ -291,6 +291,25 @@ def test_partials_are_float16_for_two_splits_or_fewer_unless_given():
     assert partials_for(None, 1) is None and partials_for("float16", 1) is None  # one split: no partials
 
 
+def test_join_is_the_exchange_only_for_two_splits_in_the_kernels_own_order_on_a_gpu():
+    cpu = torch.device("cpu")
+    assert join_for(None, 1, None, False, False, cpu) is None  # one split: nothing to join
+    # Off the GPU (and under the interpreter, which runs programs one at a time): the kernel.
+    assert join_for(None, 2, None, False, False, cpu) == "kernel"
+    with pytest.raises(ValueError, match="join='exchange' cannot run with no compiled CUDA launch"):
+        join_for("exchange", 2, None, False, False, cpu)
+    for splits, permute, apart, why in ((3, False, False, "3 splits"), (2, True, False, "columns='natural'"),
+                                        (2, False, True, "the window apart")):
+        with pytest.raises(ValueError, match=f"join='exchange' cannot run with {why}"):
+            join_for("exchange", splits, None, permute, apart, cpu)
+        assert join_for(None, splits, None, permute, apart, cpu) == "kernel"
+
+
+def test_decode_refuses_an_unknown_join():
+    with pytest.raises(ValueError, match="join='program' is not allowed; allowed: None, 'kernel', 'exchange'"):
+        check_decode(batch=2, heads=16, topk=16, window=8, retention=256, seed=1, splits=2, join="program", **SMALL)
+
+
 def test_split_count_fills_the_multiprocessors_once():
     assert [splits_for(programs, 132) for programs in (1, 9, 64, 66, 67, 128, 512)] == [16, 14, 2, 2, 1, 1, 1]
     # At most one split per step of the longer loop: 37 records at 16 per step are 3 steps.
@@ -446,6 +465,52 @@ def test_decode_on_gpu_split_in_two_with_each_partials_dtype(retention, kept_fir
     # Two splits, as at batch 64 on an H200, with values in and far beyond float16's range.
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=21, splits=2, kept_first=kept_first,
                  window_kept_first=kept_first, scale_byte=scale_byte, per_tile=True, partials=partials)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("retention", "kept_first"), [(512, False), (256, True), (128, True), (448, True)])
+@pytest.mark.parametrize("scale_byte", [None, *MAGNITUDES])
+@pytest.mark.parametrize(("split_plan", "heads", "config"), [("even", 64, {}), ("by_cost", 64, {}),
+                                                             ("even", 41, dict(h_block=16, block_n=32, num_warps=4))])
+def test_decode_on_gpu_joined_by_exchange_between_two_splits(retention, kept_first, scale_byte, split_plan, heads,
+                                                             config):
+    # The two splits of a token as one cluster, each finishing half of the output columns
+    # from the other's float16 partial (in shared memory); 41 heads leave a head block part
+    # empty, whose rows neither CTA stores.
+    check_decode(batch=9, heads=heads, topk=512, window=128, retention=retention, seed=31, splits=2, join="exchange",
+                 kept_first=kept_first, window_kept_first=kept_first, scale_byte=scale_byte, per_tile=True,
+                 split_plan=split_plan, **config)
+    if scale_byte is None:  # with a soft softmax, where both splits carry weight
+        check_decode(batch=9, heads=heads, topk=512, window=128, retention=retention, seed=32, splits=2,
+                     join="exchange", kept_first=kept_first, window_kept_first=kept_first, per_tile=True,
+                     split_plan=split_plan, **SOFT, **config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("retention", "kept_first"), [(512, False), (256, True)])
+def test_decode_on_gpu_joined_by_exchange_gives_the_same_output_every_launch(retention, kept_first):
+    # A barrier or a buffer that let one CTA read its sibling's slots before they were written
+    # would show as outputs that differ between launches. Batch 64 fills an H200's SMs.
+    gen = torch.Generator().manual_seed(5)
+    keep = keep_map(retention, gen)
+    c4_layout, win_layout = PageLayout.sglang(64, retention), PageLayout.sglang(64)
+    c4 = filled_pool(c4_layout, 40, keep, gen)
+    win = filled_pool(win_layout, 8, keep if kept_first else None, gen, kept_first=kept_first)
+    batch = 64
+    c4_locs = torch.stack([torch.randperm(c4_layout.capacity(c4), generator=gen)[:512] for _ in range(batch)]).to(DEVICE)
+    win_locs = torch.stack([torch.randperm(win_layout.capacity(win), generator=gen)[:128] for _ in range(batch)])
+    q = (torch.randn(batch, 64, 512, generator=gen) * 0.02).to(torch.bfloat16).to(DEVICE)
+    sink = torch.randn(64, generator=gen).to(DEVICE)
+    orders = dict(columns="kept_first", window_columns="kept_first") if kept_first else {}
+    outs = {join: [decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs.to(DEVICE), sink, keep, splits=2,
+                          join=join, **orders) for _ in range(20 if join == "exchange" else 1)]
+            for join in ("exchange", "kernel")}
+    first = outs["exchange"][0]
+    assert all(torch.equal(first, out) for out in outs["exchange"][1:])
+    # The two joins round differently (float32 against float16 for the CTA's own half).
+    assert ((first.double() - outs["kernel"][0].double()).norm() / first.double().norm()).item() < 2e-3
 
 
 @pytest.mark.gpu
