@@ -90,13 +90,16 @@ def write_index(benchmarks: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m remnant.report.curate", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", type=Path, nargs="?", help="a sweep or run directory")
-    p.add_argument("--name", required=True, help="collection name (lowercase, digits, . _ -)")
-    p.add_argument("--description", required=True)
+    p.add_argument("--name", help="collection name (lowercase, digits, . _ -); required to curate")
+    p.add_argument("--description", help="what the collection holds; required to curate")
     p.add_argument("--benchmarks", type=Path, default=Path("benchmarks"))
     p.add_argument("--index-only", action="store_true", help="only rebuild benchmarks/index.json")
     a = p.parse_args(argv)
-    if not a.index_only and a.sweep is None:
-        p.error("give the sweep directory to curate (or --index-only)")
+    if not a.index_only:
+        missing = [flag for flag, value in (("the sweep directory", a.sweep), ("--name", a.name),
+                                            ("--description", a.description)) if value is None]
+        if missing:
+            p.error(f"to curate, give {', '.join(missing)} (or --index-only)")
     try:
         path = write_index(a.benchmarks) if a.index_only else curate(a.sweep, a.name, a.description, a.benchmarks)
     except (ValueError, OSError) as exc:

@@ -51,14 +51,19 @@ def _compile_and_list(kernel: str, signature: dict, constants: dict, num_warps: 
                           check=True).stdout
 
 
-def sass_ops(kernel: str, signature: dict, constants: dict, num_warps: int, tmp_path) -> collections.Counter:
-    """Opcode counts of the kernel's SASS (see _compile_and_list)."""
+def _listing(kernel: str, signature: dict, constants: dict, num_warps: int, tmp_path) -> str:
+    """The kernel's SASS listing (see _compile_and_list), compiled in a process of its own."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     args = json.dumps([kernel, signature, constants, num_warps, str(tmp_path / "kernel.cubin")])
-    listing = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, env=env, check=True,
-                             cwd=root).stdout
+    return subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, env=env, check=True,
+                          cwd=root).stdout
+
+
+def sass_ops(kernel: str, signature: dict, constants: dict, num_warps: int, tmp_path) -> collections.Counter:
+    """Opcode counts of the kernel's SASS (see _compile_and_list)."""
+    listing = _listing(kernel, signature, constants, num_warps, tmp_path)
     return collections.Counter(m.group(1).split(".")[0]
                                for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", listing))
 
@@ -101,6 +106,33 @@ def test_store_shared_gathers_through_shared_memory(tmp_path):
     shared, registers = ops("shared"), ops("registers")
     # Both reduce each tile's maximum with shuffles; only the row gather adds ~1000 more.
     assert shared["LDS"] >= 32 and shared["SHFL"] * 4 < registers["SHFL"], (shared, registers)
+
+
+DECODE = {"q_ptr": "*bf16", "q_sb": "i32", "q_sh": "i32", "out_ptr": "*fp16", "o_ss": "i32", "o_sb": "i32",
+          "o_sh": "i32", "lse_ptr": "*fp32", "fin_ptr": "*bf16", "f_sb": "i32", "f_sh": "i32", "sink_ptr": "*fp32",
+          "H": "i32", "win_ptr": "*u8", "win_locs_ptr": "*i32", "win_sb": "i32", "W": "i32", "win_stride": "i32",
+          "win_chunk": "i32", "c4_ptr": "*u8", "c4_locs_ptr": "*i32", "c4_sb": "i32", "K": "i32", "c4_stride": "i32",
+          "c4_chunk": "i32", "kept_ptr": "*i32", "dropped_ptr": "*i32", "kept_starts_ptr": "*i32",
+          "dropped_starts_ptr": "*i32", "qk_scale": "fp32"}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed, tmp_path):
+    # Two splits as one cluster join after barrier.cluster: one arrive and one wait, not
+    # predicated to some threads, or a CTA could read its sibling's partial half-written.
+    from remnant.kernels.decode import DEFAULT_CONFIGS
+
+    config = DEFAULT_CONFIGS["packed, kept-first window" if packed else "native"]
+    constants = dict(WIN_PER_PAGE=64, WIN_ALIGN=16, C4_PER_PAGE=64, C4_ALIGN=16, N=192 if packed else 448,
+                     KA=128 if packed else 512, KA_N=128 if packed else 448, KT=64 if packed else 0,
+                     DP=256 if packed else 64, PACKED=packed, H_BLOCK=64, BN=config["block_n"],
+                     WIN_BN=config["window_block_n"], WIN_KEPT_FIRST=packed, SCORES_T=config["scores_transposed"],
+                     WIN_SCORES_T=config["window_scores_transposed"], SPLIT=True, SCALED=True, WINDOW_APART=False,
+                     BY_COST=not packed, WIN_STEP_COST=2 if packed else 1, EXCHANGE=True, INTERPRETED=False)
+    listing = _listing("remnant.kernels.decode:_decode_kernel", DECODE, constants, 8, tmp_path)
+    for op in ("UCGABAR_ARV", "UCGABAR_WAIT"):
+        lines = [line for line in listing.splitlines() if re.search(rf"\b{op}\b", line)]
+        assert len(lines) == 1 and not re.search(r"@!?U?P\w+\s+" + op, lines[0]), lines
 
 
 if __name__ == "__main__":
