@@ -271,7 +271,7 @@ class DecodeCase:
         return {"partials": partials_for(None, splits),
                 "split_plan": split_plan_for(self.split_plan, splits, packed,
                                              packed and self.window_columns == "kept_first", window_apart),
-                "join": join_for(self.join, splits, None, packed and self.columns == "natural", window_apart,
+                "join": join_for(self.join, splits, packed and self.columns == "natural", window_apart,
                                  torch.device("cuda"))}
 
     def resolved_splits(self, config: dict) -> int:

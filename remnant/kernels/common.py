@@ -97,9 +97,17 @@ def launch_in_pairs(kernel) -> None:
     compile time instead would split each program's tensors across the cluster.
     Idempotent; later launches of the JIT function with the same specialization reuse this
     kernel object, and so its clusters."""
+    if len(kernel.packed_metadata) != 3:
+        raise RuntimeError(f"launch_in_pairs knows Triton's packed metadata as (num_warps, num_ctas, shared); this "
+                           f"Triton ({triton.__version__}) packs {kernel.packed_metadata}")
     num_warps, num_ctas, shared = kernel.packed_metadata
     if num_ctas == 2:
         return
     if num_ctas != 1:
         raise ValueError(f"launch_in_pairs takes a kernel compiled for one CTA per program, got num_ctas={num_ctas}")
+    # The launcher sizes global and profile scratch per program from metadata.num_ctas,
+    # which stays 1: a kernel that used scratch would get half of it.
+    scratch = {name: getattr(kernel.metadata, name, 0) or 0 for name in ("global_scratch_size", "profile_scratch_size")}
+    if any(scratch.values()):
+        raise ValueError(f"launch_in_pairs takes a kernel without global or profile scratch, got {scratch}")
     kernel.packed_metadata = (num_warps, 2, shared)

@@ -656,8 +656,8 @@ def _decode_kernel(
         # 0-255 and rank 1 256-511, reading both partials from L2 (.cg: never this SM's L1).
         _cluster_barrier()
         c = split * 256 + tl.arange(0, 256)
-        _join(out_ptr, lse_ptr, fin_ptr + b * f_sb + heads * f_sh, b, heads, h_ok, H, batch_heads, c, c, c >= 0, 2,
-              False, SCALED, ".cg")
+        _join(out_ptr, lse_ptr, fin_ptr + b * f_sb + heads * f_sh, b, heads, h_ok, H, batch_heads, c, c,
+              c >= 0, 2, False, SCALED, ".cg")  # (c >= 0: `held`, read only with FIRST_IN_PLACE)
 
 
 @triton.jit
@@ -851,16 +851,17 @@ def split_plan_for(split_plan: str | None, splits: int, packed: bool, window_kep
     return split_plan
 
 
-def join_for(join: str | None, splits: int, partials: str | None, permute: bool, window_apart: bool,
-             device: torch.device) -> str | None:
+def join_for(join: str | None, splits: int, permute: bool, window_apart: bool, device: torch.device) -> str | None:
     """How decode joins a token's splits (its `join`): None for one split; "kernel", the
     splits' partials written to global memory and joined by _combine_kernel; or "exchange",
-    a token's two splits launched as one cluster of two CTAs that join through each other's
-    shared memory and each write half of the output (_exchange_send and its neighbours).
-    None chooses "exchange" wherever it can run, unless `partials` names the kernel join's
-    partials: two splits, the output in the kernel's own column order (no permutation back
-    to natural order, no window apart: their join reads the partials by index), compiled
-    for a GPU with clusters (sm_90 and later; the interpreter runs programs one at a time)."""
+    a token's two splits launched as one cluster of two CTAs that write their partials as
+    for the kernel, pass a cluster barrier and each join half of the output columns from
+    L2 (_decode_kernel's EXCHANGE). None chooses "exchange" wherever it can run: two
+    splits, the output in the kernel's own column order (no permutation back to natural
+    order, no window apart: their join reads the partials by index), compiled for an NVIDIA
+    GPU with clusters (sm_90 and later; inline PTX; the interpreter runs programs one at a
+    time), by a Triton whose launcher takes clusters from the packed metadata that
+    launch_in_pairs sets (3.6 and later)."""
     if splits == 1:
         return None
     why = None
@@ -872,10 +873,14 @@ def join_for(join: str | None, splits: int, partials: str | None, permute: bool,
         why = "the window apart (the join kernel reads its partials in two orders)"
     elif device.type != "cuda" or interpreted():
         why = "no compiled CUDA launch (Triton's interpreter runs programs one at a time)"
+    elif torch.version.hip is not None:
+        why = "a ROCm GPU (the cluster barrier is PTX)"
     elif torch.cuda.get_device_capability(device) < (9, 0):
         why = "a GPU before sm_90 (no thread block clusters)"
+    elif tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
+        why = f"Triton {triton.__version__} (launch_in_pairs needs 3.6 or later)"
     if join is None:
-        return "kernel" if why or partials is not None else "exchange"
+        return "kernel" if why else "exchange"
     if join == "exchange" and why:
         raise ValueError(f"join='exchange' cannot run with {why}; pass join='kernel' or leave it None")
     return join
@@ -957,7 +962,7 @@ def decode(
     "kept_first".
 
     splits: programs per (token, head block), each over its share of the window and of the
-    C4 records, joined by _combine_kernel (flash-decoding); None chooses auto_splits: on
+    C4 records, joined by their log-sum-exp (flash-decoding; `join`); None chooses auto_splits: on
     a GPU, enough to give every multiprocessor a program when the batch alone does not.
 
     window_apart (packed records, all three orders natural): split 0 reads the whole
@@ -970,6 +975,10 @@ def decode(
     "float16" (half the bytes written and joined; each row scaled by a power of two,
     _row_scale, so that values down to 2^-28 of its largest keep 11 bits, finer than a bf16
     output); None chooses partials_for.
+
+    join (split decodes): "kernel" (_combine_kernel over the partials) or "exchange" (two
+    splits as one cluster of two CTAs joining half of the columns each, no join kernel);
+    None chooses join_for: the exchange where it can run.
 
     split_plan (split decodes): "even" (each split a share of the window and of the C4
     records) or "by_cost" (each a contiguous range of the window's steps then the C4
@@ -1023,7 +1032,7 @@ def decode(
     # columns, and the join takes their partials back to natural order.
     q_in = permute_columns(q, cols.order) if permute and not window_apart else q
     c4_programs = splits - 1 if window_apart else splits
-    join = join_for(join, splits, partials, permute, window_apart, q.device)
+    join = join_for(join, splits, permute, window_apart, q.device)
     exchange = join == "exchange"
     partial_dtype = partials_for(partials, splits)
     scaled = partial_dtype == "float16"
