@@ -205,6 +205,8 @@ class HostConfig:
 #: Values of EmbeddedHostConfig.device and .decode_path (remnant.engine.model checks them too).
 ENGINE_DEVICES = ("cpu", "cuda")
 DECODE_PATHS = ("auto", "reference", "kernels")
+#: Values of EmbeddedHostConfig.native_decode (remnant.kernels.flashmla.NATIVE_KERNELS).
+NATIVE_DECODES = ("auto", "flashmla", "triton")
 
 
 @dataclass
@@ -227,6 +229,12 @@ class EmbeddedHostConfig(HostConfig):
     #: How decode steps attend: reference (torch), kernels (remnant.kernels' Triton decode,
     #: store and reconstruct), or auto (kernels on cuda, reference on cpu).
     decode_path: str = "auto"
+    #: Which kernel decode steps on the kernels path run over native records (native and
+    #: triton modes, window-only and HCA layers): flashmla (FlashMLA's V4 decode, as SGLang
+    #: runs; needs sgl-flash-mla, an SM90/SM100 GPU and 64 or 128 heads), triton (Remnant's
+    #: Triton native kernel), or auto (flashmla where it runs, else triton: run.json's
+    #: limits say so).
+    native_decode: str = "auto"
 
 
 @dataclass
@@ -464,6 +472,12 @@ def validate_host(h: HostConfig) -> None:
             raise ConfigError(f"host.device={h.device} is not allowed; allowed: {', '.join(ENGINE_DEVICES)}")
         if h.decode_path not in DECODE_PATHS:
             raise ConfigError(f"host.decode_path={h.decode_path} is not allowed; allowed: {', '.join(DECODE_PATHS)}")
+        if h.native_decode not in NATIVE_DECODES:
+            raise ConfigError(f"host.native_decode={h.native_decode} is not allowed; allowed: "
+                              f"{', '.join(NATIVE_DECODES)}")
+        if h.native_decode == "flashmla" and h.device == "cpu":
+            raise ConfigError("host.native_decode=flashmla needs host.device=cuda (FlashMLA runs on SM90/SM100 GPUs); "
+                              "use native_decode=auto or triton")
         if h.decode_path == "kernels" and h.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             # The server would refuse it at start; say so before one is launched.
             raise ConfigError("host.decode_path=kernels with host.device=cpu needs TRITON_INTERPRET=1 in the "

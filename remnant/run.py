@@ -59,6 +59,17 @@ def _base_limits(cfg: RunConfig) -> list[str]:
     return limits + list(cfg.limits)
 
 
+def _native_decode_limits(server_info: dict | None) -> list[str]:
+    """The embedded engine on a GPU says which kernel decoded native records: a run whose
+    native attention was not FlashMLA's (SGLang's stock decode) must say so."""
+    info = server_info or {}
+    native = info.get("remnant_native_decode") or {}
+    if info.get("device") != "cuda" or native.get("kernel") != "triton":
+        return []
+    return [f"decode over native records (native and triton modes, window-only and HCA layers) ran on Remnant's "
+            f"Triton native kernel, not FlashMLA's V4 decode that SGLang runs: {native.get('reason')}"]
+
+
 def _check_served_mode(mode: str, server_info: dict | None, base_url: str, started_here: bool) -> list[str]:
     """Limits to record about the server's mode; raises HostError where the server reports
     another mode than the run's: an external server started in one mode and driven as
@@ -127,6 +138,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             server_info = endpoint.server_info
             limits += _check_served_mode(cfg.mode.name, server_info, endpoint.base_url,
                                          started_here=cfg.host.kind != "external")
+            limits += _native_decode_limits(server_info)
             if needs_server_info(cfg.workload):
                 stage.name = "workload"
                 plan = plan_workload(cfg.workload, cfg.model, server_info)

@@ -231,8 +231,7 @@ class Engine:
         seq = Sequence(matched + pools.pages.alloc(fresh), block, pools.slots.alloc()[0])
         if hit:
             checkpoint = self.cache.window_of(keys[-1])
-            w = pools.window
-            pools.swa[:, block * w : (block + 1) * w] = pools.swa[:, checkpoint * w : (checkpoint + 1) * w]
+            pools.swa.copy_block(block, checkpoint)
             seq.length = hit
             seq.token_ids = list(r.input_ids[:hit])
         r.seq, r.prefilled, r.cached_tokens = seq, hit, hit
@@ -340,8 +339,7 @@ class Engine:
         if pools.swa_blocks.free == 0 and self.cache.evict_windows(1) == 0:
             return None
         block = pools.swa_blocks.alloc()[0]
-        w = pools.window
-        pools.swa[:, block * w : (block + 1) * w] = pools.swa[:, seq.swa_block * w : (seq.swa_block + 1) * w]
+        pools.swa.copy_block(block, seq.swa_block)
         return block
 
     def _sample(self, r: Request, logits: torch.Tensor) -> int:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from remnant.config import DECODE_PATHS, ENGINE_DEVICES
+from remnant.config import DECODE_PATHS, ENGINE_DEVICES, NATIVE_DECODES
 from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
@@ -50,6 +50,7 @@ from remnant.kv.paged import (KeptColumns, PageLayout, dequantize_kept_first, qu
 
 CSA_RATIO = 4
 HCA_RATIO = 128
+SCRATCH_PER_PAGE = 64  # triton mode's reconstructed records: SGLang's C4 pages at page size 256
 
 
 @dataclass
@@ -113,6 +114,27 @@ def resolve_device(device: str) -> torch.device:
                          f"(torch {torch.__version__}); use device=cpu")
     # An explicit index, so tensors' devices compare equal to it (cuda != cuda:0).
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_native_decode(native_decode: str, device: torch.device, decode_path: str,
+                          heads: int) -> tuple[str, str | None]:
+    """The kernel that decode steps run over native records (native and triton modes' CSA
+    layers, every window-only and HCA layer): ("flashmla", None), FlashMLA's V4 decode as
+    SGLang runs it; or ("triton", why not FlashMLA), Remnant's Triton native kernel; or
+    ("reference", why) on the torch reference path. native_decode: auto, flashmla (an
+    error where it cannot run) or triton; see remnant.kernels.flashmla.choose_native."""
+    if native_decode not in NATIVE_DECODES:
+        raise ValueError(f"native_decode={native_decode} is not allowed; allowed: {', '.join(NATIVE_DECODES)}")
+    if decode_path == "reference":
+        if native_decode == "flashmla":
+            raise ValueError("native_decode=flashmla needs decode_path=kernels (or auto on cuda); "
+                             "decode_path=reference attends through the torch reference")
+        return "reference", "decode steps attend through the torch reference (decode_path=reference)"
+    from remnant.kernels.flashmla import choose_native
+
+    # The engine's native records sit in SGLang's split pages (C4, C128, the SWA pool and
+    # triton mode's scratch), which FlashMLA reads.
+    return choose_native(native_decode, device, heads, (PageLayout.sglang(64),))
 
 
 def resolve_decode_path(decode_path: str, device: torch.device) -> str:
@@ -272,16 +294,20 @@ class Model:
 
     device: cpu or cuda (see resolve_device). decode_path: how single-token chunks attend,
     reference (torch), kernels (remnant.kernels) or auto (kernels on cuda, reference on cpu).
+    native_decode: which kernel those chunks run over native records (resolve_native_decode).
     """
 
     def __init__(self, args: ModelArgs, c4_formats: dict[int, C4Format] | None = None,
-                 device: str = "cpu", decode_path: str = "auto"):
+                 device: str = "cpu", decode_path: str = "auto", native_decode: str = "auto"):
         for i, r in enumerate(args.compress_ratios):
             if r not in (0, CSA_RATIO, HCA_RATIO):
                 raise ValueError(f"compress_ratios[{i}]={r}; allowed: 0, 4, 128")
         self.args = args
         self.device = resolve_device(device)
         self.decode_path = resolve_decode_path(decode_path, self.device)
+        #: "flashmla", "triton" or "reference", and why not FlashMLA (None when it runs).
+        self.native_decode, self.native_decode_reason = resolve_native_decode(
+            native_decode, self.device, self.decode_path, args.num_attention_heads)
         self.csa_layers = [i for i, r in enumerate(args.compress_ratios) if r == CSA_RATIO]
         #: layer -> list of query tensors [T, H, 512] while calibrating (None otherwise)
         self.capture: dict[int, list[torch.Tensor]] | None = None
@@ -468,12 +494,12 @@ class Model:
         ring = self._ring_format(li)
         kv = ring.ring_records(st.kv)
         prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length, device=self.device)
-        prev = pools.swa[li, pools.swa_slots(seq.swa_block, prev_pos)]
+        prev = pools.swa.read(li, pools.swa_slots(seq.swa_block, prev_pos))
         keys = ring.ring_keys(torch.cat([prev, kv]))
         kpos = torch.cat([prev_pos, st.pos])
         win_mask = (kpos[None, :] <= st.pos[:, None]) & (kpos[None, :] > st.pos[:, None] - a.window_size)
         tail = slice(max(0, kv.shape[0] - a.window_size), None)
-        pools.swa[li, pools.swa_slots(seq.swa_block, st.pos[tail])] = kv[tail]
+        pools.swa.write(li, pools.swa_slots(seq.swa_block, st.pos[tail]), kv[tail])
         key_sets, masks = [(keys, None)], [win_mask]
 
         selected = self._select_records(li, layer, seq, pools, st, kernels=False)
@@ -589,7 +615,7 @@ class Model:
         """
         from remnant.kernels.decode import decode
 
-        ring, ring_layout = pools.swa[li], PageLayout.rows(NATIVE_RECORD_BYTES)
+        ring, ring_layout = pools.swa.pages(li), pools.swa.layout
         fmt = self._ring_format(li)
         new = torch.cat([st.kv for st in steps])
         if fmt.window_kept_first:
@@ -607,6 +633,12 @@ class Model:
             # and columns still go, so a kernel-mode ring is read by the packed kernel.)
             c4, c4_layout, c4_locs, columns = self._decode_records(li, layer, seqs, pools, selected)
         q = torch.cat([st.q for st in steps])  # kept-first on layers with folded_weights
+        if (self.native_decode == "flashmla" and not columns.packed and not fmt.window_kept_first
+                and li not in self.folded_weights):
+            # Native records in natural order, as SGLang's native and triton modes attend.
+            from remnant.kernels.flashmla import decode as flashmla_decode
+
+            return flashmla_decode(q, c4, c4_layout, c4_locs, ring, ring_layout, window_locs, layer.sink, self.scale)
         return decode(q, c4, c4_layout, c4_locs, ring, ring_layout, window_locs, layer.sink, columns,
                       self.scale, columns="kept_first" if li in self.folded_weights else "natural",
                       window_columns="kept_first" if fmt.window_kept_first else "natural",
@@ -646,10 +678,12 @@ class Model:
 
         valid = c4_locs >= 0
         count = sum(s[0].numel() for s in selected if s is not None)  # no device sync
-        scratch_layout = PageLayout.rows(NATIVE_RECORD_BYTES)
-        # (At least one row: with no record selected yet the kernel reads none, but an empty
+        # Native pages as SGLang stages them for FlashMLA (remnant.sglang.buffers.stage_selected).
+        scratch_layout = PageLayout.sglang(SCRATCH_PER_PAGE)
+        # (At least one page: with no record selected yet the kernel reads none, but an empty
         # CUDA tensor has a null pointer, which Triton's launcher refuses.)
-        scratch = torch.empty(max(count, 1), NATIVE_RECORD_BYTES, dtype=torch.uint8, device=self.device)
+        scratch = torch.empty(max(-(-count // SCRATCH_PER_PAGE), 1), scratch_layout.page_stride, dtype=torch.uint8,
+                              device=self.device)
         rows = torch.arange(count, device=self.device)
         reconstruct(target.buf, target.layout, c4_locs[valid], fmt.columns, scratch, scratch_layout, rows)
         scratch_locs = torch.full_like(c4_locs, -1)

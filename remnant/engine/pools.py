@@ -4,10 +4,10 @@ One "full" page of `page_size` tokens (256) owns, in every CSA layer, a C4 page 
 page_size / 4 records (native 584 B or packed R + 72 B, SGLang's split layout) and an
 indexer page of as many keys (FP8 codes + fp32 scale per 128, split layout); in every HCA
 layer a C128 page of page_size / 128 native records. The sliding window lives in the SWA
-pool: each running request owns a block of `window` record slots (a ring), and the prefix
-cache keeps window checkpoints there too. Compressor state (the open block's tokens) sits
+pool: each running request owns a block of `window` record slots (a ring; one page of the
+split layout), and the prefix cache keeps window checkpoints there too. Compressor state (the open block's tokens) sits
 in per-request state rows. Sizes come from remnant.engine.capacity, so the bytes
-allocated here are the bytes accounted there.
+allocated here are the bytes accounted there, plus the padding of split pages.
 """
 
 from __future__ import annotations
@@ -92,6 +92,48 @@ class SplitPages:
         return torch.cat([flat[data], flat[tail]], dim=1)
 
 
+class SwaPool:
+    """Every layer's sliding-window records: per layer, blocks of `window` native records,
+    each block one page of SGLang's split layout (PageLayout.sglang(window), padded to a
+    multiple of 576 bytes), as SGLang keeps its SWA pool and as FlashMLA and the decode
+    kernels read it. A request's ring is one block: position p sits at slot
+    block * window + p % window (KVPools.swa_slots), a flat location of `layout`."""
+
+    def __init__(self, layers: int, blocks: int, window: int, device: torch.device | str = "cpu"):
+        self.layout = PageLayout.sglang(window)
+        self.buf = torch.zeros(layers, blocks, self.layout.page_stride, dtype=torch.uint8, device=device)
+
+    def pages(self, li: int) -> torch.Tensor:
+        """Layer li's pages, uint8 [blocks, page_stride] (a contiguous view)."""
+        return self.buf[li]
+
+    def read(self, li: int, slots: torch.Tensor) -> torch.Tensor:
+        """uint8 [k, 584] records at `slots` [k] of layer li."""
+        data, tail = self.layout.byte_offsets(slots.to(self.buf.device))
+        flat = self.buf[li].view(-1)
+        return torch.cat([flat[data], flat[tail]], dim=1)
+
+    def write(self, li: int, slots: torch.Tensor, records: torch.Tensor) -> None:
+        """records uint8 [k, 584] to `slots` [k] of layer li."""
+        data, tail = self.layout.byte_offsets(slots.to(self.buf.device))
+        flat = self.buf[li].view(-1)
+        split = self.layout.data_bytes
+        flat[data] = records[:, :split]
+        flat[tail] = records[:, split:]
+
+    def copy_block(self, dst: int, src: int) -> None:
+        """Block `src`'s records (every layer) to block `dst`: a ring checkpoint or its resumption."""
+        self.buf[:, dst] = self.buf[:, src]
+
+    def __getitem__(self, li: int) -> torch.Tensor:
+        """Every slot of layer li as uint8 [blocks * window, 584] (a copy: for checks)."""
+        slots = torch.arange(self.layout.capacity(self.buf[li]), device=self.buf.device)
+        return self.read(li, slots)
+
+    def numel(self) -> int:
+        return self.buf.numel()
+
+
 class KVPools:
     """Every pool of the engine, allocated from PoolSizes (bytes counted exactly) on `device`."""
 
@@ -110,12 +152,11 @@ class KVPools:
                         for li in csa}
         self.c128 = {i: SplitPages(self.num_pages, per128, NATIVE_RECORD_BYTES, row_bytes=576, device=dev)
                      for i, r in enumerate(g.compress_ratios) if r == 128}
-        # SWA: blocks of `window` slots; a running request rings through one, a prefix-cache
-        # checkpoint holds one.
+        # SWA: blocks of `window` slots, a page each; a running request rings through one, a
+        # prefix-cache checkpoint holds one.
         self.window = g.window_size
         self.swa_blocks = FreeList(sizes.swa_tokens // g.window_size, "swa block")
-        self.swa = torch.zeros(len(g.compress_ratios), sizes.swa_tokens, NATIVE_RECORD_BYTES, dtype=torch.uint8,
-                               device=dev)
+        self.swa = SwaPool(len(g.compress_ratios), self.swa_blocks.n, g.window_size, device=dev)
         # Compressor state, fp32 rows of (content, gate): C4_RING rows per request slot in
         # every CSA layer (sized from the SWA pool, as SGLang sizes c4_state_pool_size) and
         # C128_RING rows per slot in every HCA layer (the fixed c128_state rows); the
@@ -165,7 +206,7 @@ class KVPools:
         }
 
 
-__all__ = ["FreeList", "KVPools", "SplitPages", "page_bytes"]
+__all__ = ["FreeList", "KVPools", "SplitPages", "SwaPool", "page_bytes"]
 
 
 def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 32) -> PoolGeometry:

@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import remnant
-from remnant.config import DECODE_PATHS, ENGINE_DEVICES
+from remnant.config import DECODE_PATHS, ENGINE_DEVICES, NATIVE_DECODES
 from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
 
 log = logging.getLogger("remnant.serve")
@@ -108,6 +108,7 @@ class EngineArgs:
     prefix_cache: bool = True
     device: str = "cpu"
     decode_path: str = "auto"
+    native_decode: str = "auto"
 
 
 def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
@@ -131,7 +132,8 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
         raise ValueError(f"{config_path} does not exist; write one with python -m remnant.engine.model_dir --out {model_dir}") from None
     args = ModelArgs.from_hf_config(hf)
     t0 = time.perf_counter()
-    model = Model(args, device=engine_args.device, decode_path=engine_args.decode_path)
+    model = Model(args, device=engine_args.device, decode_path=engine_args.decode_path,
+                  native_decode=engine_args.native_decode)
     served_name = hf.get("remnant", {}).get("preset") or model_dir.name
     rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
                            retention.map_path, retention.policy)
@@ -188,6 +190,9 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
         "remnant_mode": mode,
         "device": model.device.type,  # as SGLang's ServerArgs.device: "cuda" or "cpu"
         "remnant_decode_path": model.decode_path,
+        # Which kernel decode steps ran over native records, and why not FlashMLA.
+        "remnant_native_decode": {"kernel": model.native_decode, "reason": model.native_decode_reason,
+                                  "flashmla_version": _flashmla_version(model.native_decode)},
         "remnant_retention": None if rmap is None else {
             "per_layer": {str(i): rmap.retention(i) for i in model.csa_layers},
             "policy": rmap.policy,
@@ -417,6 +422,14 @@ def _error_stream(message: str) -> StreamingResponse:
     return StreamingResponse(frames(), media_type="text/event-stream")
 
 
+def _flashmla_version(kernel: str) -> str | None:
+    if kernel != "flashmla":
+        return None
+    from remnant.kernels.flashmla import version
+
+    return version()
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """Bind the listening socket here so --port 0 gets a free port with no race."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -448,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=ENGINE_DEVICES, help="where weights and KV pools live")
     p.add_argument("--decode-path", default="auto", choices=DECODE_PATHS,
                    help="decode-step attention: torch reference or remnant.kernels (auto: kernels on cuda)")
+    p.add_argument("--native-decode", default="auto", choices=NATIVE_DECODES,
+                   help="kernel for native records on the kernels path: FlashMLA's V4 decode (sgl-flash-mla), "
+                        "Remnant's Triton native kernel, or auto (FlashMLA where it runs)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -463,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         retention = RetentionArgs(a.retention, per_layer, a.retention_map, a.retention_policy)
         engine_args = EngineArgs(int(a.kv_budget_mib * (1 << 20)), a.page_size, a.swa_ratio,
                                  a.max_running_requests, a.chunked_prefill_size, not a.disable_prefix_cache,
-                                 a.device, a.decode_path)
+                                 a.device, a.decode_path, a.native_decode)
         sock = _bind(a.host, a.port)  # before loading: a taken port fails fast
         app = create_app(a.model_dir, a.mode, retention, engine_args)
     except (ValueError, OSError) as exc:

@@ -71,6 +71,7 @@ class EmbeddedHost:
             "--chunked-prefill-size", str(self.cfg.chunked_prefill_size),
             "--device", self.cfg.device,
             "--decode-path", self.cfg.decode_path,
+            "--native-decode", self.cfg.native_decode,
         ]
         if not self.cfg.prefix_cache:
             cmd.append("--disable-prefix-cache")

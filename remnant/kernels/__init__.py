@@ -4,7 +4,9 @@
   records, written at given pool locations;
 - `reconstruct`: packed -> native records for selected locations (the triton mode);
 - `decode`: sparse decode attention of one CSA layer (H heads, selected C4 records, the
-  sliding window and the attention sink, V = K) over native or packed C4 records.
+  sliding window and the attention sink, V = K) over native or packed C4 records;
+- `flashmla`: FlashMLA's V4 decode (PyPI sgl-flash-mla, optional, CUDA only) over native
+  records: the stock attention SGLang runs, and the baseline of every decode figure.
 
 Each has its plain torch reference in `remnant.kv.paged`, which dispatches here for CUDA
 tensors; tests compare the two (float64 reference, poisoned outputs, odd sizes).

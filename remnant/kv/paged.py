@@ -8,8 +8,9 @@ A pool buffer is uint8 [pages, page_stride]. A record lives at a flat location
 per_page = 1 and page_stride = record_bytes.
 
 Every function here is the plain torch version; on CUDA tensors `store`, `reconstruct`
-and the two decodes dispatch to the Triton kernels of remnant.kernels (imported only
-then), which tests check against these references (`reference=True` forces the torch path
+and the two decodes dispatch to the kernels of remnant.kernels (imported only then: the
+Triton kernels, and FlashMLA's V4 decode for native records where it runs), which tests
+check against these references (`reference=True` forces the torch path
 on any device). A keep list may be given as a tensor or as a KeptColumns table built once.
 """
 
@@ -348,6 +349,7 @@ def decode_native(
     scale: float = SOFTMAX_SCALE,
     reference: bool = False,
     dtype: torch.dtype = torch.float64,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Sparse decode over native C4 records in pages, for a batch of B decode tokens.
 
@@ -355,8 +357,19 @@ def decode_native(
     (-1 = padding); window_locs: int [B, W] window tokens' locations in the window pool
     (-1 = padding); sink: [H]. Returns [B, H, 512] (`dtype` on the reference path,
     q's dtype from the kernel).
+
+    kernel (CUDA tensors): "flashmla" (FlashMLA's V4 decode, the stock attention SGLang
+    runs), "triton" (remnant.kernels.decode) or "auto": FlashMLA where it runs
+    (remnant.kernels.flashmla.choose_native: its package, an SM90/SM100 GPU, 64 or 128
+    heads, SGLang's split pages), Triton elsewhere.
     """
     if _use_kernels(q, c4, window, reference=reference):
+        from remnant.kernels.flashmla import choose_native
+
+        if choose_native(kernel, q.device, q.shape[1], (c4_layout, window_layout))[0] == "flashmla":
+            from remnant.kernels.flashmla import decode as flashmla_decode
+
+            return flashmla_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, scale)
         from remnant.kernels.decode import decode
 
         return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, None, scale)

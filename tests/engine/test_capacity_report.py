@@ -57,9 +57,12 @@ def test_engine_capacity_matches_the_formula(tiny_model_dir, tmp_path):
     assert infos["native"]["bytes_per_token"]["c4"] / infos["kernel"]["bytes_per_token"]["c4"] == pytest.approx(584 / 328)
     assert ratio == pytest.approx(native_bpt / packed_bpt, rel=0.01)
     for info in infos.values():
-        # What the engine allocated is what was accounted, but for page padding of C4/C128 pages.
+        # What the engine allocated is what was accounted, but for page padding of the
+        # split pages (C4, C128 and the SWA pool's window-sized blocks: 128 x 584 bytes padded
+        # to 130 x 576, +0.17%).
         alloc, acct = info["allocated_bytes"], info["accounted_bytes"]
-        for part in ("swa", "c4_indexer", "c4_state", "c4_indexer_state", "c128_state"):
+        for part in ("c4_indexer", "c4_state", "c4_indexer_state", "c128_state"):
             assert alloc[part] == acct[part], part
         assert acct["c4"] <= alloc["c4"] <= acct["c4"] * 1.01
+        assert alloc["swa"] == acct["swa"] // (128 * 584) * 130 * 576
         assert sum(acct.values()) <= 512 << 20
