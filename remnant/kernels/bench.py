@@ -1,4 +1,10 @@
-"""remnant-kernels: time store, reconstruct and decode on one CUDA GPU, against its own ceilings.
+"""remnant-kernels: time store, reconstruct and decode on one CUDA GPU, against FlashMLA and its own ceilings.
+
+Every decode figure is stated against FlashMLA's V4 sparse decode (sgl-flash-mla, the
+stock attention SGLang serves DeepSeek-V4 with), timed in the same run and harness:
+kernel mode's direct packed decode / FlashMLA (the targets), and triton mode's decode
+(SGLang's staging of the selected records by Remnant's reconstruct, then FlashMLA) /
+FlashMLA. Remnant's Triton native kernel is a cross-check row, not the anchor.
 
 Every number comes from this run: the copy bandwidth (device-to-device copy, bytes read
 plus written) and the bf16 matrix rate are measured first and serve as the roofline.
@@ -11,7 +17,8 @@ FLOPs count the tensor-core work the kernel issues (padding included: a packed k
 R = 384 multiplies its 320 kept columns as blocks of 256 and 64, and 64 RoPE columns, per
 C4 record, and for window tokens the kept blocks, the dropped columns padded to a power of
 two, and RoPE, or, with the window in a program of its own, the native program's 512 and
-64). The JSON (schema remnant/kernel-bench v9) is validated before it is written.
+64). The JSON (schema remnant/kernel-bench, version SCHEMA_VERSION) is validated before it
+is written.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch
 
 from remnant.records.provenance import GIT_COMMIT_ENV
 
+SCHEMA_VERSION = 11
 HEADS = 64
 H_BLOCK = 64  # heads per decode program in every tuned config: all 64 of a token
 WINDOW = 128
@@ -363,10 +371,7 @@ class DecodeInputs:
         calls = []
         sink = torch.randn(HEADS, device="cuda")
         for _ in range(_rotations(nbytes, l2_bytes)):
-            q = torch.randn(case.batch, HEADS, 512, device="cuda", dtype=torch.bfloat16)
-            c4_locs = torch.randint(0, self.c4_records, (case.batch, case.topk), device="cuda", dtype=torch.int32)
-            base = torch.randint(0, self.window_layout.capacity(self.window) - case.window, (case.batch, 1), device="cuda")
-            win_locs = (base + torch.arange(case.window, device="cuda")).to(torch.int32)
+            q, c4_locs, win_locs = self._random_call(case.batch, case.topk, case.window)
             out = torch.empty_like(q)
             calls.append(lambda q=q, c=c4_locs, w=win_locs, out=out: decode(
                 q, pool, layout, c, window, self.window_layout, w, sink,
@@ -374,6 +379,107 @@ class DecodeInputs:
                 window_apart=case.resolved_window_apart(config["h_block"]), split_plan=case.split_plan,
                 join=case.join, compiled=compiled, **config))
         return calls
+
+
+    def flashmla_call(self, case: FlashMLACase, q, c4_locs, win_locs, sink, out):
+        """One call of `case` on these inputs (a closure, for graphs and checks)."""
+        from remnant.kernels import flashmla
+        from remnant.kv.paged import PageLayout
+
+        window, window_layout = self.window, self.window_layout
+        if case.kernel == "flashmla":
+            layout, pool, _ = self.pool(512)
+            return lambda: flashmla.decode(q, pool, layout, c4_locs, window, window_layout, win_locs, sink, out=out)
+        from remnant.sglang.buffers import stage_selected
+
+        layout, pool, keep = self.pool(case.retention)
+        staged_layout = PageLayout.sglang(STAGE_PER_PAGE)
+        records = q.shape[0] * c4_locs.shape[1]
+        scratch = torch.empty(max(1, -(-records // STAGE_PER_PAGE)), staged_layout.page_stride, dtype=torch.uint8,
+                              device=q.device)
+
+        def call():
+            staged = stage_selected(pool, layout, keep, c4_locs, scratch, STAGE_PER_PAGE)
+            return flashmla.decode(q, scratch, staged_layout, staged, window, window_layout, win_locs, sink, out=out)
+
+        return call
+
+    def flashmla_call_sets(self, case: FlashMLACase, l2_bytes: int) -> list:
+        nbytes, _ = _flashmla_bytes_flops(case)
+        sink = torch.randn(HEADS, device="cuda")
+        calls = []
+        for _ in range(_rotations(nbytes, l2_bytes)):
+            q, c4_locs, win_locs = self._random_call(case.batch, case.topk, case.window)
+            calls.append(self.flashmla_call(case, q, c4_locs, win_locs, sink, torch.empty_like(q)))
+        return calls
+
+    def _random_call(self, batch: int, topk: int, window: int):
+        """q bf16 [batch, 64, 512], C4 locations int32 [batch, topk] over the C4 pools, and
+        `window` consecutive window locations int32 per token."""
+        q = torch.randn(batch, HEADS, 512, device="cuda", dtype=torch.bfloat16)
+        c4_locs = torch.randint(0, self.c4_records, (batch, topk), device="cuda", dtype=torch.int32)
+        base = torch.randint(0, self.window_layout.capacity(self.window) - window, (batch, 1), device="cuda")
+        win_locs = (base + torch.arange(window, device="cuda")).to(torch.int32)
+        return q, c4_locs, win_locs
+
+
+def _check_flashmla(inputs: DecodeInputs, case: FlashMLACase) -> float:
+    """Worst relative error per token of a FlashMLA row's call against remnant.kv.paged's
+    float64 reference (native records; triton mode: the packed records' reference, dropped
+    coordinates zero), on four tokens with -1 padding in one; the output poisoned first."""
+    from remnant.kv.paged import decode_native, decode_packed
+
+    q, c4_locs, win_locs = inputs._random_call(4, case.topk, case.window)
+    if case.topk > 5:
+        c4_locs[0, -5:] = -1
+    sink = torch.randn(HEADS, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    inputs.flashmla_call(case, q, c4_locs, win_locs, sink, out)()
+    layout, pool, keep = inputs.pool(case.retention)
+    window = (inputs.window, inputs.window_layout, win_locs, sink)
+    if case.kernel == "flashmla":
+        ref = decode_native(q, pool, layout, c4_locs, *window, reference=True)
+    else:
+        ref = decode_packed(q, pool, layout, c4_locs, keep.kept[: keep.n_kept].long().cpu(), *window, reference=True)
+    if out.isnan().any():
+        return float("inf")
+    return float(((out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max())
+
+
+def bench_flashmla(inputs: DecodeInputs, ceil: Ceilings, reps: int, cases: list[FlashMLACase]) -> list[dict]:
+    rows = []
+    for case in cases:
+        error = _check_flashmla(inputs, case)
+        if not error < 1e-2:
+            raise RuntimeError(f"{case}: relative error {error:.2e} against the float64 reference")
+        nbytes, flops = _flashmla_bytes_flops(case)
+        seconds = _sync_time_graph(inputs.flashmla_call_sets(case, ceil.l2_bytes), reps)
+        rows.append({"kernel": case.kernel, "retention": case.retention, "batch": case.batch, "topk": case.topk,
+                     "window": case.window, "heads": HEADS, "max_rel_error": error,
+                     **_roofline(seconds, nbytes, flops, ceil)})
+        _progress_row(rows[-1])
+    return rows
+
+
+def against_flashmla(decode_rows: list[dict], flashmla_rows: list[dict]) -> list[dict]:
+    """Every decode row (at auto_splits) and triton mode's rows over FlashMLA's row of the
+    same batch, top-k and window: time / FlashMLA's time."""
+    stock = {(r["batch"], r["topk"], r["window"]): r for r in flashmla_rows if r["kernel"] == "flashmla"}
+    out = []
+    for r in [*(d for d in decode_rows if d["auto_splits"]), *(f for f in flashmla_rows if f["kernel"] != "flashmla")]:
+        flash = stock.get((r["batch"], r["topk"], r["window"]))
+        if flash is None:
+            continue
+        if "kernel" in r:
+            what = f"triton mode (reconstruct R={r['retention']} + FlashMLA)"
+        elif r["variant"] == "native":
+            what = "Remnant's Triton native kernel (cross-check)"
+        else:
+            what = f"kernel mode, packed R={r['retention']} ({_orders_label(r['columns'], r['window_columns'])})"
+        out.append({"name": f"{what}, batch {r['batch']}, top-k {r['topk']}, window {r['window']}",
+                    "batch": r["batch"], "topk": r["topk"], "window": r["window"],
+                    "value": r["time_us"] / flash["time_us"]})
+    return out
 
 
 def check_copies(gen: torch.Generator) -> list[dict]:
@@ -448,6 +554,44 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> flo
     return float(errors.max())
 
 
+# FlashMLA's rows: the stock decode over native records ("flashmla"), and triton mode's
+# decode as the SGLang plugin runs it ("reconstruct+flashmla": stage_selected reconstructs
+# each token's selected packed records into native pages, then FlashMLA reads those).
+FLASHMLA_KERNELS = ("flashmla", "reconstruct+flashmla")
+STAGE_PER_PAGE = 64  # the plugin stages into SGLang's C4 pages (page size 256)
+
+
+@dataclass
+class FlashMLACase:
+    kernel: str  # one of FLASHMLA_KERNELS
+    batch: int
+    topk: int
+    window: int
+    retention: int = 512  # reconstruct+flashmla: the packed records' R
+
+    def native_case(self) -> DecodeCase:
+        return DecodeCase("native", 512, self.batch, self.topk, self.window)
+
+
+def _flashmla_bytes_flops(case: FlashMLACase) -> tuple[int, float]:
+    """FlashMLA's call as the native decode's; the staging adds per selected record its
+    packed read, its native write and its location."""
+    nbytes, flops = _decode_bytes_flops(case.native_case())
+    if case.kernel == "reconstruct+flashmla":
+        nbytes += case.batch * case.topk * (case.retention + 72 + 584 + 4)
+    return nbytes, flops
+
+
+def flashmla_cases(quick: bool) -> list[FlashMLACase]:
+    """FlashMLA's rows at every batch and window the decode rows have at top-k 512, triton
+    mode's beside them, and FlashMLA at the other top-k the decode rows time."""
+    batches = [16, 64, 128] if quick else DECODE_BATCHES
+    cases = [FlashMLACase(kernel, batch, TOPK, window, 512 if kernel == "flashmla" else KERNEL_R)
+             for batch in batches for window in (WINDOW, 0) for kernel in FLASHMLA_KERNELS]
+    cases += [FlashMLACase("flashmla", 128, topk, WINDOW) for topk in ([2048] if quick else [128, 2048])]
+    return cases
+
+
 def _compiled_info(compiled: list) -> dict:
     kernel = compiled[-1] if compiled else None
     info = {}
@@ -483,14 +627,27 @@ DECODE_FORMS = {
 DECODE_STAGES = (1, 2, 3)
 
 
-def decode_configs(kind: tuple[str, str, bool], quick: bool) -> list[dict]:
+# The decode defaults (remnant.kernels.decode.DEFAULT_CONFIGS) of each tuned kind.
+DEFAULT_OF_KIND = {("native", "natural", False): "native", ("packed", "natural", False): "packed",
+                   ("packed", "natural", True): "packed, window apart",
+                   ("packed", "kept_first", False): "packed, kept-first window"}
+
+
+def decode_configs(kind: tuple[str, str, bool], quick: bool, defaults: bool = False) -> list[dict]:
+    """The configs tune_decode times for `kind`: every form at every depth, the first form
+    at one stage (quick), or decode's own default (defaults: the tuning's winner)."""
+    if defaults:
+        from remnant.kernels.decode import DEFAULT_CONFIGS
+
+        return [dict(h_block=H_BLOCK, num_warps=8, **DEFAULT_CONFIGS[DEFAULT_OF_KIND[kind]])]
     forms = DECODE_FORMS[kind][:1] if quick else DECODE_FORMS[kind]
     return [dict(h_block=H_BLOCK, block_n=bn, num_warps=8, num_stages=stages, scores_transposed=t,
                  window_block_n=wbn, window_scores_transposed=wt)
             for bn, t, wbn, wt in forms for stages in ((1,) if quick else DECODE_STAGES)]
 
 
-def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, batch: int) -> tuple[list[dict], dict]:
+def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, batch: int,
+                defaults: bool = False) -> tuple[list[dict], dict]:
     """Time each TUNED kind's configs; returns the rows and {kind: its best config}."""
     rows, best = [], {}
     for kind in TUNED:
@@ -498,7 +655,7 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
         case = DecodeCase(variant, 512 if variant == "native" else KERNEL_R, batch, TOPK, WINDOW,
                           window_columns=window_columns, window_apart=window_apart if variant == "packed" else None)
         nbytes, flops = _decode_bytes_flops(case, case.resolved_window_apart())
-        for config in decode_configs(kind, quick):
+        for config in decode_configs(kind, quick, defaults):
             compiled: list = []
             try:
                 error = inputs.check(case, config)
@@ -549,6 +706,9 @@ def _other_split_plan(plan: str | None) -> str | None:
     return {"even": "by_cost", "by_cost": "even"}.get(plan)
 
 
+DECODE_BATCHES = [1, 16, 32, 64, 128, 256, 512]
+
+
 def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[DecodeCase]:
     """The decode rows' cases; multiprocessors (default: this GPU's) sets the split counts
     of the rows that time the other split plan at auto_splits' count."""
@@ -556,20 +716,21 @@ def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[Decode
 
     if multiprocessors is None:
         multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
-    batches = [16, 64, 128] if quick else [1, 16, 64, 128, 256, 512]
+    batches = [16, 64, 128] if quick else DECODE_BATCHES
     cases = []
     for batch in batches:
         for window in (WINDOW, 0):
+            # Native (the cross-check), packed as the SGLang plugin calls it (natural orders),
+            # and as the engine does (the order folded into the projections; with a window,
+            # window records written in kept-first order).
             cases.append(DecodeCase("native", 512, batch, TOPK, window))
             cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window))
-            if batch >= 64:  # the kernel alone, as with the column order folded into the weights
+            cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first",
+                                    "kept_first" if window else "natural"))
+            if batch >= 64 and window:  # each of the two orders alone
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first"))
-            if batch < 64 and window:  # the engine's folded call at small batches (splits cut by cost)
-                cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "kept_first"))
-            if batch >= 64 and window:  # the window records written in kept-first order (the engine's call)
                 if batch in (64, 128):
                     cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "natural", "kept_first"))
-                cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "kept_first"))
     for topk in ([128, 2048] if not quick else [2048]):
         cases.append(DecodeCase("native", 512, 128, topk, WINDOW))
         cases.append(DecodeCase("packed", KERNEL_R, 128, topk, WINDOW))
@@ -630,11 +791,43 @@ def _shared_cost(by: dict, batch: int, window: int, orders: tuple[str, str], nat
     return note
 
 
+def _triton_native_notes(by: dict, fixed: dict, batch: int, window: int, orders: tuple[str, str], native: dict,
+                         packed: dict) -> str:
+    """The cross-check's evidence from earlier rounds (benchmarks/kernels/NOTES.md): what the
+    packed and Triton native calls share (_shared_cost), and the native call with the split
+    plan and the join decode did not choose, where the run timed them."""
+    how = _shared_cost(by, batch, window, orders, native, packed)
+    plan, join = native.get("split_plan"), native.get("join")
+    other_plan = _other_split_plan(plan)
+    natural = ("natural", "natural")
+    other = fixed.get(("native", natural, batch, TOPK, window, native["splits"], other_plan, join)) if other_plan else None
+    if other:  # (one split has no plan, and no other)
+        how += (f"; native with split_plan={other_plan!r} (timed beside the split sweep; decode chose {plan!r}) "
+                f"{other['time_us']:.1f} us against {native['time_us']:.1f}: the ratio against it "
+                f"{packed['time_us'] / other['time_us']:.3f}")
+    native_k = fixed.get(("native", natural, batch, TOPK, window, native["splits"], plan, "kernel"))
+    packed_k = fixed.get(("packed", orders, batch, TOPK, window, packed["splits"], packed.get("split_plan"), "kernel"))
+    if join == "exchange" and packed.get("join") == "exchange" and native_k and packed_k:
+        how += (f"; with join='kernel' (the splits' partials joined by a kernel of its own; decode chose "
+                f"'exchange') native {native_k['time_us']:.1f} us and packed {packed_k['time_us']:.1f}: ratio "
+                f"{packed_k['time_us'] / native_k['time_us']:.3f}")
+    return how
+
+
+# Kernel mode's decode against FlashMLA's (issue "Direct packed decode that beats stock
+# FlashMLA"): at most this fraction of its time at batch 64 and above, where the C4
+# records' bytes dominate (their byte ratio is 328 / 584 = 0.56), and no slower at any batch.
+KERNEL_VS_FLASHMLA_FROM_64 = 0.65
+KERNEL_VS_FLASHMLA = 1.0
+
+
 def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: list[dict],
-            capability: str | None = None) -> list[dict]:
-    """The issue's targets, each with its measured value (ratios from this run only).
-    capability: the GPU's compute capability; on 9.0 (whose multiprocessor limits
-    _residency knows) the decode rows' bound is named from their compiled kernels."""
+            flashmla_rows: list[dict], capability: str | None = None) -> list[dict]:
+    """The targets, each with its measured value (ratios from this run only). Decode
+    targets are kernel mode's time over FlashMLA V4's at the same batch, top-k and window
+    (flashmla_rows); none without them. capability: the GPU's compute capability; on 9.0
+    (whose multiprocessor limits _residency knows) the decode rows' bound is named from
+    their compiled kernels."""
     out = []
     def orders(r: dict) -> tuple[str, str]:
         return r["columns"], r.get("window_columns", "natural")
@@ -646,45 +839,37 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
               r.get("join")): r for r in decode_rows if not r["auto_splits"]}
     decode_rows = [r for r in decode_rows if r["auto_splits"]]
     by = {(r["variant"], r["retention"], r["batch"], r["topk"], r["window"], orders(r)): r for r in decode_rows}
+    stock = {(r["batch"], r["topk"], r["window"]): r for r in flashmla_rows if r["kernel"] == "flashmla"}
     for columns, window_columns in sorted({orders(r) for r in decode_rows if r["variant"] == "packed"}, key=_order_rank):
         for window in (WINDOW, 0):
-            for batch in sorted({r["batch"] for r in decode_rows if r["batch"] >= 64}):
+            for batch in sorted({r["batch"] for r in decode_rows}):
+                flash = stock.get((batch, TOPK, window))
                 native = by.get(("native", 512, batch, TOPK, window, ("natural", "natural")))
                 packed = by.get(("packed", KERNEL_R, batch, TOPK, window, (columns, window_columns)))
-                if native and packed:
-                    ratio = packed["time_us"] / native["time_us"]
-                    byte_ratio = packed["bytes"] / native["bytes"]
-                    if packed.get("window_apart"):
-                        how = ("the window read by a program of its own in natural order, the C4 records by the "
-                               "others through the kept columns, joined in natural order")
-                    elif columns == "natural":
-                        how = "q and out permuted to and from kept-first order in the call"
-                    else:
-                        how = "q and out in kept-first order: the permutation folded into the projections"
-                    if window_columns == "kept_first":
-                        how += "; window records written in kept-first order"
-                    how += _shared_cost(by, batch, window, (columns, window_columns), native, packed)
-                    plan, join = native.get("split_plan"), native.get("join")
-                    other_plan = _other_split_plan(plan)
-                    natural = ("natural", "natural")
-                    other = (fixed.get(("native", natural, batch, TOPK, window, native["splits"], other_plan, join))
-                             if other_plan else None)
-                    if other:  # (one split has no plan, and no other)
-                        how += (f"; native with split_plan={other_plan!r} (timed beside the split sweep; decode "
-                                f"chose {plan!r}) {other['time_us']:.1f} us against {native['time_us']:.1f}: the "
-                                f"ratio against it {packed['time_us'] / other['time_us']:.3f}")
-                    native_k = fixed.get(("native", natural, batch, TOPK, window, native["splits"], plan, "kernel"))
-                    packed_k = fixed.get(("packed", (columns, window_columns), batch, TOPK, window, packed["splits"],
-                                          packed.get("split_plan"), "kernel"))
-                    if join == "exchange" and packed.get("join") == "exchange" and native_k and packed_k:
-                        how += (f"; with join='kernel' (the splits' partials joined by a kernel of its own; decode "
-                                f"chose 'exchange') native {native_k['time_us']:.1f} us and packed "
-                                f"{packed_k['time_us']:.1f}: ratio {packed_k['time_us'] / native_k['time_us']:.3f}")
-                    out.append({"name": f"decode packed ({_orders_label(columns, window_columns)})/native time, "
-                                        f"batch {batch}, top-k {TOPK}, window {window}",
-                                "value": ratio, "target": "<= 0.62", "met": ratio <= 0.62,
-                                "note": f"{how}; byte ratio of this case {byte_ratio:.3f} (C4 records alone: "
-                                        f"{(KERNEL_R + 72) / 584:.3f})"})
+                if not (flash and packed):
+                    continue
+                ratio = packed["time_us"] / flash["time_us"]
+                limit = KERNEL_VS_FLASHMLA_FROM_64 if batch >= 64 else KERNEL_VS_FLASHMLA
+                if packed.get("window_apart"):
+                    how = ("the window read by a program of its own in natural order, the C4 records by the "
+                           "others through the kept columns, joined in natural order")
+                elif columns == "natural":
+                    how = "q and out permuted to and from kept-first order in the call"
+                else:
+                    how = "q and out in kept-first order: the permutation folded into the projections"
+                if window_columns == "kept_first":
+                    how += "; window records written in kept-first order"
+                note = (f"FlashMLA V4 {flash['time_us']:.1f} us, packed {packed['time_us']:.1f} us ({how}); "
+                        f"byte ratio against FlashMLA's call {packed['bytes'] / flash['bytes']:.3f} (C4 records "
+                        f"alone: {(KERNEL_R + 72) / 584:.3f})")
+                if native:
+                    note += (f"; cross-check against Remnant's Triton native kernel ({native['time_us']:.1f} us, "
+                             f"{native['time_us'] / flash['time_us']:.2f}x FlashMLA): packed/native "
+                             f"{packed['time_us'] / native['time_us']:.3f}")
+                    note += _triton_native_notes(by, fixed, batch, window, (columns, window_columns), native, packed)
+                out.append({"name": f"decode packed ({_orders_label(columns, window_columns)})/FlashMLA V4 time, "
+                                    f"batch {batch}, top-k {TOPK}, window {window}",
+                            "value": ratio, "target": f"<= {limit}", "met": ratio <= limit, "note": note})
     for kernel, rows in (("store", store_rows), ("reconstruct", reconstruct_rows)):
         largest = max((r["records"] for r in rows), default=None)
         for r in rows:
@@ -753,45 +938,73 @@ def gpu_provenance() -> dict:
             "git_commit": os.environ.get(GIT_COMMIT_ENV, "unknown")}
 
 
-def run(quick: bool, reps: int, seed: int, progress=print) -> dict:
+def flashmla_status(without: bool) -> dict:
+    """FlashMLA's package and whether this run times it (the record's "flashmla")."""
+    from remnant.kernels import flashmla
+
+    why = "not asked for (--without-flashmla)" if without else flashmla.unavailable_reason(torch.device("cuda"), HEADS)
+    return {"version": flashmla.version(), "timed": why is None, "reason": why}
+
+
+SWEEPS = ("full", "decode", "quick")
+
+
+def run(sweep: str, reps: int, seed: int, progress=print, stock: dict | None = None) -> dict:
+    """The benchmark; stock: flashmla_status (None: this GPU's, FlashMLA asked for).
+    sweep: "full" (every size, every tuned config), "quick" (a short sweep), or "decode"
+    (every decode and FlashMLA case; copies at the quick sizes, decode at its default
+    configs, which the full tuning chose: the sweep when only decode changed)."""
+    if sweep not in SWEEPS:
+        raise ValueError(f"sweep={sweep!r} is not allowed; allowed: {', '.join(SWEEPS)}")
+    quick = sweep == "quick"
+    copies_quick = sweep != "full"
+    stock = stock or flashmla_status(without=False)
     gen = torch.Generator().manual_seed(seed)
     started = dt.datetime.now(dt.timezone.utc)
     progress("ceilings: copy bandwidth and bf16 matmul")
     ceil = measure_ceilings(reps)
     progress(f"  copy {ceil.copy_gbps:.0f} GB/s, matmul {ceil.matmul_tflops:.0f} TFLOP/s, L2 {ceil.l2_bytes >> 20} MiB")
-    big = [2**16, 2**20] if quick else [2**14, 2**17, 2**20, 2**22]
+    big = [2**16, 2**20] if copies_quick else [2**14, 2**17, 2**20, 2**22]
     progress("checks: store and reconstruct against the references")
     checks = check_copies(gen)
     progress(json.dumps(checks))
     if any(c["bytes_differing"] for c in checks):
         raise RuntimeError(f"store or reconstruct differ from the reference: {checks}")
     progress("store")
-    store_rows = bench_store(ceil, big, [512, KERNEL_R] if quick else [512, 128, 192, KERNEL_R, 320, 384, 448], reps, gen)
+    store_rows = bench_store(ceil, big, [512, KERNEL_R] if copies_quick else [512, 128, 192, KERNEL_R, 320, 384, 448],
+                             reps, gen)
     progress("reconstruct")
-    reconstruct_rows = bench_reconstruct(ceil, big, [KERNEL_R] if quick else [64, 128, 192, KERNEL_R, 320, 448], reps,
-                                         gen)
+    reconstruct_rows = bench_reconstruct(ceil, big, [KERNEL_R] if copies_quick else [64, 128, 192, KERNEL_R, 320, 448],
+                                         reps, gen)
     inputs = DecodeInputs(gen)
     progress("decode: tuning")
-    tuning, best = tune_decode(inputs, ceil, reps, quick, batch=128)
+    tuning, best = tune_decode(inputs, ceil, reps, quick, batch=128, defaults=sweep == "decode")
     progress(f"  best: {best}")
     progress("decode: sweep")
     decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick))
+    flashmla_rows = []
+    if stock["timed"]:
+        progress(f"decode: FlashMLA V4 (sgl-flash-mla {stock['version']}) and triton mode's reconstruct + FlashMLA")
+        flashmla_rows = bench_flashmla(inputs, ceil, reps, flashmla_cases(quick))
     provenance = gpu_provenance()
     return {
         "schema": "remnant/kernel-bench",
-        "schema_version": 10,
+        "schema_version": SCHEMA_VERSION,
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
         "provenance": provenance,
         "method": {"timing": "CUDA graph of a rotation of input sets (> 3x L2), replayed; CUDA events; median",
-                   "replays": reps, "quick": quick, "heads": HEADS},
+                   "replays": reps, "quick": quick, "sweep": sweep, "heads": HEADS},
         "ceilings": {"copy_gbps": ceil.copy_gbps, "matmul_bf16_tflops": ceil.matmul_tflops, "l2_bytes": ceil.l2_bytes},
         "checks": checks,
         "store": store_rows,
         "reconstruct": reconstruct_rows,
         "decode_tuning": tuning,
         "decode": decode_rows,
-        "targets": targets(decode_rows, store_rows, reconstruct_rows, provenance["gpu"]["capability"]),
+        "flashmla": stock,
+        "flashmla_decode": flashmla_rows,
+        "against_flashmla": against_flashmla(decode_rows, flashmla_rows),
+        "targets": targets(decode_rows, store_rows, reconstruct_rows, flashmla_rows, provenance["gpu"]["capability"]),
     }
 
 
@@ -810,6 +1023,12 @@ def table(doc: dict) -> str:
         lines.append(f"decode {variant:<8} R={r['retention']:<3} B={r['batch']:<4} k={r['topk']:<5} W={r['window']:<3} {splits:<5}"
                      f"{r['time_us']:9.1f} us {100 * r['fraction_of_copy_bandwidth']:5.1f}% copy "
                      f"{100 * r['fraction_of_matmul_rate']:5.1f}% mma regs={r.get('n_regs', '?')} spills={r.get('n_spills', '?')}")
+    for r in doc.get("flashmla_decode", []):
+        lines.append(f"{r['kernel']:<21} R={r['retention']:<3} B={r['batch']:<4} k={r['topk']:<5} W={r['window']:<3} "
+                     f"{r['time_us']:9.1f} us {100 * r['fraction_of_copy_bandwidth']:5.1f}% copy "
+                     f"{100 * r['fraction_of_matmul_rate']:5.1f}% mma")
+    for r in doc.get("against_flashmla", []):
+        lines.append(f"/FlashMLA {r['value']:6.3f}  {r['name']}")
     if any(r.get("columns") == "kept_first" for r in doc["decode"]):
         lines.append("packed*: q and out in kept-first column order (the permutation folded into the projections); "
                      "packed..w: window records written in kept-first order")
@@ -823,9 +1042,14 @@ def table(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remnant-kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("kernel-bench.json"), help="JSON file to write")
-    parser.add_argument("--quick", action="store_true", help="a short sweep (minutes less)")
+    parser.add_argument("--sweep", choices=SWEEPS, default="full",
+                        help="full; decode (every decode and FlashMLA case, copies at quick sizes, decode at its "
+                             "tuned defaults); quick (a short sweep)")
+    parser.add_argument("--quick", action="store_true", help="the same as --sweep quick")
     parser.add_argument("--reps", type=int, default=30, help="graph replays per case (median taken)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--without-flashmla", action="store_true",
+                        help="time Remnant's kernels alone where FlashMLA cannot run (no decode targets)")
     parser.add_argument("--from", dest="source", type=Path, default=None,
                         help="no run: read this kernel-bench JSON (validated), print its table and plot it")
     parser.add_argument("--plot", type=Path, default=None,
@@ -846,7 +1070,13 @@ def main(argv: list[str] | None = None) -> int:
             print("remnant-kernels: needs a CUDA GPU (torch.cuda.is_available() is False); "
                   "--from FILE plots an existing record", file=sys.stderr)
             return 2
-        doc = run(args.quick, args.reps, args.seed, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        stock = flashmla_status(args.without_flashmla)
+        if not stock["timed"] and not args.without_flashmla:
+            print(f"remnant-kernels: FlashMLA, the baseline of every decode target, cannot run: {stock['reason']}; "
+                  "pass --without-flashmla to time Remnant's kernels alone (no decode targets)", file=sys.stderr)
+            return 2
+        doc = run("quick" if args.quick else args.sweep, args.reps, args.seed, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                  stock=stock)
         write_validated(args.out, doc)
         json_path = args.out
     print(table(doc))

@@ -1,5 +1,6 @@
-"""One PNG of a remnant-kernels record: decode time by batch, copy kernels against the
-copy bandwidth (matplotlib, headless; no GPU needed)."""
+"""One PNG of a remnant-kernels record: decode time by batch beside FlashMLA's, each
+decode's time over FlashMLA's, copy kernels against the copy bandwidth (matplotlib,
+headless; no GPU needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 # Decode rows drawn, as (variant, columns, window_columns) -> label; as served first.
 DECODE_LINES = {
-    ("native", "natural", "natural"): "native",
+    ("flashmla", "natural", "natural"): "FlashMLA V4 (stock)",
+    ("reconstruct+flashmla", "natural", "natural"): "triton mode: reconstruct + FlashMLA",
+    ("native", "natural", "natural"): "Remnant Triton native (cross-check)",
     ("packed", "natural", "natural"): "packed, natural q/out and window (SGLang plugin)",
     ("packed", "natural", "kept_first"): "packed, natural q/out, kept-first window (engine)",
     ("packed", "kept_first", "natural"): "packed, kept-first q/out",
@@ -16,19 +19,27 @@ DECODE_LINES = {
 
 
 def _line_key(row: dict) -> tuple[str, str, str]:
-    return row["variant"], row.get("columns", "natural"), row.get("window_columns", "natural")
+    return row.get("variant", row.get("kernel")), row.get("columns", "natural"), row.get("window_columns", "natural")
 
 
 def decode_series(doc: dict, window: int, topk: int, retention: int) -> dict[str, list[tuple[int, float]]]:
-    """{label: [(batch, time_us)]} of the decode rows at this window, top-k and packed R."""
+    """{label: [(batch, time_us)]} of the decode and FlashMLA rows at this window, top-k and packed R."""
     series: dict[str, list[tuple[int, float]]] = {}
-    for row in doc["decode"]:
+    for row in doc["decode"] + doc.get("flashmla_decode", []):
         key = _line_key(row)
         if (key in DECODE_LINES and row.get("auto_splits", True) and row["window"] == window and row["topk"] == topk
                 and row["retention"] in (512, retention)):
             series.setdefault(DECODE_LINES[key], []).append((row["batch"], row["time_us"]))
     order = list(DECODE_LINES.values())
     return {label: sorted(series[label]) for label in sorted(series, key=order.index)}
+
+
+def ratio_series(doc: dict, window: int, topk: int, retention: int) -> dict[str, list[tuple[int, float]]]:
+    """{label: [(batch, time / FlashMLA's time)]} of decode_series' lines but FlashMLA's."""
+    series = decode_series(doc, window, topk, retention)
+    stock = dict(series.pop(DECODE_LINES[("flashmla", "natural", "natural")], []))
+    return {label: [(b, t / stock[b]) for b, t in points if b in stock] for label, points in series.items()
+            if any(b in stock for b, _ in points)}
 
 
 def split_series(doc: dict) -> dict[str, list[tuple[int, float]]]:
@@ -57,18 +68,38 @@ def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
     import matplotlib.pyplot as plt
 
     splits = split_series(doc)
-    fig, axes = plt.subplots(1, 4 if splits else 3, figsize=(22 if splits else 17, 4.8))
+    ratios = ratio_series(doc, 128, topk, retention)
+    panels = 3 + bool(ratios) + bool(splits)
+    fig, axes = plt.subplots(1, panels, figsize=(5.6 * panels, 4.8))
+    labels = list(DECODE_LINES.values())
     for ax, window in zip(axes[:2], (128, 0)):
         for label, points in decode_series(doc, window, topk, retention).items():
-            color = f"C{list(DECODE_LINES.values()).index(label)}"  # the same line, the same color, in both panels
-            ax.plot([b for b, _ in points], [t for _, t in points], marker="o", color=color, label=label)
+            color = f"C{labels.index(label)}"  # the same line, the same color, in every panel
+            stock = label == DECODE_LINES[("flashmla", "natural", "natural")]
+            ax.plot([b for b, _ in points], [t for _, t in points], marker="o", color=color, label=label,
+                    linewidth=2.5 if stock else 1.5, linestyle="-" if stock else "--" if "Triton native" in label else "-")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch (decode tokens)")
         ax.set_ylabel("time per call (us)")
         ax.set_title(f"decode, top-k {topk}, window {window}, R = {retention}")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    ax = axes[2]
+    next_panel = 2
+    if ratios:
+        ax = axes[next_panel]
+        next_panel += 1
+        for label, points in ratios.items():
+            ax.plot([b for b, _ in points], [r for _, r in points], marker="o", color=f"C{labels.index(label)}",
+                    label=label)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.axhline(0.65, color="gray", linestyle="--", linewidth=1, label="kernel-mode target at batch >= 64: 0.65")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (decode tokens)")
+        ax.set_ylabel("time / FlashMLA V4's time")
+        ax.set_title(f"against FlashMLA, top-k {topk}, window 128")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    ax = axes[next_panel]
     for kernel in ("store", "reconstruct"):
         rows = doc[kernel]
         largest = max((r["records"] for r in rows), default=None)
@@ -90,7 +121,7 @@ def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     if splits:
-        ax = axes[3]
+        ax = axes[next_panel + 1]
         for label, points in splits.items():
             ax.plot([n for n, _ in points], [t for _, t in points], marker="o",
                     linestyle="-" if label.startswith("native") else "--", label=label)

@@ -22,8 +22,11 @@ export PYTHONPATH=/tmp/site:$PWD
 for d in conf schemas; do [ -e remnant/$d ] || ln -s ../$d remnant/$d; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import remnant.cli, remnant.engine.server, remnant.kernels.decode, httpx, pandas" || exit 1
+# Native records through FlashMLA's V4 decode (sgl-flash-mla, in .whl/), as SGLang runs
+# them: native_decode=flashmla fails the run where it cannot run rather than fall back.
 timeout ${RUN_TIMEOUT_S:-540} python3 -m remnant.cli -m mode=native,triton,kernel model=dsv4_flash_attn host.device=cuda \
-    host.threads=16 host.kv_budget_mib=4096 host.startup_timeout_s=400 ${RUN_ARGS:-workload=random} \
+    host.threads=16 host.kv_budget_mib=4096 host.startup_timeout_s=400 host.native_decode=${NATIVE_DECODE:-flashmla} \
+    ${RUN_ARGS:-workload=random} \
     hydra.sweep.dir="$OUT/multirun" 2> >(tee "$OUT/remnant-run.stderr" | grep -v "^\s*$" | tail -40 >&2)
 for run in "$OUT"/multirun/*/run.json; do
     python3 -m remnant.records.check "$run" || echo "check failed: $run"

@@ -282,6 +282,62 @@ def test_cuda_model_is_the_cpu_model(args):
     torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("mode", "retention"), MODES)
+def test_flashmla_decodes_native_records_as_the_reference_on_gpu(args, mode, retention, monkeypatch):
+    # With 64 heads FlashMLA's V4 decode serves the native records of the kernels path (every
+    # layer in native and triton modes, the window-only and HCA layers in kernel mode), as
+    # SGLang runs it: the same greedy tokens and close logits as the torch reference.
+    import remnant.kernels.flashmla as flashmla
+
+    why = flashmla.unavailable_reason(torch.device("cuda"), 64)
+    if why:
+        pytest.skip(f"FlashMLA cannot run here: {why}")
+    args = dataclasses.replace(args, num_attention_heads=64)
+    reference = Model(args, device="cuda", decode_path="reference")
+    rmap = setup_retention(reference, mode, "tiny", **retention)
+    kernels = Model(args, device="cuda", decode_path="kernels", native_decode="flashmla")
+    assert (kernels.native_decode, kernels.native_decode_reason) == ("flashmla", None)
+    if rmap is not None:
+        kernels.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in kernels.csa_layers})
+    calls = []
+    real = flashmla.decode
+    monkeypatch.setattr(flashmla, "decode", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    _check_same_greedy(reference, kernels, *SHORT)
+    prompts, steps = LONG
+    want, want_logits, _ = _greedy(reference, prompts, steps)
+    _, got_logits, _ = _greedy(kernels, prompts, steps, forced=want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
+    native_layers = len(args.compress_ratios) - (len(kernels.csa_layers) if mode == "kernel" else 0)
+    assert len(calls) == native_layers * (SHORT[1] - 1 + steps - 1)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_serves_native_records_where_flashmla_cannot_and_says_why(args):
+    # The tiny model has 8 heads; FlashMLA's decode takes 64 or 128.
+    model = Model(args, device="cuda", decode_path="kernels")
+    assert model.native_decode == "triton" and "8" in model.native_decode_reason
+    with pytest.raises(ValueError, match="native_decode=flashmla cannot run: "):
+        Model(args, device="cuda", decode_path="kernels", native_decode="flashmla")
+
+
+def test_native_decode_on_the_reference_path_is_the_reference(args):
+    model = Model(args)
+    assert (model.native_decode, model.native_decode_reason) == (
+        "reference", "decode steps attend through the torch reference (decode_path=reference)")
+    with pytest.raises(ValueError, match="native_decode=flashmla needs decode_path=kernels"):
+        Model(args, native_decode="flashmla")
+
+
+@needs_interpreter
+def test_native_decode_on_the_cpu_kernels_path_is_triton(args):
+    model = Model(args, decode_path="kernels")
+    assert (model.native_decode, model.native_decode_reason) == (
+        "triton", "FlashMLA runs on CUDA GPUs, not on device=cpu")
+
+
 def _served(model: Model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Greedy answers of the engine loop (chunked prefill, continuous batching)."""
     pools = scratch_pools(model, 512, sequences=len(prompts))
@@ -325,6 +381,7 @@ def test_cuda_without_a_gpu_is_one_clear_line(args):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"device": "tpu"}, "device=tpu is not allowed; allowed: cpu, cuda"),
     ({"decode_path": "fast"}, "decode_path=fast is not allowed; allowed: auto, reference, kernels"),
+    ({"native_decode": "fast"}, "native_decode=fast is not allowed; allowed: auto, flashmla, triton"),
 ])
 def test_bad_settings_name_the_field(args, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from remnant.kernels.bench import Ceilings, DecodeCase, _decode_bytes_flops, _roofline, main, table, targets
+from remnant.kernels.bench import (Ceilings, DecodeCase, FlashMLACase, _decode_bytes_flops, _flashmla_bytes_flops,
+                                   _roofline, against_flashmla, main, table, targets)
 from remnant.kernels.decode import partials_for, split_plan_for
 from remnant.records.schema import RecordError, validate
 
@@ -70,8 +71,9 @@ def _doc() -> dict:
               "block_rows": 16, "num_warps": 4, **_roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
     recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "shared",
               "block_rows": 16, "num_warps": 4, **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
+    stock = [_flashmla_row(ceil, "flashmla", 16.0), _flashmla_row(ceil, "reconstruct+flashmla", 24.0)]
     return {
-        "schema": "remnant/kernel-bench", "schema_version": 10, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
+        "schema": "remnant/kernel-bench", "schema_version": 11, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
         "provenance": {"gpu": {"name": "test", "capability": "9.0", "multiprocessors": 132, "l2_bytes": 60 << 20,
                                "nvidia_smi": {}},
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},
@@ -80,21 +82,50 @@ def _doc() -> dict:
         "checks": [{"kernel": "store", "retention": 256, "records": 10, "permute": "shared", "bytes_differing": 0}],
         "store": store, "reconstruct": recon,
         "decode_tuning": [{"variant": "native", "config": config, "error": "did not compile"}],
-        "decode": decode, "targets": targets(decode, store, recon, "9.0"),
+        "decode": decode, "flashmla": {"version": "1.0.0", "timed": True, "reason": None}, "flashmla_decode": stock,
+        "against_flashmla": against_flashmla(decode, stock), "targets": targets(decode, store, recon, stock, "9.0"),
     }
 
 
-def test_targets_are_ratios_of_this_run():
+def _flashmla_row(ceil: Ceilings, kernel: str, us: float, batch: int = 64) -> dict:
+    case = FlashMLACase(kernel, batch, 512, 128, 512 if kernel == "flashmla" else 256)
+    nbytes, flops = _flashmla_bytes_flops(case)
+    return {"kernel": kernel, "retention": case.retention, "batch": batch, "topk": 512, "window": 128, "heads": 64,
+            "max_rel_error": 3e-3, **_roofline(us / 1e6, nbytes, flops, ceil)}
+
+
+def test_flashmla_rows_count_the_staging_bytes():
+    native, flops = _decode_bytes_flops(DecodeCase("native", 512, 3, 512, 128))
+    assert _flashmla_bytes_flops(FlashMLACase("flashmla", 3, 512, 128)) == (native, flops)
+    staged, staged_flops = _flashmla_bytes_flops(FlashMLACase("reconstruct+flashmla", 3, 512, 128, 256))
+    assert staged == native + 3 * 512 * (328 + 584 + 4) and staged_flops == flops
+
+
+def test_targets_are_ratios_to_flashmla_in_this_run():
     doc = _doc()
-    ratio = next(t for t in doc["targets"] if t["name"].startswith("decode packed (natural columns)/native time, batch 64"))
-    assert ratio["value"] == pytest.approx(14.0 / 20.0) and not ratio["met"]
-    folded = next(t for t in doc["targets"] if t["name"].startswith("decode packed (kept_first columns)/native time, batch 64"))
-    assert folded["value"] == pytest.approx(12.0 / 20.0) and folded["met"]
-    window = next(t for t in doc["targets"]
-                  if t["name"].startswith("decode packed (kept_first columns, kept-first window)/native time, batch 64"))
-    assert window["value"] == pytest.approx(10.0 / 20.0) and "window records written in kept-first order" in window["note"]
-    # Where the run has the calls without C4 records at the same splits, the note names
-    # what the two calls share and the ratio of the rest: (10 - 9) / (20 - 8).
+    ratio = next(t for t in doc["targets"]
+                 if t["name"].startswith("decode packed (natural columns)/FlashMLA V4 time, batch 64"))
+    assert ratio["value"] == pytest.approx(14.0 / 16.0) and not ratio["met"] and ratio["target"] == "<= 0.65"
+    assert ratio["note"].startswith("FlashMLA V4 16.0 us, packed 14.0 us (q and out permuted")
+    assert "cross-check against Remnant's Triton native kernel (20.0 us, 1.25x FlashMLA): packed/native 0.700" in ratio["note"]
+    folded = next(t for t in doc["targets"]
+                  if t["name"].startswith("decode packed (kept_first columns)/FlashMLA V4 time, batch 64"))
+    assert folded["value"] == pytest.approx(12.0 / 16.0) and not folded["met"]
+    window = next(t for t in doc["targets"] if t["name"].startswith(
+        "decode packed (kept_first columns, kept-first window)/FlashMLA V4 time, batch 64"))
+    assert window["value"] == pytest.approx(10.0 / 16.0) and window["met"]
+    assert "window records written in kept-first order" in window["note"]
+    # Below batch 64 the target is not to be slower than FlashMLA.
+    small = _doc()
+    for row in small["decode"] + small["flashmla_decode"]:
+        row["batch"] = 16
+    below = targets(small["decode"], small["store"], small["reconstruct"], small["flashmla_decode"])
+    assert {t["target"] for t in below if "FlashMLA" in t["name"]} == {"<= 1.0"}
+    # Without FlashMLA's rows there is no decode ratio target (no anchor).
+    assert not any("time, batch" in t["name"] for t in targets(doc["decode"], doc["store"], doc["reconstruct"], []))
+    # The cross-check keeps the earlier rounds' evidence: where the run has the calls without
+    # C4 records at the same splits, what the two calls share and the ratio of the rest:
+    # (10 - 9) / (20 - 8).
     assert ("without C4 records (q, out, the window and, where split, the join; at the same splits) native 8.0 us "
             "and packed 9.0 us (the full calls: 20.0 and 10.0); the C4 records' time packed/native 0.083"
             in window["note"])
@@ -112,10 +143,12 @@ def test_targets_are_ratios_of_this_run():
     for row in one["decode"]:
         if row["auto_splits"] and row["topk"] == 512:
             row.update(splits=1, partials=None, split_plan=None)
-    assert not any("split_plan=" in t["note"] for t in targets(one["decode"], one["store"], one["reconstruct"], "9.0"))
+    assert not any("split_plan=" in t["note"]
+                   for t in targets(one["decode"], one["store"], one["reconstruct"], one["flashmla_decode"], "9.0"))
     # Rows without C4 records at other splits than the full calls' say nothing of them.
     def folded_note(rows: list[dict]) -> str:
-        return next(t["note"] for t in targets(rows, doc["store"], doc["reconstruct"]) if t["name"] == window["name"])
+        return next(t["note"] for t in targets(rows, doc["store"], doc["reconstruct"], doc["flashmla_decode"])
+                    if t["name"] == window["name"])
 
     other = [dict(r, splits=1) if r["topk"] == 0 and r["variant"] == "packed" else r for r in doc["decode"]]
     assert "without C4 records" not in folded_note(other)
@@ -123,6 +156,13 @@ def test_targets_are_ratios_of_this_run():
     noisy = [dict(r, time_us=25.0) if r["topk"] == 0 and r["variant"] == "native" else r for r in doc["decode"]]
     note = folded_note(noisy)
     assert "native 25.0 us and packed 9.0 us" in note and "the C4 records' time" not in note
+    # Every decode row at auto_splits and triton mode's row over FlashMLA's of the same shape.
+    ratios = {r["name"]: r["value"] for r in doc["against_flashmla"]}
+    assert ratios["Remnant's Triton native kernel (cross-check), batch 64, top-k 512, window 128"] == pytest.approx(1.25)
+    assert ratios["triton mode (reconstruct R=256 + FlashMLA), batch 64, top-k 512, window 128"] == pytest.approx(1.5)
+    assert ratios["kernel mode, packed R=256 (kept_first columns, kept-first window), batch 64, top-k 512, window 128"] \
+        == pytest.approx(10.0 / 16.0)
+    assert not any("top-k 0" in name for name in ratios)  # FlashMLA has no row without C4 records here
     # The bandwidth target names the rows of the call as SGLang makes it today (natural
     # columns) and as the engine makes it (the order folded, the window kept-first).
     for label in ("(natural columns)", "(kept_first columns, kept-first window)"):
@@ -132,7 +172,7 @@ def test_targets_are_ratios_of_this_run():
     native = next(t for t in doc["targets"] if t["name"].startswith("decode native R=512 batch 64"))
     assert ("bound: latency, one program of 8 warps per SM (12.5% occupancy, limited by registers and shared "
             "memory: 255 registers" in native["note"])
-    elsewhere = targets(doc["decode"], doc["store"], doc["reconstruct"], "10.0")
+    elsewhere = targets(doc["decode"], doc["store"], doc["reconstruct"], doc["flashmla_decode"], "10.0")
     assert all("bound" not in t["note"] for t in elsewhere)
     store = next(t for t in doc["targets"] if t["name"].startswith("store"))
     assert store["value"] == pytest.approx((1 << 20) * 1356 / 500e-6 / 4000e9)
@@ -175,6 +215,25 @@ def test_split_series_holds_the_sweep_only():
                       "native, batch 64, cut by cost, join kernel": [(2, 24.0)],
                       "packed, folded, batch 64": [(1, 25.0)], "packed, folded, batch 64, cut by cost": [(8, 26.0)],
                       "packed, folded, batch 64, join kernel": [(2, 15.0)]}
+
+
+def test_every_batch_times_the_calls_as_served_and_flashmla_beside_them():
+    from remnant.kernels.bench import DECODE_BATCHES, decode_cases, flashmla_cases
+
+    cases = [c for c in decode_cases(quick=False, multiprocessors=132) if c.splits is None and c.topk == 512]
+    served = {("native", "natural", "natural"), ("packed", "natural", "natural"),
+              ("packed", "kept_first", "kept_first"), ("packed", "kept_first", "natural")}
+    for batch in DECODE_BATCHES:
+        for window, folded in ((128, ("packed", "kept_first", "kept_first")), (0, ("packed", "kept_first", "natural"))):
+            forms = {(c.variant, c.columns, c.window_columns) for c in cases if (c.batch, c.window) == (batch, window)}
+            assert {("native", "natural", "natural"), ("packed", "natural", "natural"), folded} <= forms <= served | {
+                ("packed", "natural", "kept_first")}
+    stock = {(c.kernel, c.batch, c.topk, c.window, c.retention) for c in flashmla_cases(quick=False)}
+    assert {("flashmla", b, 512, w, 512) for b in DECODE_BATCHES for w in (128, 0)} <= stock
+    assert {("reconstruct+flashmla", b, 512, w, 256) for b in DECODE_BATCHES for w in (128, 0)} <= stock
+    # FlashMLA at each other top-k the decode rows time (batch 128), so each has its ratio.
+    others = {(c.batch, c.topk) for c in decode_cases(quick=False, multiprocessors=132) if c.topk not in (0, 512)}
+    assert {(b, k) for _, b, k, w, _ in stock if k != 512} == others
 
 
 def test_decode_cases_time_the_other_split_plan_at_auto_splits_count():
@@ -259,12 +318,17 @@ def test_needs_a_gpu(capsys):
 
 
 def test_decode_series_by_column_order():
-    from remnant.kernels.plot import decode_series
+    from remnant.kernels.plot import decode_series, ratio_series
 
     series = decode_series(_doc(), window=128, topk=512, retention=256)
-    assert list(series) == ["native", "packed, natural q/out and window (SGLang plugin)", "packed, kept-first q/out",
-                            "packed, kept-first q/out and window (folded)"]
-    assert series["native"] == [(64, pytest.approx(20.0))]
+    assert list(series) == ["FlashMLA V4 (stock)", "triton mode: reconstruct + FlashMLA",
+                            "Remnant Triton native (cross-check)", "packed, natural q/out and window (SGLang plugin)",
+                            "packed, kept-first q/out", "packed, kept-first q/out and window (folded)"]
+    assert series["Remnant Triton native (cross-check)"] == [(64, pytest.approx(20.0))]
+    assert series["FlashMLA V4 (stock)"] == [(64, pytest.approx(16.0))]
+    ratios = ratio_series(_doc(), window=128, topk=512, retention=256)
+    assert "FlashMLA V4 (stock)" not in ratios
+    assert ratios["packed, kept-first q/out and window (folded)"] == [(64, pytest.approx(10.0 / 16.0))]
 
 
 def test_plots_an_existing_record_without_a_gpu(tmp_path, capsys):
