@@ -431,8 +431,13 @@ def _flashmla_version(kernel: str) -> str | None:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """Bind the listening socket here so --port 0 gets a free port with no race."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """Bind the listening socket here so --port 0 gets a free port with no race.
+
+    The protocol is named (IPPROTO_TCP, not 0) because asyncio sets TCP_NODELAY only on
+    connections whose socket says TCP: without it Nagle's algorithm held each response
+    write until the client's delayed ACK, adding ~40 ms to back-to-back requests and
+    stream frames on a keep-alive connection."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(512)

@@ -637,3 +637,31 @@ def test_metrics_use_sglang_names(server):
     for name in ("sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs",
                  "sglang:cache_hit_rate", "sglang:prompt_tokens_total", "sglang:generation_tokens_total"):
         assert f'{name}{{model_name="tiny"}}' in text
+
+
+def test_accepted_connections_get_tcp_nodelay():
+    """remnant-serve hands uvicorn its own listening socket (server._bind); asyncio turns
+    Nagle off only on connections whose socket names IPPROTO_TCP, and with Nagle on a
+    keep-alive client waited ~40 ms (delayed ACK) for each response after the first."""
+    import asyncio
+    import socket
+
+    from remnant.engine.server import _bind
+
+    async def accepted_nodelay() -> int:
+        sock = _bind("127.0.0.1", 0)
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader, writer):
+            got.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        try:
+            return await asyncio.wait_for(got, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
