@@ -9,6 +9,11 @@ gives each running request either its next prefill chunk (at most one page of it
 most `chunked_prefill_size` prompt tokens per step over all requests) or one decode token, runs them as one batch, samples, and
 reports tokens through each request's `emit` callback. A request that could never fit
 is answered with an error; under pressure requests wait, they never crash the engine.
+
+Whatever fails while the engine admits, steps or answers a request fails that request
+alone (a failed forward fails the batch it ran): it is answered with an abort (status
+500), its pages go back, and the loop goes on serving. Requests are validated at the HTTP
+edge (remnant.engine.api); these guards are for what validation cannot foresee.
 """
 
 from __future__ import annotations
@@ -158,25 +163,35 @@ class Engine:
     def _loop(self) -> None:
         try:
             while True:
-                with self._cv:
-                    while not self._stop and not self._waiting and not self._running:
-                        self._cv.wait()
-                    if self._stop:
-                        return
-                    for r in [r for r in self._running if r.aborted]:
-                        self._release(r)
-                    self._admit()
-                    batch = list(self._running)
-                    if not batch and self._waiting:
-                        self._cv.wait(timeout=0.05)  # pools full of nothing: cannot happen; be safe
-                if batch:
-                    self._step(batch)
+                batch: list[Request] = []
+                try:
+                    with self._cv:
+                        while not self._stop and not self._waiting and not self._running:
+                            self._cv.wait()
+                        if self._stop:
+                            return
+                        for r in [r for r in self._running if r.aborted]:
+                            self._release_quietly(r)
+                        self._admit()
+                        batch = list(self._running)
+                        if not batch and self._waiting:
+                            self._cv.wait(timeout=0.05)  # pools full of nothing: cannot happen; be safe
+                    if batch:
+                        self._step(batch)
+                except Exception as exc:  # noqa: BLE001 - outside the per-request guards: a bug
+                    # Fail the batch this iteration stepped, keep the queue, keep serving.
+                    log.exception("engine iteration failed")
+                    with self._cv:
+                        for r in [r for r in batch if r in self._running]:
+                            self._fail(r, f"engine error: {exc!r}")
+                        if not batch:
+                            self._cv.wait(timeout=0.05)  # nothing to blame: do not spin on it
         except BaseException as exc:  # the loop must never die silently: answer everyone
             self.error = f"engine loop died: {exc!r}"
             log.exception("engine loop died")
             with self._cv:
                 for r in (*self._waiting, *self._running):
-                    r.emit(TokenEvent(list(r.output_ids), self._abort_reason(self.error, 500)))
+                    self._emit(r, TokenEvent(list(r.output_ids), self._abort_reason(self.error, 500)))
                 self._waiting.clear()
                 self._running.clear()
             raise
@@ -192,7 +207,13 @@ class Engine:
             if r.aborted:
                 self._waiting.popleft()
                 continue
-            verdict = self._reserve(r)
+            try:
+                verdict = self._reserve(r)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the queue moves on
+                log.exception("admitting request %s failed", r.rid)
+                self._waiting.popleft()
+                self._fail(r, f"engine error while admitting the request: {exc!r}")
+                continue
             if verdict is None:
                 return  # wait for capacity
             self._waiting.popleft()
@@ -202,10 +223,15 @@ class Engine:
     def _reserve(self, r: Request) -> bool | None:
         """Give `r` its pages, SWA block and slot: True; refuse it for good: False; wait: None."""
         pools, size = self.pools, self.pools.page_size
+        if r.generator is None:
+            # First, before anything is allocated: the seed is the request's own value
+            # (torch takes -2**63 .. 2**64-1; the HTTP edge allows int64).
+            seed = r.sampling.seed if r.sampling.seed is not None else zlib.crc32(r.rid.encode())
+            r.generator = torch.Generator().manual_seed(seed)
         total = len(r.input_ids) + r.sampling.max_new_tokens
         pages_needed = math.ceil(total / size)
         if pages_needed > pools.num_pages or pools.slots.n == 0:
-            r.emit(TokenEvent([], self._abort_reason(
+            self._emit(r, TokenEvent([], self._abort_reason(
                 f"the request needs {total} tokens of KV ({len(r.input_ids)} prompt + "
                 f"{r.sampling.max_new_tokens} new); the pool holds {pools.num_pages * size} tokens",
                 400, "CapacityError")))
@@ -237,8 +263,6 @@ class Engine:
         r.seq, r.prefilled, r.cached_tokens = seq, hit, hit
         r.keys = list(keys)
         r.cached_pages = set(matched)
-        seed = r.sampling.seed if r.sampling.seed is not None else zlib.crc32(r.rid.encode())
-        r.generator = torch.Generator().manual_seed(seed)
         self.prompt_tokens += len(r.input_ids)
         self.cached_tokens += hit
         return True
@@ -284,33 +308,41 @@ class Engine:
             log.exception("engine step failed")
             with self._cv:
                 for r in batch:
-                    self._finish(r, self._abort_reason(f"engine error: {exc}", 500, type(exc).__name__))
+                    self._fail(r, f"engine error: {exc}", type(exc).__name__)
             return
         self.steps += 1
         with self._cv:
             for r, row in zip(batch, logits):
-                self._cache_completed_pages(r)
-                if r.prefilled < len(r.input_ids):
-                    continue  # mid-prompt chunk: nothing to sample yet
-                if r.sampling.max_new_tokens == 0:
-                    self._finish(r, {"type": "length", "length": 0})
-                    continue
                 try:
-                    token = self._sample(r, row)
-                except (RuntimeError, ValueError) as exc:
-                    self._finish(r, self._abort_reason(f"sampling failed: {exc}", 400, "SamplingError"))
-                    continue
-                r.output_ids.append(token)
-                self.generated_tokens += 1
-                finish = None
-                if not r.sampling.ignore_eos and token == self.eos_token_id:
-                    finish = {"type": "stop", "matched": token}
-                elif len(r.output_ids) >= r.sampling.max_new_tokens:
-                    finish = {"type": "length", "length": r.sampling.max_new_tokens}
-                if finish:
-                    self._finish(r, finish)
-                else:
-                    r.emit(TokenEvent(list(r.output_ids), None, r.cached_tokens))
+                    self._advance(r, row)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                    log.exception("request %s failed after the step", r.rid)
+                    self._fail(r, f"engine error: {exc!r}")
+
+    def _advance(self, r: Request, row: torch.Tensor) -> None:
+        """After a step: cache `r`'s completed pages, sample its next token, answer it."""
+        self._cache_completed_pages(r)
+        if r.prefilled < len(r.input_ids):
+            return  # mid-prompt chunk: nothing to sample yet
+        if r.sampling.max_new_tokens == 0:
+            self._finish(r, {"type": "length", "length": 0})
+            return
+        try:
+            token = self._sample(r, row)
+        except (RuntimeError, ValueError) as exc:
+            self._finish(r, self._abort_reason(f"sampling failed: {exc}", 400, "SamplingError"))
+            return
+        r.output_ids.append(token)
+        self.generated_tokens += 1
+        finish = None
+        if not r.sampling.ignore_eos and token == self.eos_token_id:
+            finish = {"type": "stop", "matched": token}
+        elif len(r.output_ids) >= r.sampling.max_new_tokens:
+            finish = {"type": "length", "length": r.sampling.max_new_tokens}
+        if finish:
+            self._finish(r, finish)
+        else:
+            self._emit(r, TokenEvent(list(r.output_ids), None, r.cached_tokens))
 
     def _cache_completed_pages(self, r: Request) -> None:
         """Offer the pages the last step completed to the prefix cache; the page ending
@@ -351,4 +383,26 @@ class Engine:
     def _finish(self, r: Request, reason: dict) -> None:
         """Called with the lock held: release, then answer."""
         self._release(r)
-        r.emit(TokenEvent(list(r.output_ids), reason, r.cached_tokens))
+        self._emit(r, TokenEvent(list(r.output_ids), reason, r.cached_tokens))
+
+    def _fail(self, r: Request, message: str, err_type: str = "EngineError") -> None:
+        """Called with the lock held: answer `r` with an engine error (500), giving back
+        whatever it holds; nothing here may raise, so one request cannot stop the loop."""
+        if r in self._running:
+            self._running.remove(r)
+        self._release_quietly(r)
+        self._emit(r, TokenEvent(list(r.output_ids), self._abort_reason(message, 500, err_type), r.cached_tokens))
+
+    def _release_quietly(self, r: Request) -> None:
+        try:
+            self._release(r)
+        except Exception:  # noqa: BLE001 - its pages may stay lost; the engine keeps serving
+            log.exception("releasing request %s failed", r.rid)
+
+    @staticmethod
+    def _emit(r: Request, ev: TokenEvent) -> None:
+        """Answer `r`; a callback that raises (its event loop closed) loses that answer only."""
+        try:
+            r.emit(ev)
+        except Exception:  # noqa: BLE001
+            log.exception("answering request %s failed", r.rid)

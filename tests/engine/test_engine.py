@@ -109,6 +109,47 @@ def test_bad_request_answers_abort_and_engine_lives(engine):
     assert len(_run(engine, "after", _ids(8, 5), 2).final().output_ids) == 2
 
 
+def _pages_free(engine: Engine) -> int:
+    # Every request below has finished, so only the prefix cache holds pages; flush it too.
+    assert engine.flush_cache()[0]
+    return engine.stats()["pages_free"]
+
+
+def test_a_seed_torch_refuses_fails_that_request_alone(engine):
+    """A seed outside torch's range (the HTTP edge refuses it; the engine must not rely on
+    that) used to raise in admission, outside the step's guard, and end the loop."""
+    free = _pages_free(engine)
+    c = Collector()
+    engine.submit(Request("seed", _ids(8, 8), SamplingParams(2, 1.0, True, seed=2**70), c))
+    ev = c.final()
+    assert ev.finish_reason["type"] == "abort" and ev.finish_reason["status_code"] == 500
+    assert "admitting" in ev.finish_reason["message"]
+    assert engine.alive and engine.error is None
+    assert len(_run(engine, "after-seed", _ids(8, 9), 3).final().output_ids) == 3
+    assert _pages_free(engine) == free
+
+
+def test_an_answer_callback_that_raises_fails_that_request_alone(engine):
+    """A request whose answers cannot be delivered (its event loop closed) is dropped with
+    its pages given back; the requests batched with it finish."""
+    free = _pages_free(engine)
+
+    def broken(ev: TokenEvent) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    neighbour = Collector()
+    engine.submit(Request("neighbour", _ids(40, 10), SamplingParams(12, 0.0, True), neighbour))
+    engine.submit(Request("broken", _ids(40, 11), SamplingParams(12, 0.0, True), broken))
+    assert len(neighbour.final().output_ids) == 12
+    for _ in range(500):
+        if engine.stats()["num_running_reqs"] == 0:
+            break
+        threading.Event().wait(0.01)
+    assert engine.alive and engine.stats()["num_running_reqs"] == 0
+    assert _pages_free(engine) == free
+    assert len(_run(engine, "after-broken", _ids(8, 12), 2).final().output_ids) == 2
+
+
 def test_abort_drops_request(engine):
     c = Collector()
     gone = Request("gone", _ids(8, 6), SamplingParams(10_000, 0.0, True), c)
