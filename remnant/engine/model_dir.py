@@ -3,8 +3,8 @@
 config.json carries the architecture (DeepSeek-V4 names) and the weight seed; weights are
 generated from the seed when the server loads, so nothing large is written or committed.
 The tokenizer is byte-level (token id = byte value, plus BOS/EOS) in the `tokenizers`
-format, with a tokenizer_config.json, so stock loaders (tokenizers, transformers'
-AutoTokenizer) read it.
+format, with a tokenizer_config.json (and a chat template), so stock loaders (tokenizers,
+transformers' AutoTokenizer) read it.
 
     python -m remnant.engine.model_dir --out models/tiny            # the tiny preset
 """
@@ -20,6 +20,20 @@ EOS = "<｜end▁of▁sentence｜>"
 BYTE_VOCAB = 256
 BOS_ID = BYTE_VOCAB
 EOS_ID = BYTE_VOCAB + 1
+#: DeepSeek's chat layout: BOS, system text, then <｜User｜>/<｜Assistant｜> turns, each
+#: answer closed by EOS. The markers are plain text to the byte-level tokenizer.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] in ['system', 'developer'] %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}<｜User｜>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<｜Assistant｜>{{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}<｜tool▁output▁begin｜>{{ message['content'] }}<｜tool▁output▁end｜>"
+    "{% else %}{{ raise_exception('unknown role ' ~ message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
 ARCHITECTURE = "RemnantDeepseekV4ForCausalLM"
 MODEL_TYPE = "remnant_deepseek_v4"
 
@@ -103,6 +117,7 @@ def write_model_dir(model: dict, out: Path) -> Path:
         "add_bos_token": True,
         "model_max_length": model["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(

@@ -1,10 +1,15 @@
 """`remnant-serve`: the embedded reference engine behind SGLang's HTTP API (DESIGN section 6).
 
-Request and response shapes follow SGLang 0.5.18's http_server (GenerateReqInput in, the
-tokenizer manager's out dicts out), so a client written for SGLang works unchanged:
+Routes and shapes follow SGLang 0.5.18's http_server (GenerateReqInput in, the tokenizer
+manager's out dicts out) and its OpenAI-compatible endpoints, so a client written for
+SGLang works unchanged:
 
     remnant-serve --model-dir models/tiny --port 30000
-    curl -s localhost:30000/generate -d '{"text": "hi", "sampling_params": {"max_new_tokens": 8}}'
+    curl -s localhost:30000/generate -H 'Content-Type: application/json' \
+        -d '{"text": "hi", "sampling_params": {"max_new_tokens": 8}}'
+
+Request schemas live in remnant.engine.api, the OpenAI routes in remnant.engine.openai_api,
+the bridge to the engine thread in remnant.engine.frontend; this module builds the app.
 """
 
 from __future__ import annotations
@@ -14,22 +19,32 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import socket
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import remnant
 from remnant.config import DECODE_PATHS, ENGINE_DEVICES, NATIVE_DECODES
-from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
+from remnant.engine.api import (
+    BadRequest,
+    GenerateRequest,
+    ModelLimits,
+    Utf8JSONRoute,
+    describe_errors,
+    error_body,
+    generate_error,
+    generate_error_stream,
+)
+from remnant.engine.engine import Engine
 
 log = logging.getLogger("remnant.serve")
 
@@ -37,52 +52,6 @@ FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
-
-
-class BadRequest(ValueError):
-    pass
-
-
-def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[int], SamplingParams, bool, str]:
-    """Validate a /generate body the way SGLang's GenerateReqInput does (single requests)."""
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if text is None and input_ids is None:
-        raise BadRequest("Either text or input_ids should be provided.")
-    if input_ids is not None:
-        text = None  # as SGLang: given both, input_ids wins
-    if isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)):
-        raise BadRequest("batched /generate requests are not supported by the embedded engine; send one prompt per request")
-    if text is not None:
-        if not isinstance(text, str):
-            raise BadRequest("text must be a string")
-        ids = tokenizer.encode(text).ids
-    else:
-        if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
-            raise BadRequest("input_ids must be a list of integers")
-        bad = [t for t in input_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise BadRequest(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-        ids = list(input_ids)
-    if not ids:
-        raise BadRequest("the prompt is empty")
-    sp = body.get("sampling_params") or {}
-    if not isinstance(sp, dict):
-        raise BadRequest("sampling_params must be an object")
-    try:
-        params = SamplingParams(
-            max_new_tokens=int(128 if sp.get("max_new_tokens") is None else sp["max_new_tokens"]),
-            temperature=float(sp.get("temperature", 1.0)),
-            ignore_eos=bool(sp.get("ignore_eos", False)),
-            seed=None if sp.get("sampling_seed") is None else int(sp["sampling_seed"]),
-        )
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(f"invalid sampling_params: {exc}") from None
-    if params.max_new_tokens < 0:
-        raise BadRequest(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
-    if not math.isfinite(params.temperature) or params.temperature < 0:
-        raise BadRequest(f"temperature must be a finite number >= 0, got {params.temperature}")
-    rid = body.get("rid") or uuid.uuid4().hex
-    return ids, params, bool(body.get("stream", False)), str(rid)
 
 
 @dataclass
@@ -204,6 +173,13 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
         "torch_num_threads": torch.get_num_threads(),
     }
 
+    from remnant.engine.chat_template import ChatTemplate
+    from remnant.engine.frontend import Frontend
+    from remnant.engine.openai_api import router as openai_router
+
+    limits = ModelLimits(args.vocab_size, args.max_position_embeddings, pools.num_pages * geometry.page_size)
+    frontend = Frontend(engine, tokenizer, limits, served_name, ChatTemplate.from_model_dir(model_dir))
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         engine.start()
@@ -212,98 +188,55 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
         engine.stop()
 
     app = FastAPI(title="remnant-serve", lifespan=lifespan)
+    app.router.route_class = Utf8JSONRoute
     app.state.engine = engine
+    app.state.frontend = frontend
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.alive else 503)
 
     @app.get("/health_generate")
-    async def health_generate() -> Response:
+    async def health_generate(http: HttpRequest) -> Response:
         if not engine.alive:
             return Response(status_code=503)
-        queue, req = _submit(engine, [hf["bos_token_id"]], SamplingParams(1, 0.0, True),
-                             f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        gen = frontend.health_check(hf["bos_token_id"])
         try:
-            ev = await asyncio.wait_for(_last(queue), timeout=20)
+            out = await asyncio.wait_for(gen.final(http), timeout=20)
         except asyncio.TimeoutError:
-            engine.abort(req)
-            return Response(status_code=503)
-        if ev.finish_reason.get("type") == "abort":
-            return Response(status_code=503)
-        return Response(status_code=200)
+            out = None
+        finally:
+            gen.close()
+        ok = out is not None and out["meta_info"]["finish_reason"].get("type") != "abort"
+        return Response(status_code=200 if ok else 503)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(http: HttpRequest):
-        t_recv = time.perf_counter()
+    async def generate(req: GenerateRequest, http: HttpRequest) -> Response:
         try:
-            body = await http.json()
-        except json.JSONDecodeError as exc:
-            return _validation_error(f"invalid JSON body: {exc}")
-        if not isinstance(body, dict):
-            return _validation_error("the request body must be a JSON object")
-        try:
-            ids, params, stream, rid = parse_generate(body, args.vocab_size, tokenizer)
-            if len(ids) + params.max_new_tokens > args.max_position_embeddings:
-                raise BadRequest(
-                    f"The input ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
-                    f"is longer than the model's context length ({args.max_position_embeddings} tokens)."
-                )
+            gen = frontend.submit(req.prepare(limits, tokenizer))
         except BadRequest as exc:
-            if isinstance(body, dict) and body.get("stream"):
-                return _error_stream(str(exc))
-            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
-
-        queue, req = _submit(engine, ids, params, rid)
-        emitted = [""]
-
-        def frame(ev: TokenEvent) -> dict:
-            meta = {
-                "id": rid,
-                "finish_reason": ev.finish_reason,
-                "prompt_tokens": len(ids),
-                "weight_version": "default",
-                "num_retractions": 0,
-                "reasoning_tokens": 0,
-                "completion_tokens": len(ev.output_ids),
-                "cached_tokens": ev.cached_tokens,
-            }
-            meta["cached_tokens_details"] = None
-            meta["dp_rank"] = 0
-            text = tokenizer.decode(ev.output_ids)
-            if ev.finish_reason is not None:
-                meta["e2e_latency"] = time.perf_counter() - t_recv
-                meta["response_sent_to_client_ts"] = time.time()
-            else:
-                # Hold back a trailing incomplete UTF-8 character, as SGLang's detokenizer
-                # does, so each frame's text extends the previous one.
-                text = text.rstrip("\ufffd")
-                if not text.startswith(emitted[0]):
-                    text = emitted[0]
-            emitted[0] = text
-            return {"text": text, "output_ids": ev.output_ids, "meta_info": meta}
-
-        if stream:
+            return generate_error_stream(str(exc)) if req.stream else generate_error(str(exc))
+        if req.stream:
             async def frames():
                 try:
-                    while True:
-                        ev = await queue.get()
-                        yield b"data: " + json.dumps(frame(ev)).encode() + b"\n\n"
-                        if ev.finish_reason is not None:
-                            break
+                    async for out in gen.outputs():
+                        yield b"data: " + json.dumps(out).encode() + b"\n\n"
                     yield b"data: [DONE]\n\n"
                 finally:
-                    engine.abort(req)  # no-op when finished; frees a disconnected client's request
+                    gen.close()  # frees a disconnected client's request; a no-op once finished
 
-            return StreamingResponse(frames(), media_type="text/event-stream")
-        ev = await _wait_or_disconnect(http, _last(queue))
-        if ev is None:  # the client went away: free the engine
-            engine.abort(req)
+            # The background task frees the request even if the stream never started.
+            return StreamingResponse(frames(), media_type="text/event-stream", background=BackgroundTask(gen.close))
+        try:
+            out = await gen.final(http)
+        finally:
+            gen.close()
+        if out is None:  # the client went away
             return Response(status_code=499)
-        out = frame(ev)
-        if ev.finish_reason and ev.finish_reason.get("type") == "abort":
-            return JSONResponse({"error": {"message": ev.finish_reason.get("message")}},
-                                status_code=ev.finish_reason.get("status_code") or 500)
+        reason = out["meta_info"]["finish_reason"]
+        if reason and reason.get("type") == "abort":
+            return generate_error(reason.get("message"), reason.get("status_code") or 500)
         return JSONResponse(out)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -320,6 +253,7 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
                         media_type="text/plain; version=0.0.4")
 
     @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's older name, still served
     async def server_info() -> dict:
         stats = engine.stats()
         return {
@@ -334,6 +268,7 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
         }
 
     @app.get("/model_info")
+    @app.get("/get_model_info")  # SGLang's older name, still served
     async def model_info() -> dict:
         return {
             "model_path": str(model_dir),
@@ -351,29 +286,8 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
             "architectures": hf.get("architectures"),
         }
 
+    app.include_router(openai_router)
     return app
-
-
-def _submit(engine: Engine, ids: list[int], params: SamplingParams, rid: str) -> tuple[asyncio.Queue, Request]:
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    request = Request(rid, ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
-    engine.submit(request)
-    return queue, request
-
-
-async def _wait_or_disconnect(http: HttpRequest, waiting) -> TokenEvent | None:
-    """The final event, or None if the client disconnects first (Starlette does not cancel)."""
-    task = asyncio.ensure_future(waiting)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await http.is_disconnected():
-                return None
-    finally:
-        task.cancel()
 
 
 def prometheus_text(stats: dict, model_name: str) -> str:
@@ -398,28 +312,22 @@ def prometheus_text(stats: dict, model_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def _last(queue: asyncio.Queue) -> TokenEvent:
-    while True:
-        ev = await queue.get()
-        if ev.finish_reason is not None:
-            return ev
+def _add_error_handlers(app: FastAPI) -> None:
+    """Error bodies as SGLang's http_server answers them, and never a bare 500 page."""
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_http: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_errors(exc.errors())
+        return error_body(message, 400, "Bad Request", param)
 
-def _validation_error(message: str) -> JSONResponse:
-    """SGLang answers unparsable bodies through its RequestValidationError handler."""
-    return JSONResponse(
-        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
-        status_code=400,
-    )
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_http: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        return error_body(str(exc.detail), exc.status_code, str(exc.status_code))
 
-
-def _error_stream(message: str) -> StreamingResponse:
-    async def frames():
-        err = {"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}
-        yield b"data: " + json.dumps(err).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(frames(), media_type="text/event-stream")
+    @app.exception_handler(Exception)
+    async def internal(http: HttpRequest, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", http.method, http.url.path)
+        return error_body(f"Internal server error: {exc!r}", 500, "InternalServerError")
 
 
 def _flashmla_version(kernel: str) -> str | None:
