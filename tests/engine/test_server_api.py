@@ -665,3 +665,140 @@ def test_accepted_connections_get_tcp_nodelay():
             server.close()
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+# 13. Any client, any bad input (issue 31) ------------------------------------------------
+
+
+def _alive(server) -> None:
+    """/health answers 200 and a valid request completes: the engine is still serving."""
+    assert httpx.get(f"{server.base_url}/health", timeout=TIMEOUT).status_code == 200
+    r = generate(server, {"input_ids": [1, 2, 3], "sampling_params": sp(2)})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2, r.text
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**70, -(2**63) - 1])
+def test_a_seed_outside_int64_is_refused_and_the_engine_keeps_serving(server, seed):
+    """A seed torch cannot take used to end the engine loop: 500 "engine loop died", then 503
+    for every request. It is refused at the edge, naming the field and the range."""
+    msg = assert_error_body(generate(server, {"input_ids": [1, 2], "sampling_params": sp(2, sampling_seed=seed)}))
+    assert f"sampling_params.sampling_seed={seed} is outside the allowed range" in msg
+    _alive(server)
+    r = generate(server, {"input_ids": [1, 2], "sampling_params": sp(2, sampling_seed=2**63 - 1)})
+    assert r.status_code == 200, r.text  # the largest allowed seed samples
+
+
+def _schema_error(r: httpx.Response) -> dict:
+    """SGLang's RequestValidationError answer: 400 with the flat ErrorResponse."""
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert set(body) == {"object", "message", "type", "param", "code"} and body["code"] == 400, body
+    return body
+
+
+@pytest.mark.parametrize(("content", "field", "got"), [
+    (b'{"text": "hi", "sampling_params": {"max_new_tokens": Infinity}}', "sampling_params.max_new_tokens", "Infinity"),
+    (b'{"text": "hi", "sampling_params": {"max_new_tokens": NaN}}', "sampling_params.max_new_tokens", "NaN"),
+    (b'{"text": "hi", "sampling_params": {"max_new_tokens": 2.7}}', "sampling_params.max_new_tokens", "2.7"),
+    (b'{"text": "hi", "sampling_params": {"max_new_tokens": "8"}}', "sampling_params.max_new_tokens", '"8"'),
+    (b'{"text": "hi", "sampling_params": {"max_new_tokens": true}}', "sampling_params.max_new_tokens", "true"),
+    (b'{"input_ids": [1, 2.5]}', "input_ids[1]", "2.5"),
+    (b'{"text": 7}', "text", "7"),
+    (b'{"text": "hi", "stream": "yes"}', "stream", '"yes"'),
+], ids=["inf", "nan", "float", "string", "bool", "float-id", "int-text", "str-stream"])
+def test_wrong_types_are_400_naming_field_and_value(server, content, field, got):
+    body = _schema_error(_post_raw(server, content))
+    assert body["param"] == field
+    assert body["message"].startswith(f"{field}: Input should be a valid ") and body["message"].endswith(f"got {got}")
+
+
+def test_a_body_that_is_not_utf8_is_400(server):
+    body = _schema_error(_post_raw(server, b'{"text": "caf\xe9"}'))
+    assert body["message"] == ("the request body is not UTF-8: byte 0xe9 at offset 13; send JSON encoded as UTF-8")
+    _alive(server)
+
+
+def test_unknown_sampling_params_are_refused_unknown_fields_ignored(server):
+    body = _schema_error(generate(server, {"text": "hi", "sampling_params": {"max_new_token": 4}}))
+    assert body["param"] == "sampling_params.max_new_token"
+    assert "unknown key; allowed: max_new_tokens, temperature" in body["message"]
+    # SGLang ignores top-level fields it does not know; so does remnant-serve.
+    r = generate(server, {"text": "hi", "sampling_params": sp(2), "no_such_field": {"x": 1}})
+    assert r.status_code == 200, r.text
+
+
+def test_fields_sglang_bench_sends_are_accepted(server):
+    """sglang.benchmark.serving's async_request_sglang_generate payload at its defaults."""
+    r = generate(server, {"text": "hi", "sampling_params": {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True},
+                          "stream": False, "lora_path": None, "return_logprob": False,
+                          "return_routed_experts": False, "logprob_start_len": -1})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3, r.text
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"return_logprob": True}, "return_logprob=true is not supported by the embedded engine; allowed: false"),
+    ({"lora_path": "adapter"}, 'lora_path="adapter" is not supported by the embedded engine; allowed: null'),
+    ({"sampling_params": {"max_new_tokens": 2, "top_p": 0.5}},
+     "sampling_params.top_p=0.5 is not supported by the embedded engine; allowed: 1.0"),
+    ({"sampling_params": {"max_new_tokens": 2, "stop": ["x"]}},
+     'sampling_params.stop=["x"] is not supported by the embedded engine; allowed: null'),
+    ({"sampling_params": {"max_new_tokens": 2, "n": 2}},
+     "sampling_params.n=2 is not supported by the embedded engine; allowed: 1"),
+], ids=["logprob", "lora", "top_p", "stop", "n"])
+def test_features_the_engine_lacks_are_refused_by_name(server, body, message):
+    assert assert_error_body(generate(server, {"input_ids": [1, 2], **body})) == message
+    assert assert_error_stream(stream_generate(server.base_url, {"input_ids": [1, 2], **body})) == message
+
+
+def test_batches_are_refused_by_name(server):
+    for body, field in (({"text": ["a", "b"]}, "text"), ({"input_ids": [[1], [2]]}, "input_ids"),
+                        ({"text": "a", "rid": ["x"]}, "rid")):
+        out = _schema_error(generate(server, body))
+        assert out["param"] == field and "batch of requests" in out["message"], out
+
+
+def test_duplicate_rid_in_flight_is_refused_as_sglang_does(server):
+    """tokenizer_manager.py: `Duplicate request ID detected: {rid}` (a ValueError: 400, or an
+    error frame in a stream); the id is free again once its request ends."""
+    first = threading.Event()
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("s", stream_generate(
+        server.base_url, {"input_ids": [1, 2, 3], "rid": "dup", "sampling_params": sp(300)}, on_first=first)))
+    t.start()
+    assert first.wait(30)
+    msg = assert_error_body(generate(server, {"input_ids": [4, 5], "rid": "dup", "sampling_params": sp(2)}))
+    assert msg == "Duplicate request ID detected: dup"
+    msg = assert_error_stream(stream_generate(server.base_url, {"input_ids": [4, 5], "rid": "dup",
+                                                                "sampling_params": sp(2)}))
+    assert msg == "Duplicate request ID detected: dup"
+    t.join(60)
+    assert result["s"].frames[-1]["meta_info"]["completion_tokens"] == 300  # undisturbed
+    r = generate(server, {"input_ids": [4, 5], "rid": "dup", "sampling_params": sp(2)})
+    assert r.status_code == 200 and r.json()["meta_info"]["id"] == "dup", r.text
+
+
+def test_a_disconnected_stream_frees_its_rid(server):
+    s = stream_generate(server.base_url, {"input_ids": [1, 2, 3], "rid": "gone", "sampling_params": sp(1000)},
+                        stop_after=2)
+    assert len(s.events) == 2
+    deadline = time.monotonic() + 10
+    while True:
+        r = generate(server, {"input_ids": [4, 5], "rid": "gone", "sampling_params": sp(1)})
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
+
+
+def test_get_prefixed_info_routes_answer_as_the_current_ones(server):
+    for old, new in (("/get_model_info", "/model_info"), ("/get_server_info", "/server_info")):
+        a, b = (httpx.get(f"{server.base_url}{p}", timeout=TIMEOUT) for p in (old, new))
+        assert a.status_code == b.status_code == 200
+        assert set(a.json()) == set(b.json())
+
+
+def test_unknown_route_and_method_answer_json(server):
+    r = httpx.post(f"{server.base_url}/no_such_route", json={}, timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["code"] == 404
+    r = httpx.get(f"{server.base_url}/generate", timeout=TIMEOUT)
+    assert r.status_code == 405 and r.json()["code"] == 405
