@@ -25,11 +25,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, StrictFloat, StrictInt, field_validator
 from pydantic_core import PydanticCustomError
 
 from remnant.engine.engine import SamplingParams
@@ -103,9 +103,15 @@ def _show(value: Any, limit: int = 60) -> str:
 
 
 def _where(loc: tuple) -> str:
+    """A field path: sampling_params.max_new_tokens, messages[0].content; a key that is
+    not a plain name (a client's unknown key) quoted and escaped as JSON."""
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        name = str(part) if str(part).isidentifier() and str(part).isascii() else _show(str(part))
+        out += f".{name}" if out else name
     return out
 
 
@@ -140,7 +146,7 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
             parts.append(f"{field}: required, missing")
         elif kind == "extra_forbidden":  # only sampling_params forbids unknown keys
             parts.append(f"{field}: unknown key; allowed: {', '.join(GenerateSampling.model_fields)}")
-        elif kind in ("unsupported", "batch_unsupported", "content_part"):
+        elif kind in ("batch_unsupported", "content_part", "unicode"):
             parts.append(f"{field}: {message}")
         else:
             parts.append(f"{field}: {message}, got {_show(e.get('input'))}")
@@ -169,6 +175,33 @@ class Utf8JSONRoute(APIRoute):
 
 
 # Schema pieces ---------------------------------------------------------------------------
+
+
+def _unicode(value: str) -> str:
+    """JSON may spell a lone surrogate (\\ud800), which Python keeps and neither the
+    tokenizer nor a UTF-8 response can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError("unicode", "contains a lone surrogate (U+{code}) at index {at}; strings must be "
+                                  "valid Unicode", {"code": f"{ord(value[exc.start]):04X}", "at": exc.start}) from None
+    return value
+
+
+#: A JSON string (never a number or boolean) that is valid Unicode.
+Str = Annotated[str, Strict(), AfterValidator(_unicode)]
+
+
+def _stop(value: Any) -> Any:
+    """A stop field: null, a string, or a list of strings (SGLang's Union, one error)."""
+    if value is None or (isinstance(value, str) and _unicode(value) is not None):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) and _unicode(v) is not None for v in value):
+        return value
+    raise PydanticCustomError("stop_type", "Input should be null, a string or a list of strings")
+
+
+Stop = Annotated[Any, BeforeValidator(_stop)]
 
 
 class Schema(BaseModel):
@@ -265,9 +298,9 @@ class GenerateSampling(BaseModel):
     spaces_between_special_tokens: StrictBool | None = True  # no effect on a byte-level tokenizer
     no_stop_trim: StrictBool | None = False  # trims stop strings, of which there are none
     stream_interval: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Stop = None
     stop_token_ids: list[StrictInt] | None = None
-    stop_regex: StrictStr | list[StrictStr] | None = None
+    stop_regex: Stop = None
     top_p: StrictFloat | None = 1.0
     top_k: StrictInt | None = -1
     min_p: StrictFloat | None = 0.0
@@ -276,10 +309,10 @@ class GenerateSampling(BaseModel):
     repetition_penalty: StrictFloat | None = 1.0
     min_new_tokens: StrictInt | None = 0
     n: StrictInt | None = 1
-    json_schema: StrictStr | None = None
-    regex: StrictStr | None = None
-    ebnf: StrictStr | None = None
-    structural_tag: StrictStr | None = None
+    json_schema: Str | None = None
+    regex: Str | None = None
+    ebnf: Str | None = None
+    structural_tag: Str | None = None
     logit_bias: dict[str, StrictFloat] | None = None
     custom_params: dict[str, Any] | None = None
 
@@ -297,10 +330,10 @@ class GenerateRequest(Schema):
     """POST /generate: SGLang's GenerateReqInput (python/sglang/srt/managers/io_struct.py),
     one request at a time."""
 
-    text: StrictStr | None = None
+    text: Str | None = None
     input_ids: list[StrictInt] | None = None
     sampling_params: GenerateSampling | None = None
-    rid: StrictStr | None = None
+    rid: Str | None = None
     stream: StrictBool = False
     return_logprob: StrictBool | None = False
     logprob_start_len: StrictInt | None = -1  # only read with return_logprob
@@ -311,11 +344,11 @@ class GenerateRequest(Schema):
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
-    lora_path: StrictStr | None = None
+    lora_path: Str | None = None
     return_hidden_states: StrictBool | None = False
     return_routed_experts: StrictBool | None = False
     session_params: dict[str, Any] | None = None
-    custom_logit_processor: StrictStr | None = None
+    custom_logit_processor: Str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "return_logprob": (False, None), "top_logprobs_num": (0, None), "token_ids_logprob": (None, []),
@@ -363,24 +396,24 @@ class OpenAIRequest(Schema):
     """The fields /v1/completions and /v1/chat/completions share (SGLang's
     python/sglang/srt/entrypoints/openai/protocol.py)."""
 
-    model: StrictStr = "default"
+    model: Str = "default"
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     seed: StrictInt | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    rid: StrictStr | None = None
-    user: StrictStr | None = None
+    rid: Str | None = None
+    user: Str | None = None
     n: StrictInt = 1
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Stop = None
     stop_token_ids: list[StrictInt] | None = None
     frequency_penalty: StrictFloat | None = 0.0
     presence_penalty: StrictFloat | None = 0.0
     logit_bias: dict[str, StrictFloat] | None = None
     min_tokens: StrictInt = 0
-    regex: StrictStr | None = None
-    ebnf: StrictStr | None = None
-    lora_path: StrictStr | None = None
+    regex: Str | None = None
+    ebnf: Str | None = None
+    lora_path: Str | None = None
     return_hidden_states: StrictBool = False
     return_routed_experts: StrictBool = False
     return_cached_tokens_details: StrictBool = False  # sglext: no device/host split to report
@@ -412,7 +445,7 @@ def _prompt(value: Any) -> Any:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
-        return value
+        return _unicode(value)
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     if isinstance(value, list) and all(isinstance(p, (str, list)) for p in value):
@@ -434,8 +467,8 @@ class CompletionRequest(OpenAIRequest):
     best_of: StrictInt | None = None
     echo: StrictBool = False
     logprobs: StrictInt | None = None
-    suffix: StrictStr | None = None
-    json_schema: StrictStr | None = None
+    suffix: Str | None = None
+    json_schema: Str | None = None
     return_token_ids: StrictBool = False
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
@@ -473,7 +506,7 @@ def _content(value: Any) -> Any:
     """A message's content: a string, null, or a list of text parts (joined with spaces, as
     SGLang flattens them for a string-content template); other parts are refused."""
     if value is None or isinstance(value, str):
-        return value
+        return value if value is None else _unicode(value)
     if not isinstance(value, list):
         raise PydanticCustomError("content_part", "must be a string or a list of text parts, got {got}",
                                   {"got": _show(value)})
@@ -484,16 +517,16 @@ def _content(value: Any) -> Any:
             raise PydanticCustomError(
                 "content_part", "part {i} is {got}: the model is text-only; allowed: parts of type text",
                 {"i": i, "got": _show(part)})
-        texts.append(part["text"])
+        texts.append(_unicode(part["text"]))
     return " ".join(texts)
 
 
 class Message(Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
-    name: StrictStr | None = None
-    tool_call_id: StrictStr | None = None
-    reasoning_content: StrictStr | None = None
+    name: Str | None = None
+    tool_call_id: Str | None = None
+    reasoning_content: Str | None = None
     tool_calls: list[Any] | None = None
 
     @field_validator("content", mode="before")
