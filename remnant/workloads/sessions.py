@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from remnant.workloads.json_error import describe_json_error
 
 MOONCAKE_BLOCK = 512
 
@@ -53,24 +56,71 @@ def load_sessions(path: Path) -> tuple[list[Session], dict]:
     except FileNotFoundError:
         raise ValueError(f"workload.sessions_path={path}: no such file") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        raise ValueError(f"{path}: not valid JSON ({describe_json_error(exc)})") from None
     validate(doc, str(path))
+    first_at: dict[str, int] = {}
+    for i, s in enumerate(doc["sessions"]):
+        if s["id"] in first_at:
+            # Request ids are built from session ids: two sessions of one id would collide.
+            raise ValueError(f"{path}: session id {s['id']!r} appears twice (sessions[{first_at[s['id']]}] and "
+                             f"sessions[{i}]); session ids must be unique")
+        first_at[s["id"]] = i
     sessions = [Session(s["id"], [Turn(**t) for t in s["turns"]]) for s in doc["sessions"]]
     return sessions, doc
 
 
 def import_mooncake(path: Path) -> list[Session]:
     """Sessions from a Mooncake trace (JSONL of timestamp ms, input_length, output_length,
-    hash_ids). A request continues the session whose latest turn's full blocks are the
-    longest prefix of its own hash_ids (at least one block), if its prompt is longer;
-    otherwise it starts a session. Requests that merely share a prefix (a system prompt)
-    still share tokens through their hash_ids. Timestamps become timestamp_s, relative to
-    the first request."""
+    hash_ids). Timestamps become timestamp_s, relative to the first request.
+
+    A request continues the session whose latest turn's full blocks are the longest prefix
+    of its own hash_ids, when that turn is shorter, started earlier, and its blocks reach
+    past the trace's shared prefix. Blocks are chained hashes (an id names its whole
+    prefix), so the trace's full blocks form a tree; where prompts continue with two
+    different full blocks, more than one conversation went through that block (a system
+    prompt, a shared document), and it and the blocks before it are shared. A link on
+    shared blocks alone would join unrelated requests into one session; they start
+    sessions of their own and still share tokens through their hash_ids. A request whose
+    prompt ends within the block after a shared prefix carries no evidence of its own; it
+    is linked only when the trace never diverges there."""
+    records = list(_trace_records(path))
+    if not records:
+        raise ValueError(f"{path}: no requests")
+    shared = _shared_blocks(records)
     sessions: list[Session] = []
-    # Each session is keyed by the full 512-token blocks of its latest turn (the last,
-    # partial block gets a new hash once it fills, so it cannot link turns).
+    # Open sessions by the full blocks of their latest turn (the last, partial block gets a
+    # new hash once it fills, so it cannot link turns).
     open_by_blocks: dict[tuple, int] = {}
-    t0 = None
+    t0 = next((rec["timestamp"] for rec in records if rec.get("timestamp") is not None), None)
+    for rec in records:
+        ids, ts = rec["hash_ids"], rec.get("timestamp")
+        turn = Turn(rec["input_length"], rec["output_length"],
+                    timestamp_s=None if ts is None else (ts - t0) / 1000.0, hash_ids=list(ids))
+        owner = None
+        for k in range(len(ids), 0, -1):
+            candidate = open_by_blocks.get(tuple(ids[:k]))
+            if candidate is None:
+                continue
+            latest = sessions[candidate].turns[-1]
+            later = latest.timestamp_s is None or turn.timestamp_s is None or turn.timestamp_s > latest.timestamp_s
+            if latest.input_tokens < turn.input_tokens and later:
+                owner = candidate  # a longer prompt, sent later, extending that session's latest one
+                break
+        if owner is None:
+            sessions.append(Session(f"mooncake-{len(sessions):05d}", [turn]))
+            owner = len(sessions) - 1
+        else:
+            previous = sessions[owner].turns[-1]
+            open_by_blocks.pop(tuple(previous.hash_ids[: previous.input_tokens // MOONCAKE_BLOCK]), None)
+            sessions[owner].turns.append(turn)
+        full = tuple(ids[: turn.input_tokens // MOONCAKE_BLOCK])
+        if full and full[-1] not in shared:
+            open_by_blocks[full] = owner
+    return sessions
+
+
+def _trace_records(path: Path):
+    """The trace's requests, each checked; ValueError names the line and the field."""
     try:
         lines = Path(path).read_text().splitlines()
     except FileNotFoundError:
@@ -81,43 +131,44 @@ def import_mooncake(path: Path) -> list[Session]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            raise ValueError(f"{path}:{n}: not valid JSON ({describe_json_error(exc)})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{n}: expected an object with input_length, output_length and hash_ids, "
+                             f"got {type(rec).__name__}")
         for key in ("input_length", "output_length", "hash_ids"):
             if key not in rec:
                 raise ValueError(f"{path}:{n}: field '{key}' missing")
         ids = rec["hash_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in ids):
             raise ValueError(f"{path}:{n}: field 'hash_ids' must be a list of non-negative integers")
-        if not isinstance(rec["input_length"], int) or rec["input_length"] < 1:
-            raise ValueError(f"{path}:{n}: field 'input_length' must be a positive integer")
-        if not isinstance(rec["output_length"], int) or rec["output_length"] < 1:
-            raise ValueError(f"{path}:{n}: field 'output_length' must be a positive integer")
+        for key in ("input_length", "output_length"):
+            if not isinstance(rec[key], int) or isinstance(rec[key], bool) or rec[key] < 1:
+                raise ValueError(f"{path}:{n}: field '{key}' must be a positive integer")
         ts = rec.get("timestamp")
-        if ts is not None and not isinstance(ts, (int, float)):
+        if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts)):
             raise ValueError(f"{path}:{n}: field 'timestamp' must be a number (ms)")
-        if ts is not None:
-            t0 = ts if t0 is None else t0
-        turn = Turn(rec["input_length"], rec["output_length"],
-                    timestamp_s=None if ts is None else (ts - t0) / 1000.0, hash_ids=list(ids))
-        owner = None
-        for k in range(len(ids), 0, -1):
-            candidate = open_by_blocks.get(tuple(ids[:k]))
-            if candidate is not None and sessions[candidate].turns[-1].input_tokens < turn.input_tokens:
-                owner = candidate  # a longer prompt extending that session's latest one
-                break
-        if owner is None:
-            sessions.append(Session(f"mooncake-{len(sessions):05d}", [turn]))
-            owner = len(sessions) - 1
-        else:
-            previous = sessions[owner].turns[-1]
-            open_by_blocks.pop(tuple(previous.hash_ids[: previous.input_tokens // MOONCAKE_BLOCK]), None)
-            sessions[owner].turns.append(turn)
-        full = tuple(ids[: turn.input_tokens // MOONCAKE_BLOCK])
-        if full:
-            open_by_blocks[full] = owner
-    if not sessions:
-        raise ValueError(f"{path}: no requests")
-    return sessions
+        yield rec
+
+
+def _shared_blocks(records: list[dict]) -> set[int]:
+    """Blocks that more than one conversation went through: every full block after which
+    the trace's prompts continue with two different full blocks, and its ancestors."""
+    successors: dict[int, set[int]] = {}
+    parent: dict[int, int] = {}
+    for rec in records:
+        full = rec["hash_ids"][: rec["input_length"] // MOONCAKE_BLOCK]
+        for a, b in zip(full, full[1:]):
+            successors.setdefault(a, set()).add(b)
+            parent[b] = a
+    shared: set[int] = set()
+    for block, nxt in successors.items():
+        if len(nxt) < 2:
+            continue
+        while block is not None and block not in shared:  # a shared block's ancestors are shared
+            shared.add(block)
+            block = parent.get(block)
+    return shared
 
 
 def synthetic_sessions(count: int, seed: int = 0, turns: tuple[int, int] = (3, 6),

@@ -64,7 +64,7 @@ def test_mooncake_import_of_the_real_trace(trace):
         for prev, cur in zip(s.turns, s.turns[1:]):
             full = prev.input_tokens // 512
             assert full >= 1 and cur.hash_ids[:full] == prev.hash_ids[:full]
-            assert cur.input_tokens > prev.input_tokens and cur.timestamp_s >= prev.timestamp_s
+            assert cur.input_tokens > prev.input_tokens and cur.timestamp_s > prev.timestamp_s
     assert sessions[0].turns[0].timestamp_s == 0.0
 
 
@@ -92,6 +92,90 @@ def test_mooncake_linking_rules(tmp_path):
     sessions = import_mooncake(path)
     assert [[t.input_tokens for t in s.turns] for s in sessions] == [[700, 1500], [1100, 1200], [1200]]
     assert [t.timestamp_s for t in sessions[0].turns] == [0.0, 0.01]
+
+
+def _write_trace(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _system_prompt_trace() -> tuple[list[dict], list[list[int]]]:
+    """Every request starts with block 0, a 512-token system prompt: five conversations of
+    three turns, interleaved in time, each turn's prompt the previous one plus more than a
+    block; and five one-off requests of the system prompt plus a partial block. Returns
+    the rows in time order and the true sessions as lists of row indexes."""
+    blocks = iter(range(1, 10_000))
+    events = []
+    for c in range(5):
+        private = [next(blocks)]
+        for t in range(3):
+            private.append(next(blocks))  # the turn's partial last block; full next turn
+            length = 512 * len(private) + 100 + t  # system block + all but the last private one full
+            events.append((1000 * t + 10 * c, ("conv", c), {"input_length": length, "output_length": 8,
+                                                             "hash_ids": [0, *private]}))
+            private.append(next(blocks))  # the next turn has one more full block
+    for k in range(5):
+        events.append((1000 * k + 5, ("one-off", k), {"input_length": 512 + 50 + 100 * k, "output_length": 4,
+                                                      "hash_ids": [0, next(blocks)]}))
+    events.sort(key=lambda e: e[0])
+    rows = [{"timestamp": ts, **row} for ts, _, row in events]
+    truth: dict = {}
+    for i, (_, who, _) in enumerate(events):
+        truth.setdefault(who, []).append(i)
+    return rows, list(truth.values())
+
+
+def _as_rows(sessions, rows) -> list[list[int]]:
+    index = {r["timestamp"]: i for i, r in enumerate(rows)}
+    return sorted(sorted(index[round(t.timestamp_s * 1000)] for t in s.turns) for s in sessions)
+
+
+def test_mooncake_a_shared_system_prompt_links_nothing(tmp_path):
+    """Linked on the system prompt's block alone, one-off requests became turns of each
+    other and of the conversations (some under a second after the turn they "answered");
+    a link needs blocks past the prefix the trace shares."""
+    rows, truth = _system_prompt_trace()
+    assert all(r["hash_ids"][0] == 0 for r in rows)
+    sessions = import_mooncake(_write_trace(tmp_path / "t.jsonl", rows))
+    assert _as_rows(sessions, rows) == sorted(truth)
+    for s in sessions:
+        for prev, cur in zip(s.turns, s.turns[1:]):
+            assert cur.timestamp_s - prev.timestamp_s >= 0.99  # the conversations' own pace
+
+
+def test_mooncake_a_shared_document_is_shared_prefix_too(tmp_path):
+    """Two conversations over the same two-block document after the system prompt: the
+    document's blocks are shared as well (the trace continues differently after them)."""
+    rows = [
+        {"timestamp": 0, "input_length": 1600, "output_length": 4, "hash_ids": [0, 1, 2, 3]},      # A1: doc only
+        {"timestamp": 10, "input_length": 2100, "output_length": 4, "hash_ids": [0, 1, 2, 10, 11]},  # B1
+        {"timestamp": 20, "input_length": 2200, "output_length": 4, "hash_ids": [0, 1, 2, 20, 21]},  # C1
+        {"timestamp": 30, "input_length": 2700, "output_length": 4, "hash_ids": [0, 1, 2, 10, 12, 13]},  # B2
+    ]
+    sessions = import_mooncake(_write_trace(tmp_path / "t.jsonl", rows))
+    assert [[t.input_tokens for t in s.turns] for s in sessions] == [[1600], [2100, 2700], [2200]]
+
+
+def test_mooncake_a_turn_must_start_after_the_one_it_extends(tmp_path):
+    rows = [
+        {"timestamp": 50, "input_length": 1100, "output_length": 4, "hash_ids": [7, 8, 9]},
+        {"timestamp": 50, "input_length": 1700, "output_length": 4, "hash_ids": [7, 8, 10, 11]},  # same time
+        {"timestamp": 60, "input_length": 2300, "output_length": 4, "hash_ids": [7, 8, 10, 11, 12]},  # later
+    ]
+    sessions = import_mooncake(_write_trace(tmp_path / "t.jsonl", rows))
+    assert [[t.input_tokens for t in s.turns] for s in sessions] == [[1100], [1700, 2300]]
+
+
+def test_sessions_with_one_id_twice_are_refused(tmp_path):
+    doc = to_document(synthetic_sessions(3, seed=4), source="test")
+    doc["sessions"][2]["id"] = doc["sessions"][0]["id"]
+    path = tmp_path / "dup.json"
+    path.write_text(json.dumps(doc))
+    sid = doc["sessions"][0]["id"]
+    with pytest.raises(ValueError) as err:
+        load_sessions(path)
+    assert str(err.value) == (f"{path}: session id '{sid}' appears twice (sessions[0] and sessions[2]); "
+                              "session ids must be unique")
 
 
 def test_replayed_times_start_at_each_phase(tmp_path):
