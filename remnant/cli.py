@@ -9,6 +9,7 @@ hydra.searchpath.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -71,6 +72,18 @@ def _plain(cfg: DictConfig) -> dict:
         return OmegaConf.to_container(cfg, resolve=False)
 
 
+def missing_value_message(cfg: DictConfig, name: str) -> str:
+    """What to do about a config value that is missing: give it on the command line, or
+    set the environment variable the config reads it from (`${oc.env:VAR,???}`)."""
+    raw: object = OmegaConf.to_container(cfg, resolve=False)
+    for part in name.split("."):
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    env = re.findall(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)", raw) if isinstance(raw, str) else []
+    if env:
+        return f"{name} has no value: set {env[0]} in the environment, or give it on the command line ({name}=...)"
+    return f"{name} has no value; give it on the command line ({name}=...)"
+
+
 def _fail(message: str, code: int = 2) -> None:
     print(f"remnant-run: error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -91,7 +104,7 @@ def _run(cfg: DictConfig) -> None:
     except (MissingMandatoryValue, ConfigError) as exc:
         if isinstance(exc, MissingMandatoryValue):
             name = getattr(exc, "full_key", "") or str(exc).splitlines()[0]
-            message = f"{name} has no value; give it on the command line ({name}=...)"
+            message = missing_value_message(cfg, name)
         else:
             message = str(exc).splitlines()[0]
         if multirun:

@@ -21,6 +21,7 @@ import numpy as np
 
 from remnant.config import ModelConfig, ShareGPTWorkloadConfig
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.json_error import describe_json_error
 
 
 def read_conversations(path: Path) -> list[tuple[str, str, str]]:
@@ -34,7 +35,7 @@ def read_conversations(path: Path) -> list[tuple[str, str, str]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        raise ValueError(f"{path}: not valid JSON ({describe_json_error(exc)})") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of conversations, got {type(data).__name__}")
     out = []

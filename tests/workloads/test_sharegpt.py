@@ -47,6 +47,9 @@ def test_plan_from_the_sample(sample):
 @pytest.mark.parametrize(("content", "message"), [
     (None, "workload.dataset_path=.*: no such file"),
     ("{not json", r"not valid JSON \(.* at line 1 column 2\)"),
+    # json's "Unterminated string starting at" takes the location once ("at at line" before)
+    ('[{"id": "a1", "conversations": [{"from": "hu', r"not valid JSON \(Unterminated string starting at line 1 "
+                                                    r"column 42\)$"),
     ('{"id": "x"}', "expected a JSON list of conversations, got dict"),
     ('[{"id": "a1", "conversation_s": []}]', r"record 0 \(id a1\): field 'conversations' missing or not a list"),
     ('[{"id": "a1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": 3}]}]',
