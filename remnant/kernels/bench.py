@@ -381,8 +381,10 @@ class DecodeInputs:
         return calls
 
 
-    def flashmla_call(self, case: FlashMLACase, q, c4_locs, win_locs, sink, out):
-        """One call of `case` on these inputs (a closure, for graphs and checks)."""
+    def flashmla_call(self, case: FlashMLACase, q, c4_locs, win_locs, sink, out=None):
+        """One call of `case` on these inputs (a closure, for graphs and checks). Timed
+        calls give no `out`: FlashMLA returns its own output, as SGLang takes it (a copy
+        into `out` would add a pass over the output to FlashMLA's time)."""
         from remnant.kernels import flashmla
         from remnant.kv.paged import PageLayout
 
@@ -410,7 +412,7 @@ class DecodeInputs:
         calls = []
         for _ in range(_rotations(nbytes, l2_bytes)):
             q, c4_locs, win_locs = self._random_call(case.batch, case.topk, case.window)
-            calls.append(self.flashmla_call(case, q, c4_locs, win_locs, sink, torch.empty_like(q)))
+            calls.append(self.flashmla_call(case, q, c4_locs, win_locs, sink))
         return calls
 
     def _random_call(self, batch: int, topk: int, window: int):
@@ -423,18 +425,26 @@ class DecodeInputs:
         return q, c4_locs, win_locs
 
 
+def poison_next_allocation(like: torch.Tensor) -> None:
+    """Fill a freed block of `like`'s size with NaN: PyTorch's caching allocator hands it to
+    the next allocation of that size (the output a kernel allocates itself), so an element
+    the kernel does not write reads NaN."""
+    torch.full_like(like, float("nan"))
+
+
 def _check_flashmla(inputs: DecodeInputs, case: FlashMLACase) -> float:
     """Worst relative error per token of a FlashMLA row's call against remnant.kv.paged's
     float64 reference (native records; triton mode: the packed records' reference, dropped
-    coordinates zero), on four tokens with -1 padding in one; the output poisoned first."""
+    coordinates zero), on four tokens with -1 padding in one. FlashMLA allocates its own
+    output: the block it takes is filled with NaN first (poison_next_allocation)."""
     from remnant.kv.paged import decode_native, decode_packed
 
     q, c4_locs, win_locs = inputs._random_call(4, case.topk, case.window)
     if case.topk > 5:
         c4_locs[0, -5:] = -1
     sink = torch.randn(HEADS, device="cuda")
-    out = torch.full_like(q, float("nan"))
-    inputs.flashmla_call(case, q, c4_locs, win_locs, sink, out)()
+    poison_next_allocation(q)
+    out = inputs.flashmla_call(case, q, c4_locs, win_locs, sink)()
     layout, pool, keep = inputs.pool(case.retention)
     window = (inputs.window, inputs.window_layout, win_locs, sink)
     if case.kernel == "flashmla":

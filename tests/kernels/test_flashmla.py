@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from remnant.kernels import flashmla
+from remnant.kernels.bench import poison_next_allocation
 from remnant.kv.attention import SOFTMAX_SCALE
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, store
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map, latents
@@ -93,8 +94,9 @@ def check_flashmla(batch, heads, topk, window, seed, q_scale=2.0, sink_shift=0.0
     q = (torch.randn(batch, heads, 512, generator=gen) * q_scale).to(torch.bfloat16).to(DEVICE)
     sink = (torch.randn(heads, generator=gen) + sink_shift).to(DEVICE)
     want = decode_native(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, reference=True)
-    out = torch.full_like(q, float("nan"))
-    flashmla.decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, SOFTMAX_SCALE, out=out)
+    poison_next_allocation(q)  # FlashMLA allocates its own output: that block reads NaN where unwritten
+    out = flashmla.decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, SOFTMAX_SCALE)
+    assert out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
     assert not out.isnan().any(), "an output element was not written (or is NaN)"
     errors = (out.double() - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)
     assert float(errors.max()) < TOLERANCE, f"relative error per token {errors.tolist()}"
@@ -201,7 +203,7 @@ def test_flashmla_replays_in_a_cuda_graph_and_repeats():
     out = torch.empty_like(q)
     eager = flashmla.decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, SOFTMAX_SCALE)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):  # into a given `out`, as the engine's callers may pass one
         flashmla.decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, SOFTMAX_SCALE, out=out)
     for _ in range(3):
         out.fill_(float("nan"))
