@@ -34,6 +34,8 @@ from pydantic_core import PydanticCustomError
 
 from remnant.engine.engine import SamplingParams
 
+#: A refusal names at most this many of a body's problems.
+MAX_ERRORS_SHOWN = 5
 #: sampling_seed must fit the int64 SGLang keeps seeds in (torch takes -2**63 .. 2**64-1).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -123,7 +125,7 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
         loc = tuple(e.get("loc", ()))
         kind = e.get("type")
         if loc[:1] == ("header",):
-            parts.append(f"{_where(loc[1:])} header: {e.get('msg')}")
+            parts.append(f"{'.'.join(map(str, loc[1:]))} header: {e.get('msg')}")
             continue
         loc = loc[1:] if loc[:1] == ("body",) else loc
         if kind == "json_invalid":
@@ -136,8 +138,10 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
             continue
         if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
             got = e.get("input")
-            name = type(got).__name__ if not isinstance(got, bytes) else "non-JSON bytes"
-            parts.append(f"the request body must be a JSON object, got {name}")
+            if isinstance(got, bytes):  # FastAPI parses JSON only under a JSON content type
+                parts.append("the request body was not read as JSON: send it with Content-Type: application/json")
+            else:
+                parts.append(f"the request body must be a JSON object, got {type(got).__name__}")
             continue
         field = _where(loc)
         param = param or field
@@ -150,6 +154,8 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
             parts.append(f"{field}: {message}")
         else:
             parts.append(f"{field}: {message}, got {_show(e.get('input'))}")
+    if len(parts) > MAX_ERRORS_SHOWN:  # 70,000 floats in input_ids are 70,000 errors
+        parts = parts[:MAX_ERRORS_SHOWN] + [f"and {len(parts) - MAX_ERRORS_SHOWN} more"]
     return "; ".join(parts) or "invalid request", param
 
 

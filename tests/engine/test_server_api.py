@@ -802,3 +802,20 @@ def test_unknown_route_and_method_answer_json(server):
     assert r.status_code == 404 and r.json()["code"] == 404
     r = httpx.get(f"{server.base_url}/generate", timeout=TIMEOUT)
     assert r.status_code == 405 and r.json()["code"] == 405
+
+
+def test_body_problems_say_what_to_send(server):
+    r = httpx.post(f"{server.base_url}/generate", content=b'{"text": "hi"}', headers={"content-type": "text/plain"},
+                   timeout=TIMEOUT)
+    assert _schema_error(r)["message"] == ("the request body was not read as JSON: send it with "
+                                           "Content-Type: application/json")
+    assert _schema_error(_post_raw(server, b""))["message"] == "the request body is empty; send a JSON object"
+    assert _schema_error(_post_raw(server, b"[1, 2]"))["message"] == "the request body must be a JSON object, got list"
+    msg = _schema_error(_post_raw(server, b'{"text": "hi",}'))["message"]
+    assert msg.startswith("the request body is not valid JSON: ") and msg.endswith("at character 14")
+
+
+def test_many_problems_are_counted_not_all_listed(server):
+    body = _schema_error(generate(server, {"input_ids": [1.5] * 20_000, "sampling_params": sp(1)}))
+    assert body["param"] == "input_ids[0]"
+    assert body["message"].endswith("; and 19995 more") and body["message"].count("input_ids[") == 5
