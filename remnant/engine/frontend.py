@@ -45,6 +45,11 @@ class Frontend:
         self.engine.submit(gen.request)
         return gen
 
+    def forget(self, gen: Generation) -> None:
+        """Free `gen`'s request id (unless a later request took it already)."""
+        if self._live.get(gen.rid) is gen:
+            del self._live[gen.rid]
+
     def health_check(self, bos_token_id: int) -> Generation:
         """A one-token request under a fresh id (SGLang's HEALTH_CHECK_ rids)."""
         return self.submit(EngineInput([bos_token_id], SamplingParams(1, 0.0, True), f"HEALTH_CHECK_{uuid.uuid4().hex}"))
@@ -90,8 +95,7 @@ class Generation:
         self._closed = True
         if self.request is not None:
             self.frontend.engine.abort(self.request)  # a no-op once it finished
-        if self.frontend._live.get(self.rid) is self:
-            del self.frontend._live[self.rid]
+        self.frontend.forget(self)
 
     def out(self, ev: TokenEvent) -> dict:
         """An engine event as SGLang's tokenizer manager reports it (meta_info keys as

@@ -106,11 +106,13 @@ def _abort_status(out: dict) -> tuple[int, str, str] | None:
     return None
 
 
-def _sse(payload: dict | str) -> bytes:
-    return b"data: " + (payload if isinstance(payload, str) else json.dumps(payload)).encode() + b"\n\n"
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
 async def _serve(fe: Frontend, req: OpenAIRequest, http: HttpRequest, prepare, api) -> Response:
+    """Check (`prepare`), submit and answer one request, in `api`'s shapes (_Completion or
+    _Chat): a JSON body, or a stream that frees the request however it ends."""
     try:
         inp: EngineInput = prepare()
         gen = fe.submit(inp)

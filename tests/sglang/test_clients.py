@@ -37,7 +37,7 @@ def test_sglang_bench_client(server, backend, tmp_path):
     before = generated_tokens(server)
     cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", backend, "--base-url", server.base_url,
            "--dataset-name", "random-ids", "--num-prompts", str(BENCH_PROMPTS), "--random-input-len", "32",
-           "--random-output-len", "8", "--output-file", str(out), "--output-details", "--disable-tqdm"]
+           "--random-output-len", "8", "--output-file", str(out), "--output-details"]
     # HF_HUB_OFFLINE: the client also asks the Hub whether the served name ("tiny") has a
     # chat template (a warning only); the answer must not depend on the network.
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
