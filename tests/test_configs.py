@@ -134,6 +134,8 @@ def test_retention_map_path_and_policy(tmp_path):
     ("host.swa_ratio=1.5", r"host.swa_ratio=1.5 must be in \(0, 1\]"),
     ("host.device=tpu", "host.device=tpu is not allowed; allowed: cpu, cuda"),
     ("host.decode_path=fast", "host.decode_path=fast is not allowed; allowed: auto, reference, kernels"),
+    ("host.native_decode=fast", "host.native_decode=fast is not allowed; allowed: auto, flashmla, triton"),
+    ("host.native_decode=flashmla", "host.native_decode=flashmla needs host.device=cuda"),
 ])
 def test_ranges_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
