@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from remnant.kernels.bench import KERNEL_VS_FLASHMLA_FROM_64
+
 # Decode rows drawn, as (variant, columns, window_columns) -> label; as served first.
 DECODE_LINES = {
     ("flashmla", "natural", "natural"): "FlashMLA V4 (stock)",
@@ -57,6 +59,17 @@ def split_series(doc: dict) -> dict[str, list[tuple[int, float]]]:
     return {label: sorted(points) for label, points in sorted(series.items())}
 
 
+def _finish(ax, xlabel: str, ylabel: str, title: str, legend: bool = True) -> None:
+    """A panel over a power-of-two axis (batches, splits): labels, title, legend, grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if legend:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
 def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
     """Three panels: decode time by batch with the window and without it (one line per
     column order that has rows), and each copy kernel's fraction of the copy bandwidth by R
@@ -78,12 +91,8 @@ def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
             stock = label == DECODE_LINES[("flashmla", "natural", "natural")]
             ax.plot([b for b, _ in points], [t for _, t in points], marker="o", color=color, label=label,
                     linewidth=2.5 if stock else 1.5, linestyle="-" if stock else "--" if "Triton native" in label else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (decode tokens)")
-        ax.set_ylabel("time per call (us)")
-        ax.set_title(f"decode, top-k {topk}, window {window}, R = {retention}")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+        _finish(ax, "batch (decode tokens)", "time per call (us)", f"decode, top-k {topk}, window {window}, R = {retention}",
+                legend=window == 128)
     next_panel = 2
     if ratios:
         ax = axes[next_panel]
@@ -92,13 +101,9 @@ def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
             ax.plot([b for b, _ in points], [r for _, r in points], marker="o", color=f"C{labels.index(label)}",
                     label=label)
         ax.axhline(1.0, color="black", linewidth=1)
-        ax.axhline(0.65, color="gray", linestyle="--", linewidth=1, label="kernel-mode target at batch >= 64: 0.65")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (decode tokens)")
-        ax.set_ylabel("time / FlashMLA V4's time")
-        ax.set_title(f"against FlashMLA, top-k {topk}, window 128")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+        ax.axhline(KERNEL_VS_FLASHMLA_FROM_64, color="gray", linestyle="--", linewidth=1,
+                   label=f"kernel-mode target at batch >= 64: {KERNEL_VS_FLASHMLA_FROM_64}")
+        _finish(ax, "batch (decode tokens)", "time / FlashMLA V4's time", f"against FlashMLA, top-k {topk}, window 128")
     ax = axes[next_panel]
     for kernel in ("store", "reconstruct"):
         rows = doc[kernel]
@@ -125,12 +130,8 @@ def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
         for label, points in splits.items():
             ax.plot([n for n, _ in points], [t for _, t in points], marker="o",
                     linestyle="-" if label.startswith("native") else "--", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("programs per token and head block (splits)")
-        ax.set_ylabel("time per call (us)")
-        ax.set_title(f"decode by splits, top-k {topk}, window 128")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+        _finish(ax, "programs per token and head block (splits)", "time per call (us)",
+                f"decode by splits, top-k {topk}, window 128")
     gpu = doc["provenance"]["gpu"]["name"]
     fig.suptitle(f"remnant-kernels on {gpu} (copy {doc['ceilings']['copy_gbps']:.0f} GB/s), "
                  f"commit {doc['provenance']['git_commit']}", fontsize=10)
