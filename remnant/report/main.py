@@ -70,17 +70,17 @@ def build(paths: list[Path], out: Path) -> tuple[Path, str]:
     out.mkdir(parents=True, exist_ok=True)
     made = [p for p in (
         plots.latency_distributions(runs, out / "latency.png"),
-        plots.throughput_vs_concurrency(runs, out / "throughput_vs_concurrency.png"),
-        plots.cache_hit_vs_working_set(runs, out / "cache_hit_vs_working_set.png"),
+        plots.throughput(runs, out),
+        plots.cache_hits(runs, out),
         plots.capacity_by_mode(runs, out / "capacity_by_mode.png"),
     ) if p is not None]
-    limits = sorted({limit for ls in runs["limits"] for limit in ls})
     failed = runs[runs["status"] != "completed"]
     repeated = not table.empty and table["runs"].min() >= 2
-    if repeated:  # the runs' own "single run" caveat is answered by the repeats
-        limits = [x for x in limits if not x.startswith("a single run")]
-    else:
-        limits.insert(0, "one run per cell: no confidence interval (± appears with repeated runs)")
+    # Each run says it is a single run; the report says it once, for the set: answered
+    # where every cell has repeated runs, a caveat of the whole report where not.
+    limits = sorted({limit for ls in runs["limits"] for limit in ls if not limit.startswith("a single run")})
+    if not repeated:
+        limits.insert(0, "one run per cell: no confidence interval (± appears with repeated runs: sweep seed=0,1,2)")
     text = "\n\n".join([
         "# Remnant report",
         f"{len(runs)} runs ({len(runs) - len(failed)} completed) from {', '.join(map(str, paths))}.",

@@ -73,26 +73,62 @@ def _lines_by_mode(df: pd.DataFrame, x: str, y: str, xlabel: str, ylabel: str, o
     return out
 
 
-def throughput_vs_concurrency(runs: pd.DataFrame, out: Path) -> Path | None:
-    done = runs[(runs["status"] == "completed") & runs["concurrency"].notna()]
+def _bars_by_mode(df: pd.DataFrame, y: str, ylabel: str, title: str, out: Path,
+                  ylim: tuple[float, float] | None = None) -> Path:
+    """One bar per mode and retention: the mean of y over its runs (seeds), with the 95 %
+    confidence interval where a cell has repeated runs."""
+    from remnant.report.stats import mean_ci
+
+    plt = _plt()
+    cells = [(f"{m} {r}".strip(), *mean_ci(g[y].dropna().tolist())) for (m, r), g in df.groupby(["mode", "retention"])]
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(cells)), 4))
+    labels, means = [c[0] for c in cells], [c[1] for c in cells]
+    errors = [c[2] or 0.0 for c in cells]
+    ax.bar(labels, means, yerr=errors if any(errors) else None, capsize=4, color="#4878a8")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def throughput(runs: pd.DataFrame, out_dir: Path) -> Path | None:
+    """Output throughput per mode: against concurrency where the runs have several
+    concurrencies (throughput_vs_concurrency.png), else as bars at the one they share
+    (throughput_by_mode.png): a line through one x value says nothing."""
+    done = runs[(runs["status"] == "completed") & runs["concurrency"].notna() & runs["output_throughput"].notna()]
     if done.empty:
         return None
-    return _lines_by_mode(done, "concurrency", "output_throughput", "concurrency (requests in flight)",
-                          "output throughput (tok/s)", out)
+    levels = sorted(done["concurrency"].unique())
+    if len(levels) >= 2:
+        return _lines_by_mode(done, "concurrency", "output_throughput", "concurrency (requests in flight)",
+                              "output throughput (tok/s)", out_dir / "throughput_vs_concurrency.png")
+    return _bars_by_mode(done, "output_throughput", "output throughput (tok/s)",
+                         f"output throughput at concurrency {levels[0]:g}", out_dir / "throughput_by_mode.png")
 
 
-def cache_hit_vs_working_set(runs: pd.DataFrame, out: Path) -> Path | None:
-    """Shared-prefix runs: cache-hit rate against the groups' working set, per mode."""
+def cache_hits(runs: pd.DataFrame, out_dir: Path) -> Path | None:
+    """Prefix-cache hit rate per mode, where the runs hit the cache at all: against the
+    working set of shared-prefix runs that have several (cache_hit_vs_working_set.png),
+    else as bars (cache_hit_by_mode.png); no plot when no run hit the cache."""
+    done = runs[(runs["status"] == "completed") & runs["cache_hit_rate"].notna()]
+    if done.empty or not (done["cache_hit_rate"] > 0).any():
+        return None
     rows = []
-    for _, run in runs[runs["status"] == "completed"].iterrows():
+    for _, run in done.iterrows():
         cfg = json.loads(Path(run["path"]).read_text())["config"]["workload"]
         if "groups" in cfg and "prefix_len" in cfg:
             rows.append({"mode": run["mode"], "working_set": cfg["groups"] * cfg["prefix_len"],
-                         "hit": run["cache_hit_rate"], "capacity": run["max_total_num_tokens"]})
-    if not rows:
-        return None
-    return _lines_by_mode(pd.DataFrame(rows), "working_set", "hit", "working set (groups x prefix tokens)",
-                          "cache-hit rate", out, ylim=(0, 1))
+                         "hit": run["cache_hit_rate"]})
+    if len({r["working_set"] for r in rows}) >= 2:
+        return _lines_by_mode(pd.DataFrame(rows), "working_set", "hit", "working set (groups x prefix tokens)",
+                              "cache-hit rate", out_dir / "cache_hit_vs_working_set.png", ylim=(0, 1))
+    return _bars_by_mode(done, "cache_hit_rate", "cache-hit rate", "prefix-cache hit rate",
+                         out_dir / "cache_hit_by_mode.png", ylim=(0, 1))
 
 
 def capacity_by_mode(runs: pd.DataFrame, out: Path) -> Path | None:

@@ -45,9 +45,49 @@ def test_report_tables_deltas_and_plots(sweep):
         assert f"| smoke | {mode} |" in text
     assert text.count("| smoke | 0 |") == 2 and text.count("| smoke | 1 |") == 2  # paired rows per seed
     assert "refused" not in text and "±" in text
-    assert "a single run" not in text  # two seeds per cell answer that caveat
-    for png in ("latency.png", "throughput_vs_concurrency.png", "capacity_by_mode.png"):
+    assert "a single run" not in text and "one run per cell" not in text  # two seeds per cell answer that caveat
+    # One concurrency in the sweep: throughput as bars by mode, not a line through one x;
+    # random prompts hit no cache: no cache plot.
+    for png in ("latency.png", "throughput_by_mode.png", "capacity_by_mode.png"):
         assert (out / png).stat().st_size > 5000
+    assert not (out / "throughput_vs_concurrency.png").exists()
+    assert not list(out.glob("cache_hit*.png"))
+    limits = text.split("## Limits", 1)[1]
+    assert len(limits.strip().splitlines()) == len(set(limits.strip().splitlines()))
+
+
+def _runs(tmp_path, cells) -> "pd.DataFrame":
+    """A runs table as remnant.report.runs.load_runs makes it, one row per (mode, concurrency,
+    cache_hit_rate, workload config) cell, each with a run.json holding its config."""
+    import json
+
+    import pandas as pd
+
+    rows = []
+    for i, (mode, concurrency, hit, workload) in enumerate(cells):
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps({"config": {"workload": workload}}))
+        rows.append({"mode": mode, "retention": "" if mode == "native" else "r256", "status": "completed",
+                     "concurrency": concurrency, "output_throughput": 10.0 + i, "cache_hit_rate": hit,
+                     "path": str(path), "run_dir": str(tmp_path)})
+    return pd.DataFrame(rows)
+
+
+def test_plots_fit_the_data_they_have(tmp_path):
+    from remnant.report import plots
+
+    several = _runs(tmp_path, [("native", 2, 0.0, {}), ("native", 8, 0.0, {}), ("kernel", 2, 0.0, {}),
+                               ("kernel", 8, 0.0, {})])
+    assert plots.throughput(several, tmp_path).name == "throughput_vs_concurrency.png"
+    assert plots.cache_hits(several, tmp_path) is None  # no run hit the cache
+    one = _runs(tmp_path, [("native", 4, 0.3, {}), ("kernel", 4, 0.9, {})])
+    assert plots.throughput(one, tmp_path).name == "throughput_by_mode.png"
+    assert plots.cache_hits(one, tmp_path).name == "cache_hit_by_mode.png"
+    shared = [{"groups": g, "prefix_len": 1024} for g in (9, 23)]
+    working_sets = _runs(tmp_path, [(m, 16, h, w) for m, h in (("native", 0.7), ("kernel", 0.9)) for w in shared])
+    assert plots.cache_hits(working_sets, tmp_path).name == "cache_hit_vs_working_set.png"
+    for png in tmp_path.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
 def test_rerunning_the_sweep_runs_nothing_new(sweep):
