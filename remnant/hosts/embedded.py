@@ -116,10 +116,12 @@ class EmbeddedHost:
             env = (info or {}).get("environment")
             yield Endpoint(base_url, environment=env, failure=failure, server_info=info)
         finally:
-            self._stop(proc)
-            log.close()
-            port_file.unlink(missing_ok=True)
-            self._info["exit_code"] = proc.returncode
+            try:
+                self._stop(proc)
+            finally:
+                log.close()
+                port_file.unlink(missing_ok=True)
+                self._info["exit_code"] = proc.returncode
 
     def _wait_port(self, port_file: Path, failure) -> str:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -134,14 +136,28 @@ class EmbeddedHost:
 
     @staticmethod
     def _stop(proc: subprocess.Popen) -> None:
-        """SIGTERM the server's process group, then SIGKILL after a grace period."""
+        """SIGTERM the server's process group (and SIGCONT, so a stopped server gets it),
+        then SIGKILL after a grace period, or at once on a second Ctrl-C or SIGTERM."""
         if proc.poll() is not None:
             return
-        for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+
+        def kill(sig: int) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
-            try:
-                proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+
+        try:
+            kill(signal.SIGTERM)
+            kill(signal.SIGCONT)
+            proc.wait(timeout=_STOP_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        except KeyboardInterrupt:
+            # A second signal: no grace; the caller still records what it can.
+            kill(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5.0)
+            raise
+        kill(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)

@@ -93,3 +93,57 @@ def test_unknown_kind():
 
     with pytest.raises(ValueError, match="host.kind=moon is not a host; allowed: embedded, external"):
         make_host(Odd())
+
+
+def _session(*code: str) -> "subprocess.Popen":
+    """A real child in its own process group, as the embedded host starts remnant-serve."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "\n".join(code)], start_new_session=True,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_a_stopped_server_is_stopped_within_the_grace_period():
+    """A server frozen with SIGSTOP (a stalled one) gets SIGCONT with its SIGTERM, so it
+    ends at once instead of after the grace period and a SIGKILL."""
+    import signal
+
+    from remnant.hosts.embedded import EmbeddedHost
+
+    proc = _session("import time", "print('ready', flush=True)", "time.sleep(60)")
+    os.kill(proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    EmbeddedHost._stop(proc)
+    assert time.monotonic() - t0 < 5
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_a_second_signal_kills_the_server_at_once():
+    """A server that ignores SIGTERM has a 10 s grace period; a second Ctrl-C or SIGTERM of
+    remnant-run during it kills the server at once and still reaches the caller."""
+    import signal
+    import threading
+
+    from remnant.hosts.embedded import EmbeddedHost
+    from remnant.signals import Interrupted, raise_interrupted
+
+    proc = _session("import signal, time", "signal.signal(signal.SIGTERM, signal.SIG_IGN)",
+                    "print('ready', flush=True)", "time.sleep(60)")
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(Interrupted) as err:
+            EmbeddedHost._stop(proc)
+        assert time.monotonic() - t0 < 5
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            proc.kill()
+    assert err.value.signum == signal.SIGTERM
+    assert proc.returncode == -signal.SIGKILL
