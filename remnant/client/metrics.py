@@ -255,3 +255,31 @@ def per_turn(records: Iterable[RequestRecord | dict]) -> list[dict]:
             "e2e_ms": distribution([r.e2e_s * 1000.0 for r in ok if r.e2e_s is not None]),
         })
     return out
+
+
+#: Distinct errors a run record lists, and the longest message kept of each.
+FIRST_ERRORS = 5
+ERROR_CHARS = 300
+
+
+def failure_summary(records: Iterable[RequestRecord | dict], max_share: float) -> dict | None:
+    """run.json's `failures`: of the records given (one phase's), how many failed, their
+    share, `max_share` (above it the run is degraded) and the first FIRST_ERRORS distinct
+    error messages in order of first appearance, each with its count. None when none failed."""
+    recs = _as_records(records)
+    failed = [r for r in recs if not r.success]
+    if not failed:
+        return None
+    counts: dict[str, int] = {}
+    for r in failed:
+        message = " ".join((r.error or "failed without an error message").split())
+        if len(message) > ERROR_CHARS:
+            message = message[: ERROR_CHARS - 3] + "..."
+        counts[message] = counts.get(message, 0) + 1
+    return {
+        "measured": len(recs),
+        "failed": len(failed),
+        "share": len(failed) / len(recs),
+        "max_share": float(max_share),
+        "errors": [{"message": m, "count": c} for m, c in list(counts.items())[:FIRST_ERRORS]],
+    }

@@ -3,13 +3,20 @@
 Per phase: flush the prefix cache (retrying while the server answers 400 because requests
 still run), then send the phase's requests with at most `concurrency` in flight, each as
 a streaming /generate. Each request's record is appended to requests.jsonl the moment it
-ends, so a crash or Ctrl-C loses nothing that finished.
+ends, whole or not at all, so a crash, Ctrl-C or a full disk loses nothing that finished.
+
+A watchdog stops the client early: when requests are in flight and none of them has given
+a token (or ended) for `stall_timeout_s` (a stalled server), or when the run passes
+`deadline_s`. It stops sending, records the requests in flight as failed, and raises
+ClientStopped with the times.
 """
 
 from __future__ import annotations
 
 import asyncio
+import html
 import json
+import re
 import signal
 import threading
 import time
@@ -22,17 +29,68 @@ import httpx
 from tqdm import tqdm
 
 from remnant.client.request_record import RequestRecord
+from remnant.records.files import append_line
+from remnant.signals import Interrupted
 from remnant.workloads.base import Phase, PlannedRequest
 
-
-def _interrupt_message(signum: int) -> str:
-    """KeyboardInterrupt's message for a signal: remnant-run records "interrupted by Ctrl-C"
-    for an empty one."""
-    return "" if signum == signal.SIGINT else f"signal {signum}"
+#: Longest error snippet kept from a response body.
+SNIPPET_CHARS = 160
 
 
 class ServerGone(RuntimeError):
     """The server stopped during a phase; the message says why (exit code, log tail)."""
+
+
+class ClientStopped(RuntimeError):
+    """The watchdog stopped the client: the server stalled or the run passed its deadline.
+
+    stop: run.json's client_stop: reason ("stall" | "deadline"), limit_s, at_s,
+        last_progress_s, in_flight, phase (times in s since the client started).
+    phase: what the phase in progress had done when it stopped (its records included).
+    """
+
+    def __init__(self, stop: dict, phase: "PhaseResult | None"):
+        self.stop, self.phase = stop, phase
+        super().__init__(stop_message(stop))
+
+
+def stop_message(stop: dict) -> str:
+    """One line on why the client stopped, with its times."""
+    last = "no token came at all" if stop["last_progress_s"] is None else \
+        f"the last token (or request end) came at {stop['last_progress_s']:.1f}s"
+    if stop["reason"] == "stall":
+        return (f"the server stalled: no token from any of the {stop['in_flight']} requests in flight for "
+                f"{stop['limit_s']:g}s (workload.stall_timeout_s); {last}, the client stopped at "
+                f"{stop['at_s']:.1f}s (times since the client started)")
+    return (f"the run passed its deadline (workload.deadline_s={stop['limit_s']:g}) at {stop['at_s']:.1f}s "
+            f"with {stop['in_flight']} requests in flight; {last}")
+
+
+def snippet(text: str, limit: int = SNIPPET_CHARS) -> str:
+    """A response body as one short line: a JSON error's message, an HTML page's text
+    without its markup, anything else with its whitespace collapsed; cut at `limit`."""
+    text = text.strip()
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        err = doc.get("error", doc.get("detail", doc.get("message")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err is not None:
+            text = err if isinstance(err, str) else json.dumps(err)
+    elif text.startswith("<") and re.search(r"</?(html|body|head|p|h1|div|title)\b", text, re.I):
+        text = re.sub(r"(?is)<(head|script|style)\b.*?</\1>", " ", text)
+        text = html.unescape(re.sub(r"<[^>]*>", " ", text))
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
+def http_error(status_code: int, body: str) -> str:
+    """A non-200 answer as a request's error: status code and a snippet of the body."""
+    short = snippet(body)
+    return f"HTTP {status_code}: {short}" if short else f"HTTP {status_code}"
 
 
 @dataclass
@@ -66,7 +124,11 @@ class PhaseResult:
 
 
 class LoadClient:
-    """Sends planned requests to `base_url`; times are seconds since this client's t0."""
+    """Sends planned requests to `base_url`; times are seconds since this client's t0.
+
+    stall_timeout_s: stop when requests are in flight and none has given a token or ended
+        for this long (None: no watchdog). deadline_s: stop this long after t0 (None: never).
+    """
 
     def __init__(
         self,
@@ -76,6 +138,8 @@ class LoadClient:
         flush_timeout_s: float = 60.0,
         server_failure: Callable[[], str | None] = lambda: None,
         progress: bool | None = None,
+        stall_timeout_s: float | None = None,
+        deadline_s: float | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.requests_path = Path(requests_path)
@@ -83,18 +147,28 @@ class LoadClient:
         self.flush_timeout_s = flush_timeout_s
         self.server_failure = server_failure
         self.progress = progress
+        self.stall_timeout_s = stall_timeout_s
+        self.deadline_s = deadline_s
         self.t0 = time.perf_counter()
         # Request ids stay readable and joinable across runs; the rid sent to the server is
         # made unique per client so repeated runs against one server never collide.
         self._rid_prefix = uuid.uuid4().hex[:8]
+        # The watchdog's view: requests in flight, the last token or request end, and why
+        # it stopped the client (None while it has not).
+        self._in_flight = 0
+        self._progress_s: float | None = None
+        self._active_since = 0.0
+        self._stop: dict | None = None
+        self._phase: dict | None = None
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
     def run(self, phases: list[Phase], on_phase_end: Callable[[PhaseResult], None] = lambda _: None) -> list[PhaseResult]:
-        """Run the phases; Ctrl-C or SIGTERM cancels what is in flight and raises KeyboardInterrupt
-        (its message "signal 15" for SIGTERM, empty for Ctrl-C). Records of finished
-        requests are already on disk.
+        """Run the phases; Ctrl-C or SIGTERM cancels what is in flight and raises
+        remnant.signals.Interrupted (a KeyboardInterrupt; its message "signal 15" for SIGTERM,
+        empty for Ctrl-C). Records of finished requests are already on disk. A stalled
+        server or a passed deadline raises ClientStopped.
 
         From the loop's start to its close, both signals only cancel the main task. A
         KeyboardInterrupt raised by a signal handler inside a task (as remnant-run's SIGTERM
@@ -111,7 +185,7 @@ class LoadClient:
         def on_signal(signum, frame) -> None:
             received.append(signum)
             if len(received) > 1:
-                raise KeyboardInterrupt(_interrupt_message(received[0]))
+                raise Interrupted(received[0])
             if main:
                 main[0].cancel()
                 main[0].get_loop().call_soon_threadsafe(lambda: None)  # wake the loop if it waits
@@ -130,14 +204,31 @@ class LoadClient:
                 except asyncio.CancelledError:
                     if not received:
                         raise
+                except ClientStopped:
+                    if not received:
+                        raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if received:  # also when the signal came as the last phase ended
-            raise KeyboardInterrupt(_interrupt_message(received[0]))
+            raise Interrupted(received[0])
         return results
 
     async def run_async(self, phases: list[Phase], on_phase_end=lambda _: None) -> list[PhaseResult]:
+        work = asyncio.ensure_future(self._run_phases(phases, on_phase_end))
+        watchdog = asyncio.create_task(self._watch(work))
+        try:
+            return await work
+        except asyncio.CancelledError:
+            # The watchdog cancelled the work, not someone cancelling this task (a signal).
+            if self._stop is not None and not asyncio.current_task().cancelling():
+                raise ClientStopped(self._stop, self._partial_phase()) from None
+            raise
+        finally:
+            watchdog.cancel()
+            work.cancel()
+
+    async def _run_phases(self, phases: list[Phase], on_phase_end) -> list[PhaseResult]:
         total = sum(len(p.requests) for p in phases)
         limits = httpx.Limits(max_connections=max(p.concurrency for p in phases) + 4)
         timeout = httpx.Timeout(self.request_timeout_s, connect=10.0)
@@ -151,6 +242,36 @@ class LoadClient:
                     on_phase_end(result)
         return results
 
+    async def _watch(self, work: asyncio.Future) -> None:
+        """Stop `work` when the server stalls or the deadline passes (see the class doc)."""
+        step = 0.25 if self.stall_timeout_s is None else min(0.25, self.stall_timeout_s / 8)
+        while not work.done():
+            await asyncio.sleep(step)
+            now = self.now()
+            reason = limit = None
+            if self.deadline_s is not None and now >= self.deadline_s:
+                reason, limit = "deadline", self.deadline_s
+            elif (self.stall_timeout_s is not None and self._in_flight
+                  and now - max(self._progress_s or 0.0, self._active_since) >= self.stall_timeout_s):
+                reason, limit = "stall", self.stall_timeout_s
+            if reason is not None:
+                self._stop = {"reason": reason, "limit_s": float(limit), "at_s": now,
+                              "last_progress_s": self._progress_s, "in_flight": self._in_flight,
+                              "phase": (self._phase or {}).get("name")}
+                work.cancel()
+                return
+
+    def _progress(self) -> None:
+        self._progress_s = self.now()
+
+    def _partial_phase(self) -> PhaseResult | None:
+        p = self._phase
+        if p is None:
+            return None
+        records = p["records"]
+        return PhaseResult(p["name"], p["flush"], p["started"], self.now() - p["started"], len(records),
+                           sum(not r.success for r in records), records)
+
     async def flush(self, client: httpx.AsyncClient) -> FlushResult:
         """POST /flush_cache, retried while the server says requests still run (HTTP 400)."""
         start = time.perf_counter()
@@ -159,13 +280,13 @@ class LoadClient:
             attempts += 1
             try:
                 r = await client.post(f"{self.base_url}/flush_cache", timeout=10.0)
-                status, message = r.status_code, r.text.strip()
+                status, message = r.status_code, snippet(r.text)
                 if r.status_code == 200:
                     return FlushResult(True, status, attempts, time.perf_counter() - start, message)
                 if r.status_code != 400:
                     break  # e.g. 404: the server has no flush endpoint; retrying will not help
             except httpx.HTTPError as exc:
-                status, message = None, f"{type(exc).__name__}: {exc}"
+                status, message = None, self._transport_error(exc)
                 if why := self.server_failure():
                     raise ServerGone(why) from None
             if time.perf_counter() - start > self.flush_timeout_s:
@@ -175,26 +296,44 @@ class LoadClient:
         return FlushResult(False, status, attempts, time.perf_counter() - start, message)
 
     async def _run_phase(self, client: httpx.AsyncClient, phase: Phase, bar: tqdm) -> PhaseResult:
+        records: list[RequestRecord] = []
+        self._phase = {"name": phase.name, "flush": None, "started": self.now(), "records": records}
         flush = await self.flush(client) if phase.flush_before else None
         started = self.now()
+        self._phase.update(flush=flush, started=started)
         # Closed loop: each of the C slots holds the time it became free; a request is due
         # then, so dispatch delay shows how late the client really sent it.
         free_since: asyncio.Queue[float] = asyncio.Queue()
         for _ in range(phase.concurrency):
             free_since.put_nowait(started)
-        records: list[RequestRecord] = []
         gone: list[str] = []
 
-        async def send(index: int, req: PlannedRequest, intended: float) -> RequestRecord:
-            try:
-                rec = await self._send(client, req, phase.name, index, intended=intended)
-            except Exception as exc:  # noqa: BLE001 - one odd answer must not sink the phase
-                rec = RequestRecord(id=req.id, phase=phase.name, index=index, intended_start_s=intended,
-                                    start_s=self.now(), error=f"client error: {exc!r}")
-            rec.session, rec.turn = req.session, req.turn
+        def keep(rec: RequestRecord) -> None:
             self._append(rec)
             records.append(rec)
             bar.update(1)
+
+        async def send(index: int, req: PlannedRequest, intended: float) -> RequestRecord:
+            rec = RequestRecord(id=req.id, phase=phase.name, index=index, intended_start_s=intended,
+                                expected_output_tokens=req.max_new_tokens, session=req.session, turn=req.turn)
+            if not self._in_flight:
+                self._active_since = self.now()  # an idle client is not a stalled server
+            self._in_flight += 1
+            try:
+                await self._send(client, req, rec)
+            except asyncio.CancelledError:
+                if self._stop is not None:  # stopped by the watchdog: keep what it had
+                    rec.error = (f"stopped: no token from the server for {self._stop['limit_s']:g}s (stall)"
+                                 if self._stop["reason"] == "stall" else
+                                 f"stopped: workload.deadline_s={self._stop['limit_s']:g} passed")
+                    keep(rec)
+                raise
+            except Exception as exc:  # noqa: BLE001 - one odd answer must not sink the phase
+                rec.error = f"client error: {exc!r}"
+            finally:
+                self._in_flight -= 1
+                self._progress()
+            keep(rec)
             if not rec.success and (why := self.server_failure()):
                 gone.append(why)
             return rec
@@ -228,13 +367,10 @@ class LoadClient:
                         # A session without its previous turn is not the recorded one: the
                         # rest of it is recorded as skipped, so planned and recorded agree.
                         for later in session[k + 1 :]:
-                            skipped = RequestRecord(id=later.id, phase=phase.name, index=next(counter),
-                                                    intended_start_s=self.now(), start_s=self.now(),
-                                                    error=f"skipped: turn {req.turn} of the session failed",
-                                                    session=later.session, turn=later.turn)
-                            self._append(skipped)
-                            records.append(skipped)
-                            bar.update(1)
+                            keep(RequestRecord(id=later.id, phase=phase.name, index=next(counter),
+                                               intended_start_s=self.now(), start_s=self.now(),
+                                               error=f"skipped: turn {req.turn} of the session failed",
+                                               session=later.session, turn=later.turn))
                         break
                     ready = self.now()
 
@@ -250,11 +386,22 @@ class LoadClient:
         if gone:
             raise ServerGone(gone[0])
         failed = sum(not r.success for r in records)
+        self._phase = None
         return PhaseResult(phase.name, flush, started, self.now() - started, len(records), failed, records)
 
-    async def _send(self, client, req: PlannedRequest, phase: str, index: int, intended: float) -> RequestRecord:
-        rec = RequestRecord(id=req.id, phase=phase, index=index, intended_start_s=intended,
-                            expected_output_tokens=req.max_new_tokens)
+    def _transport_error(self, exc: Exception) -> str:
+        """An httpx error as one line; httpx's timeouts carry no message of their own."""
+        text = snippet(str(exc))
+        if text:
+            return f"{type(exc).__name__}: {text}"
+        if isinstance(exc, httpx.ReadTimeout):
+            return (f"ReadTimeout: no data for {self.request_timeout_s:g}s (workload.request_timeout_s)")
+        if isinstance(exc, httpx.ConnectTimeout):
+            return "ConnectTimeout: no connection within 10s"
+        return type(exc).__name__
+
+    async def _send(self, client, req: PlannedRequest, rec: RequestRecord) -> None:
+        """Stream one /generate into `rec` (times, tokens, success or error)."""
         payload = {
             "rid": f"{self._rid_prefix}-{req.id}",
             "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
@@ -269,9 +416,9 @@ class LoadClient:
         try:
             async with client.stream("POST", f"{self.base_url}/generate", json=payload) as resp:
                 if resp.status_code != 200:
-                    body = (await resp.aread()).decode(errors="replace")[:500]
-                    rec.error = f"HTTP {resp.status_code}: {body}"
-                    return rec
+                    body = (await resp.aread()).decode(errors="replace")
+                    rec.error = http_error(resp.status_code, body)
+                    return
                 done = False
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: "):
@@ -283,8 +430,9 @@ class LoadClient:
                     frame = json.loads(data)
                     if "error" in frame:
                         err = frame["error"]
-                        rec.error = f"server error: {err.get('message') if isinstance(err, dict) else err}"
-                        return rec
+                        message = err.get("message") if isinstance(err, dict) else err
+                        rec.error = f"server error: {snippet(str(message))}"
+                        return
                     t = self.now()
                     meta = frame.get("meta_info") or {}
                     # Tokens so far, as bench_serving counts them: completion_tokens (output_ids
@@ -298,6 +446,7 @@ class LoadClient:
                         rec.chunk_times_s.append(t)
                         rec.chunk_tokens.append(n - seen)
                         seen = n
+                        self._progress()
                     rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
                     rec.completion_tokens = meta.get("completion_tokens", seen)
                     rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens) or 0
@@ -311,10 +460,10 @@ class LoadClient:
                     rec.error = "stream ended before [DONE]"
                 else:
                     rec.success = True
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
-            rec.error = f"{type(exc).__name__}: {exc}"
-        return rec
+        except httpx.HTTPError as exc:
+            rec.error = self._transport_error(exc)
+        except json.JSONDecodeError as exc:
+            rec.error = f"JSONDecodeError: {snippet(str(exc))}"
 
     def _append(self, rec: RequestRecord) -> None:
-        with open(self.requests_path, "a") as f:
-            f.write(json.dumps(rec.to_dict()) + "\n")
+        append_line(self.requests_path, json.dumps(rec.to_dict()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -25,3 +26,28 @@ def atomic_write(path: str | os.PathLike, data: bytes | list[bytes]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append `line` (one line of text; a newline is added) to `path`, whole or not at all.
+
+    One write() on an O_APPEND descriptor; when the disk fills mid-line (a short write or
+    ENOSPC), the file is cut back to its length before, so a reader never meets half a
+    line. Raises OSError naming `path` and keeping the errno.
+    """
+    data = (line + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        before = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, before)
+            except OSError:
+                pass  # shrinking needs no space; if even that fails, the error below stands
+            raise OSError(exc.errno, f"{exc.strerror or exc}: could not append a line to {path}") from None
+    finally:
+        os.close(fd)

@@ -186,3 +186,101 @@ def test_a_second_signal_breaks_out_at_once(server, tmp_path):
         client.run([_phase("measured", 40, 2)])
     assert signal.getsignal(signal.SIGINT) is sigint_before and signal.getsignal(signal.SIGTERM) is sigterm_before
     assert 3 <= len(load_requests_jsonl(path)) < 40
+
+
+class _SlowStream(BaseHTTPRequestHandler):
+    """A /generate that streams 200 tokens, one every 50 ms (10 s a request)."""
+
+    def do_POST(self):  # noqa: N802
+        if self.path == "/flush_cache":
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        try:
+            stream_generate(self, 200, prompt_tokens=3, incremental=False, delay_s=0.05)
+        except OSError:
+            pass  # the client hung up
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_deadline_stops_the_run_and_records_what_was_in_flight(tmp_path):
+    from remnant.client.runner import ClientStopped
+
+    with loopback_server(_SlowStream) as url:
+        client = LoadClient(url, tmp_path / "r.jsonl", progress=False, deadline_s=1.0, stall_timeout_s=30)
+        t0 = time.monotonic()
+        with pytest.raises(ClientStopped) as stopped:
+            client.run([_phase("measured", 6, 2, tokens=200)])
+        elapsed = time.monotonic() - t0
+    assert elapsed < 5, elapsed  # not the 30 s the two requests would take
+    stop = stopped.value.stop
+    assert stop["reason"] == "deadline" and stop["limit_s"] == 1.0 and stop["in_flight"] == 2
+    assert 1.0 <= stop["at_s"] < 2 and 0 < stop["last_progress_s"] <= stop["at_s"]
+    assert "workload.deadline_s=1" in str(stopped.value)
+    phase = stopped.value.phase
+    assert (phase.name, phase.requests, phase.failed) == ("measured", 2, 2)
+    recs = load_requests_jsonl(tmp_path / "r.jsonl")
+    assert [r.error for r in recs] == ["stopped: workload.deadline_s=1 passed"] * 2
+    assert all(r.chunk_times_s for r in recs)  # the tokens that came before are kept
+
+
+class _Hangs(BaseHTTPRequestHandler):
+    """Answers /flush_cache; takes /generate and never answers it (a hung server)."""
+
+    def do_POST(self):  # noqa: N802
+        if self.path == "/flush_cache":
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        time.sleep(5)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_stalled_server_stops_the_client_with_the_stall_times(tmp_path):
+    from remnant.client.runner import ClientStopped
+
+    with loopback_server(_Hangs) as url:
+        client = LoadClient(url, tmp_path / "r.jsonl", progress=False, stall_timeout_s=0.5)
+        with pytest.raises(ClientStopped) as stopped:
+            client.run([_phase("measured", 4, 2)])
+    stop = stopped.value.stop
+    assert (stop["reason"], stop["in_flight"], stop["last_progress_s"], stop["phase"]) == ("stall", 2, None, "measured")
+    assert 0.5 <= stop["at_s"] < 2
+    assert "no token from any of the 2 requests in flight for 0.5s" in str(stopped.value)
+    recs = load_requests_jsonl(tmp_path / "r.jsonl")
+    assert len(recs) == 2 and all(r.error == "stopped: no token from the server for 0.5s (stall)" for r in recs)
+
+
+def test_a_read_timeout_says_which_limit_it_hit(tmp_path):
+    with loopback_server(_Hangs) as url:
+        client = LoadClient(url, tmp_path / "r.jsonl", progress=False, request_timeout_s=0.3)
+        (res,) = client.run([_phase("measured", 1, 1)])
+    assert res.records[0].error == "ReadTimeout: no data for 0.3s (workload.request_timeout_s)"
+
+
+class _NotImplemented(BaseHTTPRequestHandler):
+    """http.server's own answer to a POST it has no handler for: 501 with an HTML page."""
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_html_error_page_becomes_its_status_and_a_short_snippet(tmp_path):
+    from remnant.client.runner import SNIPPET_CHARS, snippet
+
+    with loopback_server(_NotImplemented) as url:
+        client = LoadClient(url, tmp_path / "r.jsonl", progress=False)
+        (res,) = client.run([_phase("measured", 1, 1)])
+    error = res.records[0].error
+    assert error.startswith("HTTP 501: Error response Error code: 501 Message: Unsupported method ('POST')")
+    assert "<" not in error and len(error) <= len("HTTP 501: ") + SNIPPET_CHARS
+    assert res.flush.message.startswith("Error response Error code: 501") and "<" not in res.flush.message
+    assert snippet('{"error": {"message": "bad rid", "type": "x"}}') == "bad rid"
+    assert snippet('{"detail": "Not Found"}') == "Not Found"
+    assert snippet("a\n  b " + "c" * 500).endswith("...") and len(snippet("c" * 500)) == SNIPPET_CHARS

@@ -43,3 +43,21 @@ def test_invalid_doc_does_not_clobber_existing_record(tmp_path):
         write_validated(target, doc)
     assert target.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_a_line_is_appended_whole_or_not_at_all_on_a_full_disk(tmp_path):
+    """A real 64 KB tmpfs filled to its last page: a line longer than what is left is cut
+    back, never left half-written, and the error names the file."""
+    from remnant.records.files import append_line
+    from tests.tmpfs import fill, tmpfs
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        path = disk / "requests.jsonl"
+        append_line(path, json.dumps({"id": "first"}))
+        fill(disk)
+        before = path.read_bytes()
+        with pytest.raises(OSError) as err:
+            append_line(path, json.dumps({"id": "second", "pad": "x" * 8192}))
+        assert err.value.errno == 28 and str(path) in str(err.value)
+        assert path.read_bytes() == before
+        assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["first"]
