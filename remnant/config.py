@@ -90,7 +90,18 @@ class WorkloadConfig:
     seed: int = 0
     concurrency: int = 4
     flush_timeout_s: float = 60.0
+    #: Per read: the longest one request may wait for its next bytes.
     request_timeout_s: float = 600.0
+    #: The no-progress watchdog: while requests are in flight and none of them has given a
+    #: token (or ended) for this long, the server has stalled: the run stops sending,
+    #: cancels what is in flight and ends failed (stage client, stall).
+    stall_timeout_s: float = 120.0
+    #: The longest the client may drive the server, all phases and flushes together; past
+    #: it the run ends failed (stage client, deadline). null: no deadline.
+    deadline_s: float | None = None
+    #: A run whose measured requests failed at more than this share (0..1) ends degraded,
+    #: not completed.
+    max_failed_share: float = 0.1
 
 
 @dataclass
@@ -369,8 +380,11 @@ def validate(cfg: RunConfig) -> None:
     mode = cfg.mode.name
     if mode not in MODES:
         raise ConfigError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} must be >= 0 (numpy's generators take non-negative seeds)")
     validate_model(cfg.model)
     validate_workload(cfg.workload)
+    validate_context(cfg.workload, cfg.model)
     validate_host(cfg.host)
     if cfg.host.kind == "local":
         validate_local(cfg.host, cfg.model)
@@ -429,26 +443,73 @@ def _positive_finite(value: float, field: str) -> None:
         raise ConfigError(f"{field}={value} must be a finite number > 0")
 
 
+def _at_least(obj: object, prefix: str, names: tuple[str, ...], minimum: int) -> None:
+    """Integer fields of `obj` that must be >= minimum (None, where a field allows it, passes)."""
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{prefix}{name}={value} must be >= {minimum}")
+
+
+def _range_pair(value: list[int], field: str) -> None:
+    """A [low, high] range of token counts or turns."""
+    if len(value) != 2 or not 1 <= value[0] <= value[1]:
+        raise ConfigError(f"{field}={list(value)} must be [low, high] with 1 <= low <= high")
+
+
 def validate_workload(w: WorkloadConfig) -> None:
     _positive_finite(w.request_timeout_s, "workload.request_timeout_s")
     _positive_finite(w.flush_timeout_s, "workload.flush_timeout_s")
-    if w.concurrency < 1:
-        raise ConfigError(f"workload.concurrency={w.concurrency} must be >= 1")
-    for name in ("groups", "prefix_len", "suffix_len", "output_len", "requests_per_group", "num_prompts",
-                 "max_input_len", "max_output_len", "input_len", "requests_per_slot", "num_sessions", "min_turns"):
-        value = getattr(w, name, None)
-        if value is not None and value < 1:
-            raise ConfigError(f"workload.{name}={value} must be >= 1")
+    _positive_finite(w.stall_timeout_s, "workload.stall_timeout_s")
+    if w.deadline_s is not None:
+        _positive_finite(w.deadline_s, "workload.deadline_s")
+    if not (math.isfinite(w.max_failed_share) and 0 <= w.max_failed_share <= 1):
+        raise ConfigError(f"workload.max_failed_share={w.max_failed_share} must be a share in [0, 1]")
+    _at_least(w, "workload.", ("seed",), 0)
+    _at_least(w, "workload.", ("concurrency", "groups", "prefix_len", "suffix_len", "output_len",
+                               "requests_per_group", "num_prompts", "max_input_len", "max_output_len", "input_len",
+                               "requests_per_slot", "num_sessions", "min_turns"), 1)
     scale = getattr(w, "token_scale", None)
     if scale is not None:
         _positive_finite(scale, "workload.token_scale")
-    for name in ("warmup_requests", "measured_requests", "warmup_sessions"):
+    ratio = getattr(w, "range_ratio", None)
+    if ratio is not None and not (math.isfinite(ratio) and 0 < ratio <= 1):
+        raise ConfigError(f"workload.range_ratio={ratio} must be in (0, 1]")
+    _at_least(w, "workload.", ("warmup_requests", "measured_requests", "warmup_sessions"), 0)
+    for name in ("synthetic_turns", "synthetic_initial_tokens", "synthetic_turn_tokens", "synthetic_output_tokens"):
         value = getattr(w, name, None)
-        if value is not None and value < 0:
-            raise ConfigError(f"workload.{name}={value} must be >= 0")
+        if value is not None:
+            _range_pair(value, f"workload.{name}")
+
+
+def request_tokens(w: WorkloadConfig) -> tuple[int, str] | None:
+    """The most tokens (prompt + output) one request of `w` can need, as far as the config
+    fixes it, and the fields that set it; None where only the data does (longswe)."""
+    if w.kind in ("random", "long_context"):
+        return w.input_len + w.output_len, f"workload.input_len={w.input_len} + workload.output_len={w.output_len}"
+    if w.kind == "shared_prefix":
+        return (w.prefix_len + w.suffix_len + w.output_len,
+                f"workload.prefix_len={w.prefix_len} + workload.suffix_len={w.suffix_len} + "
+                f"workload.output_len={w.output_len}")
+    if w.kind == "sharegpt":
+        out = w.max_output_len if w.output_len is None else min(w.output_len, w.max_output_len)
+        return w.max_input_len + out, f"workload.max_input_len={w.max_input_len} + {out} output tokens"
+    return None
+
+
+def validate_context(w: WorkloadConfig, model: ModelConfig) -> None:
+    """A request longer than the model's context would be refused by every server; say so
+    before a plan of millions of tokens is drawn."""
+    need = request_tokens(w)
+    if need is not None and need[0] > model.max_position_embeddings:
+        raise ConfigError(
+            f"{need[1]} = {need[0]} tokens per request is more than model={model.name}'s context length "
+            f"(model.max_position_embeddings={model.max_position_embeddings}); shorten the requests or "
+            f"choose a model with a longer context")
 
 
 def validate_host(h: HostConfig) -> None:
+    _at_least(h, "host.", ("log_tail_lines",), 0)
     if h.kind == "external":
         from urllib.parse import urlsplit
 
@@ -459,15 +520,19 @@ def validate_host(h: HostConfig) -> None:
             ok = False
         if not ok:
             raise ConfigError(f"host.base_url={h.base_url} is not an http(s) URL like http://127.0.0.1:30000")
+        _positive_finite(h.health_timeout_s, "host.health_timeout_s")
     if h.kind == "embedded":
         _positive_finite(h.startup_timeout_s, "host.startup_timeout_s")
         _positive_finite(h.kv_budget_mib, "host.kv_budget_mib")
+        _at_least(h, "host.", ("threads", "max_running_requests"), 1)
         if h.page_size % 128 or h.page_size < 128:
             raise ConfigError(f"host.page_size={h.page_size} must be a positive multiple of 128")
-        if not 0 < h.swa_ratio <= 1:
+        if not (math.isfinite(h.swa_ratio) and 0 < h.swa_ratio <= 1):
             raise ConfigError(f"host.swa_ratio={h.swa_ratio} must be in (0, 1]")
-        if h.max_running_requests < 1:
-            raise ConfigError(f"host.max_running_requests={h.max_running_requests} must be >= 1")
+        if h.chunked_prefill_size < 1:
+            # 0 would give every prefill step no tokens: the engine would spin, never answering.
+            raise ConfigError(f"host.chunked_prefill_size={h.chunked_prefill_size} must be >= 1 "
+                              "(prompt tokens per engine step)")
         if h.device not in ENGINE_DEVICES:
             raise ConfigError(f"host.device={h.device} is not allowed; allowed: {', '.join(ENGINE_DEVICES)}")
         if h.decode_path not in DECODE_PATHS:
@@ -522,10 +587,8 @@ def validate_local(h: LocalHostConfig, model: ModelConfig) -> None:
 
 def validate_modal(h: ModalHostConfig) -> None:
     """host=modal's fields and its budget guard: the planned GPU-hours must fit the budget."""
-    for name in ("gpu_count", "kernels_gpu_count", "serve_timeout_s", "kernels_timeout_s",
-                 "download_timeout_s", "inspect_timeout_s"):
-        if getattr(h, name) < 1:
-            raise ConfigError(f"host.{name}={getattr(h, name)} must be >= 1")
+    _at_least(h, "host.", ("gpu_count", "kernels_gpu_count", "serve_timeout_s", "kernels_timeout_s",
+                           "download_timeout_s", "inspect_timeout_s"), 1)
     _positive_finite(h.startup_timeout_s, "host.startup_timeout_s")
     _positive_finite(h.budget_gpu_hours, "host.budget_gpu_hours")
     if not 1 <= h.port <= 65535:
@@ -541,7 +604,34 @@ def validate_modal(h: ModalHostConfig) -> None:
             )
 
 
+#: Layer widths of a DeepSeek-V4-shaped model are whole 64-wide tiles (V4-Flash: hidden
+#: 4096, q_lora_rank 1024, intermediate 2048, indexer heads 128 wide), as the GPU kernels
+#: and FlashMLA tile them.
+WIDTH_TILE = 64
+#: Token ids the generated model directory's tokenizer needs (256 bytes, BOS, EOS):
+#: remnant.engine.model_dir.EOS_ID + 1.
+GENERATED_VOCAB_MIN = 258
+
+
 def validate_model(model: ModelConfig) -> None:
+    _at_least(model, "model.", ("num_hidden_layers", "num_attention_heads", "index_n_heads", "index_topk",
+                                "window_size", "max_position_embeddings", "tp_size", "prompt_vocab_size"), 1)
+    _at_least(model, "model.", ("seed",), 0)
+    for name in ("hidden_size", "q_lora_rank", "index_head_dim"):
+        value = getattr(model, name)
+        if value < WIDTH_TILE or value % WIDTH_TILE:
+            raise ConfigError(f"model.{name}={value} must be a positive multiple of {WIDTH_TILE}")
+    if model.intermediate_size < 0 or model.intermediate_size % WIDTH_TILE:
+        raise ConfigError(f"model.intermediate_size={model.intermediate_size} must be a multiple of {WIDTH_TILE} "
+                          "(0: no feed-forward, attention only)")
+    for name in ("rope_theta", "compress_rope_theta"):
+        _positive_finite(getattr(model, name), f"model.{name}")
+    if model.path is None and model.vocab_size < GENERATED_VOCAB_MIN:
+        raise ConfigError(f"model.vocab_size={model.vocab_size} is too small for the generated model directory; "
+                          f"its tokenizer needs >= {GENERATED_VOCAB_MIN}")
+    if model.prompt_vocab_size > model.vocab_size:
+        raise ConfigError(f"model.prompt_vocab_size={model.prompt_vocab_size} must be <= "
+                          f"model.vocab_size={model.vocab_size}")
     for i, ratio in enumerate(model.compress_ratios):
         if ratio not in (0, 4, 128):
             raise ConfigError(

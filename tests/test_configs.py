@@ -11,7 +11,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import MissingMandatoryValue
 
-from remnant.cli import register_configs, to_run_config
+from remnant.cli import ConfigProblem, config_error_line, register_configs, to_run_config
 from remnant.config import ConfigError, RandomWorkloadConfig, RunConfig
 
 CONF = resources.files("remnant.conf")
@@ -21,7 +21,11 @@ REQUIRED = {("host", "external"): ["host.base_url=http://127.0.0.1:1"],
             # SGLang in a container needs a checkpoint directory and GPUs (any directory
             # and id pass the rules; nothing starts).
             ("host", "local"): ["host.gpus=0", f"model.path={Path(__file__).parent}"],
-            ("workload", "sharegpt"): ["workload.dataset_path=/nonexistent/sharegpt.json"]}
+            ("workload", "sharegpt"): ["workload.dataset_path=/nonexistent/sharegpt.json"],
+            # 128k in + 8k out is past the tiny model's 64k context: a V4-Flash-sized model.
+            ("workload", "long_context"): ["model=dsv4_flash_attn"],
+            ("experiment", "ctx128k_out8k_c24"): ["model=dsv4_flash_attn"],
+            ("experiment", "ctx128k_out8k_ceiling"): ["model=dsv4_flash_attn"]}
 
 
 def _options(group: str) -> list[str]:
@@ -154,3 +158,77 @@ def test_kernels_decode_path_on_cpu_needs_the_interpreter(monkeypatch):
 def test_external_base_url_must_be_http(url):
     with pytest.raises(ConfigError, match="is not an http\\(s\\) URL"):
         _compose(["host=external", f"host.base_url='{url}'"])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("seed=-1", "seed=-1 must be >= 0"),
+    ("workload.seed=-1", "workload.seed=-1 must be >= 0"),
+    ("host.threads=0", "host.threads=0 must be >= 1"),
+    ("host.log_tail_lines=-5", "host.log_tail_lines=-5 must be >= 0"),
+    ("host.chunked_prefill_size=0", "host.chunked_prefill_size=0 must be >= 1"),
+    ("host.startup_timeout_s=nan", "host.startup_timeout_s=nan must be a finite number > 0"),
+    ("model.hidden_size=3", "model.hidden_size=3 must be a positive multiple of 64"),
+    ("model.index_topk=0", "model.index_topk=0 must be >= 1"),
+    ("model.prompt_vocab_size=300", "model.prompt_vocab_size=300 must be <= model.vocab_size=258"),
+    ("model.vocab_size=100", "model.vocab_size=100 is too small for the generated model directory"),
+    ("model.rope_theta=0", "model.rope_theta=0 must be a finite number > 0"),
+    ("workload.range_ratio=0", r"workload.range_ratio=0.0 must be in \(0, 1\]"),
+    ("workload.stall_timeout_s=0", "workload.stall_timeout_s=0.0 must be a finite number > 0"),
+    ("workload.deadline_s=-1", "workload.deadline_s=-1.0 must be a finite number > 0"),
+    ("workload.max_failed_share=1.5", r"workload.max_failed_share=1.5 must be a share in \[0, 1\]"),
+    ("workload.input_len=10000000", "workload.input_len=10000000 \\+ workload.output_len=32 = 10000032 tokens per "
+                                    "request is more than model=tiny's context length "
+                                    "\\(model.max_position_embeddings=65536\\)"),
+])
+def test_numeric_fields_are_bounded_at_compose_time(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _compose([override])
+
+
+def test_every_workload_is_checked_against_the_context():
+    with pytest.raises(ConfigError, match="workload.prefix_len=65536 \\+ workload.suffix_len=64 \\+ "
+                                          "workload.output_len=16 = 65616 tokens"):
+        _compose(["workload=shared_prefix", "workload.prefix_len=65536"])
+    with pytest.raises(ConfigError, match="workload.max_input_len=65536 \\+ 128 output tokens"):
+        _compose(["workload=sharegpt", "workload.dataset_path=x.json", "workload.max_input_len=65536"])
+    assert _compose(["workload.input_len=65504", "workload.output_len=32"]).workload.input_len == 65504
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("+workload.concurency=3", "workload.concurency is not a field of workload (kind random); "
+                               "did you mean workload.concurrency?"),
+    ("+host.port=1", "host.port is not a field of host (kind embedded); its fields: kind, startup_timeout_s, "),
+    ("++seeed=1", "seeed is not a field of the run config; did you mean seed?"),
+])
+def test_keys_added_with_plus_are_errors_like_typos(override, line):
+    with pytest.raises(ConfigProblem) as err:
+        _compose([override])
+    assert str(err.value).startswith(line)
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("workload.concurency=3", "workload.concurency is not a field of workload; did you mean workload.concurrency?"),
+    ("mode=turbo", "mode=turbo is not an option of mode; allowed: kernel, native, triton"),
+    ("mode=kernal", "mode=kernal is not an option of mode; allowed: kernel, native, triton; did you mean mode=kernel?"),
+    ("workload.concurrency=abc", "workload.concurrency: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("workload.output_len=[1", "cannot read the override 'workload.output_len=[1': "),
+])
+def test_hydra_errors_are_one_line_naming_the_key(override, line):
+    with pytest.raises(Exception) as err:
+        _compose([override])
+    text = config_error_line(err.value)
+    assert text.startswith(line) and "\n" not in text
+    assert "base_" not in text and "+workload" not in text  # no schema nodes, no append hint
+
+
+def test_an_unset_environment_variable_is_one_line(monkeypatch):
+    monkeypatch.delenv("REMNANT_UNSET_VAR", raising=False)
+    GlobalHydra.instance().clear()
+    register_configs()
+    with initialize_config_module(config_module="remnant.conf", version_base=None):
+        cfg = compose(config_name="config", overrides=["workload.output_len=${oc.env:REMNANT_UNSET_VAR}"])
+    with pytest.raises(Exception) as err:
+        to_run_config(cfg)
+    assert config_error_line(err.value, cfg) == (
+        "workload.output_len=${oc.env:REMNANT_UNSET_VAR}: environment variable REMNANT_UNSET_VAR is not set; "
+        "set it, or give workload.output_len=... on the command line")

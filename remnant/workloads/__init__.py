@@ -14,11 +14,35 @@ KINDS = ("random", "shared_prefix", "sharegpt", "long_context", "longswe")
 
 
 def plan_workload(cfg: WorkloadConfig, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:
-    """Plan the request stream of `cfg` for `model`; raises ValueError naming a bad field.
+    """Plan the request stream of `cfg` for `model`; raises ValueError naming a bad field,
+    or the first request that is longer than the model's context.
 
     server_info: the server's /server_info, for workloads sized by the server (long_context
     at the allocator ceiling); None plans without it (the ceiling is then unknown).
     """
+    plan = _plan(cfg, model, server_info)
+    check_context(plan, model)
+    return plan
+
+
+def check_context(plan: WorkloadPlan, model: ModelConfig) -> None:
+    """Every request's prompt plus output within model.max_position_embeddings: a longer one
+    would be refused by the server (data-driven workloads: sharegpt, longswe)."""
+    limit = model.max_position_embeddings
+    for phase in plan.phases:
+        for r in phase.requests:
+            if r.input_ids is None:
+                continue
+            need = len(r.input_ids) + r.max_new_tokens
+            if need > limit:
+                raise ValueError(
+                    f"request {r.id} of workload={plan.name} needs {len(r.input_ids)} prompt + {r.max_new_tokens} "
+                    f"output tokens, more than model={model.name}'s context length "
+                    f"(model.max_position_embeddings={limit}); lower workload.max_input_len "
+                    f"(or workload.token_scale) or choose a model with a longer context")
+
+
+def _plan(cfg: WorkloadConfig, model: ModelConfig, server_info: dict | None) -> WorkloadPlan:
     if cfg.kind == "random":
         from remnant.workloads import random
 
