@@ -86,3 +86,23 @@ def test_directory_without_records_exits_2(tmp_path):
     r = check(tmp_path)
     assert r.returncode == 2
     assert str(tmp_path) in r.stderr
+
+
+def test_a_run_directory_without_run_json_fails(tmp_path):
+    """A run killed outright leaves its requests.jsonl, server.log (and a stale server.port)
+    but no run.json: the check fails and names the directory."""
+    done = tmp_path / "sweep" / "0-native-smoke-s0"
+    done.mkdir(parents=True)
+    shutil.copy(VALID / "completed-cpu-embedded.json", done / "run.json")
+    (done / "requests.jsonl").write_text("{}\n")
+    killed = tmp_path / "sweep" / "1-kernel-r256-smoke-s0"
+    (killed / ".hydra").mkdir(parents=True)
+    (killed / "requests.jsonl").write_text("{}\n")
+    (killed / "server.port").write_text("40000")
+    r = check(tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    fail = [x for x in r.stdout.splitlines() if x.startswith("FAIL")]
+    assert len(fail) == 1 and str(killed) in fail[0] and "without run.json" in fail[0]
+    assert "1 run directory without run.json" in r.stdout
+    # A directory holding only killed runs is still checked (not "no records found").
+    assert check(killed).returncode == 1
