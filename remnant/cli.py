@@ -4,21 +4,38 @@
 remnant.config, converts once to plain dataclasses, validates, and hands them to
 remnant.run. Add your own config directories with Hydra's --config-dir or
 hydra.searchpath.
+
+Exit status: 0 the run (every cell of a sweep) ran to its end, completed or recorded as
+failed in a sweep; 1 a single run failed or was degraded, or records could not be
+written; 2 a configuration mistake (nothing ran); 128 + N a signal N stopped it (130
+Ctrl-C, 143 SIGTERM). Every mistake is one line naming the key, the value and what is
+allowed (a close match where there is one), never a traceback.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
+import os
 import re
+import signal
 import sys
+from importlib import resources
 from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from hydra.experimental.callback import Callback
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+)
 
 from remnant.config import (
     ConfigError,
@@ -37,6 +54,12 @@ from remnant.config import (
     SharedPrefixWorkloadConfig,
     validate,
 )
+from remnant.signals import Interrupted, describe as describe_signal, exit_status, raise_interrupted, signum_of
+
+#: Config groups a user picks from, in the order --help lists them.
+GROUPS = ("mode", "retention", "workload", "host", "model", "experiment")
+#: ConfigStore nodes that are schemas behind the group files, not options.
+SCHEMA_PREFIX = "base_"
 
 
 def register_configs() -> None:
@@ -55,10 +78,143 @@ def register_configs() -> None:
     cs.store(group="host", name="base_external", node=ExternalHostConfig)
     cs.store(group="host", name="base_local", node=LocalHostConfig)
     cs.store(group="host", name="base_modal", node=ModalHostConfig)
+    # Sweep cells are named by what varies the run: native ignores retention, so its
+    # cells carry none (conf/config.yaml, hydra.sweep.subdir).
+    OmegaConf.register_new_resolver(
+        "remnant_retention", lambda mode, retention: "" if mode == "native" else f"-{retention}", replace=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Config mistakes, each as one line
+
+
+class ConfigProblem(ValueError):
+    """A configuration mistake, already worded as one line for the user."""
+
+
+class ConfigRejected(BaseException):
+    """A single run's config mistake found before its directory is made. A BaseException,
+    since Hydra turns a callback's Exception into a warning and carries on."""
+
+
+def _close(word: str, choices: list[str]) -> str | None:
+    found = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _kind_of(node: object) -> str:
+    kind = getattr(node, "kind", None) if not isinstance(node, DictConfig) else node.get("kind")
+    return f" (kind {kind})" if isinstance(kind, str) and kind != "???" else ""
+
+
+def unknown_key_message(full_key: str, fields: list[str], where: str) -> str:
+    """`full_key` is not a field: say so with the closest field, or list them."""
+    prefix, _, key = full_key.rpartition(".")
+    close = _close(key, fields)
+    head = f"{full_key} is not a field of {where}"
+    if close:
+        return f"{head}; did you mean {prefix + '.' if prefix else ''}{close}?"
+    return f"{head}; its fields: {', '.join(fields)}"
+
+
+def _fields(obj_type: object) -> list[str] | None:
+    return [f.name for f in dataclasses.fields(obj_type)] if dataclasses.is_dataclass(obj_type) else None
+
+
+def _where(prefix: str, node: object) -> str:
+    return f"{prefix}{_kind_of(node)}" if prefix else "the run config"
+
+
+def unknown_keys(cfg: DictConfig, prefix: str = "") -> str | None:
+    """The first key of `cfg` that its structured config does not declare (one added with
+    `+` or `++`, which OmegaConf.to_object would drop without a word), as one line."""
+    fields = _fields(OmegaConf.get_type(cfg))
+    for key in cfg.keys():
+        full = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            return unknown_key_message(full, fields, _where(prefix.rstrip("."), cfg))
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not (node._is_none() or node._is_missing() or node._is_interpolation()):
+            found = unknown_keys(node, f"{full}.")
+            if found:
+                return found
+    return None
+
+
+def _raw(cfg: DictConfig | None, name: str) -> object:
+    if cfg is None:
+        return None
+    raw: object = OmegaConf.to_container(cfg, resolve=False)
+    for part in name.split("."):
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    return raw
+
+
+def missing_value_message(cfg: DictConfig, name: str) -> str:
+    """What to do about a config value that is missing: give it on the command line, or
+    set the environment variable the config reads it from (`${oc.env:VAR,???}`)."""
+    raw = _raw(cfg, name)
+    env = re.findall(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)", raw) if isinstance(raw, str) else []
+    if env:
+        return f"{name} has no value: set {env[0]} in the environment, or give it on the command line ({name}=...)"
+    return f"{name} has no value; give it on the command line ({name}=...)"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
+
+
+def config_error_line(exc: BaseException, cfg: DictConfig | None = None) -> str:
+    """A config mistake (Hydra's, OmegaConf's or a Remnant rule) as one line naming the
+    key, the value and what is allowed."""
+    if isinstance(exc, (ConfigProblem, ConfigError)):
+        return _first_line(exc)
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        options = sorted(o for o in (exc.options or []) if not o.startswith(SCHEMA_PREFIX))
+        if group and options:
+            close = _close(option, options)
+            hint = f"; did you mean {group}={close}?" if close else ""
+            return f"{group}={option} is not an option of {group}; allowed: {', '.join(options)}{hint}"
+    if isinstance(exc, OverrideParseException):
+        return f"cannot read the override {exc.override!r}: {_first_line(exc)} (Hydra's override grammar)"
+    # Hydra wraps OmegaConf's errors; the cause names the key.
+    cause = exc
+    while isinstance(cause, HydraException) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        full_key = getattr(cause, "full_key", None) or ""
+        msg = (getattr(cause, "msg", None) or _first_line(cause)).strip().splitlines()[0]
+        if isinstance(cause, MissingMandatoryValue) and full_key:
+            return missing_value_message(cfg, full_key) if cfg is not None else f"{full_key} has no value"
+        if isinstance(cause, InterpolationResolutionError):
+            env = re.search(r"Environment variable '([^']+)' not found", msg)
+            raw = _raw(cfg, full_key)
+            shown = f"{full_key}={raw}" if isinstance(raw, str) else full_key
+            if env:
+                return (f"{shown}: environment variable {env.group(1)} is not set; set it, or give "
+                        f"{full_key}=... on the command line")
+            return f"{shown}: {msg}"
+        if type(cause).__name__ in ("ConfigKeyError", "ConfigAttributeError") and full_key:
+            fields = _fields(getattr(cause, "object_type", None))
+            if fields is not None:
+                parent = full_key.rpartition(".")[0]
+                return unknown_key_message(full_key, fields, _where(parent, None))
+        if full_key:
+            return f"{full_key}: {msg}"
+        return msg
+    return _first_line(exc)
+
+
+CONFIG_ERRORS = (ConfigProblem, ConfigError, HydraException, OmegaConfBaseException)
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Composed DictConfig -> RunConfig dataclasses, with the run rules enforced."""
+    """Composed DictConfig -> RunConfig dataclasses, with the run rules enforced. A key no
+    structured config declares (added with `+`) is an error, as a typo is."""
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigProblem(unknown)
     run_cfg = OmegaConf.to_object(cfg)
     validate(run_cfg)
     return run_cfg
@@ -72,16 +228,16 @@ def _plain(cfg: DictConfig) -> dict:
         return OmegaConf.to_container(cfg, resolve=False)
 
 
-def missing_value_message(cfg: DictConfig, name: str) -> str:
-    """What to do about a config value that is missing: give it on the command line, or
-    set the environment variable the config reads it from (`${oc.env:VAR,???}`)."""
-    raw: object = OmegaConf.to_container(cfg, resolve=False)
-    for part in name.split("."):
-        raw = raw.get(part) if isinstance(raw, dict) else None
-    env = re.findall(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)", raw) if isinstance(raw, str) else []
-    if env:
-        return f"{name} has no value: set {env[0]} in the environment, or give it on the command line ({name}=...)"
-    return f"{name} has no value; give it on the command line ({name}=...)"
+def _task_config(config: DictConfig) -> DictConfig:
+    """The run's config without Hydra's own node, as the task function receives it."""
+    import copy
+
+    from omegaconf import open_dict, read_write
+
+    task = copy.deepcopy(config)
+    with read_write(task), open_dict(task):
+        task.pop("hydra", None)
+    return task
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -89,11 +245,189 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+# ---------------------------------------------------------------------------------------
+# --help
+
+
+def _options(group: str) -> list[str]:
+    folder = resources.files("remnant.conf").joinpath(group)
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _defaults() -> dict[str, str]:
+    text = resources.files("remnant.conf").joinpath("config.yaml").read_text()
+    return dict(re.findall(r"^\s*-\s*(\w+):\s*(\S+)", text, re.M))
+
+
+def help_text() -> str:
+    """`remnant-run --help`: the groups and their options, sweeps, outputs, exit statuses
+    and the sibling commands."""
+    defaults = _defaults()
+    rows = []
+    for group in GROUPS:
+        default = defaults.get(group)
+        options = [f"{o} (default)" if o == default else o for o in _options(group)]
+        if group == "experiment":
+            options = ["none (default)", *options]
+        rows.append((group, ", ".join(options)))
+    width = max(len(g) for g, _ in rows)
+    groups = "\n".join(f"  {g:<{width}}  {o}" for g, o in rows)
+    return f"""usage: remnant-run [-m] [GROUP=OPTION ...] [FIELD=VALUE ...]
+
+Run one benchmark: compose a mode, a retention, a workload, a host and a model from
+config groups, start the server, drive it over HTTP and write run.json (validated against
+schemas/run/). stdout carries only the path of each run.json; progress and errors go to
+stderr, so `remnant-run ... | xargs remnant-check` works.
+
+Config groups (GROUP=OPTION):
+{groups}
+  mode=native ignores retention. Your own groups: --config-dir DIR (DIR/workload/x.yaml).
+
+Fields (FIELD=VALUE): every field is typed and checked before anything starts, e.g.
+  workload.concurrency=8 workload.input_len=1024 workload.output_len=64 seed=1
+  host.kv_budget_mib=64 workload.stall_timeout_s=60 workload.deadline_s=3600
+  Show them all: remnant-run --cfg job [GROUP=OPTION ...]
+
+Sweeps: -m (--multirun) runs one cell per combination, each in its own directory and with
+  its own server: remnant-run -m mode=native,triton,kernel seed=0,1,2 workload=smoke
+  The same command with the same hydra.sweep.dir resumes: a cell whose run.json is
+  completed with the same config and request stream is skipped; any other is run again,
+  its earlier records set aside (force=true runs every cell). Ctrl-C or SIGTERM stops the
+  sweep after the running cell is recorded; a second one stops at once.
+
+Outputs: a run writes outputs/DATE/TIME-MODE-WORKLOAD/ (hydra.run.dir=DIR elsewhere); a
+  sweep multirun/DATE/TIME/N-MODE[-RETENTION]-WORKLOAD-sSEED/ (hydra.sweep.dir=DIR). Each
+  holds run.json, requests.jsonl (one line per request, as it ends), server.log and
+  .hydra/ (the composed config).
+
+Exit status: 0 completed (a sweep: every cell ran or was recorded); 1 failed or degraded
+  (more failed requests than workload.max_failed_share); 2 a configuration mistake;
+  130 / 143 stopped by Ctrl-C / SIGTERM.
+
+Other commands:
+  remnant-check PATH...       validate run.json and other records; flags run directories
+                              without run.json (killed runs)
+  remnant-report DIR --out D  tables with confidence intervals, paired comparisons, plots
+  remnant-serve               the embedded reference engine alone, on a port
+  remnant-kernels             time Remnant's Triton kernels against FlashMLA (CUDA GPU)
+
+Hydra's own flags: --cfg job|hydra|all, --info, --config-dir DIR, --hydra-help.
+"""
+
+
+# ---------------------------------------------------------------------------------------
+# Sweeps: where they write, their end, and stopping them
+
+#: The running sweep's directory (set when it starts; None for a single run), and
+#: whether it existed before the sweep.
+_SWEEP: dict = {"dir": None, "existed": False}
+
+
+class SweepAborted(BaseException):
+    """Stops a sweep where no later cell can do better (its records cannot be written).
+    A BaseException, so Hydra's launcher does not record it as one cell's failure."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
+    """One line per cell: status and headline metrics; then how many completed."""
+    import json
+
+    rows = []
+    for path in sorted(sweep.glob("*/run.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            rows.append((path.parent.name, "unreadable", "-", "-"))
+            continue
+        m = doc.get("metrics") or {}
+        ttft = (m.get("ttft_ms") or {}).get("p50")
+        rows.append((path.parent.name, doc.get("status", "?"),
+                     "-" if m.get("output_throughput") is None else f"{m['output_throughput']:.1f}",
+                     "-" if ttft is None else f"{ttft:.1f}"))
+    if rows:
+        width = max(len(r[0]) for r in rows)
+        print(f"\n{'cell':<{width}}  {'status':<11}  {'out tok/s':>9}  {'TTFT p50 ms':>11}", file=sys.stderr)
+        for cell, status, tput, ttft in rows:
+            print(f"{cell:<{width}}  {status:<11}  {tput:>9}  {ttft:>11}", file=sys.stderr)
+        print(f"{sum(r[1] == 'completed' for r in rows)} of {len(rows)} cells completed; "
+              f"remnant-report {sweep} for tables and plots", file=sys.stderr)
+    if stopped:
+        print(f"remnant-run: sweep stopped by {stopped}; the same command with hydra.sweep.dir={sweep} "
+              "runs the cells left", file=sys.stderr)
+
+
+class SweepSummary(Callback):
+    """Notes where a sweep (`-m`) writes, and ends it with one line per cell."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        sweep = Path(str(config.hydra.sweep.dir))
+        _SWEEP.update(dir=sweep, existed=sweep.exists())
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        print_sweep_summary(Path(str(config.hydra.sweep.dir)))
+
+
+class ConfigCheck(Callback):
+    """Checks a single run's config before Hydra makes its run directory, so a mistake
+    leaves no directory behind (a sweep records a bad cell in its directory instead)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)  # for ${hydra:...} in the run's fields
+        task = _task_config(config)
+        try:
+            to_run_config(task)
+        except CONFIG_ERRORS as exc:
+            raise ConfigRejected(config_error_line(exc, task)) from None
+
+
+def _remove_empty_sweep_dir() -> None:
+    """A sweep stopped by a config mistake before any cell ran: remove the directory it
+    made (holding only Hydra's multirun.yaml), so no run directory is left without a run."""
+    sweep = _SWEEP["dir"]
+    if sweep is None or _SWEEP["existed"] or not sweep.is_dir():
+        return
+    if all(p.name == "multirun.yaml" for p in sweep.iterdir()):
+        for p in sweep.iterdir():
+            p.unlink()
+        sweep.rmdir()
+
+
+def _disk_error(exc: OSError, what: str = "the run directory") -> str:
+    where = exc.filename or what
+    return f"cannot write {where}: {exc.strerror or exc}; run.json could not be written"
+
+
+# ---------------------------------------------------------------------------------------
+# The run
+
+
+def write_hydra_dir(run_dir: Path, cfg: DictConfig) -> None:
+    """.hydra/ as Hydra writes it (config.yaml, hydra.yaml, overrides.yaml), but only for a
+    cell that runs: a skipped cell's files are left as they are (conf/config.yaml sets
+    hydra.output_subdir to null, so Hydra itself writes nothing)."""
+    out = run_dir / ".hydra"
+    out.mkdir(parents=True, exist_ok=True)
+    hc = HydraConfig.get()
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg), encoding="utf-8")
+    (out / "hydra.yaml").write_text(OmegaConf.to_yaml(HydraConfig.instance().cfg), encoding="utf-8")
+    (out / "overrides.yaml").write_text(OmegaConf.to_yaml(hc.overrides.task), encoding="utf-8")
+
+
 @hydra.main(version_base=None, config_path="pkg://remnant.conf", config_name="config")
 def _run(cfg: DictConfig) -> None:
-    from omegaconf.errors import MissingMandatoryValue
-
-    from remnant.run import execute_run, previous_outcome, record_config_error, set_aside
+    from remnant.run import (
+        RUN_JSON,
+        execute_run,
+        leftovers,
+        previous_outcome,
+        record_config_error,
+        resume_check,
+        set_aside,
+    )
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
     hc = HydraConfig.get()
@@ -101,29 +435,55 @@ def _run(cfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     try:
         run_cfg = to_run_config(cfg)
-    except (MissingMandatoryValue, ConfigError) as exc:
-        if isinstance(exc, MissingMandatoryValue):
-            name = getattr(exc, "full_key", "") or str(exc).splitlines()[0]
-            message = missing_value_message(cfg, name)
-        else:
-            message = str(exc).splitlines()[0]
-        if multirun:
-            # One bad cell must not stop a sweep: record why and move to the next cell.
+    except CONFIG_ERRORS as exc:
+        message = config_error_line(exc, cfg)
+        # One bad cell must not stop a sweep: record why and move to the next cell. A single
+        # run's config was checked before its directory was made (ConfigCheck); where that
+        # did not run, it is recorded the same way, so no directory is left without a run.json.
+        try:
+            previous = previous_outcome(run_dir)
+            if previous is not None or leftovers(run_dir):
+                set_aside(run_dir, previous or "killed")
             path = record_config_error(run_dir, _plain(cfg), message)
-            print(f"remnant-run: error: {message}", file=sys.stderr)
-            print(path, flush=True)
-            return
-        _fail(message)
-    previous = previous_outcome(run_dir)
-    if previous is not None:
+        except OSError as err:
+            if multirun:
+                raise SweepAborted(_disk_error(err)) from None
+            raise ConfigProblem(message) from None
+        print(f"remnant-run: error: {message}", file=sys.stderr)
+        print(path, flush=True)
         if not multirun:
-            _fail(f"{run_dir / 'run.json'} exists: a run directory holds one run")
-        if previous == "completed" and not run_cfg.force:
-            print(f"remnant-run: {run_dir} is complete; skipped (force=true runs it again)", file=sys.stderr)
-            print(run_dir / "run.json", flush=True)
-            return
-        set_aside(run_dir, previous)
-    outcome = execute_run(run_cfg, run_dir)
+            sys.exit(2)
+        return
+    previous = previous_outcome(run_dir)
+    if previous is not None and not multirun:
+        _fail(f"{run_dir / RUN_JSON} exists: a run directory holds one run; give another hydra.run.dir")
+    try:
+        if previous is not None:
+            why = resume_check(run_cfg, run_dir)
+            if why is None:
+                print(f"remnant-run: {run_dir} is complete with this config; skipped (force=true runs it again)",
+                      file=sys.stderr)
+                print(run_dir / RUN_JSON, flush=True)
+                return
+            moved = set_aside(run_dir, previous)
+            print(f"remnant-run: {run_dir}: {why}; running it again ({len(moved)} earlier file(s) set aside "
+                  f"as *.{previous}-*)", file=sys.stderr)
+        elif leftovers(run_dir):
+            set_aside(run_dir, "killed")
+            print(f"remnant-run: {run_dir} holds an attempt that left no run.json; its files are set aside "
+                  "as *.killed-*", file=sys.stderr)
+        write_hydra_dir(run_dir, cfg)
+        outcome = execute_run(run_cfg, run_dir)
+    except OSError as exc:
+        message = _disk_error(exc)
+        if multirun:
+            raise SweepAborted(message) from None
+        _fail(message, 1)
+    except KeyboardInterrupt:
+        # A signal while run.json was being written: it is written; say where.
+        if (run_dir / RUN_JSON).exists():
+            print(run_dir / RUN_JSON, flush=True)
+        raise
     if outcome.error:
         first, *rest = outcome.error["message"].splitlines() or [""]
         print(f"remnant-run: run {outcome.status} at {outcome.error['stage']}: {first}", file=sys.stderr)
@@ -131,9 +491,17 @@ def _run(cfg: DictConfig) -> None:
             print(f"    {line}", file=sys.stderr)
     if outcome.metrics:
         print(summary_line(outcome.metrics), file=sys.stderr)
+    if outcome.path is None:
+        print(f"remnant-run: error: {outcome.write_error}", file=sys.stderr)
+        if multirun:
+            raise SweepAborted(outcome.write_error)
+        sys.exit(1)
     print(outcome.path, flush=True)
+    if outcome.status == "interrupted":
+        # Stops a sweep too: the launcher lets a KeyboardInterrupt through, run_main reports it.
+        raise Interrupted(outcome.signum)
     if outcome.status != "completed" and not multirun:
-        sys.exit(130 if outcome.status == "interrupted" else 1)
+        sys.exit(1)
 
 
 def summary_line(m: dict) -> str:
@@ -147,40 +515,46 @@ def summary_line(m: dict) -> str:
     )
 
 
-class SweepSummary(Callback):
-    """Ends a sweep (`-m`) with one line per cell: status and headline metrics."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        import json
-
-        sweep = Path(config.hydra.sweep.dir)
-        rows = []
-        for path in sorted(sweep.glob("*/run.json")):
-            try:
-                doc = json.loads(path.read_text())
-            except (OSError, ValueError):
-                rows.append((path.parent.name, "unreadable", "-", "-"))
-                continue
-            m = doc.get("metrics") or {}
-            ttft = (m.get("ttft_ms") or {}).get("p50")
-            rows.append((path.parent.name, doc.get("status", "?"),
-                         "-" if m.get("output_throughput") is None else f"{m['output_throughput']:.1f}",
-                         "-" if ttft is None else f"{ttft:.1f}"))
-        if not rows:
-            return
-        width = max(len(r[0]) for r in rows)
-        print(f"\n{'cell':<{width}}  {'status':<11}  {'out tok/s':>9}  {'TTFT p50 ms':>11}", file=sys.stderr)
-        for cell, status, tput, ttft in rows:
-            print(f"{cell:<{width}}  {status:<11}  {tput:>9}  {ttft:>11}", file=sys.stderr)
-        print(f"{sum(r[1] == 'completed' for r in rows)} of {len(rows)} cells completed; "
-              f"remnant-report {sweep} for tables and plots", file=sys.stderr)
+def _install_signal_handlers() -> None:
+    """SIGINT and SIGTERM raise remnant.signals.Interrupted, which remembers the signal for
+    the exit status. A SIGINT ignored by whoever started us (a background job) stays so."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, raise_interrupted)
+    signal.signal(signal.SIGTERM, raise_interrupted)
 
 
 def run_main() -> None:
     """Entry point of `remnant-run`."""
     logging.basicConfig(level=logging.WARNING)
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(help_text())
+        return
     register_configs()
-    _run()
+    # Hydra's errors reach this function instead of being printed (with a traceback, or
+    # a hint that does not fit typed configs) and ending in exit status 1.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    _install_signal_handlers()
+    try:
+        _run()
+    except ConfigRejected as exc:
+        _fail(str(exc), 2)
+    except CONFIG_ERRORS as exc:
+        _remove_empty_sweep_dir()
+        _fail(config_error_line(exc), 2)
+    except KeyboardInterrupt as exc:
+        signum = signum_of(exc)
+        if _SWEEP["dir"] is not None:
+            print_sweep_summary(_SWEEP["dir"], stopped=describe_signal(signum))
+        else:
+            print(f"remnant-run: stopped by {describe_signal(signum)}", file=sys.stderr)
+        sys.exit(exit_status(signum))
+    except SweepAborted as exc:
+        print(f"remnant-run: error: {exc.message}", file=sys.stderr)
+        if _SWEEP["dir"] is not None:
+            print_sweep_summary(_SWEEP["dir"], stopped="an error no later cell can avoid")
+        sys.exit(exc.code)
+    except OSError as exc:
+        _fail(_disk_error(exc), 1)
 
 
 if __name__ == "__main__":  # python -m remnant.cli, where the console script is not installed

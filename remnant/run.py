@@ -1,14 +1,23 @@
 """One run: serve, drive, measure, record (DESIGN section 1).
 
-`execute_run` takes a validated RunConfig and a run directory, and always leaves a
-schema-valid run.json there, whatever happens: completed, failed (with the stage and
-reason), or interrupted (Ctrl-C / SIGTERM). requests.jsonl and server.log sit beside it.
+`execute_run` takes a validated RunConfig and a run directory, and leaves a schema-valid
+run.json there whatever happens: completed, degraded (more measured requests failed than
+workload.max_failed_share allows), failed (with the stage and reason: a stalled server,
+the deadline, a full disk, ...), or interrupted (Ctrl-C / SIGTERM). requests.jsonl and
+server.log sit beside it. Where run.json itself cannot be written (a full or read-only
+disk), the outcome says so instead.
+
+A run directory holds one run. Before a cell runs again, `set_aside` renames what the
+earlier attempt left (run.json, requests.jsonl, server.log, .hydra/); `resume_check` says
+whether a completed run.json is this very cell (same resolved config, same request
+stream), so a resumed sweep may skip it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 import uuid
@@ -17,20 +26,37 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from remnant.config import RunConfig, recorded_config
+from remnant.signals import describe as describe_signal
+from remnant.signals import raise_interrupted, signum_of
 
 log = logging.getLogger(__name__)
 
 RUN_JSON = "run.json"
 REQUESTS_JSONL = "requests.jsonl"
 SERVER_LOG = "server.log"
+SERVER_PORT = "server.port"
+HYDRA_DIR = ".hydra"
+#: What one attempt leaves in its run directory, set aside before the next attempt.
+ATTEMPT_FILES = (RUN_JSON, REQUESTS_JSONL, SERVER_LOG, HYDRA_DIR)
+#: run.json's schema version this code writes.
+RUN_SCHEMA_VERSION = 2
+#: Space held on the run's disk from its start until run.json is written, so a disk that
+#: fills during the run still takes run.json (a run.json is some 10-20 KB).
+RESERVE = ".run.json.reserve"
+RESERVE_BYTES = 64 * 1024
 
 
 @dataclass
 class RunOutcome:
-    path: Path
+    """How a run ended. path: its run.json, None where it could not be written (then
+    write_error says why). signum: the signal that interrupted it."""
+
+    path: Path | None
     status: str
     error: dict | None
     metrics: dict | None = None
+    signum: int | None = None
+    write_error: str | None = None
 
 
 class _Stage:
@@ -42,6 +68,10 @@ class _Stage:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
+
+
+def _new_run_id() -> str:
+    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
 
 
 def _base_limits(cfg: RunConfig) -> list[str]:
@@ -90,14 +120,38 @@ def _check_served_mode(mode: str, server_info: dict | None, base_url: str, start
 
 
 def _sigterm_as_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise_interrupted(signum, frame)
+
+
+def _reserve(run_dir: Path) -> Path | None:
+    """Hold RESERVE_BYTES on the run's disk for run.json; None where even that is not free."""
+    path = run_dir / RESERVE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        finally:
+            os.close(fd)
+        return path
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _write_error(path: Path, exc: OSError) -> str:
+    return f"run.json could not be written to {path}: {exc.strerror or exc}"
 
 
 def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progress: bool | None = None) -> RunOutcome:
-    """Run `cfg` with its files in `run_dir`; returns where run.json is and how it ended."""
-    from remnant.client.metrics import per_turn, summarize
-    from remnant.client.runner import LoadClient
+    """Run `cfg` with its files in `run_dir`; returns where run.json is and how it ended.
+
+    Files an earlier attempt left without a run.json (a killed run) are set aside first.
+    A signal raised while run.json is being written waits until it is written.
+    """
+    from remnant.client.metrics import failure_summary, per_turn, summarize
+    from remnant.client.runner import ClientStopped, LoadClient
     from remnant.hosts import HostError, ServerSpec, make_host
+    from remnant.hosts.base import signals_deferred
     from remnant.records.provenance import artifact, sources
     from remnant.records.schema import RecordError, write_validated
     from remnant.workloads import needs_server_info, plan_workload
@@ -106,14 +160,15 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     if (run_dir / RUN_JSON).exists():
         raise FileExistsError(f"{run_dir / RUN_JSON} exists: a run directory holds one run")
     run_dir.mkdir(parents=True, exist_ok=True)
-    run_id = run_id or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+    set_aside(run_dir, "killed", names=(REQUESTS_JSONL, SERVER_LOG))
+    reserve = _reserve(run_dir)
+    run_id = run_id or _new_run_id()
     requests_path = run_dir / REQUESTS_JSONL
-    requests_path.unlink(missing_ok=True)
     started_at, t_start = _now(), time.monotonic()
     stage = _Stage()
-    status, error = "completed", None
+    status, error, signum = "completed", None, None
     host = None
-    server_info = environment = metrics = None
+    server_info = environment = metrics = failures = client_stop = None
     phases: list = []
     limits = _base_limits(cfg)
     workload_rec = {"name": cfg.workload.name, "seed": cfg.workload.seed, "fingerprint": "0" * 64,
@@ -150,6 +205,8 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
                 request_timeout_s=cfg.workload.request_timeout_s,
                 flush_timeout_s=cfg.workload.flush_timeout_s,
                 server_failure=endpoint.failure, progress=progress,
+                stall_timeout_s=cfg.workload.stall_timeout_s,
+                deadline_s=cfg.workload.deadline_s,
             )
             results = client.run(plan.phases, on_phase_end=lambda r: phases.append(r))
         stage.name = "metrics"
@@ -160,14 +217,31 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         for r in results:
             if r.flush is not None and not r.flush.ok:
                 limits.append(f"prefix cache flush before {r.name} failed: {r.flush.message}")
+        failures = failure_summary(measured.records, cfg.workload.max_failed_share)
         if metrics["failed"]:
             limits.append(f"{metrics['failed']} measured requests failed; metrics cover the {metrics['completed']} that completed")
         if metrics["completed"] == 0:
+            first = f"; first error: {failures['errors'][0]['message']}" if failures and failures["errors"] else ""
             status, error = "failed", {"stage": "client", "type": "NoCompletedRequests",
-                                       "message": "no measured request completed; see requests.jsonl"}
+                                       "message": f"no measured request completed{first}; see requests.jsonl"}
+        elif failures and failures["share"] > failures["max_share"]:
+            status = "degraded"
+            error = {"stage": "client", "type": "FailedRequests",
+                     "message": f"{failures['failed']} of {failures['measured']} measured requests failed "
+                                f"({failures['share']:.0%}, more than workload.max_failed_share="
+                                f"{failures['max_share']:g}); first error: {failures['errors'][0]['message']}"}
+    except ClientStopped as exc:
+        status = "failed"
+        client_stop = exc.stop
+        error = {"stage": "client", "type": exc.stop["reason"].capitalize(), "message": str(exc)}
+        if exc.phase is not None:
+            phases.append(exc.phase)
+            if exc.phase.name == "measured":
+                failures = failure_summary(exc.phase.records, cfg.workload.max_failed_share)
     except KeyboardInterrupt as exc:
         status = "interrupted"
-        error = {"stage": stage.name, "type": "KeyboardInterrupt", "message": str(exc) or "interrupted by Ctrl-C"}
+        signum = signum_of(exc)
+        error = {"stage": stage.name, "type": "KeyboardInterrupt", "message": f"interrupted by {describe_signal(signum)}"}
     except (HostError, ValueError, OSError, RuntimeError) as exc:
         status = "failed"
         error = {"stage": stage.name, "type": type(exc).__name__, "message": str(exc)}
@@ -178,44 +252,56 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     finally:
         signal.signal(signal.SIGTERM, previous)
 
-    artifacts = [artifact(p, run_dir) for p in (requests_path, run_dir / SERVER_LOG) if p.is_file()]
-    host_info = host.describe() if host is not None else {"kind": cfg.host.kind}
-    # A container host knows the image that ran and the SGLang inside it; sources() cannot.
-    run_sources = {**sources(), "image_digest": host_info.get("image_id")}
-    if "sglang_version" in host_info:
-        run_sources["sglang_version"] = host_info["sglang_version"]
-    doc = {
-        "schema": "remnant/run",
-        "schema_version": 1,
-        "run_id": run_id,
-        "status": status,
-        "error": error,
-        "started_at": started_at,
-        "ended_at": _now(),
-        "duration_s": time.monotonic() - t_start,
-        "config": recorded_config(cfg),
-        "sources": run_sources,
-        "host": host_info,
-        "environment": environment,
-        "server_info": server_info,
-        "workload": workload_rec,
-        "phases": [p.to_dict() for p in phases],
-        "metrics": metrics if status == "completed" else None,
-        "artifacts": artifacts,
-        "limits": limits,
-    }
-    try:
-        path = write_validated(run_dir / RUN_JSON, doc)
-    except RecordError as exc:
-        # A record that breaks its own schema is a bug; still leave a valid run.json that
-        # says so, and keep the full document beside it for the post-mortem.
-        log.error("run.json failed validation: %s", exc)
-        (run_dir / "run.invalid.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        doc.update(status="failed", metrics=None, config={"unrecorded": str(exc)},
-                   error={"stage": "record", "type": "RecordError", "message": str(exc)},
-                   server_info=None, workload={**workload_rec, "params": {}})
-        path = write_validated(run_dir / RUN_JSON, doc)
-    return RunOutcome(path, doc["status"], doc["error"], doc["metrics"])
+    # A second signal waits for run.json: what the run did is written before it stops.
+    with signals_deferred():
+        if reserve is not None:
+            reserve.unlink(missing_ok=True)  # room for run.json, on a disk that may be full
+        artifacts = [artifact(p, run_dir) for p in (requests_path, run_dir / SERVER_LOG) if p.is_file()]
+        host_info = host.describe() if host is not None else {"kind": cfg.host.kind}
+        # A container host knows the image that ran and the SGLang inside it; sources() cannot.
+        run_sources = {**sources(), "image_digest": host_info.get("image_id")}
+        if "sglang_version" in host_info:
+            run_sources["sglang_version"] = host_info["sglang_version"]
+        doc = {
+            "schema": "remnant/run",
+            "schema_version": RUN_SCHEMA_VERSION,
+            "run_id": run_id,
+            "status": status,
+            "error": error,
+            "started_at": started_at,
+            "ended_at": _now(),
+            "duration_s": time.monotonic() - t_start,
+            "config": recorded_config(cfg),
+            "sources": run_sources,
+            "host": host_info,
+            "environment": environment,
+            "server_info": server_info,
+            "workload": workload_rec,
+            "phases": [p.to_dict() for p in phases],
+            "metrics": metrics if status in ("completed", "degraded") else None,
+            "failures": failures,
+            "client_stop": client_stop,
+            "artifacts": artifacts,
+            "limits": limits,
+        }
+        path: Path | None = run_dir / RUN_JSON
+        write_error = None
+        try:
+            try:
+                write_validated(path, doc)
+            except RecordError as exc:
+                # A record that breaks its own schema is a bug; still leave a valid run.json that
+                # says so, and keep the full document beside it for the post-mortem.
+                log.error("run.json failed validation: %s", exc)
+                (run_dir / "run.invalid.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+                doc.update(status="failed", metrics=None, config={"unrecorded": str(exc)},
+                           error={"stage": "record", "type": "RecordError", "message": str(exc)},
+                           server_info=None, workload={**workload_rec, "params": {}}, failures=None,
+                           client_stop=None)
+                write_validated(path, doc)
+        except OSError as exc:
+            write_error, path = _write_error(run_dir / RUN_JSON, exc), None
+    return RunOutcome(path, doc["status"], doc["error"], doc["metrics"], signum, write_error)
 
 
 def previous_outcome(run_dir: Path) -> str | None:
@@ -229,13 +315,97 @@ def previous_outcome(run_dir: Path) -> str | None:
         return "unreadable"
 
 
-def set_aside(run_dir: Path, status: str) -> None:
-    """Keep an earlier attempt's records under new names before the cell runs again."""
+def set_aside(run_dir: Path, label: str, names: tuple[str, ...] = ATTEMPT_FILES) -> list[Path]:
+    """Keep an earlier attempt's records under new names before the cell runs again:
+    run.json -> run.<label>-<UTC time>.json, .hydra -> .hydra.<label>-<UTC time>, never
+    overwriting one set aside before. A stale server.port (the port of a server that is
+    gone) and reserve are removed. Returns the new paths."""
+    run_dir = Path(run_dir)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    for name in (RUN_JSON, REQUESTS_JSONL, SERVER_LOG):
-        path = Path(run_dir) / name
-        if path.exists():
-            path.rename(path.with_name(f"{path.stem}.{status}-{stamp}{path.suffix}"))
+    moved = []
+    for name in names:
+        path = run_dir / name
+        if not (path.exists() or path.is_symlink()):
+            continue
+        stem, suffix = (name, "") if path.is_dir() else (path.stem, path.suffix)
+        n = 0
+        while True:
+            tag = f"{label}-{stamp}" + (f"-{n}" if n else "")
+            target = path.with_name(f"{stem}.{tag}{suffix}")
+            if not (target.exists() or target.is_symlink()):
+                break
+            n += 1
+        path.rename(target)
+        moved.append(target)
+    for name in (SERVER_PORT, RESERVE):
+        (run_dir / name).unlink(missing_ok=True)
+    return moved
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """What an earlier attempt left in `run_dir` (of ATTEMPT_FILES and server.port)."""
+    run_dir = Path(run_dir)
+    return [name for name in (*ATTEMPT_FILES, SERVER_PORT) if (run_dir / name).exists()]
+
+
+def _comparable(value: object) -> object:
+    """A recorded config as JSON gives it back (tuples become lists), without `force`,
+    which says whether to run again, not what runs."""
+    plain = json.loads(json.dumps(value, default=str))
+    if isinstance(plain, dict):
+        plain.pop("force", None)
+    return plain
+
+
+def _first_difference(have: object, want: object, key: str = "") -> str | None:
+    """The first dotted key where two plain configs differ, as `key: old -> new`."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        for k in list(have) + [k for k in want if k not in have]:
+            sub = f"{key}.{k}" if key else str(k)
+            if k not in have:
+                return f"{sub}: (absent) -> {json.dumps(want[k])}"
+            if k not in want:
+                return f"{sub}: {json.dumps(have[k])} -> (absent)"
+            found = _first_difference(have[k], want[k], sub)
+            if found:
+                return found
+        return None
+    if have != want:
+        def show(v: object) -> str:
+            text = json.dumps(v)
+            return text if len(text) <= 60 else text[:57] + "..."
+        return f"{key or 'config'}: {show(have)} -> {show(want)}"
+    return None
+
+
+def resume_check(cfg: RunConfig, run_dir: Path) -> str | None:
+    """None when run_dir's run.json is a completed run of exactly this cell: the same
+    resolved config and the same request stream (workload fingerprint), so a resumed
+    sweep may skip it. Otherwise why the cell runs again."""
+    from remnant.workloads import needs_server_info, plan_workload
+
+    try:
+        doc = json.loads((Path(run_dir) / RUN_JSON).read_text())
+    except (OSError, ValueError) as exc:
+        return f"its run.json cannot be read ({exc})"
+    if not isinstance(doc, dict):
+        return "its run.json is not a run record"
+    if doc.get("status") != "completed":
+        return f"its run.json says {doc.get('status')}"
+    if cfg.force:
+        return "force=true"
+    diff = _first_difference(_comparable(doc.get("config")), _comparable(recorded_config(cfg)))
+    if diff:
+        return f"its config differs ({diff})"
+    try:
+        server_info = doc.get("server_info") if needs_server_info(cfg.workload) else None
+        fingerprint = plan_workload(cfg.workload, cfg.model, server_info).fingerprint()
+    except (ValueError, OSError) as exc:
+        return f"its workload cannot be planned again ({exc})"
+    recorded = (doc.get("workload") or {}).get("fingerprint")
+    if fingerprint != recorded:
+        return f"its request stream differs (workload fingerprint {str(recorded)[:12]} -> {fingerprint[:12]})"
+    return None
 
 
 def record_config_error(run_dir: Path, config: dict, message: str, run_id: str | None = None) -> Path:
@@ -244,11 +414,12 @@ def record_config_error(run_dir: Path, config: dict, message: str, run_id: str |
     from remnant.records.schema import write_validated
 
     now = _now()
-    workload = config.get("workload") or {}
+    workload = config.get("workload") if isinstance(config.get("workload"), dict) else {}
+    host = config.get("host") if isinstance(config.get("host"), dict) else {}
     doc = {
         "schema": "remnant/run",
-        "schema_version": 1,
-        "run_id": run_id or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}",
+        "schema_version": RUN_SCHEMA_VERSION,
+        "run_id": run_id or _new_run_id(),
         "status": "failed",
         "error": {"stage": "config", "type": "ConfigError", "message": message},
         "started_at": now,
@@ -256,15 +427,17 @@ def record_config_error(run_dir: Path, config: dict, message: str, run_id: str |
         "duration_s": 0.0,
         "config": config,
         "sources": sources(),
-        "host": {"kind": str((config.get("host") or {}).get("kind", "unknown"))},
+        "host": {"kind": str(host.get("kind") or "unknown")},
         "environment": None,
         "server_info": None,
-        "workload": {"name": str(workload.get("name", "unknown")),
+        "workload": {"name": str(workload.get("name") or "unknown"),
                      "seed": workload["seed"] if isinstance(workload.get("seed"), int) else 0,
                      "fingerprint": "0" * 64, "dataset": None, "counts": {"warmup": 0, "measured": 0},
                      "params": {}},
         "phases": [],
         "metrics": None,
+        "failures": None,
+        "client_stop": None,
         "artifacts": [],
         "limits": ["nothing ran: the configuration broke a rule"],
     }

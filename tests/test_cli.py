@@ -60,6 +60,10 @@ def test_smoke_run_end_to_end(tmp_path):
     assert {a["path"] for a in doc["artifacts"]} == {"requests.jsonl", "server.log"}
     assert not _pid_alive(doc["host"]["pid"])
     assert "measured: 6 ok" in p.stderr
+    assert doc["schema_version"] == 2 and doc["failures"] is None and doc["client_stop"] is None
+    # Hydra's config is kept; no empty cli.log, no port of a server that is gone.
+    assert "output_len: 8" in (run_dir / ".hydra" / "config.yaml").read_text()
+    assert not (run_dir / "cli.log").exists() and not (run_dir / "server.port").exists()
 
     assert check(last).returncode == 0
     broken = json.loads(Path(last).read_text())
@@ -97,24 +101,32 @@ def test_sweep_of_modes_gives_three_run_dirs(tmp_path):
         assert docs[mode]["config"]["retention"]["retention"] == 256
     # Same request stream in every cell, so modes compare request by request.
     assert len({d["workload"]["fingerprint"] for d in docs.values()}) == 1
+    # native ignores retention, and its cell's name says none.
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == [
+        "0-native-smoke-s0", "1-triton-r256-smoke-s0", "2-kernel-r256-smoke-s0"]
     assert check(tmp_path / "sweep").returncode == 0
     # stdout is the cells' run.json paths and nothing else (Hydra's logs go to stderr).
     assert sorted(p.stdout.splitlines()) == sorted(str(f) for f in (tmp_path / "sweep").glob("*/run.json"))
 
 
-def _start_long_run(tmp_path: Path, run_dir: Path) -> tuple[subprocess.Popen, dict]:
+def _start_long_run(tmp_path: Path, run_dir: Path, *extra: str, lines: int = 5,
+                    sweep: bool = False) -> tuple[subprocess.Popen, dict]:
+    """remnant-run on 2000 smoke requests, once `lines` of them are recorded; the server's
+    port and pid. sweep: run_dir is a sweep directory (extra holds -m and the cells)."""
+    where = f"hydra.sweep.dir={run_dir}" if sweep else f"hydra.run.dir={run_dir}"
     proc = subprocess.Popen(
-        [str(BIN / "remnant-run"), "workload=smoke", "workload.measured_requests=2000", f"hydra.run.dir={run_dir}"],
+        [str(BIN / "remnant-run"), *extra, "workload=smoke", "workload.measured_requests=2000", where],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
     )
-    requests = run_dir / "requests.jsonl"
+    cell = run_dir / "0-native-smoke-s0" if sweep else run_dir
+    requests = cell / "requests.jsonl"
     deadline = time.monotonic() + 60
-    while not (requests.exists() and len(requests.read_text().splitlines()) >= 5):
+    while not (requests.exists() and len(requests.read_text().splitlines()) >= lines):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    port = int((run_dir / "server.port").read_text())
-    server_pid = int(subprocess.run(["pgrep", "-f", "--", f"--port-file {run_dir}/server.port"],
+    port = int((cell / "server.port").read_text())
+    server_pid = int(subprocess.run(["pgrep", "-f", "--", f"--port-file {cell}/server.port"],
                                     capture_output=True, text=True).stdout.split()[0])
     return proc, {"port": port, "pid": server_pid}
 
@@ -140,7 +152,7 @@ def test_interrupt_stops_server_and_records(tmp_path, sig):
     proc, server = _start_long_run(tmp_path, run_dir)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 128 + sig, err  # 130 for Ctrl-C, 143 for SIGTERM, as shells report them
     assert out.strip().splitlines()[-1] == str(run_dir / "run.json")
     doc = json.loads((run_dir / "run.json").read_text())
     assert doc["status"] == "interrupted" and doc["error"]["stage"] == "client"
@@ -318,3 +330,258 @@ def test_longswe_later_turns_hit_the_cache(tmp_path):
     assert per_turn[0]["cache_hit_rate"] == 0.0
     assert all(t["cache_hit_rate"] > 0.3 for t in per_turn[1:])  # the second turn on extends a cached prompt
     assert all(t["mean_prompt_tokens"] > per_turn[0]["mean_prompt_tokens"] for t in per_turn[1:])
+
+
+# ---------------------------------------------------------------------------------------
+# Faults a long sweep meets (issue 36): each on real processes, each bounded in time.
+
+
+def _stop_server(pid: int) -> None:
+    """Leave no server behind when a test fails midway (it may be stopped with SIGSTOP)."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+
+
+def _wait_gone(pid: int, timeout_s: float = 15) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _pid_alive(pid)
+
+
+def test_help_names_remnant_run_and_what_it_composes(tmp_path):
+    p = remnant_run("--help", cwd=tmp_path, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage: remnant-run")
+    assert "powered by Hydra" not in p.stdout and "base_" not in p.stdout
+    for text in ("workload", "smoke", "r256 (default)", "native (default)", "longswe_c24_smoke", "-m (--multirun)",
+                 "outputs/", "remnant-check", "remnant-report", "remnant-serve", "remnant-kernels", "130 / 143"):
+        assert text in p.stdout, text
+    assert not list(tmp_path.iterdir())  # nothing composed, nothing written
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["workload.concurency=3"], "workload.concurency is not a field of workload; did you mean workload.concurrency?"),
+    (["+workload.concurency=3"], "workload.concurency is not a field of workload (kind random); did you mean "
+                                 "workload.concurrency?"),
+    (["workload.output_len=${oc.env:REMNANT_TEST_UNSET}"],
+     "workload.output_len=${oc.env:REMNANT_TEST_UNSET}: environment variable REMNANT_TEST_UNSET is not set; set it, "
+     "or give workload.output_len=... on the command line"),
+    (["mode=kernel", "retention=r192"],
+     "retention=192 is not allowed with mode=kernel; kernel supports retention=256"),
+], ids=["typo", "plus-key", "unset-env", "rule"])
+def test_config_mistakes_exit_2_in_one_line_and_leave_no_directory(tmp_path, args, line):
+    p = remnant_run(*args, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == f"remnant-run: error: {line}"
+    assert p.stdout == "" and not (tmp_path / "run").exists()
+
+
+def test_a_signal_stops_a_sweep_after_the_running_cell(tmp_path):
+    """SIGTERM (a scheduler's) stops the sweep: the running cell is recorded as interrupted,
+    no later cell starts, and the exit status says SIGTERM."""
+    sweep = tmp_path / "sweep"
+    proc, server = _start_long_run(tmp_path, sweep, "-m", "mode=native,triton,kernel", lines=3, sweep=True)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        _stop_server(server["pid"])
+    assert proc.returncode == 143, err
+    cell = sweep / "0-native-smoke-s0"
+    assert out.splitlines() == [str(cell / "run.json")]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [cell.name]
+    doc = json.loads((cell / "run.json").read_text())
+    assert doc["status"] == "interrupted" and doc["error"]["message"] == "interrupted by SIGTERM (signal 15)"
+    assert "sweep stopped by SIGTERM (signal 15)" in err
+    assert _wait_gone(server["pid"])
+
+
+def test_a_stalled_server_fails_the_run_with_the_stall_and_its_times(tmp_path):
+    """SIGSTOP of the real server: the watchdog sees no token for stall_timeout_s, stops
+    sending, records the stall and ends the run failed; the stopped server is stopped."""
+    run_dir = tmp_path / "run"
+    proc, server = _start_long_run(tmp_path, run_dir, "workload.stall_timeout_s=2", lines=3)
+    try:
+        os.kill(server["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=40)
+        elapsed = time.monotonic() - t0
+    finally:
+        proc.kill()
+        _stop_server(server["pid"])
+    assert proc.returncode == 1, err
+    assert elapsed < 15, elapsed
+    doc = json.loads((run_dir / "run.json").read_text())
+    assert doc["status"] == "failed" and doc["metrics"] is None
+    assert (doc["error"]["stage"], doc["error"]["type"]) == ("client", "Stall")
+    stop = doc["client_stop"]
+    assert stop["reason"] == "stall" and stop["limit_s"] == 2 and stop["in_flight"] == 2 and stop["phase"] == "measured"
+    assert stop["at_s"] - stop["last_progress_s"] >= 2
+    records = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    assert sum(r["success"] for r in records) >= 3
+    assert [r["error"] for r in records if not r["success"]] == ["stopped: no token from the server for 2s (stall)"] * 2
+    assert "run failed at client: the server stalled" in err and "Traceback" not in err
+    assert check(run_dir / "run.json").returncode == 0
+    assert _wait_gone(server["pid"])
+
+
+class _GenerateNotImplemented(BaseHTTPRequestHandler):
+    """/health says 200; /generate (and /flush_cache) answer 501 with an HTML page:
+    http.server has no POST handler."""
+
+    def do_GET(self):  # noqa: N802
+        body = b"{}" if self.path == "/server_info" else b"ok"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class _FailsHalf(_GenerateNotImplemented):
+    """/health says 200; every other /generate answers http.server's 501 HTML page."""
+
+    calls = 0
+
+    def do_POST(self):  # noqa: N802
+        req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path != "/generate":
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        type(self).calls += 1
+        if type(self).calls % 2:
+            self.send_error(501, "Unsupported method ('POST')")
+            return
+        stream_generate(self, req["sampling_params"]["max_new_tokens"], prompt_tokens=len(req["input_ids"]),
+                        incremental=False)
+
+
+@pytest.mark.parametrize(("handler", "status"), [(_FailsHalf, "degraded"), (_GenerateNotImplemented, "failed")],
+                         ids=["half-fail", "all-fail"])
+def test_mostly_failed_requests_are_not_completed(tmp_path, handler, status):
+    with loopback_server(handler) as url:
+        p = remnant_run("host=external", f"host.base_url={url}", "workload=smoke", f"hydra.run.dir={tmp_path}/run",
+                        cwd=tmp_path, timeout=60)
+    assert p.returncode == 1, p.stderr
+    doc = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert doc["status"] == status and doc["error"]["stage"] == "client"
+    failures = doc["failures"]
+    assert failures["measured"] == 6 and failures["max_share"] == 0.1
+    assert failures["share"] == (0.5 if status == "degraded" else 1.0)
+    (first,) = failures["errors"]
+    assert first["message"].startswith("HTTP 501: Error response Error code: 501 Message: Unsupported method")
+    assert first["count"] == failures["failed"]
+    if status == "degraded":
+        assert doc["metrics"]["completed"] == 3 and "3 of 6 measured requests failed (50%" in doc["error"]["message"]
+    # Errors are a status code and a snippet: no HTML page anywhere in the record.
+    text = (tmp_path / "run" / "run.json").read_text()
+    assert "<html" not in text.lower() and "<p>" not in text.lower()
+    assert all(len(limit) < 400 for limit in doc["limits"])
+    assert check(tmp_path / "run" / "run.json").returncode == 0
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(directory)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_resume_skips_only_an_unchanged_cell_and_reruns_a_changed_one(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ("-m", "workload=smoke", "workload.warmup_requests=0", "workload.measured_requests=2",
+            f"hydra.sweep.dir={sweep}")
+    assert remnant_run(*args, cwd=tmp_path, timeout=60).returncode == 0
+    cell = sweep / "0-native-smoke-s0"
+    before = _snapshot(cell)
+
+    again = remnant_run(*args, cwd=tmp_path, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert "is complete with this config; skipped" in again.stderr
+    assert _snapshot(cell) == before  # a skipped cell's files, .hydra/ included, are untouched
+
+    changed = remnant_run(*args, "workload.output_len=4", cwd=tmp_path, timeout=60)
+    assert changed.returncode == 0, changed.stderr
+    assert "its config differs (workload.output_len: 8 -> 4); running it again" in changed.stderr
+    doc = json.loads((cell / "run.json").read_text())
+    assert doc["status"] == "completed" and doc["config"]["workload"]["output_len"] == 4
+    assert doc["metrics"]["total_output_tokens"] == 2 * 4
+    assert "output_len: 4" in (cell / ".hydra" / "config.yaml").read_text()
+    # The earlier attempt is set aside whole, not overwritten.
+    aside = {p.name.split(".completed-")[0] for p in cell.iterdir() if ".completed-" in p.name}
+    assert aside == {"run", "requests", "server", ".hydra"}
+    old = next(cell.glob("run.completed-*.json"))
+    assert json.loads(old.read_text())["config"]["workload"]["output_len"] == 8
+    assert check(sweep).returncode == 0
+
+
+def test_a_killed_run_is_reported_and_its_files_set_aside_on_the_next_run(tmp_path):
+    """SIGKILL of remnant-run: its server goes (PDEATHSIG), but no run.json is written and a
+    stale server.port stays. remnant-check says so; the next run keeps the killed attempt's
+    requests and log apart from its own."""
+    run_dir = tmp_path / "run"
+    proc, server = _start_long_run(tmp_path, run_dir, lines=3)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert _wait_gone(server["pid"])
+    assert not (run_dir / "run.json").exists() and (run_dir / "server.port").exists()
+    killed_lines = (run_dir / "requests.jsonl").read_text().splitlines()
+    killed_log = (run_dir / "server.log").read_text()
+
+    r = check(tmp_path)
+    assert r.returncode == 1 and f"FAIL {run_dir}: run directory without run.json" in r.stdout
+
+    p = remnant_run("workload=smoke", "workload.warmup_requests=0", "workload.measured_requests=2",
+                    f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "its files are set aside as *.killed-*" in p.stderr
+    assert next(run_dir.glob("requests.killed-*.jsonl")).read_text().splitlines() == killed_lines
+    assert next(run_dir.glob("server.killed-*.log")).read_text() == killed_log
+    assert len((run_dir / "requests.jsonl").read_text().splitlines()) == 2
+    assert killed_log not in (run_dir / "server.log").read_text()
+    assert not (run_dir / "server.port").exists()
+    assert check(tmp_path).returncode == 0
+
+
+def test_a_full_disk_keeps_every_line_whole_and_still_writes_run_json(tmp_path, tiny_model_dir):
+    """A real 1 MB tmpfs filled up mid-run: the request line that no longer fits is not
+    written at all, the run ends failed in one line naming requests.jsonl, and run.json is
+    written into the space the run held for it."""
+    from tests.tmpfs import fill, tmpfs
+
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        run_dir = disk / "run"
+        proc, server = _start_long_run(tmp_path, run_dir, f"model.path={tiny_model_dir}", lines=3)
+        try:
+            fill(disk)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            _stop_server(server["pid"])
+        assert proc.returncode == 1, err
+        assert "Traceback" not in err
+        assert f"No space left on device: could not append a line to {run_dir / 'requests.jsonl'}" in err
+        lines = (run_dir / "requests.jsonl").read_bytes().split(b"\n")
+        assert lines[-1] == b"" and all(json.loads(line) for line in lines[:-1])  # whole lines only
+        doc = json.loads((run_dir / "run.json").read_text())
+        assert doc["status"] == "failed" and doc["error"]["stage"] == "client"
+        assert "No space left on device" in doc["error"]["message"]
+        assert out.splitlines() == [str(run_dir / "run.json")]
+        assert check(run_dir / "run.json").returncode == 0
+
+
+def test_an_unwritable_run_directory_is_one_line(tmp_path):
+    from tests.tmpfs import tmpfs
+
+    with tmpfs(tmp_path / "ro", "64k", read_only=True) as ro:
+        p = remnant_run("workload=smoke", f"hydra.run.dir={ro}/run", cwd=tmp_path, timeout=60)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip() == (f"remnant-run: error: cannot write {ro}/run: Read-only file system; "
+                                "run.json could not be written")
