@@ -44,6 +44,9 @@ RUN_SCHEMA_VERSION = 2
 #: fills during the run still takes run.json (a run.json is some 10-20 KB).
 RESERVE = ".run.json.reserve"
 RESERVE_BYTES = 64 * 1024
+#: A gap this long between two tokens of one request (a server that paused, short of a
+#: stall) is named in run.json's limits.
+PAUSE_NOTE_S = 10.0
 
 
 @dataclass
@@ -117,6 +120,15 @@ def _check_served_mode(mode: str, server_info: dict | None, base_url: str, start
         raise HostError(f"mode={mode}, but the server at {base_url} reports remnant_mode={served!r}: "
                         f"give mode={served} or drive a server started in {mode} mode")
     return []
+
+
+def _pause_limits(metrics: dict) -> list[str]:
+    """A pause of the server shorter than a stall still shapes the latencies: say so."""
+    longest = (metrics.get("itl_ms") or {}).get("max")
+    if longest is None or longest < PAUSE_NOTE_S * 1000:
+        return []
+    return [f"a request waited {longest / 1000:.1f}s between two tokens (itl_ms.max): the server paused "
+            "(short of workload.stall_timeout_s); TPOT, ITL and E2E include the pause"]
 
 
 def _sigterm_as_interrupt(signum, frame):
@@ -214,6 +226,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         metrics = summarize(measured.records, duration_s=measured.duration_s)
         if any(r.turn is not None for r in measured.records):
             metrics["per_turn"] = per_turn(measured.records)
+        limits += _pause_limits(metrics)
         for r in results:
             if r.flush is not None and not r.flush.ok:
                 limits.append(f"prefix cache flush before {r.name} failed: {r.flush.message}")

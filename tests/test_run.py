@@ -34,3 +34,36 @@ def test_the_server_reports_which_kernel_decodes_native_records(tiny_model_dir, 
         finally:
             stop_server(server)
         assert (native["kernel"], native["reason"], native["flashmla_version"]) == (*want, None)
+
+
+def test_a_pause_of_the_server_short_of_a_stall_is_named_in_limits():
+    """SIGSTOP then SIGCONT within the stall timeout: the run completes, and its limits say
+    that one request waited that long between two tokens."""
+    from remnant.client.metrics import summarize
+    from remnant.client.request_record import RequestRecord
+    from remnant.run import _pause_limits
+
+    def rec(i: int, times: list[float]) -> RequestRecord:
+        return RequestRecord(id=f"m-{i}", phase="measured", index=i, intended_start_s=0.0, start_s=0.0,
+                             end_s=times[-1], success=True, ttft_s=times[0], chunk_times_s=times,
+                             chunk_tokens=[1] * len(times), prompt_tokens=4, completion_tokens=len(times))
+
+    paused = summarize([rec(0, [0.1, 0.2, 120.2, 120.3]), rec(1, [0.1, 0.2, 0.3])])
+    (limit,) = _pause_limits(paused)
+    assert limit.startswith("a request waited 120.0s between two tokens (itl_ms.max)")
+    assert _pause_limits(summarize([rec(0, [0.1, 0.2, 0.3])])) == []
+
+
+def test_set_aside_never_overwrites_an_earlier_attempt(tmp_path):
+    from remnant.run import leftovers, set_aside
+
+    for attempt in ("first", "second"):
+        (tmp_path / "requests.jsonl").write_text(attempt)
+        (tmp_path / ".hydra").mkdir()
+        (tmp_path / "server.port").write_text("1")
+        assert sorted(leftovers(tmp_path)) == [".hydra", "requests.jsonl", "server.port"]
+        moved = set_aside(tmp_path, "killed")
+        assert {p.name.split(".killed-")[0] for p in moved} == {"requests", ".hydra"}
+        assert leftovers(tmp_path) == []
+    kept = sorted(p.read_text() for p in tmp_path.glob("requests.killed-*.jsonl"))
+    assert kept == ["first", "second"]

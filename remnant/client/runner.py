@@ -262,6 +262,7 @@ class LoadClient:
                 return
 
     def _progress(self) -> None:
+        """A token came or a request ended."""
         self._progress_s = self.now()
 
     def _partial_phase(self) -> PhaseResult | None:

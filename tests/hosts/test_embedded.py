@@ -107,18 +107,24 @@ def _session(*code: str) -> "subprocess.Popen":
 
 
 def test_a_stopped_server_is_stopped_within_the_grace_period():
-    """A server frozen with SIGSTOP (a stalled one) gets SIGCONT with its SIGTERM, so it
-    ends at once instead of after the grace period and a SIGKILL."""
+    """A server frozen with SIGSTOP (a stalled one) that handles SIGTERM, as uvicorn does,
+    gets SIGCONT with it, so it shuts down at once instead of after the grace period and a
+    SIGKILL (a stopped process keeps a handled signal pending)."""
     import signal
 
     from remnant.hosts.embedded import EmbeddedHost
 
-    proc = _session("import time", "print('ready', flush=True)", "time.sleep(60)")
+    proc = _session("import signal, sys, time", "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))",
+                    "print('ready', flush=True)", "time.sleep(60)")
     os.kill(proc.pid, signal.SIGSTOP)
     t0 = time.monotonic()
-    EmbeddedHost._stop(proc)
+    try:
+        EmbeddedHost._stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert time.monotonic() - t0 < 5
-    assert proc.returncode == -signal.SIGTERM
+    assert proc.returncode == 3  # its own SIGTERM handler ran
 
 
 def test_a_second_signal_kills_the_server_at_once():
