@@ -11,9 +11,13 @@ reports tokens through each request's `emit` callback. A request that could neve
 is answered with an error; under pressure requests wait, they never crash the engine.
 
 Whatever fails while the engine admits, steps or answers a request fails that request
-alone (a failed forward fails the batch it ran): it is answered with an abort (status
-500), its pages go back, and the loop goes on serving. Requests are validated at the HTTP
-edge (remnant.engine.api); these guards are for what validation cannot foresee.
+alone: it is answered with an abort (status 500), whatever it held goes back (admission
+takes nothing until everything fits and undoes what it took when something fails), and
+the loop goes on serving. A batched forward that fails is run again one request at a
+time, from the state before it (see `_step`), so only a request whose own step fails is
+failed. A request whose answer cannot be delivered (its callback raises) is dropped.
+Requests are validated at the HTTP edge (remnant.engine.api); these guards are for what
+validation cannot foresee.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from remnant.engine.capacity import C4_RING, C128_RING
 from remnant.engine.model import Model
 from remnant.engine.pools import KVPools
 from remnant.engine.prefix_cache import PrefixCache, chain_key
@@ -147,6 +152,8 @@ class Engine:
             return {
                 **usage,
                 "pages_cached": len(self.cache.entries),
+                # SWA blocks held as window checkpoints: idle, free + cached = total
+                "swa_blocks_cached": sum(1 for e in self.cache.entries.values() if e.window is not None),
                 "pages_evictable": evictable,
                 "token_usage": 1.0 - (usage["pages_free"] + evictable) / max(usage["pages_total"], 1),
                 "num_running_reqs": len(self._running),
@@ -221,7 +228,11 @@ class Engine:
                 self._running.append(r)
 
     def _reserve(self, r: Request) -> bool | None:
-        """Give `r` its pages, SWA block and slot: True; refuse it for good: False; wait: None."""
+        """Give `r` its pages, SWA block and slot: True; refuse it for good: False; wait: None.
+
+        Nothing is taken before everything fits, and a failure while taking gives back what
+        was taken (pages, block, slot, pinned prefix) before it propagates, so a request
+        that fails here holds nothing."""
         pools, size = self.pools, self.pools.page_size
         if r.generator is None:
             # First, before anything is allocated: the seed is the request's own value
@@ -241,31 +252,55 @@ class Engine:
         if r.prompt_keys is None:  # a request waiting for room is matched again each step
             r.prompt_keys = self.cache.resume_keys(r.input_ids) if self.cache.enabled else []
         hit, keys = self.cache.match(r.prompt_keys)
-        matched = self.cache.pin(keys)
-        fresh = pages_needed - len(matched)
-        if pools.pages.free + self.cache.evictable_pages() < fresh:
-            self.cache.unpin(keys)
+        if not self._pages_fit(keys, pages_needed):
             return None  # evicting would not make room: wait, and keep the cache
-        if pools.pages.free < fresh:
-            self.cache.evict_pages(fresh - pools.pages.free)
         if pools.swa_blocks.free == 0:
+            # A window checkpoint gives way. It may be the one this request would resume
+            # from: match again, so that a checkpoint gone is a shorter match (or a miss).
             self.cache.evict_windows(1)
-        if pools.pages.free < fresh or pools.swa_blocks.free == 0:
+            hit, keys = self.cache.match(r.prompt_keys)
+            if pools.swa_blocks.free == 0 or not self._pages_fit(keys, pages_needed):
+                return None
+        fresh = pages_needed - len(keys)
+        matched = self.cache.pin(keys)
+        taken: list[tuple] = []  # (free list, ids) to give back if what follows fails
+        try:
+            if pools.pages.free < fresh:
+                self.cache.evict_pages(fresh - pools.pages.free)
+            for free_list, count in ((pools.pages, fresh), (pools.swa_blocks, 1), (pools.slots, 1)):
+                ids = free_list.alloc(count)
+                if ids is None:
+                    raise RuntimeError(f"{count} {free_list.name}(s) were counted free but could not be allocated")
+                taken.append((free_list, ids))
+            (_, pages), (_, (block,)), (_, (slot,)) = taken
+            seq = Sequence(matched + pages, block, slot)
+            if hit:
+                checkpoint = self.cache.window_of(keys[-1])
+                if checkpoint is None:
+                    raise RuntimeError("the window checkpoint of the matched prefix is gone")
+                pools.swa.copy_block(block, checkpoint)
+                seq.length = hit
+                seq.token_ids = list(r.input_ids[:hit])
+        except BaseException:
+            for free_list, ids in taken:
+                free_list.release(ids)
             self.cache.unpin(keys)
-            return None
-        block = pools.swa_blocks.alloc()[0]
-        seq = Sequence(matched + pools.pages.alloc(fresh), block, pools.slots.alloc()[0])
-        if hit:
-            checkpoint = self.cache.window_of(keys[-1])
-            pools.swa.copy_block(block, checkpoint)
-            seq.length = hit
-            seq.token_ids = list(r.input_ids[:hit])
+            raise
         r.seq, r.prefilled, r.cached_tokens = seq, hit, hit
         r.keys = list(keys)
         r.cached_pages = set(matched)
         self.prompt_tokens += len(r.input_ids)
         self.cached_tokens += hit
         return True
+
+    def _pages_fit(self, keys: list[bytes], pages_needed: int) -> bool:
+        """Whether a request of `pages_needed` pages, `keys` of them matched in the cache,
+        finds the rest among free pages and cached pages nobody uses (its own excluded)."""
+        self.cache.pin(keys)
+        try:
+            return self.pools.pages.free + self.cache.evictable_pages() >= pages_needed - len(keys)
+        finally:
+            self.cache.unpin(keys)
 
     def _release(self, r: Request) -> None:
         """Give back everything `r` holds; its completed pages stay in the prefix cache."""
@@ -300,24 +335,58 @@ class Engine:
             batch.append(r)
         if not batch:
             return
+        # A prefill chunk of several tokens overwrites window and compressor state that
+        # it reads itself; keep them, so that its step can run again alone if the batch
+        # fails (a decode token's writes are idempotent: it rewrites what it wrote).
+        kept = [self._state_of(r.seq) if len(batch) > 1 and len(c) > 1 else None for r, c in zip(batch, chunks)]
         try:
-            with torch.inference_mode():
-                # Sampling reads the logits on the CPU (the requests' generators live there).
-                logits = self.model.forward([r.seq for r in batch], chunks, self.pools).cpu()
+            rows = list(zip(batch, self._forward(batch, chunks)))
         except Exception as exc:  # noqa: BLE001 - a failed step must answer, not kill the loop
-            log.exception("engine step failed")
-            with self._cv:
-                for r in batch:
-                    self._fail(r, f"engine error: {exc}", type(exc).__name__)
-            return
+            log.exception("engine step of %d requests failed", len(batch))
+            rows = self._step_alone(batch, chunks, kept, exc)
         self.steps += 1
         with self._cv:
-            for r, row in zip(batch, logits):
+            for r, row in rows:
                 try:
                     self._advance(r, row)
                 except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                     log.exception("request %s failed after the step", r.rid)
                     self._fail(r, f"engine error: {exc!r}")
+
+    def _forward(self, batch: list[Request], chunks: list[list[int]]) -> torch.Tensor:
+        """float32 [len(batch), vocab] logits on the CPU (the requests' generators live there)."""
+        with torch.inference_mode():
+            return self.model.forward([r.seq for r in batch], chunks, self.pools).cpu()
+
+    def _step_alone(self, batch: list[Request], chunks: list[list[int]], kept: list, exc: Exception) -> list:
+        """After a batched forward failed: each request's step again, alone, so that only a
+        request whose own step fails is failed. Returns (request, logits row) of the rest."""
+        if len(batch) == 1:
+            with self._cv:
+                self._fail(batch[0], f"engine error: {exc}", type(exc).__name__)
+            return []
+        rows = []
+        for r, chunk, state in zip(batch, chunks, kept):
+            if state is not None:
+                for view, saved in state:
+                    view.copy_(saved)
+            try:
+                rows.append((r, self._forward([r], [chunk])[0]))
+            except Exception as own:  # noqa: BLE001 - the culprit fails, the others go on
+                log.exception("request %s failed its step alone", r.rid)
+                with self._cv:
+                    self._fail(r, f"engine error: {own}", type(own).__name__)
+        return rows
+
+    def _state_of(self, seq: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(view, copy) of what a step of `seq` reads and overwrites in place: its window
+        ring in every layer and its compressor state rows. Its records go to fresh places."""
+        pools = self.pools
+        views = [pools.swa.buf[:, seq.swa_block]]
+        for states, ring in ((pools.c4_state, C4_RING), (pools.c4_index_state, C4_RING),
+                             (pools.c128_state, C128_RING)):
+            views += [t[seq.slot * ring : (seq.slot + 1) * ring] for t in states.values()]
+        return [(v, v.clone()) for v in views]
 
     def _advance(self, r: Request, row: torch.Tensor) -> None:
         """After a step: cache `r`'s completed pages, sample its next token, answer it."""
@@ -401,8 +470,10 @@ class Engine:
 
     @staticmethod
     def _emit(r: Request, ev: TokenEvent) -> None:
-        """Answer `r`; a callback that raises (its event loop closed) loses that answer only."""
+        """Answer `r`; a callback that raises (its event loop closed) cannot be answered
+        again: the request is dropped at the next step, as if its client had left."""
         try:
             r.emit(ev)
         except Exception:  # noqa: BLE001
-            log.exception("answering request %s failed", r.rid)
+            log.exception("answering request %s failed; dropping it", r.rid)
+            r.aborted = True

@@ -1,5 +1,6 @@
 """The continuous-batching loop: batching does not change answers, prefill is chunked
-so decodes keep flowing, and a bad request or an abort never stops the engine."""
+so decodes keep flowing, and a bad request or an abort never stops the engine nor keeps
+any of the pools' pages, SWA blocks or request slots once it has ended."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 
 from remnant.config import ModelConfig
 from remnant.engine.engine import Engine, Request, SamplingParams, TokenEvent
+from remnant.engine.capacity import size_pools
 from remnant.engine.model import Model, ModelArgs
-from remnant.engine.pools import scratch_pools
+from remnant.engine.pools import KVPools, geometry_of, scratch_pools
 from remnant.engine.prefix_cache import PrefixCache
 
 EOS = 257
@@ -109,16 +111,26 @@ def test_bad_request_answers_abort_and_engine_lives(engine):
     assert len(_run(engine, "after", _ids(8, 5), 2).final().output_ids) == 2
 
 
-def _pages_free(engine: Engine) -> int:
-    # Every request below has finished, so only the prefix cache holds pages; flush it too.
+def assert_pools_at_totals(engine: Engine) -> None:
+    """Once every request has ended and the prefix cache is flushed, every page, SWA block
+    and request slot is free again: nothing leaked."""
     assert engine.flush_cache()[0]
-    return engine.stats()["pages_free"]
+    s = engine.stats()
+    held = {k: (s[f"{k}_free"], s[f"{k}_total"]) for k in ("pages", "swa_blocks", "request_slots")}
+    assert all(free == total for free, total in held.values()), held
+
+
+def _wait_idle(engine: Engine, within_s: float = 5.0) -> None:
+    for _ in range(int(within_s / 0.01)):
+        if (engine.stats()["num_running_reqs"], engine.stats()["num_waiting_reqs"]) == (0, 0):
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"requests still held {within_s} s later: {engine.stats()}")
 
 
 def test_a_seed_torch_refuses_fails_that_request_alone(engine):
     """A seed outside torch's range (the HTTP edge refuses it; the engine must not rely on
     that) used to raise in admission, outside the step's guard, and end the loop."""
-    free = _pages_free(engine)
     c = Collector()
     engine.submit(Request("seed", _ids(8, 8), SamplingParams(2, 1.0, True, seed=2**70), c))
     ev = c.final()
@@ -126,28 +138,140 @@ def test_a_seed_torch_refuses_fails_that_request_alone(engine):
     assert "admitting" in ev.finish_reason["message"]
     assert engine.alive and engine.error is None
     assert len(_run(engine, "after-seed", _ids(8, 9), 3).final().output_ids) == 3
-    assert _pages_free(engine) == free
+    assert_pools_at_totals(engine)
 
 
 def test_an_answer_callback_that_raises_fails_that_request_alone(engine):
     """A request whose answers cannot be delivered (its event loop closed) is dropped with
-    its pages given back; the requests batched with it finish."""
-    free = _pages_free(engine)
+    everything it holds; the requests batched with it finish. It asked for 10,000 tokens:
+    kept running, it would hold its slot long after its neighbour ended."""
 
     def broken(ev: TokenEvent) -> None:
         raise RuntimeError("Event loop is closed")
 
     neighbour = Collector()
     engine.submit(Request("neighbour", _ids(40, 10), SamplingParams(12, 0.0, True), neighbour))
-    engine.submit(Request("broken", _ids(40, 11), SamplingParams(12, 0.0, True), broken))
+    engine.submit(Request("broken", _ids(40, 11), SamplingParams(10_000, 0.0, True), broken))
     assert len(neighbour.final().output_ids) == 12
-    for _ in range(500):
-        if engine.stats()["num_running_reqs"] == 0:
-            break
-        threading.Event().wait(0.01)
-    assert engine.alive and engine.stats()["num_running_reqs"] == 0
-    assert _pages_free(engine) == free
+    _wait_idle(engine)
+    assert engine.alive and engine.stats()["generated_tokens"] < 100
+    assert_pools_at_totals(engine)
     assert len(_run(engine, "after-broken", _ids(8, 12), 2).final().output_ids) == 2
+
+
+def test_a_failed_batch_fails_only_the_request_at_fault(engine):
+    """A prompt token outside the embedding table makes the batched forward raise; the
+    step runs again one request at a time, and only that request fails: the neighbour
+    decoding beside it gets the answer it gets alone."""
+    alone = _run(engine, "alone", _ids(16, 13), 30).final().output_ids
+    neighbour = Collector()
+    engine.submit(Request("beside", _ids(16, 13), SamplingParams(30, 0.0, True), neighbour))
+    assert neighbour.first.wait(30)
+    bad = _run(engine, "bad-id", [1, 10**6, 2], 2).final()
+    assert bad.finish_reason["type"] == "abort" and bad.finish_reason["status_code"] == 500
+    done = neighbour.final()
+    assert done.finish_reason == {"type": "length", "length": 30} and done.output_ids == alone
+    assert engine.alive and engine.error is None
+    assert_pools_at_totals(engine)
+
+
+POISON = 256  # a token of the vocabulary (BOS), in no prompt of _ids
+
+
+class PoisonedModel(Model):
+    """The real model, whose forward raises in its second layer (after the first layers
+    wrote the step's window, compressor state and records) when a prefill chunk of the
+    step holds POISON: a failure in the middle of a step. It keeps the logits each step
+    gave each sequence, by the tokens the sequence then held."""
+
+    poisoned = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def forward(self, seqs, chunks, pools):
+        self.poisoned = any(len(c) > 1 and POISON in c for c in chunks)
+        out = super().forward(seqs, chunks, pools)
+        for seq, row in zip(seqs, out):
+            self.seen[tuple(seq.token_ids)] = row.detach().cpu().clone()
+        return out
+
+    def ffn(self, layer, h):
+        if self.poisoned and layer is self.layers[1]:
+            raise RuntimeError("poisoned prefill chunk")
+        return super().ffn(layer, h)
+
+
+def test_a_step_that_fails_midway_is_run_again_alone_from_its_state():
+    """The batched step failed after writing part of its KV; each request's step runs
+    again alone, a prefill chunk from the window and compressor state it had before (it
+    overwrites what it reads), so the requests beside the failing one get what they get
+    alone: one in the middle of its prompt, one decoding. Without that state the long
+    prompt's logits moved by ~0.02 (its greedy tokens did not), hence logits compared."""
+    model = PoisonedModel(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
+    pools = scratch_pools(model, 2048, sequences=4)
+    engine = Engine(model, EOS, pools, PrefixCache(pools, enabled=False), chunked_prefill_size=1024)
+    engine.start()
+    try:
+        long_prompt, short_prompt = _ids(700, 22), _ids(8, 23)
+        alone = [_run(engine, "long-alone", long_prompt, 5).final().output_ids,
+                 _run(engine, "short-alone", short_prompt, 20).final().output_ids]
+        alone_logits = dict(model.seen)
+        model.seen.clear()
+        # Queued together (the engine waits on its lock), the three share every step: step 1
+        # prefills a page of each and the short prompt whole; step 2 holds the long prompt's
+        # second page, the poisoned one's and the short request's first decode.
+        long, short, bad = Collector(), Collector(), Collector()
+        with engine._cv:
+            engine.submit(Request("long", long_prompt, SamplingParams(5, 0.0, True), long))
+            engine.submit(Request("poisoned", _ids(256, 20) + [POISON] + _ids(50, 21),
+                                  SamplingParams(5, 0.0, True), bad))
+            engine.submit(Request("short", short_prompt, SamplingParams(20, 0.0, True), short))
+        ev = bad.final()
+        assert ev.finish_reason["type"] == "abort" and "poisoned prefill chunk" in ev.finish_reason["message"]
+        assert [long.final().output_ids, short.final().output_ids] == alone
+        for tokens in (long_prompt, long_prompt + alone[0][:-1], short_prompt + alone[1][:-1]):
+            torch.testing.assert_close(model.seen[tuple(tokens)], alone_logits[tuple(tokens)], atol=1e-4, rtol=0)
+        assert engine.alive and engine.error is None
+        assert_pools_at_totals(engine)
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def small_engine(model):
+    """10 pages of 256 tokens, 2 SWA blocks, 2 request slots."""
+    geometry = geometry_of(model, 256, 0.1, 2)
+    per_token = sum(geometry.bytes_per_full_token().values())
+    pools = KVPools(geometry, size_pools(geometry, int(2560 * per_token) + geometry.c128_state_fixed_bytes() + 1))
+    assert (pools.num_pages, pools.swa_blocks.n, pools.slots.n) == (10, 2, 2)
+    e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=512)
+    e.start()
+    yield e
+    e.stop()
+
+
+def test_a_request_whose_checkpoint_gives_way_misses_and_holds_nothing(small_engine):
+    """B would resume from A's cached 512-token prefix, whose window checkpoint holds the
+    last free SWA block while C runs. Admission gives that checkpoint up to make room for
+    B's own window: B used to copy from the checkpoint just freed, fail with a 500 and
+    keep 3 pages, an SWA block and a slot for ever. Now B misses and is served."""
+    e = small_engine
+    prompt = _ids(600, 30)
+    assert _run(e, "A", prompt, 2).final().finish_reason["type"] == "length"
+    c = Collector()
+    e.submit(Request("C", [5] * 10, SamplingParams(60, 0.0, True), c))
+    assert c.first.wait(30)
+    s = e.stats()
+    assert (s["swa_blocks_free"], s["swa_blocks_cached"]) == (0, 1)  # C's window, A's checkpoint
+    b = _run(e, "B", prompt[:512] + [7] * 50, 4).final()
+    assert b.finish_reason == {"type": "length", "length": 4} and b.cached_tokens == 0
+    assert c.final().finish_reason["type"] == "length"
+    assert_pools_at_totals(e)
+    again = _run(e, "B-cold", prompt[:512] + [7] * 50, 4).final()
+    assert again.output_ids == b.output_ids and again.cached_tokens == 0
+    assert_pools_at_totals(e)
 
 
 def test_abort_drops_request(engine):
