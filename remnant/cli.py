@@ -78,10 +78,18 @@ def register_configs() -> None:
     cs.store(group="host", name="base_external", node=ExternalHostConfig)
     cs.store(group="host", name="base_local", node=LocalHostConfig)
     cs.store(group="host", name="base_modal", node=ModalHostConfig)
-    # Sweep cells are named by what varies the run: native ignores retention, so its
-    # cells carry none (conf/config.yaml, hydra.sweep.subdir).
+    register_resolvers()
+
+
+def register_resolvers() -> None:
+    """Sweep cells are named by what varies the run: native ignores retention, so its cells
+    carry none (conf/config.yaml, hydra.sweep.subdir). Registered at import too, for a
+    launcher that resolves the cell's directory in another process (submitit)."""
     OmegaConf.register_new_resolver(
         "remnant_retention", lambda mode, retention: "" if mode == "native" else f"-{retention}", replace=True)
+
+
+register_resolvers()
 
 
 # ---------------------------------------------------------------------------------------
