@@ -258,8 +258,10 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _options(group: str) -> list[str]:
+    """The group's conf/ files, numbers in numeric order (r64 before r128)."""
     folder = resources.files("remnant.conf").joinpath(group)
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    names = [p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml")]
+    return sorted(names, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
 
 
 def _defaults() -> dict[str, str]:
@@ -278,8 +280,11 @@ def help_text() -> str:
         if group == "experiment":
             options = ["none (default)", *options]
         rows.append((group, ", ".join(options)))
+    import textwrap
+
     width = max(len(g) for g, _ in rows)
-    groups = "\n".join(f"  {g:<{width}}  {o}" for g, o in rows)
+    groups = "\n".join(textwrap.fill(o, 90, initial_indent=f"  {g:<{width}}  ", subsequent_indent=" " * (width + 4))
+                       for g, o in rows)
     return f"""usage: remnant-run [-m] [GROUP=OPTION ...] [FIELD=VALUE ...]
 
 Run one benchmark: compose a mode, a retention, a workload, a host and a model from

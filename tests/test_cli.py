@@ -424,7 +424,7 @@ def test_a_stalled_server_fails_the_run_with_the_stall_and_its_times(tmp_path):
     assert stop["at_s"] - stop["last_progress_s"] >= 2
     records = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
     assert sum(r["success"] for r in records) >= 3
-    assert [r["error"] for r in records if not r["success"]] == ["stopped: no token from the server for 2s (stall)"] * 2
+    assert [r["error"] for r in records if not r["success"]] == ["stopped: no answer from the server for 2s (stall)"] * 2
     assert "run failed at client: the server stalled" in err and "Traceback" not in err
     assert check(run_dir / "run.json").returncode == 0
     assert _wait_gone(server["pid"])

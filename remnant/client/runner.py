@@ -5,9 +5,9 @@ still run), then send the phase's requests with at most `concurrency` in flight,
 a streaming /generate. Each request's record is appended to requests.jsonl the moment it
 ends, whole or not at all, so a crash, Ctrl-C or a full disk loses nothing that finished.
 
-A watchdog stops the client early: when requests are in flight and none of them has given
-a token (or ended) for `stall_timeout_s` (a stalled server), or when the run passes
-`deadline_s`. It stops sending, records the requests in flight as failed, and raises
+A watchdog stops the client early: when requests have been in flight for `stall_timeout_s`
+with no answer from the server (no token, no response; a request that times out is no
+answer), or when the run passes `deadline_s`. It stops sending, records the requests in flight as failed, and raises
 ClientStopped with the times.
 """
 
@@ -45,7 +45,8 @@ class ClientStopped(RuntimeError):
     """The watchdog stopped the client: the server stalled or the run passed its deadline.
 
     stop: run.json's client_stop: reason ("stall" | "deadline"), limit_s, at_s,
-        last_progress_s, in_flight, phase (times in s since the client started).
+        last_progress_s (when the server last answered), in_flight, phase (times in s since
+        the client started).
     phase: what the phase in progress had done when it stopped (its records included).
     """
 
@@ -56,12 +57,12 @@ class ClientStopped(RuntimeError):
 
 def stop_message(stop: dict) -> str:
     """One line on why the client stopped, with its times."""
-    last = "no token came at all" if stop["last_progress_s"] is None else \
-        f"the last token (or request end) came at {stop['last_progress_s']:.1f}s"
+    last = "it never answered" if stop["last_progress_s"] is None else \
+        f"it last answered at {stop['last_progress_s']:.1f}s"
     if stop["reason"] == "stall":
-        return (f"the server stalled: no token from any of the {stop['in_flight']} requests in flight for "
-                f"{stop['limit_s']:g}s (workload.stall_timeout_s); {last}, the client stopped at "
-                f"{stop['at_s']:.1f}s (times since the client started)")
+        return (f"the server stalled: no token or response for {stop['limit_s']:g}s with requests in flight "
+                f"(workload.stall_timeout_s; {stop['in_flight']} in flight at the stop); {last}, the client "
+                f"stopped at {stop['at_s']:.1f}s (times since the client started)")
     return (f"the run passed its deadline (workload.deadline_s={stop['limit_s']:g}) at {stop['at_s']:.1f}s "
             f"with {stop['in_flight']} requests in flight; {last}")
 
@@ -126,8 +127,9 @@ class PhaseResult:
 class LoadClient:
     """Sends planned requests to `base_url`; times are seconds since this client's t0.
 
-    stall_timeout_s: stop when requests are in flight and none has given a token or ended
-        for this long (None: no watchdog). deadline_s: stop this long after t0 (None: never).
+    stall_timeout_s: stop when requests have been in flight this long, in all, since the
+        server last answered (a token, or a response's status); time with nothing in flight
+        does not count (None: no watchdog). deadline_s: stop this long after t0 (None: never).
     """
 
     def __init__(
@@ -153,11 +155,13 @@ class LoadClient:
         # Request ids stay readable and joinable across runs; the rid sent to the server is
         # made unique per client so repeated runs against one server never collide.
         self._rid_prefix = uuid.uuid4().hex[:8]
-        # The watchdog's view: requests in flight, the last token or request end, and why
+        # The watchdog's view: requests in flight; when the server last answered; seconds in
+        # flight since then (quiet_s up to mark_s, plus now - mark_s while in flight); why
         # it stopped the client (None while it has not).
         self._in_flight = 0
         self._progress_s: float | None = None
-        self._active_since = 0.0
+        self._quiet_s = 0.0
+        self._mark_s = 0.0
         self._stop: dict | None = None
         self._phase: dict | None = None
 
@@ -252,7 +256,7 @@ class LoadClient:
             if self.deadline_s is not None and now >= self.deadline_s:
                 reason, limit = "deadline", self.deadline_s
             elif (self.stall_timeout_s is not None and self._in_flight
-                  and now - max(self._progress_s or 0.0, self._active_since) >= self.stall_timeout_s):
+                  and self._quiet_s + now - self._mark_s >= self.stall_timeout_s):
                 reason, limit = "stall", self.stall_timeout_s
             if reason is not None:
                 self._stop = {"reason": reason, "limit_s": float(limit), "at_s": now,
@@ -262,8 +266,18 @@ class LoadClient:
                 return
 
     def _progress(self) -> None:
-        """A token came or a request ended."""
-        self._progress_s = self.now()
+        """The server answered: a token, or a response's status."""
+        self._progress_s = self._mark_s = self.now()
+        self._quiet_s = 0.0
+
+    def _in_flight_change(self, delta: int) -> None:
+        """Time with nothing in flight is not a stall: the quiet clock runs only while
+        requests are in flight (a request that times out leaves it running)."""
+        now = self.now()
+        if self._in_flight:
+            self._quiet_s += now - self._mark_s
+        self._mark_s = now
+        self._in_flight += delta
 
     def _partial_phase(self) -> PhaseResult | None:
         p = self._phase
@@ -317,14 +331,12 @@ class LoadClient:
         async def send(index: int, req: PlannedRequest, intended: float) -> RequestRecord:
             rec = RequestRecord(id=req.id, phase=phase.name, index=index, intended_start_s=intended,
                                 expected_output_tokens=req.max_new_tokens, session=req.session, turn=req.turn)
-            if not self._in_flight:
-                self._active_since = self.now()  # an idle client is not a stalled server
-            self._in_flight += 1
+            self._in_flight_change(+1)
             try:
                 await self._send(client, req, rec)
             except asyncio.CancelledError:
                 if self._stop is not None:  # stopped by the watchdog: keep what it had
-                    rec.error = (f"stopped: no token from the server for {self._stop['limit_s']:g}s (stall)"
+                    rec.error = (f"stopped: no answer from the server for {self._stop['limit_s']:g}s (stall)"
                                  if self._stop["reason"] == "stall" else
                                  f"stopped: workload.deadline_s={self._stop['limit_s']:g} passed")
                     keep(rec)
@@ -332,8 +344,7 @@ class LoadClient:
             except Exception as exc:  # noqa: BLE001 - one odd answer must not sink the phase
                 rec.error = f"client error: {exc!r}"
             finally:
-                self._in_flight -= 1
-                self._progress()
+                self._in_flight_change(-1)
             keep(rec)
             if not rec.success and (why := self.server_failure()):
                 gone.append(why)
@@ -416,6 +427,7 @@ class LoadClient:
         rec.start_s = self.now()
         try:
             async with client.stream("POST", f"{self.base_url}/generate", json=payload) as resp:
+                self._progress()
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")
                     rec.error = http_error(resp.status_code, body)

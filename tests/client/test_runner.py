@@ -252,9 +252,25 @@ def test_a_stalled_server_stops_the_client_with_the_stall_times(tmp_path):
     stop = stopped.value.stop
     assert (stop["reason"], stop["in_flight"], stop["last_progress_s"], stop["phase"]) == ("stall", 2, None, "measured")
     assert 0.5 <= stop["at_s"] < 2
-    assert "no token from any of the 2 requests in flight for 0.5s" in str(stopped.value)
+    assert "no token or response for 0.5s with requests in flight" in str(stopped.value)
+    assert "it never answered" in str(stopped.value)
     recs = load_requests_jsonl(tmp_path / "r.jsonl")
-    assert len(recs) == 2 and all(r.error == "stopped: no token from the server for 0.5s (stall)" for r in recs)
+    assert len(recs) == 2 and all(r.error == "stopped: no answer from the server for 0.5s (stall)" for r in recs)
+
+
+def test_requests_that_time_out_one_after_another_do_not_hide_a_stall(tmp_path):
+    """One request at a time, each timing out before the stall limit: the server never
+    answers, so the quiet time adds up across them and the stall is still found."""
+    from remnant.client.runner import ClientStopped
+
+    with loopback_server(_Hangs) as url:
+        client = LoadClient(url, tmp_path / "r.jsonl", progress=False, request_timeout_s=0.3, stall_timeout_s=1.0)
+        with pytest.raises(ClientStopped) as stopped:
+            client.run([_phase("measured", 20, 1)])
+    assert stopped.value.stop["reason"] == "stall" and stopped.value.stop["at_s"] < 3
+    recs = load_requests_jsonl(tmp_path / "r.jsonl")
+    assert len(recs) >= 3 and [r.error for r in recs[:3]] == [
+        "ReadTimeout: no data for 0.3s (workload.request_timeout_s)"] * 3
 
 
 def test_a_read_timeout_says_which_limit_it_hit(tmp_path):
