@@ -474,8 +474,8 @@ def _run(cfg: DictConfig) -> None:
         if previous is not None:
             why = resume_check(run_cfg, run_dir)
             if why is None:
-                print(f"remnant-run: {run_dir} is complete with this config; skipped (force=true runs it again)",
-                      file=sys.stderr)
+                print(f"remnant-run: {run_dir} is complete; skipped (the same config and request stream; "
+                      "force=true runs it again)", file=sys.stderr)
                 print(run_dir / RUN_JSON, flush=True)
                 return
             moved = set_aside(run_dir, previous)

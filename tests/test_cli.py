@@ -504,7 +504,7 @@ def test_resume_skips_only_an_unchanged_cell_and_reruns_a_changed_one(tmp_path):
 
     again = remnant_run(*args, cwd=tmp_path, timeout=60)
     assert again.returncode == 0, again.stderr
-    assert "is complete with this config; skipped" in again.stderr
+    assert "is complete; skipped (the same config and request stream" in again.stderr
     assert _snapshot(cell) == before  # a skipped cell's files, .hydra/ included, are untouched
 
     changed = remnant_run(*args, "workload.output_len=4", cwd=tmp_path, timeout=60)
