@@ -7,9 +7,11 @@ Every request body passes two checks before the engine sees it, as in SGLang 0.5
    400 with SGLang's flat ErrorResponse (`error_body`) whose message names each field, the
    value it got and what is allowed.
 2. `prepare()`: values against the model (ranges, vocabulary, context length, KV pool)
-   and the features the embedded engine lacks. A refusal raises `BadRequest`; /generate
-   answers it as SGLang's tokenizer manager does ({"error": {"message"}}, or an error
-   frame in a stream), the /v1 endpoints with the flat ErrorResponse.
+   and the features the embedded engine lacks. A refusal raises `BadRequest` (status
+   400); /generate answers it as SGLang's tokenizer manager does ({"error": {"message"}},
+   or, in a stream, a 200 with one error frame), the /v1 endpoints with the flat
+   ErrorResponse. prepare() tokenizes, so the routes run it in a worker thread
+   (`encode` lets go of the GIL), never on the event loop that serves the streams.
 
 Types are strict: an integer field takes a JSON integer only (2.7, 3.0, "3" and true are
 refused, never truncated); a number field takes integers and floats, never booleans or
@@ -41,22 +43,25 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class BadRequest(ValueError):
-    """A request the engine refuses: `param` names the field at fault, when one is."""
+    """A request the engine refuses (status 400): `param` names the field at fault, when
+    one is."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
-        self.status = status
 
 
 @dataclass(frozen=True)
 class ModelLimits:
     """What a request is checked against: token ids below `vocab_size`; prompt plus new
-    tokens within `context_len` (positions) and `pool_tokens` (KV one request can hold)."""
+    tokens within `context_len` (positions) and `pool_tokens` (KV one request can hold).
+    `default_new_tokens`: what a request that names no max_new_tokens may generate, one
+    request's share of the KV pool (pool_tokens / max_running_requests)."""
 
     vocab_size: int
     context_len: int
     pool_tokens: int
+    default_new_tokens: int
 
 
 @dataclass
@@ -200,11 +205,12 @@ Str = Annotated[str, Strict(), AfterValidator(_unicode)]
 
 def _stop(value: Any) -> Any:
     """A stop field: null, a string, or a list of strings (SGLang's Union, one error)."""
-    if value is None or (isinstance(value, str) and _unicode(value) is not None):
-        return value
-    if isinstance(value, list) and all(isinstance(v, str) and _unicode(v) is not None for v in value):
-        return value
-    raise PydanticCustomError("stop_type", "Input should be null, a string or a list of strings")
+    strings = [value] if isinstance(value, str) else value
+    if value is not None and not (isinstance(strings, list) and all(isinstance(v, str) for v in strings)):
+        raise PydanticCustomError("stop_type", "Input should be null, a string or a list of strings")
+    for v in strings or ():
+        _unicode(v)
+    return value
 
 
 Stop = Annotated[Any, BeforeValidator(_stop)]
@@ -245,15 +251,20 @@ def engine_params(prompt_len: int, limits: ModelLimits, max_new_tokens: int | No
                   ignore_eos: bool | None, seed: int | None, names: dict[str, str]) -> SamplingParams:
     """Engine sampling for a prompt of `prompt_len` tokens, checked against `limits`.
 
-    max_new_tokens None means "up to the context length", as in SGLang, here also capped by
-    what the KV pool can hold for one request (the engine reserves it when it admits the
-    request). `names` spells the fields as the request did (max_tokens, seed, ...)."""
+    max_new_tokens None means "up to the context length" in SGLang, whose scheduler
+    reserves no output up front. The engine reserves a request's whole output when it
+    admits it, in arrival order, so "to the context" (a random model may never sample
+    EOS) would hold most of the pool and keep every later request waiting: here it is at
+    most `limits.default_new_tokens` (one request's share of the pool), and what the
+    context and the pool leave after the prompt. `names` spells the fields as the request
+    did (max_tokens, seed, ...)."""
     if max_new_tokens is None:
-        max_new_tokens = min(limits.context_len, limits.pool_tokens) - prompt_len
-        if max_new_tokens < 1:
+        room = min(limits.context_len, limits.pool_tokens) - prompt_len
+        if room < 1:
             raise BadRequest(f"the prompt ({prompt_len} tokens) leaves no room to generate: the context holds "
                              f"{limits.context_len} tokens and the KV pool {limits.pool_tokens}",
                              param=names["max_new_tokens"])
+        max_new_tokens = min(room, limits.default_new_tokens)
     elif max_new_tokens < 0:
         # sampling_params.py verify()'s message
         raise BadRequest(f"{names['max_new_tokens']} must be at least 0, got {max_new_tokens}.",
@@ -277,9 +288,22 @@ def engine_params(prompt_len: int, limits: ModelLimits, max_new_tokens: int | No
                           ignore_eos=bool(ignore_eos), seed=seed)
 
 
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`. The batch call releases the GIL while it works (Tokenizer.encode
+    holds it: 5 MB of text stalled every stream for seconds); `_fast` skips the offsets."""
+    batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    return batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 def check_ids(ids: list[int], limits: ModelLimits, field: str) -> list[int]:
+    """`ids`; BadRequest if they are empty, as long as the context or longer (the message of
+    tokenizer_manager.py _validate_one_request; checked before the ids are read one by
+    one), or hold an id outside the vocabulary."""
     if not ids:
         raise BadRequest("the prompt is empty", param=field)
+    if len(ids) >= limits.context_len:
+        raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                         f"({limits.context_len} tokens).", param=field)
     bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise BadRequest(f"{field} contains token id {bad} outside the vocabulary [0, {limits.vocab_size})",
@@ -382,7 +406,7 @@ class GenerateRequest(Schema):
         if self.input_ids is not None:  # as SGLang: given both, input_ids wins
             ids = check_ids(self.input_ids, limits, "input_ids")
         else:
-            ids = check_ids(tokenizer.encode(self.text).ids, limits, "text")
+            ids = check_ids(encode(tokenizer, self.text), limits, "text")
         names = {"max_new_tokens": "sampling_params.max_new_tokens", "temperature": "sampling_params.temperature",
                  "seed": "sampling_params.sampling_seed"}
         params = engine_params(len(ids), limits, sp.max_new_tokens, sp.temperature, sp.ignore_eos, sp.sampling_seed,
@@ -439,7 +463,7 @@ class OpenAIRequest(Schema):
     def _one_rid(cls, value: Any) -> Any:
         return _refuse_batch(value, "rid")
 
-    def include_usage(self) -> tuple[bool, bool]:
+    def usage_flags(self) -> tuple[bool, bool]:
         """(usage in a last chunk, usage in every chunk), as SGLang's should_include_usage."""
         opts = self.stream_options
         return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
@@ -500,7 +524,7 @@ class CompletionRequest(OpenAIRequest):
         if not self.prompt:
             raise BadRequest("Prompt cannot be empty", param="prompt")  # serving_completions.py
         if isinstance(self.prompt, str):
-            ids = check_ids(tokenizer.encode(self.prompt).ids, limits, "prompt")
+            ids = check_ids(encode(tokenizer, self.prompt), limits, "prompt")
         else:
             ids = check_ids(list(self.prompt), limits, "prompt")
         params = engine_params(len(ids), limits, self.max_tokens, self.temperature, self.ignore_eos, self.seed,
@@ -534,6 +558,11 @@ class Message(Schema):
     tool_call_id: Str | None = None
     reasoning_content: Str | None = None
     tool_calls: list[Any] | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _lower_role(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value  # SGLang's roles are case-insensitive
 
     @field_validator("content", mode="before")
     @classmethod
@@ -584,7 +613,7 @@ class ChatCompletionRequest(OpenAIRequest):
             text = template.render([{"role": m.role, "content": m.content or ""} for m in self.messages])
         except ValueError as exc:
             raise BadRequest(f"messages: the chat template cannot render them: {exc}", param="messages") from None
-        ids = check_ids(tokenizer.encode(text, add_special_tokens=False).ids, limits, "messages")
+        ids = check_ids(encode(tokenizer, text, add_special_tokens=False), limits, "messages")
         field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         params = engine_params(len(ids), limits, self.max_completion_tokens or self.max_tokens, self.temperature,
                                self.ignore_eos, self.seed,

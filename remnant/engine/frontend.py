@@ -2,7 +2,9 @@
 
 `Frontend.submit` hands a validated request (remnant.engine.api.EngineInput) to the
 engine and returns a `Generation`, whose `outputs()` are SGLang's out dicts ({"text",
-"output_ids", "meta_info"}, text cumulative), one per engine event. A request id that is
+"output_ids", "meta_info"}, text cumulative), one per engine event, and whose `final()` is
+the last of them alone. Text is decoded incrementally (the tokens since the last frame,
+as SGLang's detokenizer does), and in full once, at the end. A request id that is
 already in flight is refused, as SGLang refuses it ("Duplicate request ID detected"); an
 id is free again once its generation is closed (finished, or its client gone).
 Everything here runs on the server's event loop.
@@ -67,6 +69,10 @@ class Generation:
         self.request: Request | None = None
         self.t_recv = time.perf_counter()
         self._text = ""
+        # Incremental decoding: _text is the decoded ids[:_read]; ids[_prefix:_read] were
+        # decoded last, and are decoded again ahead of new ids (a token's text may depend
+        # on the one before it).
+        self._prefix = self._read = 0
         self._closed = False
 
     async def outputs(self) -> AsyncIterator[dict]:
@@ -78,13 +84,14 @@ class Generation:
                 return
 
     async def final(self, http: HttpRequest | None = None) -> dict | None:
-        """The finished out dict; None if the client disconnects first."""
+        """The finished out dict; None if the client disconnects first. The events before
+        the last are dropped undecoded."""
 
         async def last() -> dict:
-            out = None
-            async for out in self.outputs():
-                pass
-            return out
+            while True:
+                ev = await self.queue.get()
+                if ev.finish_reason is not None:
+                    return self.out(ev)
 
         return await until_disconnect(last(), http)
 
@@ -112,18 +119,26 @@ class Generation:
             "cached_tokens_details": None,
             "dp_rank": 0,
         }
-        text = self.frontend.tokenizer.decode(ev.output_ids, skip_special_tokens=self.skip_special_tokens)
         if ev.finish_reason is not None:
             meta["e2e_latency"] = time.perf_counter() - self.t_recv
             meta["response_sent_to_client_ts"] = time.time()
+            self._text = self._decode(ev.output_ids)
         else:
-            # Hold back a trailing incomplete UTF-8 character, as SGLang's detokenizer
-            # does, so each frame's text extends the previous one.
-            text = text.rstrip("\ufffd")
-            if not text.startswith(self._text):
-                text = self._text
-        self._text = text
-        return {"text": text, "output_ids": ev.output_ids, "meta_info": meta}
+            self._decode_new(ev.output_ids)
+        return {"text": self._text, "output_ids": ev.output_ids, "meta_info": meta}
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.frontend.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_new(self, ids: list[int]) -> None:
+        """Extend _text by the ids after _read. A trailing incomplete UTF-8 character (the
+        decoded text ends in U+FFFD) is held back, as SGLang's detokenizer holds it, so
+        each frame's text extends the previous one."""
+        before = self._decode(ids[self._prefix : self._read])
+        now = self._decode(ids[self._prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self._text += now[len(before) :]
+            self._prefix, self._read = self._read, len(ids)
 
 
 async def until_disconnect(awaitable, http: HttpRequest | None):

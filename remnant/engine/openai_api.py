@@ -5,14 +5,20 @@ streaming or not. Shapes follow python/sglang/srt/entrypoints/openai/ (protocol.
 response models as they serialize, serving_completions.py and serving_chat.py for the
 chunk sequence, usage_processor.py): a stream ends with a usage chunk when
 stream_options.include_usage is set, and with `data: [DONE]`. Requests are checked by
-remnant.engine.api; every refusal is SGLang's flat ErrorResponse with status 400, before
-any stream starts. `model` is echoed back as SGLang echoes it.
+remnant.engine.api; every refusal is SGLang's flat ErrorResponse with status 400 and type
+"BadRequestError" (serving_base.py create_error_response), before any stream starts. An
+engine abort is an ErrorResponse of its status (type "BadRequestError" for a 400, else the
+status number, as SGLang answers the HTTPException it raises); within a stream it is an
+error chunk whose type is the status's name ("INTERNAL_SERVER_ERROR"), as serving_chat.py
+and serving_completions.py send it. `model` is echoed back as SGLang echoes it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from http import HTTPStatus
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request as HttpRequest
@@ -42,6 +48,8 @@ async def json_content_type(http: HttpRequest) -> None:
 
 
 router = APIRouter(route_class=Utf8JSONRoute)
+#: serving_base.py create_error_response()'s default type: what a refused request gets.
+BAD_REQUEST = "BadRequestError"
 _json_only = [Depends(json_content_type)]
 
 
@@ -98,12 +106,24 @@ def _finish(out: dict) -> tuple[str | None, int | str | None]:
     return (reason["type"], reason.get("matched")) if reason else (None, None)
 
 
-def _abort_status(out: dict) -> tuple[int, str, str] | None:
-    """(status, type, message) of an engine abort that carries a status: an error answer."""
+def _abort_status(out: dict) -> tuple[int, str] | None:
+    """(status, message) of an engine abort that carries a status: an error answer."""
     reason = out["meta_info"]["finish_reason"] or {}
     if reason.get("type") == "abort" and reason.get("status_code"):
-        return reason["status_code"], reason.get("err_type") or "EngineError", reason.get("message", "aborted")
+        return reason["status_code"], reason.get("message", "Generation aborted.")
     return None
+
+
+def _abort_body(status: int, message: str) -> Response:
+    """An abort before any stream: SGLang's ValueError (400) or HTTPException (others)."""
+    return error_body(message, status, BAD_REQUEST if status == 400 else str(status))
+
+
+def _abort_chunk(status: int, message: str) -> bytes:
+    """An abort within a stream: create_streaming_error_response(message, code.name, code)."""
+    return _sse({"error": {"object": "error", "message": message, "type": HTTPStatus(status).name, "param": None,
+                           "code": status}})
+
 
 
 def _sse(payload: dict) -> bytes:
@@ -114,10 +134,10 @@ async def _serve(fe: Frontend, req: OpenAIRequest, http: HttpRequest, prepare, a
     """Check (`prepare`), submit and answer one request, in `api`'s shapes (_Completion or
     _Chat): a JSON body, or a stream that frees the request however it ends."""
     try:
-        inp: EngineInput = prepare()
+        inp: EngineInput = await asyncio.to_thread(prepare)  # it tokenizes: off the event loop
         gen = fe.submit(inp)
     except BadRequest as exc:
-        return error_body(str(exc), exc.status, "BadRequest", exc.param)
+        return error_body(str(exc), 400, BAD_REQUEST, exc.param)
     if not req.stream:
         try:
             out = await gen.final(http)
@@ -126,7 +146,7 @@ async def _serve(fe: Frontend, req: OpenAIRequest, http: HttpRequest, prepare, a
         if out is None:  # the client went away
             return Response(status_code=499)
         if (err := _abort_status(out)) is not None:
-            return error_body(err[2], err[0], err[1])
+            return _abort_body(*err)
         return JSONResponse(api.response(out))
     # As SGLang, wait for the first output before answering, so that a request the engine
     # refuses gets an error status rather than a 200 stream.
@@ -141,7 +161,7 @@ async def _serve(fe: Frontend, req: OpenAIRequest, http: HttpRequest, prepare, a
         return Response(status_code=499)
     if (err := _abort_status(first)) is not None:
         gen.close()
-        return error_body(err[2], err[0], err[1])
+        return _abort_body(*err)
 
     async def frames() -> AsyncIterator[bytes]:
         try:
@@ -176,12 +196,11 @@ class _Completion:
                 "usage": _usage(out), "metadata": {"weight_version": out["meta_info"]["weight_version"]}}
 
     async def stream(self, outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-        include_usage, continuous = self.req.include_usage()
+        include_usage, continuous = self.req.usage_flags()
         offset, out = 0, None
         async for out in outputs:
             if (err := _abort_status(out)) is not None:
-                yield _sse({"error": {"object": "error", "message": err[2], "type": err[1], "param": None,
-                                      "code": err[0]}})
+                yield _abort_chunk(*err)
                 break
             reason, matched = _finish(out)
             chunk = {"id": out["meta_info"]["id"], "object": "text_completion", "created": self.created,
@@ -226,12 +245,11 @@ class _Chat:
         return _sse(chunk)
 
     async def stream(self, outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-        include_usage, continuous = self.req.include_usage()
+        include_usage, continuous = self.req.usage_flags()
         offset, out, first, finished = 0, None, True, None
         async for out in outputs:
             if (err := _abort_status(out)) is not None:
-                yield _sse({"error": {"object": "error", "message": err[2], "type": err[1], "param": None,
-                                      "code": err[0]}})
+                yield _abort_chunk(*err)
                 break
             if first:
                 yield self._chunk(out, {"role": "assistant", "content": ""})

@@ -177,7 +177,11 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
     from remnant.engine.frontend import Frontend
     from remnant.engine.openai_api import router as openai_router
 
-    limits = ModelLimits(args.vocab_size, args.max_position_embeddings, pools.num_pages * geometry.page_size)
+    pool_tokens = pools.num_pages * geometry.page_size
+    # Without max_new_tokens a request may generate one request's share of the pool (see
+    # remnant.engine.api.engine_params): 113,664 / 32 = 3,552 tokens at the defaults.
+    limits = ModelLimits(args.vocab_size, args.max_position_embeddings, pool_tokens,
+                         default_new_tokens=max(1, pool_tokens // pools.slots.n))
     frontend = Frontend(engine, tokenizer, limits, served_name, ChatTemplate.from_model_dir(model_dir))
 
     @contextlib.asynccontextmanager
@@ -214,7 +218,8 @@ def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs |
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(req: GenerateRequest, http: HttpRequest) -> Response:
         try:
-            gen = frontend.submit(req.prepare(limits, tokenizer))
+            # prepare() tokenizes: in a worker thread, so that a huge text stalls no stream.
+            gen = frontend.submit(await asyncio.to_thread(req.prepare, limits, tokenizer))
         except BadRequest as exc:
             return generate_error_stream(str(exc)) if req.stream else generate_error(str(exc))
         if req.stream:

@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.engine.test_server_api import assert_pools_at_totals
+
 TIMEOUT = httpx.Timeout(60.0)
 
 # protocol.py ModelCard
@@ -260,6 +262,8 @@ def test_refusals_name_the_field(server, path, body, param, message):
         r = post(server, path, {**body, "stream": stream})
         e = error(r)
         assert e["param"] == param and message in e["message"], e
+        # schema errors: http_server.py's validation handler; the rest: create_error_response
+        assert e["type"] == ("Bad Request" if r.json()["message"].startswith(f"{param}: ") else "BadRequestError"), e
 
 
 def test_non_finite_numbers_are_refused(server):
@@ -310,3 +314,81 @@ def test_a_sampled_chat_without_max_tokens_ends(server, tiny_model_dir):
     hf = json.loads((Path(tiny_model_dir) / "config.json").read_text())
     assert choice["finish_reason"] == "stop" and choice["matched_stop"] == hf["eos_token_id"]
     assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_message_roles_are_case_insensitive(server):
+    """protocol.py lower-cases a message's role before checking it."""
+    lower = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "temperature": 0,
+                                                  "ignore_eos": True})
+    mixed = post(server, "/v1/chat/completions", {
+        "messages": [{**m, "role": m["role"].upper() if i else m["role"].title()} for i, m in enumerate(MESSAGES)],
+        "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert lower.status_code == mixed.status_code == 200, mixed.text
+    assert mixed.json()["usage"] == lower.json()["usage"]
+    assert mixed.json()["choices"][0]["message"] == lower.json()["choices"][0]["message"]
+
+
+def test_an_engine_abort_is_answered_as_sglang_types_it():
+    """serving_chat.py / serving_completions.py: an abort with a status inside a stream is an
+    error chunk typed by the status's name; before a stream, a 400 is a BadRequestError
+    (a ValueError) and another status its number (an HTTPException)."""
+    from remnant.engine.openai_api import _abort_body, _abort_chunk
+
+    chunk = json.loads(_abort_chunk(500, "engine error: boom")[len(b"data: "):])
+    assert chunk == {"error": {"object": "error", "message": "engine error: boom", "type": "INTERNAL_SERVER_ERROR",
+                               "param": None, "code": 500}}
+    assert json.loads(_abort_chunk(503, "x")[len(b"data: "):])["error"]["type"] == "SERVICE_UNAVAILABLE"
+    assert json.loads(_abort_body(400, "too long").body)["type"] == "BadRequestError"
+    assert json.loads(_abort_body(500, "boom").body)["type"] == "500"
+
+
+def test_without_max_tokens_a_request_gets_its_share_of_the_pool():
+    """The engine reserves a request's whole output when it admits it; "up to the context"
+    would reserve 65,536 tokens of the 113,664 the tiny model's pool holds."""
+    from remnant.engine.api import ModelLimits, engine_params
+
+    names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed"}
+    limits = ModelLimits(vocab_size=258, context_len=65536, pool_tokens=113_664, default_new_tokens=3552)
+    assert engine_params(10, limits, None, 0.0, False, None, names).max_new_tokens == 3552
+    assert engine_params(65_530, limits, None, 0.0, False, None, names).max_new_tokens == 6  # the context's end
+    assert engine_params(10, limits, 20_000, 0.0, False, None, names).max_new_tokens == 20_000  # asked: as asked
+
+
+def test_chats_without_max_tokens_leave_room_for_the_next_request(server):
+    """The openai client sends no max_tokens by default. Each such chat used to reserve
+    65,536 tokens of KV (256 of the pool's 444 pages) at admission, and admission is in
+    arrival order: two of them kept every later request waiting, while greedy decoding on
+    random weights may never reach EOS. Now three run, and a one-token request beside them
+    is answered at once."""
+    started = threading.Barrier(4)
+    stop = threading.Event()
+
+    def chat() -> None:
+        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=TIMEOUT, json={
+                "messages": MESSAGES, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_raw()):
+                if i == 0:
+                    started.wait(30)
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=chat, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        try:
+            started.wait(30)  # all three stream
+        except threading.BrokenBarrierError:
+            state = httpx.get(f"{server.base_url}/server_info", timeout=TIMEOUT).json()["internal_states"][0]
+            pytest.fail(f"three chats without max_tokens did not all run within 30 s: {state}")
+        r = httpx.post(f"{server.base_url}/generate", timeout=15,
+                       json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 1, r.text
+        state = httpx.get(f"{server.base_url}/server_info", timeout=TIMEOUT).json()["internal_states"][0]
+        assert state["num_running_reqs"] == 3 and state["num_waiting_reqs"] == 0, state
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert_pools_at_totals(server.base_url)

@@ -183,6 +183,29 @@ def assert_error_stream(s: Stream) -> str:
     return e["message"]
 
 
+def pool_state(base_url: str) -> dict:
+    """The engine's pools and queues, from /server_info's internal_states."""
+    return httpx.get(f"{base_url}/server_info", timeout=TIMEOUT).json()["internal_states"][0]
+
+
+def pools_whole(state: dict, flushed: bool) -> dict:
+    """What of an idle engine's pools is neither free nor held by the prefix cache (or, once
+    flushed, not free): empty unless a request that ended kept something."""
+    cached = {"pages": 0, "swa_blocks": 0, "request_slots": 0} if flushed else {
+        "pages": state["pages_cached"], "swa_blocks": state["swa_blocks_cached"], "request_slots": 0}
+    lost = {k: state[f"{k}_total"] - state[f"{k}_free"] - cached[k] for k in cached}
+    return {k: v for k, v in lost.items() if v}
+
+
+def assert_pools_at_totals(base_url: str, within_s: float = 10.0) -> None:
+    """Once requests have ended (aborted ones included) and the cache is flushed, every
+    page, SWA block and request slot of the engine is free again."""
+    r = wait_flush_ok(base_url, within_s)
+    assert r.status_code == 200, f"requests still held {within_s} s on: {pool_state(base_url)}"
+    state = pool_state(base_url)
+    assert not pools_whole(state, flushed=True), (pools_whole(state, flushed=True), state)
+
+
 def wait_flush_ok(base_url: str, within_s: float = 5.0) -> httpx.Response:
     deadline = time.monotonic() + within_s
     while True:
@@ -587,6 +610,7 @@ def test_disconnect_mid_stream_does_not_wedge(server):
     assert len(s.events) == 2 and s.events[0].startswith(b"data: ")
     r = wait_flush_ok(server.base_url, within_s=5.0)
     assert r.status_code == 200, f"server still busy 5 s after the client left: {r.text!r}"
+    assert_pools_at_totals(server.base_url)
     r = generate(server, {"input_ids": [4, 5, 6], "sampling_params": sp(3)})
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 3
@@ -626,10 +650,7 @@ def test_non_stream_disconnect_frees_the_engine(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
             "max_new_tokens": 5000, "ignore_eos": True}}, timeout=1.0)
-    deadline = time.monotonic() + 10
-    while httpx.post(f"{server.base_url}/flush_cache", timeout=5).status_code != 200:
-        assert time.monotonic() < deadline, "the abandoned request still runs"
-        time.sleep(0.2)
+    assert_pools_at_totals(server.base_url)  # the abandoned request no longer runs, nor holds anything
 
 
 def test_metrics_use_sglang_names(server):
@@ -819,3 +840,123 @@ def test_many_problems_are_counted_not_all_listed(server):
     body = _schema_error(generate(server, {"input_ids": [1.5] * 20_000, "sampling_params": sp(1)}))
     assert body["param"] == "input_ids[0]"
     assert body["message"].endswith("; and 19995 more") and body["message"].count("input_ids[") == 5
+
+
+def test_requests_that_end_give_back_every_page_block_and_slot(server):
+    """Requests that finish, are refused, stream, leave mid-stream, or resume from a cached
+    prefix (a page-long shared prompt, one of them sent while the window pool is busy)
+    leave the pools as they found them, once the cache is flushed."""
+    assert_pools_at_totals(server.base_url)
+    shared = list(range(1, 256)) * 2  # two pages: the second request resumes from the first
+    threads = [threading.Thread(target=stream_generate, args=(server.base_url, {
+        "input_ids": shared[:300] + [i], "sampling_params": sp(40)}), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    for body in ({"input_ids": shared + [7], "sampling_params": sp(3)}, {"input_ids": [1, 10**6]},
+                 {"text": "x", "sampling_params": sp(3), "rid": "whole"}):
+        generate(server, body)
+    stream_generate(server.base_url, {"input_ids": shared, "sampling_params": sp(500)}, stop_after=2)
+    for t in threads:
+        t.join(60)
+    assert_pools_at_totals(server.base_url)
+
+
+# 14. The event loop is never the one that works ------------------------------------------
+
+
+class DecodeSpy:
+    """The real tokenizer, counting the ids it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls, self.ids = tokenizer, 0, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        self.ids += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _generation(tokenizer):
+    from remnant.engine.api import EngineInput, ModelLimits
+    from remnant.engine.engine import SamplingParams
+    from remnant.engine.frontend import Frontend, Generation
+
+    frontend = Frontend(None, DecodeSpy(tokenizer), ModelLimits(258, 65536, 65536, 4096), "tiny")
+    return Generation(frontend, "spy", EngineInput([1, 2], SamplingParams(4000))), frontend.tokenizer
+
+
+def _outputs(n: int) -> list[int]:
+    """n output ids of UTF-8 text: ASCII, two- to four-byte characters, a stray byte, EOS."""
+    text = "héllo wörld ✓ 🙂 ".encode() * (n // 20 + 1)
+    ids = list(text[:n])
+    ids[n // 2] = 0xFF  # never valid UTF-8
+    ids[-1] = 257
+    return ids
+
+
+def test_a_non_stream_answer_is_decoded_once(tokenizer):
+    """final() used to build an out dict (decoding every output id so far) for each of a
+    request's events: ~1.7 s of the event loop per 4,000-token answer."""
+    import asyncio
+
+    from remnant.engine.engine import TokenEvent
+
+    gen, spy = _generation(tokenizer)
+    ids = _outputs(4000)
+    for k in range(1, len(ids) + 1):
+        gen.queue.put_nowait(TokenEvent(ids[:k], {"type": "length", "length": k} if k == len(ids) else None))
+    out = asyncio.run(gen.final())
+    assert out["text"] == tokenizer.decode(ids) and out["output_ids"] == ids
+    assert (spy.calls, spy.ids) == (1, len(ids))
+
+
+def test_stream_text_is_decoded_incrementally(tokenizer):
+    """Each frame decodes the ids since the last printable text (twice: with the ones
+    before), not every id again; frames extend each other, the last is the whole text."""
+    import asyncio
+
+    from remnant.engine.engine import TokenEvent
+
+    gen, spy = _generation(tokenizer)
+    ids = _outputs(2000)
+    for k in range(1, len(ids) + 1):
+        gen.queue.put_nowait(TokenEvent(ids[:k], {"type": "length", "length": k} if k == len(ids) else None))
+
+    async def frames():
+        return [out["text"] async for out in gen.outputs()]
+
+    texts = asyncio.run(frames())
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == tokenizer.decode(ids) and "\ufffd" not in texts[-2][-1:]
+    assert spy.ids < 10 * len(ids), spy.ids  # every id again per frame: 2,000,000
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
+    """A 5 MB text used to be tokenized on the event loop: every stream stalled until it
+    was done. A stream running beside it now keeps its pace (its longest gap between
+    frames is a small part of the time the huge request takes to be refused)."""
+    first, done = threading.Event(), threading.Event()
+    times: list[float] = []
+
+    def stream() -> None:
+        body = {"input_ids": [1, 2, 3], "sampling_params": sp(5000), "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/generate", json=body, timeout=TIMEOUT) as r:
+            for _ in r.iter_raw():
+                times.append(time.perf_counter())
+                first.set()
+                if done.is_set():
+                    return  # the client leaves; the server drops the request
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert first.wait(30)
+    t0 = time.perf_counter()
+    r = generate(server, {"text": "x" * 5_000_000, "sampling_params": sp(1)})
+    t1 = time.perf_counter()
+    done.set()
+    t.join(30)
+    assert r.status_code == 400 and "longer than the model's context length" in r.json()["error"]["message"]
+    during = [x for x in times if t0 <= x <= t1]
+    gaps = [b - a for a, b in zip([t0, *during], [*during, t1])]
+    assert t1 - t0 > 0.5 and max(gaps) < (t1 - t0) / 3, (t1 - t0, max(gaps))
+    assert_pools_at_totals(server.base_url)
