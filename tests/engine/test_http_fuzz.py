@@ -4,10 +4,13 @@ For each endpoint that takes a body (/generate, /v1/completions, /v1/chat/comple
 least FUZZ_CASES generated requests: JSON bodies with wrong types, out-of-range and
 non-finite numbers, huge, empty and lone-surrogate strings, unknown fields and keys;
 raw bodies (not UTF-8, truncated, deeply nested, not JSON, odd content types); streams the
-client leaves mid-way; requests reusing the rid of one in flight. After every case:
-its answer is 2xx or 4xx (a stream's frames carry no 5xx error either), /health is 200
-and a valid request completes. After each endpoint's run the engine has let go of every
-request (nothing running or waiting, the cache flushes).
+client leaves mid-way; valid requests reusing the rid of one in flight (refused as
+SGLang refuses them: "Duplicate request ID detected"). After every case: its answer is
+2xx or 4xx (a stream's frames carry no 5xx error either), /health is 200, a valid
+request completes, and, when no request runs, every page and SWA block is free or held
+by the prefix cache and every request slot is free. After each endpoint's run the engine
+has let go of every request and, the cache flushed, the pools are back to their totals.
+The examples are derandomized: every run sends the same requests.
 
 One real server for the module, the tiny model. Valid generations are kept short (a few
 tokens; the large counts drawn are all beyond the context), so a case costs a few ms.
@@ -29,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import start_server, stop_server
+from tests.engine.test_server_api import assert_pools_at_totals, pools_whole
 
 FUZZ_CASES = 1000
 TIMEOUT = httpx.Timeout(30.0)
@@ -209,8 +213,8 @@ def cases(path: str) -> st.SearchStrategy[Case]:
         st.builds(lambda raw, ct: Case("raw", raw=raw, content_type=ct), RAW, CONTENT_TYPE),
         st.builds(lambda b, cut: Case("disconnect", b, cut_after=cut), UNKNOWN,
                   st.sampled_from([0, 1, 40, 400, 4000])),
-        st.builds(lambda b, rid: Case("duplicate", b, rid=rid),
-                  body.filter(lambda b: isinstance(b, dict)), st.text(min_size=1, max_size=10)),
+        st.builds(lambda stream, rid: Case("duplicate", {**VALID_BODIES[path], "stream": stream}, rid=rid),
+                  st.booleans(), st.text(min_size=1, max_size=10)),
     )
 
 
@@ -262,28 +266,49 @@ def run_case(client: httpx.Client, path: str, case: Case, seen: Counter) -> None
                     break
         seen["disconnects"] += 1
     else:
-        # The fuzzed body reuses the rid of a long stream in flight: refused (or, if the
-        # body is itself refused first, a 4xx), never a 5xx.
+        # A valid request reuses the rid of a long stream in flight: refused as SGLang
+        # refuses it, a 400 (a /generate stream: a 200 with one error frame).
         rid = case.rid
         long = {**LONG[path], "stream": True, "rid": rid}
         with client.stream("POST", path, content=_json(long), headers={"content-type": "application/json"}) as first:
-            assert first.status_code < 500
-            if first.status_code == 200:
-                next(first.iter_raw())  # in flight now
+            assert first.status_code == 200, (path, case, first.read()[:500])
+            # In flight now. Keep the iterator: dropped, it closes the connection, and the
+            # server lets the request (and its rid) go.
+            frames = first.iter_raw()
+            next(frames)
             with httpx.Client(base_url=str(client.base_url), timeout=TIMEOUT) as other:
                 r = _post(other, path, _json({**case.body, "rid": rid}), "application/json")
-            assert r.status_code < 500, (path, case, r.status_code, r.text[:500])
+            del frames
+        assert duplicate_refusal(path, case.body["stream"], r) == f"Duplicate request ID detected: {rid}", (path, case)
         seen["duplicates"] += 1
     seen["cases"] += 1
+
+
+def duplicate_refusal(path: str, stream: bool, r: httpx.Response) -> str:
+    """The message of SGLang's answer to a refused request: /generate's {"error":
+    {"message"}} (400, or a 200 stream of one error frame), /v1's flat ErrorResponse."""
+    if path == "/generate" and stream:
+        assert r.status_code == 200, r.text[:500]
+        frames = [b[len(b"data: "):] for b in r.content.split(b"\n\n") if b]
+        assert frames[-1] == b"[DONE]" and len(frames) == 2, frames
+        return json.loads(frames[0])["error"]["message"]
+    assert r.status_code == 400, r.text[:500]
+    body = r.json()
+    return body["error"]["message"] if path == "/generate" else body["message"]
 
 
 VALID = {"/generate": {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}}
 
 
 def still_serving(client: httpx.Client) -> None:
+    """/health, a valid request, and, when nothing runs, pools whose every page, SWA block
+    and slot is free or held by the prefix cache."""
     assert client.get("/health").status_code == 200
     r = client.post("/generate", json=VALID["/generate"])
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 1, r.text
+    state = client.get("/server_info").json()["internal_states"][0]
+    if state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0:
+        assert not pools_whole(state, flushed=False), (pools_whole(state, flushed=False), state)
 
 
 def drained(client: httpx.Client, within_s: float = 30.0) -> dict:
@@ -298,10 +323,10 @@ def drained(client: httpx.Client, within_s: float = 30.0) -> dict:
 
 
 @pytest.mark.parametrize("path", list(BODIES))
-def test_fuzz_http_edge(client, path, capsys):
+def test_fuzz_http_edge(fuzz_server, client, path, capsys):
     seen: Counter = Counter()
 
-    @settings(max_examples=FUZZ_CASES, deadline=None, database=None, print_blob=True,
+    @settings(max_examples=FUZZ_CASES, deadline=None, database=None, print_blob=True, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
                                      HealthCheck.large_base_example])
     @given(case=cases(path))
@@ -313,7 +338,7 @@ def test_fuzz_http_edge(client, path, capsys):
     fuzz()
     elapsed = time.perf_counter() - t0
     drained(client)
-    assert client.post("/flush_cache").status_code == 200
+    assert_pools_at_totals(fuzz_server.base_url)
     with capsys.disabled():
         detail = ", ".join(f"{k} {v}" for k, v in sorted(seen.items()) if k != "cases")
         print(f"\nfuzz {path}: {seen['cases']} cases in {elapsed:.1f} s ({detail})")
