@@ -74,15 +74,20 @@ def import_mooncake(path: Path) -> list[Session]:
     hash_ids). Timestamps become timestamp_s, relative to the first request.
 
     A request continues the session whose latest turn's full blocks are the longest prefix
-    of its own hash_ids, when that turn is shorter, started earlier, and its blocks reach
-    past the trace's shared prefix. Blocks are chained hashes (an id names its whole
-    prefix), so the trace's full blocks form a tree; where prompts continue with two
-    different full blocks, more than one conversation went through that block (a system
-    prompt, a shared document), and it and the blocks before it are shared. A link on
-    shared blocks alone would join unrelated requests into one session; they start
-    sessions of their own and still share tokens through their hash_ids. A request whose
-    prompt ends within the block after a shared prefix carries no evidence of its own; it
-    is linked only when the trace never diverges there."""
+    of its own hash_ids, when that turn is shorter, started earlier, and its last full
+    block is not shared. Blocks are chained hashes (an id names its whole prefix), so the
+    trace's blocks form a tree. A full block is shared when the requests through it
+    continue in ways one conversation could not: after it, two different full blocks (two
+    conversations, or one that branched), two different partial blocks
+    (prompts ending at different points of the next block: a system prompt and short
+    questions), or a shorter request after a longer one. One conversation continues in
+    one time-ordered chain: a turn ending exactly there, then one ending within the next
+    block, then turns through a full next block (the partial block got a new hash when
+    it filled). A link on shared blocks alone would join unrelated requests into one
+    session; they start sessions of their own and still share tokens through their
+    hash_ids. Where one conversation branches, its turns before the branch stay one
+    session (the blocks before the branch are not shared: their requests form a chain)
+    and each branch starts its own."""
     records = list(_trace_records(path))
     if not records:
         raise ValueError(f"{path}: no requests")
@@ -152,22 +157,27 @@ def _trace_records(path: Path):
 
 
 def _shared_blocks(records: list[dict]) -> set[int]:
-    """Blocks that more than one conversation went through: every full block after which
-    the trace's prompts continue with two different full blocks, and its ancestors."""
-    successors: dict[int, set[int]] = {}
-    parent: dict[int, int] = {}
-    for rec in records:
-        full = rec["hash_ids"][: rec["input_length"] // MOONCAKE_BLOCK]
-        for a, b in zip(full, full[1:]):
-            successors.setdefault(a, set()).add(b)
-            parent[b] = a
-    shared: set[int] = set()
-    for block, nxt in successors.items():
-        if len(nxt) < 2:
-            continue
-        while block is not None and block not in shared:  # a shared block's ancestors are shared
+    """Full blocks after which the trace's requests do not continue as one conversation
+    (see import_mooncake): their continuations, grouped by the next block (None where a
+    request ends with that block), are not one time-ordered chain of at most one group
+    ending there, then one ending within the next block, then one through a full block."""
+    # block -> next block -> [kind, first request, last request] (kinds: 0 ends here,
+    # 1 ends within the next block, 2 goes through it; requests by (timestamp, line))
+    groups: dict[int, dict[int | None, list]] = {}
+    for n, rec in enumerate(records):
+        ids = rec["hash_ids"]
+        full = min(rec["input_length"] // MOONCAKE_BLOCK, len(ids))
+        when = (rec.get("timestamp") or 0, n)
+        for k in range(full):
+            nxt = ids[k + 1] if k + 1 < len(ids) else None
+            kind = 0 if nxt is None else 2 if k + 1 < full else 1
+            group = groups.setdefault(ids[k], {}).setdefault(nxt, [kind, when, when])
+            group[0], group[1], group[2] = max(group[0], kind), min(group[1], when), max(group[2], when)
+    shared = set()
+    for block, by_next in groups.items():
+        chain = sorted(by_next.values(), key=lambda g: g[1])
+        if any(a[0] >= b[0] or a[2] >= b[1] for a, b in zip(chain, chain[1:])):
             shared.add(block)
-            block = parent.get(block)
     return shared
 
 
