@@ -5,12 +5,14 @@ streaming or not. Shapes follow python/sglang/srt/entrypoints/openai/ (protocol.
 response models as they serialize, serving_completions.py and serving_chat.py for the
 chunk sequence, usage_processor.py): a stream ends with a usage chunk when
 stream_options.include_usage is set, and with `data: [DONE]`. Requests are checked by
-remnant.engine.api; every refusal is SGLang's flat ErrorResponse with status 400 and type
-"BadRequestError" (serving_base.py create_error_response), before any stream starts. An
-engine abort is an ErrorResponse of its status (type "BadRequestError" for a 400, else the
-status number, as SGLang answers the HTTPException it raises); within a stream it is an
-error chunk whose type is the status's name ("INTERNAL_SERVER_ERROR"), as serving_chat.py
-and serving_completions.py send it. `model` is echoed back as SGLang echoes it.
+remnant.engine.api; every refusal is SGLang's flat ErrorResponse with status 400, before
+any stream starts: type "Bad Request" for a body its schema refuses (http_server.py's
+validation handler), "BadRequestError" for one prepare() refuses (serving_base.py
+create_error_response). An engine abort is an ErrorResponse of its status (type
+"BadRequestError" for a 400, else the status number, as SGLang answers the HTTPException
+it raises); within a stream it is an error chunk whose type is the status's name
+("INTERNAL_SERVER_ERROR"), as serving_chat.py and serving_completions.py send it.
+`model` is echoed back as SGLang echoes it.
 """
 
 from __future__ import annotations
