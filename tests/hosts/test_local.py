@@ -27,9 +27,8 @@ from remnant.hosts import HostError, ServerSpec, make_host
 from remnant.hosts.local import LABEL_RUN_DIR, LABEL_RUN_ID, context_digest, context_files
 from tests.signals import default_sigint
 
-# One worker runs every test here (pytest -n): they share the Docker Engine and build the
-# same images, which two workers would race to build.
-pytestmark = pytest.mark.xdist_group("docker")
+# (pytest -n runs this module in one worker, --dist loadfile: its tests share the Docker
+# Engine and build the same images, which two workers would race to build.)
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
