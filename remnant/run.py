@@ -154,6 +154,47 @@ def _write_error(path: Path, exc: OSError) -> str:
     return f"run.json could not be written to {path}: {exc.strerror or exc}"
 
 
+def workload_record(name: str, seed: int, plan=None) -> dict:
+    """run.json's `workload`: what `plan` (a remnant.workloads.WorkloadPlan) sends, or, for a
+    run that never planned its requests, the config's name and seed with no requests."""
+    if plan is None:
+        return {"name": name, "seed": seed, "fingerprint": "0" * 64, "dataset": None,
+                "counts": {"warmup": 0, "measured": 0}, "params": {}}
+    return {"name": plan.name, "seed": plan.seed, "fingerprint": plan.fingerprint(), "dataset": plan.dataset,
+            "counts": plan.counts(), "params": plan.params}
+
+
+def run_document(*, run_id: str, status: str, error: dict | None, started_at: str, ended_at: str,
+                 duration_s: float, config: dict, sources: dict, host: dict, workload: dict, limits: list[str],
+                 environment: dict | None = None, server_info: dict | None = None, phases: list | None = None,
+                 metrics: dict | None = None, failures: dict | None = None, client_stop: dict | None = None,
+                 artifacts: list | None = None) -> dict:
+    """run.json (schema remnant/run, RUN_SCHEMA_VERSION): every run writes this document,
+    one that ran and one whose config broke a rule alike. phases: dicts, as recorded."""
+    return {
+        "schema": "remnant/run",
+        "schema_version": RUN_SCHEMA_VERSION,
+        "run_id": run_id,
+        "status": status,
+        "error": error,
+        "started_at": started_at,
+        "ended_at": ended_at,
+        "duration_s": duration_s,
+        "config": config,
+        "sources": sources,
+        "host": host,
+        "environment": environment,
+        "server_info": server_info,
+        "workload": workload,
+        "phases": phases or [],
+        "metrics": metrics,
+        "failures": failures,
+        "client_stop": client_stop,
+        "artifacts": artifacts or [],
+        "limits": limits,
+    }
+
+
 def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progress: bool | None = None) -> RunOutcome:
     """Run `cfg` with its files in `run_dir`; returns where run.json is and how it ended.
 
@@ -183,14 +224,11 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     server_info = environment = metrics = failures = client_stop = None
     phases: list = []
     limits = _base_limits(cfg)
-    workload_rec = {"name": cfg.workload.name, "seed": cfg.workload.seed, "fingerprint": "0" * 64,
-                    "dataset": None, "counts": {"warmup": 0, "measured": 0}, "params": {}}
+    plan = None
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         stage.name = "workload"
         plan = plan_workload(cfg.workload, cfg.model)
-        workload_rec = {"name": plan.name, "seed": plan.seed, "fingerprint": plan.fingerprint(),
-                        "dataset": plan.dataset, "counts": plan.counts(), "params": plan.params}
         reuse = plan.params.get("reuse_factor")
         if reuse and reuse > 1:
             limits.append(f"the dataset's usable conversations were reused {reuse:.2f}x: repeated prompts hit "
@@ -209,8 +247,6 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             if needs_server_info(cfg.workload):
                 stage.name = "workload"
                 plan = plan_workload(cfg.workload, cfg.model, server_info)
-                workload_rec = {"name": plan.name, "seed": plan.seed, "fingerprint": plan.fingerprint(),
-                                "dataset": plan.dataset, "counts": plan.counts(), "params": plan.params}
             stage.name = "client"
             client = LoadClient(
                 endpoint.base_url, requests_path,
@@ -275,28 +311,14 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         run_sources = {**sources(), "image_digest": host_info.get("image_id")}
         if "sglang_version" in host_info:
             run_sources["sglang_version"] = host_info["sglang_version"]
-        doc = {
-            "schema": "remnant/run",
-            "schema_version": RUN_SCHEMA_VERSION,
-            "run_id": run_id,
-            "status": status,
-            "error": error,
-            "started_at": started_at,
-            "ended_at": _now(),
-            "duration_s": time.monotonic() - t_start,
-            "config": recorded_config(cfg),
-            "sources": run_sources,
-            "host": host_info,
-            "environment": environment,
-            "server_info": server_info,
-            "workload": workload_rec,
-            "phases": [p.to_dict() for p in phases],
-            "metrics": metrics if status in ("completed", "degraded") else None,
-            "failures": failures,
-            "client_stop": client_stop,
-            "artifacts": artifacts,
-            "limits": limits,
-        }
+        workload_rec = workload_record(cfg.workload.name, cfg.workload.seed, plan)
+        doc = run_document(
+            run_id=run_id, status=status, error=error, started_at=started_at, ended_at=_now(),
+            duration_s=time.monotonic() - t_start, config=recorded_config(cfg), sources=run_sources,
+            host=host_info, environment=environment, server_info=server_info, workload=workload_rec,
+            phases=[p.to_dict() for p in phases], metrics=metrics if status in ("completed", "degraded") else None,
+            failures=failures, client_stop=client_stop, artifacts=artifacts, limits=limits,
+        )
         path: Path | None = run_dir / RUN_JSON
         write_error = None
         try:
@@ -429,29 +451,13 @@ def record_config_error(run_dir: Path, config: dict, message: str, run_id: str |
     now = _now()
     workload = config.get("workload") if isinstance(config.get("workload"), dict) else {}
     host = config.get("host") if isinstance(config.get("host"), dict) else {}
-    doc = {
-        "schema": "remnant/run",
-        "schema_version": RUN_SCHEMA_VERSION,
-        "run_id": run_id or _new_run_id(),
-        "status": "failed",
-        "error": {"stage": "config", "type": "ConfigError", "message": message},
-        "started_at": now,
-        "ended_at": now,
-        "duration_s": 0.0,
-        "config": config,
-        "sources": sources(),
-        "host": {"kind": str(host.get("kind") or "unknown")},
-        "environment": None,
-        "server_info": None,
-        "workload": {"name": str(workload.get("name") or "unknown"),
-                     "seed": workload["seed"] if isinstance(workload.get("seed"), int) else 0,
-                     "fingerprint": "0" * 64, "dataset": None, "counts": {"warmup": 0, "measured": 0},
-                     "params": {}},
-        "phases": [],
-        "metrics": None,
-        "failures": None,
-        "client_stop": None,
-        "artifacts": [],
-        "limits": ["nothing ran: the configuration broke a rule"],
-    }
+    doc = run_document(
+        run_id=run_id or _new_run_id(), status="failed",
+        error={"stage": "config", "type": "ConfigError", "message": message},
+        started_at=now, ended_at=now, duration_s=0.0, config=config, sources=sources(),
+        host={"kind": str(host.get("kind") or "unknown")},
+        workload=workload_record(str(workload.get("name") or "unknown"),
+                                 workload["seed"] if isinstance(workload.get("seed"), int) else 0),
+        limits=["nothing ran: the configuration broke a rule"],
+    )
     return write_validated(Path(run_dir) / RUN_JSON, doc)

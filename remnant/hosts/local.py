@@ -261,22 +261,22 @@ class LocalHost:
                             f"(its output is in {spec.log_path.name})")
 
     def _environment(self, spec: ServerSpec, run_id: str, port: int, master_port: int) -> dict[str, str]:
-        env = {
+        """The container's environment: the image's contract (runners/docker/serve.sh) and
+        the plugin's settings, with the retention map where the container mounts it."""
+        from remnant.sglang.settings import Settings
+
+        ret = spec.retention
+        plugin = Settings(spec.mode) if ret is None else Settings(
+            spec.mode, tuple(ret.values()), RETENTION_MAP_MOUNT if ret.map_path else None, ret.policy)
+        return {
             **{str(k): str(v) for k, v in self.cfg.env.items()},
             "MODEL_PATH": MODEL_MOUNT,
             "PORT": str(port),
             "MASTER_PORT": str(master_port),
-            "REMNANT_MODE": spec.mode,
             "REMNANT_TP_SIZE": str(spec.model.tp_size),
             "REMNANT_RUN_ID": run_id,
+            **plugin.to_env(),
         }
-        if spec.retention is not None:
-            ret = spec.retention
-            env["REMNANT_RETENTION"] = ",".join(map(str, ret.per_layer)) if ret.per_layer else str(ret.retention)
-            env["REMNANT_RETENTION_POLICY"] = ret.policy
-            if ret.map_path:
-                env["REMNANT_RETENTION_MAP"] = RETENTION_MAP_MOUNT
-        return env
 
     @contextlib.contextmanager
     def serve(self, spec: ServerSpec) -> Iterator[Endpoint]:

@@ -10,6 +10,11 @@ so the settings travel as environment variables, which child processes inherit;
     REMNANT_RETENTION_MAP  a remnant/retention-map JSON file naming the kept coordinates
                            (and R) per CSA layer; without one the `prefix` baseline keeps
                            the first R - 64 NoPE coordinates
+    REMNANT_RETENTION_POLICY  the run config's policy; without a map only `prefix` is
+                           accepted (SGLang cannot calibrate at load)
+
+`Settings.to_env` writes these variables (the hosts that start SGLang use it), `from_env`
+reads them.
 
 Rules (the run configs' own, remnant.config.check_packed_rules): kernel supports R=256
 only; any R != 256 requires HiCache off (checked against SGLang's
@@ -51,10 +56,26 @@ class Settings:
     mode: str = "native"
     retention: tuple[int, ...] = (KERNEL_RETENTION,)
     map_path: str | None = None
+    #: The run config's retention.policy, passed on so that the plugin refuses a policy it
+    #: cannot calibrate instead of silently keeping the prefix coordinates (None: not given).
+    policy: str | None = None
 
     @property
     def packed(self) -> bool:
         return self.mode != "native"
+
+    def to_env(self) -> dict[str, str]:
+        """The REMNANT_* variables that `from_env` reads back as these settings: what a host
+        exports to the server's processes. Native carries no retention, as it ignores it."""
+        env = {ENV_MODE: self.mode}
+        if not self.packed:
+            return env
+        env[ENV_RETENTION] = _retention_label(self.retention)
+        if self.map_path is not None:
+            env[ENV_RETENTION_MAP] = os.path.abspath(self.map_path)
+        if self.policy is not None:
+            env[ENV_RETENTION_POLICY] = self.policy
+        return env
 
     def values(self, n_csa: int) -> list[int]:
         """R of each of the model's `n_csa` CSA layers."""
@@ -126,19 +147,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(
             f"{ENV_RETENTION_POLICY}={policy} needs calibration captures, which the SGLang server does not take; "
             f"give {ENV_RETENTION_MAP} (built with python -m remnant.kv.build_map) or {ENV_RETENTION_POLICY}=prefix")
-    settings = Settings(mode=mode, retention=retention, map_path=map_path)
+    settings = Settings(mode=mode, retention=retention, map_path=map_path, policy=policy)
     check_packed_rules(mode, list(retention), False, _retention_label(retention))
     return settings
-
-
-def to_env(mode: str, retention: str | None = None, map_path: str | None = None) -> dict[str, str]:
-    """The REMNANT_* variables for these settings (what the launcher exports)."""
-    env = {ENV_MODE: mode}
-    if retention is not None:
-        env[ENV_RETENTION] = retention
-    if map_path is not None:
-        env[ENV_RETENTION_MAP] = os.path.abspath(map_path)
-    return env
 
 
 def check_sglang_version(version: str) -> None:

@@ -119,27 +119,29 @@ def launch_plan(request, settings: Settings, checkpoint: Path, workdir: Path) ->
     """The server's command line and environment for a ServeRequest (remnant.hosts.modal).
 
     The environment is the Docker image's contract (runners/docker/Dockerfile): MODEL_PATH,
-    PORT, REMNANT_MODE, REMNANT_RETENTION (comma-separated per layer), REMNANT_RETENTION_MAP,
-    REMNANT_RETENTION_POLICY, REMNANT_TP_SIZE, REMNANT_RUN_ID. A retention map sent inline
-    is written under `workdir`.
+    PORT, REMNANT_TP_SIZE, REMNANT_RUN_ID, and the plugin's REMNANT_* settings as
+    remnant.sglang.settings.Settings.to_env writes them. A retention map sent inline is
+    written under `workdir`.
     """
+    from remnant.sglang.settings import Settings as PluginSettings
+
+    plugin = PluginSettings(request.mode)
+    if request.mode != "native" and request.retention is not None:
+        map_path = None
+        if request.retention_map is not None:
+            workdir.mkdir(parents=True, exist_ok=True)
+            map_path = workdir / "retention-map.json"
+            map_path.write_text(request.retention_map)
+        plugin = PluginSettings(request.mode, tuple(request.retention), None if map_path is None else str(map_path),
+                                request.retention_policy or None)
     env = {
         **request.env,
         "MODEL_PATH": str(checkpoint),
         "PORT": str(settings.port),
-        "REMNANT_MODE": request.mode,
         "REMNANT_TP_SIZE": str(request.tp_size),
         "REMNANT_RUN_ID": request.run_id,
+        **plugin.to_env(),
     }
-    if request.mode != "native" and request.retention is not None:
-        env["REMNANT_RETENTION"] = ",".join(str(v) for v in request.retention)
-        if request.retention_policy:
-            env["REMNANT_RETENTION_POLICY"] = request.retention_policy
-        if request.retention_map is not None:
-            workdir.mkdir(parents=True, exist_ok=True)
-            path = workdir / "retention-map.json"
-            path.write_text(request.retention_map)
-            env["REMNANT_RETENTION_MAP"] = str(path)
     # The entry binds 127.0.0.1; a tunnel reaches the container's own address, so bind all.
     # SGLang's argument parser keeps the last --host.
     argv = ["bash", SERVER_ENTRY, "--host", "0.0.0.0", *request.server_args]

@@ -11,7 +11,6 @@ from remnant.sglang.settings import (
     check_sglang_version,
     from_env,
     parse_retention,
-    to_env,
 )
 
 
@@ -68,9 +67,18 @@ def test_unsupported_sglang_names_the_supported_versions():
 
 def test_parse_and_export():
     assert parse_retention("64,448") == (64, 448)
-    env = to_env("triton", "192", "map.json")
+    env = Settings("triton", (192,), "map.json").to_env()
     assert env["REMNANT_MODE"] == "triton" and env["REMNANT_RETENTION"] == "192"
     assert env["REMNANT_RETENTION_MAP"].endswith("/map.json")
+
+
+def test_exported_settings_read_back_as_themselves(tmp_path):
+    map_file = tmp_path / "map.json"
+    map_file.write_text("{}")
+    for s in (Settings(), Settings("kernel", (256,), policy="prefix"), Settings("triton", (256, 192)),
+              Settings("triton", (192,), str(map_file), "attention")):
+        assert from_env(s.to_env()) == s
+    assert Settings("native", (192,), str(map_file), "attention").to_env() == {"REMNANT_MODE": "native"}
 
 
 def test_a_policy_sglang_cannot_calibrate_is_refused_without_a_map(tmp_path):
