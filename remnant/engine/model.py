@@ -642,7 +642,7 @@ class Model:
         return decode(q, c4, c4_layout, c4_locs, ring, ring_layout, window_locs, layer.sink, columns,
                       self.scale, columns="kept_first" if li in self.folded_weights else "natural",
                       window_columns="kept_first" if fmt.window_kept_first else "natural",
-                      **_decode_config(q.shape[1]))
+                      config=_decode_config(q.shape[1]))
 
     def _window_locations(self, seqs: list, pools) -> torch.Tensor:
         """Ring slots of each new token's window, int64 [B, window]: positions L-window+1..L
@@ -696,11 +696,13 @@ def _record_pages(li: int, layer: Layer, pools):
     return pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
 
 
-def _decode_config(heads: int) -> dict:
-    """Launch settings of remnant.kernels.decode: its defaults, tuned for V4's 64 heads; for
-    16 heads or fewer (the tiny model has 8), blocks of 16 heads (tl.dot's minimum) on 4
-    warps, as tests/kernels/test_decode.py also runs it compiled."""
-    return {"h_block": 16, "num_warps": 4} if heads <= 16 else {}
+def _decode_config(heads: int) -> "DecodeConfig | None":
+    """Launch settings of remnant.kernels.decode: its plan's own (None), tuned for V4's 64
+    heads; for 16 heads or fewer (the tiny model has 8), blocks of 16 heads (tl.dot's
+    minimum) on 4 warps, as tests/kernels/test_decode.py also runs it compiled."""
+    from remnant.kernels.plan import DecodeConfig
+
+    return DecodeConfig(h_block=16, num_warps=4) if heads <= 16 else None
 
 
 @dataclass

@@ -261,34 +261,22 @@ class DecodeCase:
     split_plan: str | None = None  # how splits share the records (decode's split_plan); None: split_plan_for
     join: str | None = None  # how splits join (decode's join); None: join_for
 
-    def resolved_window_apart(self, h_block: int = H_BLOCK) -> bool:
-        """Whether decode runs the window in a program of its own for this case."""
-        from remnant.kernels.decode import window_apart_for
+    def plan(self, launch: dict):
+        """decode's plan for this case at the launch settings `launch` (h_block, num_warps
+        and the loop settings: a tuned config) on this GPU: remnant.kernels.plan.plan_decode,
+        as decode itself makes it."""
+        from remnant.kernels.plan import DecodeConfig, plan_decode
 
-        return window_apart_for(self.window_apart, self.variant == "packed", self.columns, self.window_columns,
-                                self.window, self.splits, self.batch * math.ceil(HEADS / h_block), torch.device("cuda"))
+        config = DecodeConfig(**launch, splits=self.splits, window_apart=self.window_apart,
+                              split_plan=self.split_plan, join=self.join)
+        return plan_decode(self.batch, HEADS, self.window, self.topk, self.variant == "packed", torch.device("cuda"),
+                           columns=self.columns, window_columns=self.window_columns, config=config)
 
-    def split_details(self, config: dict) -> dict:
-        """What decode chooses for this case's splits under `config`: the partials' dtype,
-        the split plan and the join (each None for one split)."""
-        from remnant.kernels.decode import join_for, partials_for, split_plan_for
 
-        splits = self.resolved_splits(config)
-        packed = self.variant == "packed"
-        window_apart = self.resolved_window_apart(config["h_block"])
-        return {"partials": partials_for(None, splits),
-                "split_plan": split_plan_for(self.split_plan, splits, packed,
-                                             packed and self.window_columns == "kept_first", window_apart),
-                "join": join_for(self.join, splits, packed and self.columns == "natural", window_apart,
-                                 torch.device("cuda"))}
-
-    def resolved_splits(self, config: dict) -> int:
-        """The splits decode runs for this case under `config` (which names every loop setting)."""
-        from remnant.kernels.decode import split_count
-
-        return split_count(self.splits, self.batch * math.ceil(HEADS / config["h_block"]), self.window, self.topk,
-                           config["block_n"], config["window_block_n"], torch.device("cuda"),
-                           self.resolved_window_apart(config["h_block"]))
+def _plan_fields(plan) -> dict:
+    """A decode row's record of its plan: the splits and what decode chose for them."""
+    return {"splits": plan.splits, "window_apart": plan.window_apart, "partials": plan.partials,
+            "split_plan": plan.split_plan, "join": plan.join}
 
 
 def _decode_bytes_flops(case: DecodeCase, window_apart: bool = False) -> tuple[int, float]:
@@ -359,10 +347,11 @@ class DecodeInputs:
             self.pools[retention] = (layout, self._random_records(layout, self.c4_records), keep)
         return self.pools[retention]
 
-    def check(self, case: DecodeCase, config: dict) -> float:
-        return _check_decode(self, case, config)
+    def check(self, case: DecodeCase, plan) -> float:
+        return _check_decode(self, case, plan)
 
-    def call_sets(self, case: DecodeCase, l2_bytes: int, config: dict, compiled: list | None = None) -> list:
+    def call_sets(self, case: DecodeCase, l2_bytes: int, plan, compiled: list | None = None) -> list:
+        """Timed calls of `case`, each on inputs of its own, running `plan` (case.plan)."""
         from remnant.kernels.decode import decode
 
         layout, pool, keep = self.pool(512 if case.variant == "native" else case.retention)
@@ -374,10 +363,8 @@ class DecodeInputs:
             q, c4_locs, win_locs = self._random_call(case.batch, case.topk, case.window)
             out = torch.empty_like(q)
             calls.append(lambda q=q, c=c4_locs, w=win_locs, out=out: decode(
-                q, pool, layout, c, window, self.window_layout, w, sink,
-                keep, out=out, columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config),
-                window_apart=case.resolved_window_apart(config["h_block"]), split_plan=case.split_plan,
-                join=case.join, compiled=compiled, **config))
+                q, pool, layout, c, window, self.window_layout, w, sink, keep, columns=case.columns,
+                window_columns=case.window_columns, out=out, config=plan, compiled=compiled))
         return calls
 
 
@@ -522,7 +509,7 @@ def check_copies(gen: torch.Generator) -> list[dict]:
     return checks
 
 
-def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> float:
+def _check_decode(inputs: "DecodeInputs", case: DecodeCase, plan) -> float:
     """Worst relative error of the kernel against remnant.kv.paged's float64 reference.
 
     Four tokens drawn from the benchmark's own pools (with -1 padding in one), each
@@ -541,17 +528,15 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, config: dict) -> flo
     sink = torch.randn(HEADS, device="cuda")
     out = torch.full_like(q, float("nan"))
     window = inputs.window
-    # The timed case's splits, whatever this check's batch would choose.
-    orders = dict(columns=case.columns, window_columns=case.window_columns, splits=case.resolved_splits(config),
-                  window_apart=case.resolved_window_apart(config["h_block"]), split_plan=case.split_plan,
-                  join=case.join)
+    # The timed case's plan (its splits, whatever this check's batch would choose).
+    orders = dict(columns=case.columns, window_columns=case.window_columns, config=plan)
     if case.columns == "kept_first":  # q in and out back in kept-first order, compared in the model's
         got = torch.full_like(q, float("nan"))
         decode(q[:, :, keep.order], pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep,
-               out=got, **orders, **config)
+               out=got, **orders)
         out[:, :, keep.order] = got
     else:
-        decode(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep, out=out, **orders, **config)
+        decode(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep, out=out, **orders)
     if case.variant == "native":
         ref = decode_native(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, reference=True)
     else:
@@ -637,7 +622,7 @@ DECODE_FORMS = {
 DECODE_STAGES = (1, 2, 3)
 
 
-# The decode defaults (remnant.kernels.decode.DEFAULT_CONFIGS) of each tuned kind.
+# The decode defaults (remnant.kernels.plan.DEFAULT_CONFIGS) of each tuned kind.
 DEFAULT_OF_KIND = {("native", "natural", False): "native", ("packed", "natural", False): "packed",
                    ("packed", "natural", True): "packed, window apart",
                    ("packed", "kept_first", False): "packed, kept-first window"}
@@ -647,7 +632,7 @@ def decode_configs(kind: tuple[str, str, bool], quick: bool, defaults: bool = Fa
     """The configs tune_decode times for `kind`: every form at every depth, the first form
     at one stage (quick), or decode's own default (defaults: the tuning's winner)."""
     if defaults:
-        from remnant.kernels.decode import DEFAULT_CONFIGS
+        from remnant.kernels.plan import DEFAULT_CONFIGS
 
         return [dict(h_block=H_BLOCK, num_warps=8, **DEFAULT_CONFIGS[DEFAULT_OF_KIND[kind]])]
     forms = DECODE_FORMS[kind][:1] if quick else DECODE_FORMS[kind]
@@ -664,19 +649,19 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
         variant, window_columns, window_apart = kind
         case = DecodeCase(variant, 512 if variant == "native" else KERNEL_R, batch, TOPK, WINDOW,
                           window_columns=window_columns, window_apart=window_apart if variant == "packed" else None)
-        nbytes, flops = _decode_bytes_flops(case, case.resolved_window_apart())
+        nbytes, flops = _decode_bytes_flops(case, _window_apart(case))
         for config in decode_configs(kind, quick, defaults):
             compiled: list = []
             try:
-                error = inputs.check(case, config)
-                seconds = _sync_time_graph(inputs.call_sets(case, ceil.l2_bytes, config, compiled), reps)
+                plan = case.plan(config)
+                error = inputs.check(case, plan)
+                seconds = _sync_time_graph(inputs.call_sets(case, ceil.l2_bytes, plan, compiled), reps)
             except Exception as exc:  # a config that does not compile or launch is recorded, not fatal
                 rows.append({"variant": variant, "window_columns": window_columns, "config": config,
                              "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
-            row = {"variant": variant, "window_columns": window_columns, "config": config,
-                   "splits": case.resolved_splits(config), "window_apart": case.resolved_window_apart(config["h_block"]),
-                   **case.split_details(config), "max_rel_error": error,
+            row = {"variant": variant, "window_columns": window_columns, "config": config, **_plan_fields(plan),
+                   "max_rel_error": error,
                    **_compiled_info(compiled), **_roofline(seconds, nbytes, flops, ceil)}
             rows.append(row)
             _progress_row(row)
@@ -690,23 +675,29 @@ def tune_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, quick: bool, ba
     return rows, {kind: c for kind, (c, _) in best.items()}
 
 
+def _window_apart(case: DecodeCase) -> bool:
+    """Whether decode runs the window of `case` in a program of its own (which the tuned
+    kind and the FLOP count follow), at 64 heads per program."""
+    return case.plan({"h_block": H_BLOCK}).window_apart
+
+
 def _tuned_kind(case: DecodeCase) -> tuple[str, str, bool]:
-    return case.variant, case.window_columns if case.variant == "packed" else "natural", case.resolved_window_apart()
+    return case.variant, case.window_columns if case.variant == "packed" else "natural", _window_apart(case)
 
 
 def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, cases: list[DecodeCase]) -> list[dict]:
     rows = []
     for case in cases:
         config = best[_tuned_kind(case)]
-        nbytes, flops = _decode_bytes_flops(case, case.resolved_window_apart())
+        plan = case.plan(config)
+        nbytes, flops = _decode_bytes_flops(case, plan.window_apart)
         compiled: list = []
-        seconds = _sync_time_graph(inputs.call_sets(case, ceil.l2_bytes, config, compiled), reps)
+        seconds = _sync_time_graph(inputs.call_sets(case, ceil.l2_bytes, plan, compiled), reps)
+        fields = _plan_fields(plan)
         rows.append({"variant": case.variant, "retention": case.retention, "batch": case.batch, "topk": case.topk,
                      "window": case.window, "columns": case.columns, "window_columns": case.window_columns, "heads": HEADS,
-                     "config": config, "splits": case.resolved_splits(config), "auto_splits": case.splits is None,
-                     "window_apart": case.resolved_window_apart(config["h_block"]),
-                     **case.split_details(config), **_compiled_info(compiled),
-                     **_roofline(seconds, nbytes, flops, ceil)})
+                     "config": config, "splits": fields.pop("splits"), "auto_splits": case.splits is None, **fields,
+                     **_compiled_info(compiled), **_roofline(seconds, nbytes, flops, ceil)})
         _progress_row(rows[-1])
     return rows
 
@@ -722,7 +713,7 @@ DECODE_BATCHES = [1, 16, 32, 64, 128, 256, 512]
 def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[DecodeCase]:
     """The decode rows' cases; multiprocessors (default: this GPU's) sets the split counts
     of the rows that time the other split plan at auto_splits' count."""
-    from remnant.kernels.decode import split_plan_for, splits_for
+    from remnant.kernels.plan import split_plan_for, splits_for
 
     if multiprocessors is None:
         multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count

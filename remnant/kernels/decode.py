@@ -4,7 +4,7 @@ records; the engine also passes HCA layers' C128 records, or none, in the same s
 For each decode token b and each block of H_BLOCK query heads, one program (or `splits`
 programs, each over a share of the records, their partial outputs written in float32 or
 row-scaled float16 and joined by their log-sum-exp: by _combine_kernel, or, for two splits
-launched as one cluster of two CTAs, by the splits themselves: join_for) runs one online
+launched as one cluster of two CTAs, by the splits themselves) runs one online
 softmax over the attention sink, W window tokens and K selected C4 records, V = K (the same
 512-vector), as DeepSeek-V4's sparse MLA decode does. Window tokens are native records;
 C4 records are native (the stock baseline) or packed (kernel mode).
@@ -36,7 +36,10 @@ batch fills the GPU, the window gets a program of its own instead (window_apart)
 runs the native program over the window, the other splits the packed program over the C4
 records with q read through the kept columns, and the join (_combine_kernel) reads each
 partial in its own order. That avoids the fused program's window loop, whose codes are
-read by column index (on the H200 at batch 128: 92 us against 115).
+read by column index.
+
+Which of these runs, with which launch settings, is remnant.kernels.plan's DecodePlan
+(plan_decode); `decode` takes the data and, optionally, a DecodeConfig or a DecodePlan.
 """
 
 from __future__ import annotations
@@ -50,52 +53,19 @@ from triton.runtime.errors import OutOfResources
 
 from remnant.kernels.common import (alignment, byte_permute, check_locs, interpreted, launch_in_pairs,
                                    record_addresses)
+from remnant.kernels.plan import DecodeConfig, DecodePlan, plan_decode, window_step_cost
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
 from remnant.kv.paged import KeptColumns, PageLayout
 
 LOG2E = 1.4426950408889634
-COLUMN_ORDERS = ("natural", "kept_first")
 LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)
 EMPTY_MAX: tl.constexpr = tl.constexpr(-1e30)  # the running max of a split before its first record
-MAX_SPLITS = 16
 PARTIAL_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-SPLIT_PLANS = ("even", "by_cost")
-JOINS = ("kernel", "exchange")
-# How many C4 steps one window step costs when splits are cut by cost (split_plan
-# "by_cost"). Packed: its window step (32 tokens, four column sets) against its C4 step (64
-# records); on the H200, of 1, 1.34 (the two loops' per-step times in the ninth round's
-# stamps), 2 and 2.5, 2 was fastest at 8 splits (NOTES.md, tenth round). Native: both loops
-# step over 32 native records the same way, so 1 (at 2, two splits at batch 64 gave split 0
-# the window and 4 of the 16 C4 steps, split 1 the other 12: +11%; NOTES.md, eleventh round).
-PACKED_WINDOW_STEP_COST = 2
-NATIVE_WINDOW_STEP_COST = 1
-# The fewest splits at which decode cuts the folded call's by cost unless told, and the
-# split counts at which it cuts the native kernel's so (split_plan_for).
-BY_COST_FROM_SPLITS = 8
-NATIVE_BY_COST_SPLITS = (2,)
 # Heads per program and warps of the join (_combine_kernel) and of the permute pass
-# (permute_columns). Reading a row by index is one 2-byte load per value, and at 8 heads
-# per program those loads held SGLang's call (natural q and out) 7-11 us above the folded
-# one at batch 1-64; 2 heads per program spreads them over four times the programs: on the
-# H200 that call ran 29.9 -> 23.7 us at batch 1, 34.5 -> 29.6 at 16 and 68.1 -> 63.0 at 64,
-# native's and the folded call's joins 0-11% faster, the permute pass 6.5 -> 4.6 us at
-# batch 64 (NOTES.md, thirteenth round).
+# (permute_columns). Reading a row by index is one 2-byte load per value; 2 heads per
+# program spread those loads over four times the programs of 8 (NOTES.md, thirteenth round).
 JOIN_LAUNCH = (2, 4)
 PERMUTE_LAUNCH = (2, 2)
-# The fastest launch settings per kernel in the tuning of an H200 (remnant-kernels,
-# benchmarks/kernels/h200-2026-12-01-r6.json; NOTES.md, fifth round): 64 heads per program
-# on 8 warps, then these. Packed window records in natural order are read by column index,
-# a pointer per byte, whose registers make 16 records per step their best (more spill).
-DEFAULT_CONFIGS = {
-    "native": dict(block_n=32, num_stages=3, scores_transposed=True, window_block_n=32, window_scores_transposed=True),
-    "packed": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=16, window_scores_transposed=True),
-    "packed, kept-first window": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
-                                      window_scores_transposed=False),
-    # The window in a program of its own (decode's window_apart): the native kernel's
-    # window loop, the packed kernel's C4 loop.
-    "packed, window apart": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
-                                 window_scores_transposed=True),
-}
 
 
 @triton.jit
@@ -103,8 +73,7 @@ def _locations(locs_ptr, n, count):
     """The locations listed at locs_ptr[n], -1 (invalid) for n >= count.
 
     Each loop loads the next step's locations at the top of the current step, so a step
-    waits for one memory round trip (its records), not two (locations, then records):
-    4-7% on the H200 without the window (benchmarks/kernels/NOTES.md)."""
+    waits for one memory round trip (its records), not two (locations, then records)."""
     return tl.load(locs_ptr + n, mask=n < count, other=-1)
 
 
@@ -188,7 +157,7 @@ def _tile_start_scales(scales, col, starts_ptr):
     later when j >= start t, so a select chain over the 7 tile scales compares positions
     with 7 scalars. Used where a selector per column would be held in the transposed
     product's operand layout, in which each thread holds many columns and the selectors
-    spilled (packed decode, batch 128: 181 us against 121; NOTES.md, fifth round)."""
+    spilled (NOTES.md, fifth round)."""
     scale = tl.broadcast_to(_tile_scale(scales, 0)[:, None], (scales.shape[0], col.shape[0]))
     for t in tl.static_range(1, 7):
         scale = tl.where(col[None, :] >= tl.load(starts_ptr + t), _tile_scale(scales, t)[:, None], scale)
@@ -312,18 +281,20 @@ def _native_program(q_row, h_ok, o_row, m, l, qk_scale,
     q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
     acc_full = tl.zeros((H_BLOCK, 512), dtype=tl.float32)
     acc_rope = tl.zeros((H_BLOCK, 64), dtype=tl.float32)
-    m, l, acc_full, acc_rope = _native_loop(win_ptr, win_locs, win_lo, win_hi, WIN_BN, WIN_PER_PAGE, WIN_ALIGN,
-                                            win_stride, q_full, q_full_t, q_rope, q_rope_t, qk_scale, m, l,
-                                            acc_full, acc_rope, WIN_SCORES_T, INTERPRETED)
+    m, l, acc_full, acc_rope = _native_loop(
+        ptr=win_ptr, locs=win_locs, lo=win_lo, hi=win_hi, STEP=WIN_BN, PER_PAGE=WIN_PER_PAGE, ALIGN=WIN_ALIGN,
+        stride=win_stride, q_full=q_full, q_full_t=q_full_t, q_rope=q_rope, q_rope_t=q_rope_t, qk_scale=qk_scale,
+        m=m, l=l, acc_full=acc_full, acc_rope=acc_rope, SCORES_T=WIN_SCORES_T, INTERPRETED=INTERPRETED)
     # When the window loop and the C4 loop take scores in different forms (q in registers,
     # or q^T in shared memory), the second loop loads q again (from L2) rather than hold
     # both forms through both loops.
     if WIN_SCORES_T != SCORES_T:
         q_full, q_full_t = _load_q(q_row, h_ok, d, d_ok)
         q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
-    m, l, acc_full, acc_rope = _native_loop(c4_ptr, c4_locs, c4_lo, c4_hi, BN, C4_PER_PAGE, C4_ALIGN, c4_stride,
-                                            q_full, q_full_t, q_rope, q_rope_t, qk_scale, m, l, acc_full, acc_rope,
-                                            SCORES_T, INTERPRETED)
+    m, l, acc_full, acc_rope = _native_loop(
+        ptr=c4_ptr, locs=c4_locs, lo=c4_lo, hi=c4_hi, STEP=BN, PER_PAGE=C4_PER_PAGE, ALIGN=C4_ALIGN,
+        stride=c4_stride, q_full=q_full, q_full_t=q_full_t, q_rope=q_rope, q_rope_t=q_rope_t, qk_scale=qk_scale,
+        m=m, l=l, acc_full=acc_full, acc_rope=acc_rope, SCORES_T=SCORES_T, INTERPRETED=INTERPRETED)
     inv_l = _inverse_sum(l, SPLIT)
     row_scale = tl.full((H_BLOCK,), 1.0, tl.float32)
     if SCALED:
@@ -388,8 +359,8 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
 
     out is written in kept-first column order (KeptColumns.order): the N kept columns in
     map order, then the 448 - N dropped ones, then RoPE at 448, so both column sets store
-    contiguously (scattered bf16 stores of the output by column index cost the H200 56 us of
-    a 186 us call at batch 128); q is read in that order too or, Q_GATHER, from the model's
+    contiguously (scattered bf16 stores of the output by column index cost a large part of
+    the call); q is read in that order too or, Q_GATHER, from the model's
     order through the column tables. Each set has its accumulators: acc_kept (C4 records
     and window tokens add to it) and acc_drop (window tokens only). C4 records come first,
     so acc_drop is live only in the window loop (the softmax does not depend on the order).
@@ -439,8 +410,8 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
         # Window tokens: native records. In natural order their codes are read by native
         # column index into both sets; the index loads hold a pointer per byte, so this
         # loop runs best at 16 records per step (its registers bound the whole kernel's),
-        # and it cost the packed kernel 67 us of 130 on the H200 against the native
-        # kernel's 20 us for the same tokens (hence window_apart). WIN_KEPT_FIRST:
+        # and it cost the packed kernel several times the native kernel's window loop
+        # (hence window_apart). WIN_KEPT_FIRST:
         # kept-first window records (store_kept_first), read as runs of words.
         tl.static_assert(not Q_GATHER, "q through the kept columns is for programs without the window")
         i = tl.arange(0, DP)
@@ -450,8 +421,7 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
             # Their scale tiles are of 64 kept-first positions, so a column's selector
             # follows from its position, as a native column's from its index: computed in
             # place, not held. Held (natural tiles: the kept and dropped lists' selectors)
-            # they spilled, 60 values against 22, and took the folded call 3-4 us more on the
-            # H200 at batch 64 and 128 (NOTES.md, fifteenth round).
+            # they spilled, 60 values against 22 (NOTES.md, fifteenth round).
             # (Padding positions past 448, as at N = 64 with 384 dropped in 512, take the
             # zero pad byte's selector: their codes are masked to 0, and a tile-8 selector
             # would have prmt replicate a sign instead.)
@@ -598,25 +568,31 @@ def _decode_kernel(
         # natural window records by column index into kept-first sets cost the fused
         # program as much as its C4 records (benchmarks/kernels/NOTES.md).
         if split == 0:  # an empty C4 range: only the window's steps run
-            m, l, row_scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                              win_ptr, win_locs, 0, W, win_stride, c4_ptr, c4_locs, 0, 0, c4_stride,
-                                              WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
-                                              SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
+            m, l, row_scale = _native_program(
+                q_row=q_row, h_ok=h_ok, o_row=o_row, m=m, l=l, qk_scale=qk_scale,
+                win_ptr=win_ptr, win_locs=win_locs, win_lo=0, win_hi=W, win_stride=win_stride,
+                c4_ptr=c4_ptr, c4_locs=c4_locs, c4_lo=0, c4_hi=0, c4_stride=c4_stride,
+                WIN_PER_PAGE=WIN_PER_PAGE, WIN_ALIGN=WIN_ALIGN, C4_PER_PAGE=C4_PER_PAGE, C4_ALIGN=C4_ALIGN,
+                H_BLOCK=H_BLOCK, BN=BN, WIN_BN=WIN_BN, SCORES_T=SCORES_T, WIN_SCORES_T=WIN_SCORES_T, SPLIT=SPLIT,
+                SCALED=SCALED, INTERPRETED=INTERPRETED)
         else:
             c4_lo = (split - 1) * c4_chunk
-            m, l, row_scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                              win_ptr, win_locs, 0, 0, win_stride,
-                                              c4_ptr, c4_locs, c4_lo, tl.minimum(K, c4_lo + c4_chunk), c4_stride,
-                                              kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
-                                              WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP,
-                                              H_BLOCK, BN, WIN_BN, WIN_KEPT_FIRST, False, True, SCORES_T, WIN_SCORES_T,
-                                              SPLIT, SCALED, INTERPRETED)
+            m, l, row_scale = _packed_program(
+                q_row=q_row, h_ok=h_ok, o_row=o_row, m=m, l=l, qk_scale=qk_scale,
+                win_ptr=win_ptr, win_locs=win_locs, win_lo=0, win_hi=0, win_stride=win_stride,
+                c4_ptr=c4_ptr, c4_locs=c4_locs, c4_lo=c4_lo, c4_hi=tl.minimum(K, c4_lo + c4_chunk),
+                c4_stride=c4_stride, kept_ptr=kept_ptr, dropped_ptr=dropped_ptr, kept_starts_ptr=kept_starts_ptr,
+                dropped_starts_ptr=dropped_starts_ptr,
+                WIN_PER_PAGE=WIN_PER_PAGE, WIN_ALIGN=WIN_ALIGN, C4_PER_PAGE=C4_PER_PAGE, C4_ALIGN=C4_ALIGN,
+                N=N, KA=KA, KA_N=KA_N, KT=KT, DP=DP, H_BLOCK=H_BLOCK, BN=BN, WIN_BN=WIN_BN,
+                WIN_KEPT_FIRST=WIN_KEPT_FIRST, WITH_WINDOW=False, Q_GATHER=True, SCORES_T=SCORES_T,
+                WIN_SCORES_T=WIN_SCORES_T, SPLIT=SPLIT, SCALED=SCALED, INTERPRETED=INTERPRETED)
     else:
         # This program's share of the window and of the C4 records (all of them unless
         # SPLIT): a share of each (split_plan "even"), or BY_COST steps p0..p1 of the
         # window's steps followed by the C4 records' (_split_step). Two branches, not one
-        # formula: the same ranges computed another way compiled to code 3-7% slower
-        # (NOTES.md, tenth round).
+        # formula: the same ranges computed another way compiled to slower code (NOTES.md,
+        # tenth round).
         if BY_COST:
             win_steps = tl.cdiv(W, WIN_BN)
             p0 = _split_step(split, n_splits, win_steps, tl.cdiv(K, BN), WIN_STEP_COST)
@@ -631,19 +607,24 @@ def _decode_kernel(
             c4_lo = split * c4_chunk
             c4_hi = tl.minimum(K, c4_lo + c4_chunk)
         if PACKED:
-            m, l, row_scale = _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                              win_ptr, win_locs, win_lo, win_hi, win_stride,
-                                              c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
-                                              kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
-                                              WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, N, KA, KA_N, KT, DP,
-                                              H_BLOCK, BN, WIN_BN, WIN_KEPT_FIRST, True, False, SCORES_T, WIN_SCORES_T,
-                                              SPLIT, SCALED, INTERPRETED)
+            m, l, row_scale = _packed_program(
+                q_row=q_row, h_ok=h_ok, o_row=o_row, m=m, l=l, qk_scale=qk_scale,
+                win_ptr=win_ptr, win_locs=win_locs, win_lo=win_lo, win_hi=win_hi, win_stride=win_stride,
+                c4_ptr=c4_ptr, c4_locs=c4_locs, c4_lo=c4_lo, c4_hi=c4_hi, c4_stride=c4_stride,
+                kept_ptr=kept_ptr, dropped_ptr=dropped_ptr, kept_starts_ptr=kept_starts_ptr,
+                dropped_starts_ptr=dropped_starts_ptr,
+                WIN_PER_PAGE=WIN_PER_PAGE, WIN_ALIGN=WIN_ALIGN, C4_PER_PAGE=C4_PER_PAGE, C4_ALIGN=C4_ALIGN,
+                N=N, KA=KA, KA_N=KA_N, KT=KT, DP=DP, H_BLOCK=H_BLOCK, BN=BN, WIN_BN=WIN_BN,
+                WIN_KEPT_FIRST=WIN_KEPT_FIRST, WITH_WINDOW=True, Q_GATHER=False, SCORES_T=SCORES_T,
+                WIN_SCORES_T=WIN_SCORES_T, SPLIT=SPLIT, SCALED=SCALED, INTERPRETED=INTERPRETED)
         else:
-            m, l, row_scale = _native_program(q_row, h_ok, o_row, m, l, qk_scale,
-                                              win_ptr, win_locs, win_lo, win_hi, win_stride,
-                                              c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
-                                              WIN_PER_PAGE, WIN_ALIGN, C4_PER_PAGE, C4_ALIGN, H_BLOCK, BN, WIN_BN,
-                                              SCORES_T, WIN_SCORES_T, SPLIT, SCALED, INTERPRETED)
+            m, l, row_scale = _native_program(
+                q_row=q_row, h_ok=h_ok, o_row=o_row, m=m, l=l, qk_scale=qk_scale,
+                win_ptr=win_ptr, win_locs=win_locs, win_lo=win_lo, win_hi=win_hi, win_stride=win_stride,
+                c4_ptr=c4_ptr, c4_locs=c4_locs, c4_lo=c4_lo, c4_hi=c4_hi, c4_stride=c4_stride,
+                WIN_PER_PAGE=WIN_PER_PAGE, WIN_ALIGN=WIN_ALIGN, C4_PER_PAGE=C4_PER_PAGE, C4_ALIGN=C4_ALIGN,
+                H_BLOCK=H_BLOCK, BN=BN, WIN_BN=WIN_BN, SCORES_T=SCORES_T, WIN_SCORES_T=WIN_SCORES_T, SPLIT=SPLIT,
+                SCALED=SCALED, INTERPRETED=INTERPRETED)
     if SPLIT:  # the split's log-sum-exp (base 2; -inf when it saw nothing) and row scale, for the join
         batch_heads = tl.num_programs(1).to(tl.int64) * H
         row = split * batch_heads + b * H + heads
@@ -656,8 +637,9 @@ def _decode_kernel(
         # 0-255 and rank 1 256-511, reading both partials from L2 (.cg: never this SM's L1).
         _cluster_barrier()
         c = split * 256 + tl.arange(0, 256)
-        _join(out_ptr, lse_ptr, fin_ptr + b * f_sb + heads * f_sh, b, heads, h_ok, H, batch_heads, c, c,
-              c >= 0, 2, False, SCALED, ".cg")  # (c >= 0: `held`, read only with FIRST_IN_PLACE)
+        _join(part_ptr=out_ptr, lse_ptr=lse_ptr, out_rows=fin_ptr + b * f_sb + heads * f_sh, b=b, heads=heads,
+              h_ok=h_ok, H=H, split_stride=batch_heads, c=c, cols=c, held=c >= 0,  # (held: read with FIRST_IN_PLACE only)
+              S=2, FIRST_IN_PLACE=False, SCALED=SCALED, CACHE=".cg")
 
 
 @triton.jit
@@ -709,8 +691,9 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, index_ptr, H, n_kept
     c = tl.arange(0, 512)
     cols = tl.load(index_ptr + c) if GATHER else c
     # The batch from the grid: an integer argument equal to 1 is specialised to a constant.
-    _join(part_ptr, lse_ptr, out_ptr + b * o_sb + heads * o_sh, b, heads, heads < H, H,
-          tl.num_programs(1).to(tl.int64) * H, c, cols, (cols < n_kept) | (cols >= 448), S, FIRST_IN_PLACE, SCALED, "")
+    _join(part_ptr=part_ptr, lse_ptr=lse_ptr, out_rows=out_ptr + b * o_sb + heads * o_sh, b=b, heads=heads,
+          h_ok=heads < H, H=H, split_stride=tl.num_programs(1).to(tl.int64) * H, c=c, cols=cols,
+          held=(cols < n_kept) | (cols >= 448), S=S, FIRST_IN_PLACE=FIRST_IN_PLACE, SCALED=SCALED, CACHE="")
 
 
 @triton.jit
@@ -730,8 +713,8 @@ def _permute_columns_kernel(x_ptr, x_sb, x_sh, y_ptr, y_sb, y_sh, index_ptr, H,
 def permute_columns(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, H, 512] (last dim contiguous) -> out[..., c] = x[..., index[c]] (index int32
     [512], a permutation): the packed decode's q and out between the model's column order
-    and kept-first order. One Triton pass; torch.index_select on the last dim took about
-    twice as long on the H200 (benchmarks/kernels/NOTES.md)."""
+    and kept-first order. One Triton pass, faster than torch.index_select on the last dim
+    (benchmarks/kernels/NOTES.md)."""
     if out is None:
         out = torch.empty_like(x)
     batch, heads, width = x.shape
@@ -741,8 +724,8 @@ def permute_columns(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | No
     if batch and heads:
         h_block, warps = PERMUTE_LAUNCH
         _permute_columns_kernel[(triton.cdiv(heads, h_block), batch)](
-            x, x.stride(0), x.stride(1), out, out.stride(0), out.stride(1), index, heads,
-            C=width, H_BLOCK=h_block, num_warps=warps)
+            x_ptr=x, x_sb=x.stride(0), x_sh=x.stride(1), y_ptr=out, y_sb=out.stride(0), y_sh=out.stride(1),
+            index_ptr=index, H=heads, C=width, H_BLOCK=h_block, num_warps=warps)
     return out
 
 
@@ -755,148 +738,6 @@ def kept_column_blocks(n_kept: int, padded: int) -> tuple[int, int]:
     head = 1 << (n_kept.bit_length() - 1)
     tail = max(16, 1 << (n_kept - head - 1).bit_length())
     return (head, tail) if head + tail < padded else (padded, 0)
-
-
-def splits_for(programs: int, multiprocessors: int) -> int:
-    """Splits per program so that `programs` (tokens x head blocks) fill `multiprocessors`
-    once: one 64-head program per SM is the most that fits (255 registers, 144 KB of
-    shared memory), so a batch below the SM count leaves SMs idle without splits, and
-    above it more splits would only queue (benchmarks/kernels/NOTES.md)."""
-    return max(1, min(MAX_SPLITS, multiprocessors // max(programs, 1)))
-
-
-def split_count(splits: int | None, programs: int, window: int, topk: int, block_n: int, window_block_n: int,
-                device: torch.device, window_apart: bool = False) -> int:
-    """The splits decode runs: `splits` (None: auto_splits), at most one per step of the
-    longer loop (a split without a step of its own would only add a partial).
-
-    window_apart (window_apart_for): the window takes a program of its own, split 0, and the
-    rest share the C4 records, at most one per C4 step; None then chooses one more than
-    auto_splits."""
-    if splits is None:
-        splits = min(MAX_SPLITS, auto_splits(programs, device) + (1 if window_apart else 0))
-    if splits < 1:
-        raise ValueError(f"splits must be >= 1, got {splits}")
-    if window_apart and splits < 2:
-        raise ValueError(f"splits must be >= 2 with window_apart (the window's program and one for the C4 records), "
-                         f"got {splits}")
-    c4_steps = max(-(-topk // block_n), 1)
-    if window_apart:
-        return 1 + min(splits - 1, c4_steps)
-    return min(splits, max(-(-window // window_block_n), c4_steps))
-
-
-def window_apart_for(window_apart: bool | None, packed: bool, columns: str, window_columns: str, window: int,
-                     splits: int | None, programs: int, device: torch.device) -> bool:
-    """Whether decode gives the window a program of its own (decode's window_apart).
-
-    Only packed C4 records with q, out and the window in natural order (as SGLang calls
-    the kernel) can: there the fused program reads each window code by column index into
-    its kept-first sets, which cost it as much as its C4 records on the H200 (batch 128:
-    115 us, against 92 with the window apart and 96 for the native kernel; NOTES.md, sixth
-    round). None chooses it where the window is not empty, splits is None and auto_splits
-    gives the fused program one split (more programs than half the multiprocessors:
-    measured faster at batch 128 and up; at batch 64, where the fused program is split in
-    two, it measured slower, 71 against 69 us); given splits keep the fused program."""
-    natural = packed and columns == "natural" and window_columns == "natural"
-    if window_apart is None:
-        return natural and window > 0 and splits is None and auto_splits(programs, device) == 1
-    if window_apart and not natural:
-        raise ValueError("window_apart needs packed C4 records with q, out and the window in natural order (a keep "
-                         f"list, columns='natural', window_columns='natural'), got "
-                         f"{'packed' if packed else 'native'} records, columns={columns!r}, "
-                         f"window_columns={window_columns!r}")
-    return window_apart
-
-
-def partials_for(partials: str | None, splits: int) -> str | None:
-    """The split partials' dtype decode uses (its `partials`): None for one split (no
-    partials); else as given or, where None, float16 (row-scaled: _row_scale) for two
-    splits and float32 for more. On the
-    H200 (NOTES.md, ninth round) float16 partials took the packed two-split calls 4-8% less
-    time (the window apart at batch 128: 87.9 -> 81.4 us; folded batch 64: 42.3 -> 40.5;
-    native batch 64 within 1%), and the 8- and 16-split calls of batch 1 and 16 about
-    0.5-0.8 us (3%) more: each split's row maxima cost more there than the bytes they
-    save."""
-    if splits == 1:
-        return None
-    if partials is not None:
-        return partials
-    return "float16" if splits <= 2 else "float32"
-
-
-def split_plan_for(split_plan: str | None, splits: int, packed: bool, window_kept_first: bool,
-                   window_apart: bool) -> str | None:
-    """How decode shares the window and the C4 records among a token's splits (its
-    `split_plan`): None for one split; "even", each split a like share of each (with the
-    window apart: of the C4 records); or "by_cost", each split a contiguous range of the
-    window's steps then the C4 records', cut at equal cost (_split_step), so that most
-    splits run one loop. None chooses "by_cost" for the packed program with a kept-first
-    window at BY_COST_FROM_SPLITS splits or more: on the H200 its folded call at batch 1
-    and 16 (8 splits) took 10% less time, while at 2 and 4 splits the even plan was faster
-    (batch 48 and 64: 35.5 / 37.4 us even, 38.6 / 40.8 by cost; NOTES.md, tenth, eleventh
-    and fifteenth rounds). For the native kernel (packed False) at NATIVE_BY_COST_SPLITS:
-    at 2 splits (batch 45-66 on an H200) cut by cost it was 2-4% faster in three runs
-    (batch 64: 58.4 / 60.7, 58.8 / 60.4, 58.7 / 60.1 us; batch 48: 57.1 / 58.3), and the
-    baseline takes its faster plan; at 4 and 16 splits it was slower, at 8 within 1%."""
-    if splits == 1:
-        return None
-    if split_plan is None:
-        if not packed:
-            return "by_cost" if splits in NATIVE_BY_COST_SPLITS else "even"
-        return "by_cost" if window_kept_first and not window_apart and splits >= BY_COST_FROM_SPLITS else "even"
-    if split_plan == "by_cost" and window_apart:
-        raise ValueError("split_plan='by_cost' cannot take the window apart: its program is split 0 by construction; "
-                         "pass window_apart=False or split_plan='even'")
-    return split_plan
-
-
-def join_for(join: str | None, splits: int, permute: bool, window_apart: bool, device: torch.device) -> str | None:
-    """How decode joins a token's splits (its `join`): None for one split; "kernel", the
-    splits' partials written to global memory and joined by _combine_kernel; or "exchange",
-    a token's two splits launched as one cluster of two CTAs that write their partials as
-    for the kernel, pass a cluster barrier and each join half of the output columns from
-    L2 (_decode_kernel's EXCHANGE). None chooses "exchange" wherever it can run: two
-    splits, the output in the kernel's own column order (no permutation back to natural
-    order, no window apart: their join reads the partials by index), compiled for an NVIDIA
-    GPU with clusters (sm_90 and later; inline PTX; the interpreter runs programs one at a
-    time), by a Triton whose launcher takes clusters from the packed metadata that
-    launch_in_pairs sets (3.6 and later)."""
-    if splits == 1:
-        return None
-    why = None
-    if splits != 2:
-        why = f"{splits} splits (it pairs two)"
-    elif permute:
-        why = "columns='natural' over packed records (the join kernel permutes the output back)"
-    elif window_apart:
-        why = "the window apart (the join kernel reads its partials in two orders)"
-    elif device.type != "cuda" or interpreted():
-        why = "no compiled CUDA launch (Triton's interpreter runs programs one at a time)"
-    elif torch.version.hip is not None:
-        why = "a ROCm GPU (the cluster barrier is PTX)"
-    elif torch.cuda.get_device_capability(device) < (9, 0):
-        why = "a GPU before sm_90 (no thread block clusters)"
-    elif tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
-        why = f"Triton {triton.__version__} (launch_in_pairs needs 3.6 or later)"
-    if join is None:
-        return "kernel" if why else "exchange"
-    if join == "exchange" and why:
-        raise ValueError(f"join='exchange' cannot run with {why}; pass join='kernel' or leave it None")
-    return join
-
-
-def window_step_cost(packed: bool) -> int:
-    """How many C4 steps one window step weighs when decode cuts splits by cost (its
-    split_plan "by_cost"; _split_step): PACKED_ or NATIVE_WINDOW_STEP_COST."""
-    return PACKED_WINDOW_STEP_COST if packed else NATIVE_WINDOW_STEP_COST
-
-
-def auto_splits(programs: int, device: torch.device) -> int:
-    """splits_for this device's multiprocessors; 1 off the GPU."""
-    if device.type != "cuda":
-        return 1
-    return splits_for(programs, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _check_layout(layout: PageLayout, pages: torch.Tensor, width: int, name: str) -> None:
@@ -916,37 +757,22 @@ def decode(
     sink: torch.Tensor,
     keep: "torch.Tensor | KeptColumns | None" = None,
     scale: float = 1.0 / math.sqrt(HEAD_DIM),
-    out: torch.Tensor | None = None,
-    check_range: bool = False,
-    h_block: int = 64,
-    block_n: int | None = None,
-    num_warps: int = 8,
-    num_stages: int | None = None,
-    scores_transposed: bool | None = None,
-    window_block_n: int | None = None,
-    window_scores_transposed: bool | None = None,
+    *,
     columns: str = "natural",
     window_columns: str = "natural",
-    splits: int | None = None,
-    window_apart: bool | None = None,
-    partials: str | None = None,
-    split_plan: str | None = None,
-    join: str | None = None,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | DecodePlan | None = None,
+    check_range: bool = False,
     compiled: list | None = None,
 ) -> torch.Tensor:
-    """Sparse decode of B tokens; see remnant.kv.paged.decode_native / decode_packed.
+    """Sparse decode of B tokens; plain references: remnant.kv.paged.decode_native_reference
+    and decode_packed_reference.
 
-    q: bf16/float [B, H, 512]; c4_locs int [B, K], window_locs int [B, W] (-1 = padding);
-    sink float [H]; keep None for native C4 records, int64 [N] (or its KeptColumns) for
-    packed ones. Returns out [B, H, 512] in q's dtype (or writes the given `out`, [B, H,
+    Data. q: bf16/float [B, H, 512]; c4 and window: pages uint8 [P, page_stride] with their
+    layouts; c4_locs int [B, K], window_locs int [B, W] (-1 = padding); sink float [H]; keep
+    None for native C4 records, int64 [N] (or its KeptColumns) for packed ones; scale: the
+    softmax scale. Returns out [B, H, 512] in q's dtype (or writes the given `out`, [B, H,
     512] with contiguous rows; its dtype may differ from q's).
-
-    Launch config: 64 heads per program on 8 warps; block_n records per step in the C4
-    loop, window_block_n in the window loop, each loop's scores as (K q^T)^T or q K^T
-    (scores_transposed, window_scores_transposed), num_stages of Triton's software
-    pipeline (records of later steps loaded while a step computes). Settings left None
-    come from DEFAULT_CONFIGS, the fastest per kernel in the H200 tuning
-    (benchmarks/kernels/NOTES.md).
 
     columns (packed records): "natural", q and out in the model's column order, permuted
     to and from kept-first order around the kernel (permute_columns, one pass each); or
@@ -961,40 +787,28 @@ def decode(
     its position). The native kernel reads natural window records only, and refuses
     "kept_first".
 
-    splits: programs per (token, head block), each over its share of the window and of the
-    C4 records, joined by their log-sum-exp (flash-decoding; `join`); None chooses auto_splits: on
-    a GPU, enough to give every multiprocessor a program when the batch alone does not.
-
-    window_apart (packed records, all three orders natural): split 0 reads the whole
-    window as the native kernel does and the other splits share the C4 records, q read
-    through the kept columns (no permute pass); the join takes both back to natural
-    order. None chooses it where it measured faster (window_apart_for; never when splits
-    is given); it needs splits >= 2 (None: one more than auto_splits).
-
-    partials (split decodes): the dtype of the splits' partial outputs, "float32" or
-    "float16" (half the bytes written and joined; each row scaled by a power of two,
-    _row_scale, so that values down to 2^-28 of its largest keep 11 bits, finer than a bf16
-    output); None chooses partials_for.
-
-    join (split decodes): "kernel" (_combine_kernel over the partials) or "exchange" (two
-    splits as one cluster of two CTAs joining half of the columns each, no join kernel);
-    None chooses join_for: the exchange where it can run.
-
-    split_plan (split decodes): "even" (each split a share of the window and of the C4
-    records) or "by_cost" (each a contiguous range of the window's steps then the C4
-    records', cut at equal cost); None chooses split_plan_for.
+    How to run it. config: a DecodeConfig (its None fields chosen by plan_decode for this
+    call) or a DecodePlan made by plan_decode (run as it is; its record form and column
+    orders must be this call's); None: plan_decode chooses everything.
+    check_range: check every location against its pool (reads them back to the host: tests).
+    compiled: a list the compiled decode kernel is appended to (the benchmark records its
+    registers and spills).
     """
-    for name, value, allowed in (("columns", columns, COLUMN_ORDERS), ("window_columns", window_columns, COLUMN_ORDERS),
-                                 ("partials", partials, (None, *PARTIAL_DTYPES)),
-                                 ("split_plan", split_plan, (None, *SPLIT_PLANS)), ("join", join, (None, *JOINS))):
-        if value not in allowed:
-            raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
     if q.ndim != 3 or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q must be [B, H, {HEAD_DIM}], got {tuple(q.shape)}")
     batch, heads, _ = q.shape
+    cols = KeptColumns.of(keep, q.device)
+    if isinstance(config, DecodePlan):
+        plan = config
+        made_for = (plan.packed, plan.columns, plan.window_columns)
+        if made_for != (cols.packed, columns, window_columns):
+            raise ValueError(f"this DecodePlan was made for (packed, columns, window_columns) = {made_for}, the call is "
+                             f"{(cols.packed, columns, window_columns)}")
+    else:
+        plan = plan_decode(batch, heads, window_locs.shape[-1], c4_locs.shape[-1], cols.packed, q.device,
+                           columns=columns, window_columns=window_columns, config=config)
     if q.stride(2) != 1:
         q = q.contiguous()
-    cols = KeptColumns.of(keep, q.device)
     _check_layout(c4_layout, c4, cols.record_bytes, "c4")
     _check_layout(window_layout, window, NATIVE_RECORD_BYTES, "window")
     if c4_locs.ndim != 2 or c4_locs.shape[0] != batch or window_locs.ndim != 2 or window_locs.shape[0] != batch:
@@ -1004,84 +818,78 @@ def decode(
     c4_locs = check_locs(c4_locs, "c4_locs", c4_layout.capacity(c4), check_range, allow_padding=True)
     window_locs = check_locs(window_locs, "window_locs", window_layout.capacity(window), check_range,
                              allow_padding=True)
-    if window_columns == "kept_first" and not cols.packed:
-        raise ValueError("window_columns='kept_first' needs packed C4 records (a keep list): the native kernel reads "
-                         "window records in natural order")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out must be [B, H, {HEAD_DIM}] = {tuple(q.shape)} with contiguous rows, got "
                          f"{tuple(out.shape)} with strides {out.stride()}")
-    sink = sink.float().contiguous()
-    permute = cols.packed and columns == "natural"
-    window_kept_first = cols.packed and window_columns == "kept_first"
-    head_blocks = triton.cdiv(heads, h_block)
-    window_apart = window_apart_for(window_apart, cols.packed, columns, window_columns, window_locs.shape[1], splits,
-                                    batch * head_blocks, q.device)
-    given = dict(block_n=block_n, num_stages=num_stages, scores_transposed=scores_transposed,
-                 window_block_n=window_block_n, window_scores_transposed=window_scores_transposed)
-    kind = ("native" if not cols.packed else "packed, kept-first window" if window_kept_first
-            else "packed, window apart" if window_apart else "packed")
-    config = {name: DEFAULT_CONFIGS[kind][name] if value is None else value for name, value in given.items()}
-    block_n, num_stages, win_bn = config["block_n"], config["num_stages"], config["window_block_n"]
-    kept_blocks = kept_column_blocks(cols.n_kept, cols.kept.numel())
-    win_steps, c4_steps = triton.cdiv(window_locs.shape[1], win_bn), triton.cdiv(c4_locs.shape[1], block_n)
-    splits = split_count(splits, batch * head_blocks, window_locs.shape[1], c4_locs.shape[1], block_n, win_bn, q.device,
-                         window_apart)
+    return _run_triton(plan, q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink.float().contiguous(),
+                       cols, scale, out, compiled)
+
+
+def _run_triton(plan: DecodePlan, q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: torch.Tensor,
+                window: torch.Tensor, window_layout: PageLayout, window_locs: torch.Tensor, sink: torch.Tensor,
+                cols: KeptColumns, scale: float, out: torch.Tensor, compiled: list | None) -> torch.Tensor:
+    """decode's launches of _decode_kernel (and of the join or the permute pass) for a plan
+    whose kernel is "triton", on checked inputs (int32 locations, float32 sink, `out`)."""
+    batch, heads, _ = q.shape
+    splits = plan.splits
     # The window's program reads q as given; the C4 programs read it through the kept
     # columns, and the join takes their partials back to natural order.
-    q_in = permute_columns(q, cols.order) if permute and not window_apart else q
-    c4_programs = splits - 1 if window_apart else splits
-    join = join_for(join, splits, permute, window_apart, q.device)
-    exchange = join == "exchange"
-    partial_dtype = partials_for(partials, splits)
-    scaled = partial_dtype == "float16"
-    by_cost = split_plan_for(split_plan, splits, cols.packed, window_kept_first, window_apart) == "by_cost"
+    q_in = permute_columns(q, cols.order) if plan.permute and not plan.window_apart else q
+    c4_programs = splits - 1 if plan.window_apart else splits
+    exchange = plan.join == "exchange"
+    scaled = plan.partials == "float16"
     if splits > 1:  # normalized partial outputs, their log-sum-exp (and row scales: float16), joined below
-        out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=PARTIAL_DTYPES[partial_dtype], device=q.device)
+        out_k = torch.empty(splits, batch, heads, HEAD_DIM, dtype=PARTIAL_DTYPES[plan.partials], device=q.device)
         lse = torch.empty(2 if scaled else 1, splits, batch, heads, dtype=torch.float32, device=q.device)
         out_strides = out_k.stride()[:3]
     else:
-        out_k = torch.empty_like(q_in, dtype=out.dtype) if permute else out
+        out_k = torch.empty_like(q_in, dtype=out.dtype) if plan.permute else out
         lse = sink  # not read
         out_strides = (0, *out_k.stride()[:2])
+    win_steps = triton.cdiv(window_locs.shape[1], plan.window_block_n)
+    c4_steps = triton.cdiv(c4_locs.shape[1], plan.block_n)
+    kept_blocks = kept_column_blocks(cols.n_kept, cols.kept.numel())
     # The exchange join's splits write `out` themselves (fin_ptr), and its launch doubles
     # axis 0 into clusters of two (launch_in_pairs).
-    grid = (head_blocks, batch, 1 if exchange else splits)
-    args = (q_in, q_in.stride(0), q_in.stride(1),
-            out_k, *out_strides, lse, out, out.stride(0), out.stride(1),
-            sink, heads,
-            window, window_locs, window_locs.stride(0), window_locs.shape[1], window_layout.page_stride,
-            triton.cdiv(win_steps, splits) * win_bn,
-            c4, c4_locs, c4_locs.stride(0), c4_locs.shape[1], c4_layout.page_stride,
-            triton.cdiv(c4_steps, c4_programs) * block_n,
-            cols.kept, cols.dropped, cols.kept_tile_starts, cols.dropped_tile_starts, scale * LOG2E)
-    constants = dict(
+    grid = (triton.cdiv(heads, plan.h_block), batch, 1 if exchange else splits)
+    args = dict(
+        q_ptr=q_in, q_sb=q_in.stride(0), q_sh=q_in.stride(1),
+        out_ptr=out_k, o_ss=out_strides[0], o_sb=out_strides[1], o_sh=out_strides[2], lse_ptr=lse,
+        fin_ptr=out, f_sb=out.stride(0), f_sh=out.stride(1),
+        sink_ptr=sink, H=heads,
+        win_ptr=window, win_locs_ptr=window_locs, win_sb=window_locs.stride(0), W=window_locs.shape[1],
+        win_stride=window_layout.page_stride, win_chunk=triton.cdiv(win_steps, splits) * plan.window_block_n,
+        c4_ptr=c4, c4_locs_ptr=c4_locs, c4_sb=c4_locs.stride(0), K=c4_locs.shape[1],
+        c4_stride=c4_layout.page_stride, c4_chunk=triton.cdiv(c4_steps, c4_programs) * plan.block_n,
+        kept_ptr=cols.kept, dropped_ptr=cols.dropped, kept_starts_ptr=cols.kept_tile_starts,
+        dropped_starts_ptr=cols.dropped_tile_starts, qk_scale=scale * LOG2E,
         WIN_PER_PAGE=window_layout.per_page, WIN_ALIGN=alignment(window_layout, "window"),
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
         N=cols.n_kept, KA=kept_blocks[0], KA_N=min(cols.n_kept, kept_blocks[0]), KT=kept_blocks[1],
-        DP=cols.dropped.numel(), SCORES_T=config["scores_transposed"],
-        WIN_SCORES_T=config["window_scores_transposed"],
-        PACKED=cols.packed, H_BLOCK=h_block, BN=block_n, WIN_KEPT_FIRST=window_kept_first,
-        WIN_BN=win_bn, SPLIT=splits > 1, SCALED=scaled, WINDOW_APART=window_apart, BY_COST=by_cost,
-        WIN_STEP_COST=window_step_cost(cols.packed), EXCHANGE=exchange,
-        INTERPRETED=interpreted(),
-        num_warps=num_warps, num_stages=num_stages)
+        DP=cols.dropped.numel(), PACKED=cols.packed, H_BLOCK=plan.h_block, BN=plan.block_n,
+        WIN_BN=plan.window_block_n, WIN_KEPT_FIRST=plan.window_kept_first,
+        SCORES_T=plan.scores_transposed, WIN_SCORES_T=plan.window_scores_transposed,
+        SPLIT=splits > 1, SCALED=scaled, WINDOW_APART=plan.window_apart, BY_COST=plan.split_plan == "by_cost",
+        WIN_STEP_COST=window_step_cost(cols.packed), EXCHANGE=exchange, INTERPRETED=interpreted(),
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
     try:
         if exchange:  # compiled first, so that its first launch is already in pairs
-            launch_in_pairs(_decode_kernel.warmup(*args, grid=grid, **constants))
-        kernel = _decode_kernel[grid](*args, **constants)
+            launch_in_pairs(_decode_kernel.warmup(grid=grid, **args))
+        kernel = _decode_kernel[grid](**args)
     except OutOfResources as exc:  # name the settings, not only the kernel's shared memory
-        raise ValueError(f"decode launch settings {dict(h_block=h_block, num_warps=num_warps, **config)} need "
-                         f"{exc.required} bytes of {exc.name}, the GPU has {exc.limit}: lower num_stages or block_n") from exc
-    if join == "kernel":  # the join also takes the output back to the model's order (permute)
+        settings = dict(h_block=plan.h_block, num_warps=plan.num_warps, **plan.loops())
+        raise ValueError(f"decode launch settings {settings} need {exc.required} bytes of {exc.name}, the GPU has "
+                         f"{exc.limit}: lower num_stages or block_n") from exc
+    if plan.join == "kernel":  # the join also takes the output back to the model's order (permute)
         join_heads, join_warps = JOIN_LAUNCH
         _combine_kernel[(triton.cdiv(heads, join_heads), batch)](
-            out_k, lse, out, out.stride(0), out.stride(1), cols.inverse, heads, cols.n_kept,
-            S=splits, H_BLOCK=join_heads, GATHER=permute, FIRST_IN_PLACE=window_apart, SCALED=scaled,
-            num_warps=join_warps)
-    elif permute:
+            part_ptr=out_k, lse_ptr=lse, out_ptr=out, o_sb=out.stride(0), o_sh=out.stride(1), index_ptr=cols.inverse,
+            H=heads, n_kept=cols.n_kept, S=splits, H_BLOCK=join_heads, GATHER=plan.permute,
+            FIRST_IN_PLACE=plan.window_apart, SCALED=scaled, num_warps=join_warps)
+    elif plan.permute:
         permute_columns(out_k, cols.inverse, out=out)
-    if compiled is not None:  # the benchmark records registers and spills
+    if compiled is not None:
         compiled.append(kernel)
     return out

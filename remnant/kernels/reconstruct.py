@@ -10,9 +10,8 @@ remnant-kernels: "registers", the plain one (the kept codes loaded, then tl.gath
 each row, which Triton lowers to warp shuffles), and "shared", the default: the record's
 words loaded once with vector loads and each native code word built by one byte permute
 (prmt) of the two packed words that hold its kept codes (KeptColumns.word_plan), those
-words gathered on chip through shared memory. On an H200 "shared" moved 83-93% of the
-copy bandwidth at R = 64-448 (benchmarks/kernels/h200-2026-12-01-r15.json; NOTES.md,
-twelfth round), where the best earlier permutations moved 66-74% (seventh round).
+words gathered on chip through shared memory, the faster on an H200 at every R
+(benchmarks/kernels/NOTES.md, seventh and twelfth rounds).
 Bytes: read R + 72, write 584 per record.
 """
 
@@ -31,10 +30,8 @@ PERMUTES = ("registers", "shared")
 # The most kept NoPE codes at which "shared" stores native code words one 4-byte word per
 # thread (VECTOR_CODES off), in the layout its gather gives them, not as 16-byte vectors:
 # those need the words moved to another layout first (4 rounds through shared memory, 8
-# barriers per program), which at few kept codes cost a reconstruct more than its gather.
-# On the H200, 4M records (benchmarks/kernels/NOTES.md, twelfth round): R = 128 1010 -> 970 us,
-# R = 192 1004 -> 987; R = 256 0.4% faster; R = 320 and 448 0.7% and 1.6% slower. R = 64 (no
-# kept code, so no gather) takes them too: 894 us in r15 against 898 with vector stores (r14).
+# barriers per program), which at few kept codes cost a reconstruct more than its gather
+# (NOTES.md, twelfth round). R = 64 (no kept code, so no gather) takes them too.
 WORD_STORES_UP_TO_KEPT = 128
 # The fastest launch per permutation on the H200 (records per program, warps): "shared"
 # needs several warps (its gather goes through shared memory only when it spans warps).
@@ -146,8 +143,7 @@ def reconstruct(
     packed words per native word, the words gathered through shared memory) or
     "registers" (the plain one: the kept codes loaded, then tl.gather along the row); both
     give the same bytes. Launch: block_rows records per program on num_warps warps, None
-    taking LAUNCH's (16 records on 4 warps for "shared" on the H200; 8 or 32 on 4 within
-    1-8%, 16 on 2 and 32 on 8 10-12% slower; on 1 warp the gather falls back to shuffles:
+    taking LAUNCH's (the fastest on the H200; on 1 warp the gather falls back to shuffles:
     benchmarks/kernels/NOTES.md, seventh round).
     """
     cols = KeptColumns.of(keep, pages.device)
@@ -177,9 +173,9 @@ def reconstruct(
         return out
     grid = (triton.cdiv(k, block_rows),)
     _reconstruct_kernel[grid](
-        pages, src_locs, layout.page_stride,
-        out, dst_locs, out_layout.page_stride,
-        cols.slot_of, cols.word_plan, k, 0,
+        src_ptr=pages, src_locs_ptr=src_locs, src_stride=layout.page_stride,
+        dst_ptr=out, dst_locs_ptr=dst_locs, dst_stride=out_layout.page_stride,
+        slot_of_ptr=cols.slot_of, plan_ptr=cols.word_plan, n_rows=k, zero=0,
         SRC_PER_PAGE=layout.per_page, SRC_ALIGN=alignment(layout, "pages"),
         DST_PER_PAGE=out_layout.per_page, DST_ALIGN=alignment(out_layout, "out"),
         N=cols.n_kept, NP=cols.kept.numel(), NPW=data_words(cols.n_kept),

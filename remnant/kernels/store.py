@@ -65,7 +65,7 @@ def _store_kernel(
         # quantized in map order with their tiles' scales: contiguous code stores, no
         # permutation of the quantized tile.
         # (The tile scales reach the columns by tl.gather: a select chain over 7 per-row
-        # scalars compiled to a replicated layout, 255 registers, 2-9% of copy bandwidth.)
+        # scalars compiled to a replicated layout of 255 registers, far slower.)
         j = tl.arange(0, NP)
         kept = tl.load(kept_ptr + j)
         kept_ok = row_ok[:, None] & (j[None, :] < N)
@@ -135,8 +135,7 @@ def store(
     order) or "registers" (the plain one: tl.gather along each row, warp shuffles); all give
     the same bytes. Native records have nothing to permute ("registers"). None picks the
     fastest measured on the H200 (benchmarks/kernels/NOTES.md, seventh round): "loads" up to
-    R = 192 (95-107% of the copy bandwidth; its index loads grow with the kept codes: 71%
-    at R = 320, 50% at 448), "shared" above (83-89% in h200-2026-12-01-r10.json).
+    R = 192 (its index loads grow with the kept codes), "shared" above.
     Launch: block_rows latents per program on num_warps warps, None taking LAUNCH's.
     """
     if permute is not None and permute not in PERMUTES:
@@ -153,9 +152,9 @@ def store(
     num_warps = num_warps or LAUNCH[permute][1]
     grid = (triton.cdiv(x.shape[0], block_rows),)
     _store_kernel[grid](
-        xb, xb.stride(0), x.shape[0],
-        pages, locs, layout.page_stride,
-        cols.kept,
+        x_ptr=xb, x_stride=xb.stride(0), n_rows=x.shape[0],
+        pages_ptr=pages, locs_ptr=locs, page_stride=layout.page_stride,
+        kept_ptr=cols.kept,
         PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
         N=cols.n_kept, NP=cols.kept.numel(), PACKED=cols.packed, PERMUTE=permute, X_ORDER=False,
         BLOCK_ROWS=block_rows, num_warps=num_warps,
@@ -190,9 +189,9 @@ def store_kept_first(
         return
     # A native record of the latent read through the kept-first order.
     _store_kernel[(triton.cdiv(x.shape[0], block_rows),)](
-        xb, xb.stride(0), x.shape[0],
-        pages, locs, layout.page_stride,
-        cols.order,
+        x_ptr=xb, x_stride=xb.stride(0), n_rows=x.shape[0],
+        pages_ptr=pages, locs_ptr=locs, page_stride=layout.page_stride,
+        kept_ptr=cols.order,
         PER_PAGE=layout.per_page, ALIGN=alignment(layout, "pages"),
         N=NOPE_DIM, NP=512, PACKED=False, PERMUTE="registers", X_ORDER=True, BLOCK_ROWS=block_rows,
         num_warps=num_warps,

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from remnant.kernels.bench import (Ceilings, DecodeCase, FlashMLACase, _decode_bytes_flops, _flashmla_bytes_flops,
-                                   _roofline, against_flashmla, main, table, targets)
-from remnant.kernels.decode import partials_for, split_plan_for
+from remnant.kernels.bench import (SCHEMA_VERSION, Ceilings, DecodeCase, FlashMLACase, _decode_bytes_flops,
+                                   _flashmla_bytes_flops, _roofline, against_flashmla, main, table, targets)
+from remnant.kernels.plan import partials_for, split_plan_for
 from remnant.records.schema import RecordError, validate
 
 
@@ -73,7 +73,7 @@ def _doc() -> dict:
               "block_rows": 16, "num_warps": 4, **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
     stock = [_flashmla_row(ceil, "flashmla", 16.0), _flashmla_row(ceil, "reconstruct+flashmla", 24.0)]
     return {
-        "schema": "remnant/kernel-bench", "schema_version": 11, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
+        "schema": "remnant/kernel-bench", "schema_version": SCHEMA_VERSION, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
         "provenance": {"gpu": {"name": "test", "capability": "9.0", "multiprocessors": 132, "l2_bytes": 60 << 20,
                                "nvidia_smi": {}},
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},

@@ -120,7 +120,7 @@ DECODE = {"q_ptr": "*bf16", "q_sb": "i32", "q_sh": "i32", "out_ptr": "*fp16", "o
 def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed, tmp_path):
     # Two splits as one cluster join after barrier.cluster: one arrive and one wait, not
     # predicated to some threads, or a CTA could read its sibling's partial half-written.
-    from remnant.kernels.decode import DEFAULT_CONFIGS
+    from remnant.kernels.plan import DEFAULT_CONFIGS
 
     config = DEFAULT_CONFIGS["packed, kept-first window" if packed else "native"]
     constants = dict(WIN_PER_PAGE=64, WIN_ALIGN=16, C4_PER_PAGE=64, C4_ALIGN=16, N=192 if packed else 448,

@@ -7,9 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.decode import (_split_step, decode, join_for, kept_column_blocks, partials_for,
-                                    permute_columns, split_count, split_plan_for, splits_for, window_apart_for,
-                                    window_step_cost)
+from remnant.kernels.decode import _split_step, decode, kept_column_blocks, permute_columns
+from remnant.kernels.plan import (DEFAULT_CONFIGS, DecodeConfig, DecodePlan, join_for, partials_for, plan_decode, split_count,
+                                  split_plan_for, splits_for, window_apart_for, window_step_cost)
 from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
@@ -77,6 +77,7 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     sink = (torch.randn(heads, generator=gen) + sink_shift).to(DEVICE)
 
     args = (c4_locs, win, win_layout, win_locs, sink)
+    orders = {"columns": config.pop("columns", "natural"), "window_columns": config.pop("window_columns", "natural")}
     if keep is None:
         want = decode_native(q, c4, c4_layout, *args, reference=True)
     else:
@@ -84,16 +85,17 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
                              window_columns="kept_first" if window_kept_first else "natural")
     out = torch.full_like(q, float("nan"))
     if window_kept_first:
-        config["window_columns"] = "kept_first"
+        orders["window_columns"] = "kept_first"
+    config = DecodeConfig(window_apart=window_apart, **config)
     if kept_first:  # q in, out back in KeptColumns.order, as with the order folded into the weights
         order = KeptColumns.of(keep, q.device).order
         got = torch.full_like(q, float("nan"))
         decode(q[:, :, order], c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=got, check_range=True,
-               columns="kept_first", window_apart=window_apart, **config)
+               **dict(orders, columns="kept_first"), config=config)
         out[:, :, order] = got
     else:
-        decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=out, check_range=True,
-               window_apart=window_apart, **config)
+        decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=out, check_range=True, **orders,
+               config=config)
     assert not out.isnan().any(), "an output element was not written (or is NaN)"
     err = ((out.double() - want).norm() / want.norm()).item()
     assert err < TOLERANCE, f"relative error {err:.2e}"
@@ -292,7 +294,7 @@ def test_partials_are_float16_for_two_splits_or_fewer_unless_given():
 
 
 def test_join_is_the_exchange_only_for_two_splits_in_the_kernels_own_order_on_a_gpu(monkeypatch):
-    import remnant.kernels.decode as decode_module
+    import remnant.kernels.plan as plan_module
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert join_for(None, 1, False, False, cpu) is None  # one split: nothing to join
@@ -302,7 +304,7 @@ def test_join_is_the_exchange_only_for_two_splits_in_the_kernels_own_order_on_a_
         join_for("exchange", 2, False, False, cpu)
     # A compiled launch on an sm_90 GPU (its capability and the interpreter's flag stood in
     # for, so that the choice itself is tested here).
-    monkeypatch.setattr(decode_module, "interpreted", lambda: False)
+    monkeypatch.setattr(plan_module, "interpreted", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert join_for(None, 2, False, False, cuda) == "exchange"
     assert join_for("kernel", 2, False, False, cuda) == "kernel"
@@ -316,7 +318,7 @@ def test_join_is_the_exchange_only_for_two_splits_in_the_kernels_own_order_on_a_
     with pytest.raises(ValueError, match="join='exchange' cannot run with a GPU before sm_90"):
         join_for("exchange", 2, False, False, cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(decode_module.triton, "__version__", "3.5.1")
+    monkeypatch.setattr(plan_module.triton, "__version__", "3.5.1")
     with pytest.raises(ValueError, match=r"join='exchange' cannot run with Triton 3.5.1 \(launch_in_pairs needs 3.6"):
         join_for("exchange", 2, False, False, cuda)
 
@@ -379,6 +381,49 @@ def test_decode_of_the_window_alone(retention, kept_first):
                  kept_first=kept_first, window_kept_first=kept_first, window_block_n=16, **SMALL)
 
 
+def test_plan_resolves_every_choice_as_the_resolvers_do():
+    cpu = torch.device("cpu")
+    # Off the GPU: one split (auto_splits), so natural orders over packed records take the
+    # window apart, with its defaults and one more split than auto.
+    plan = plan_decode(3, 64, 128, 512, True, cpu)
+    assert (plan.kernel, plan.window_apart, plan.splits, plan.h_block, plan.num_warps) == ("triton", True, 2, 64, 8)
+    assert plan.loops() == DEFAULT_CONFIGS["packed, window apart"] and plan.permute and not plan.window_kept_first
+    assert (plan.partials, plan.split_plan, plan.join) == ("float16", "even", "kernel")
+    folded = plan_decode(3, 64, 128, 512, True, cpu, columns="kept_first", window_columns="kept_first",
+                         config=DecodeConfig(splits=8, block_n=32))
+    assert (folded.window_apart, folded.splits, folded.block_n) == (False, 8, 32)
+    assert (folded.partials, folded.split_plan, folded.join) == ("float32", "by_cost", "kernel")
+    assert folded.window_block_n == DEFAULT_CONFIGS["packed, kept-first window"]["window_block_n"]
+    native = plan_decode(1, 16, 21, 37, False, cpu, config=DecodeConfig(h_block=16, num_warps=4))
+    assert (native.splits, native.partials, native.split_plan, native.join) == (1, None, None, None)
+    assert native.loops() == DEFAULT_CONFIGS["native"]
+    # A plan pins itself: planned again from its own config, at any batch, it is the same.
+    assert plan_decode(40, 64, 128, 512, True, cpu, config=plan.config()) == plan
+    with pytest.raises(ValueError, match="kernel='sm80' is not allowed; allowed: None, 'triton'"):
+        DecodeConfig(kernel="sm80")
+
+
+def test_decode_runs_a_plan_as_given_and_refuses_one_made_for_another_call():
+    # The plan of a call split in three runs unchanged on a batch of two: the same output
+    # as the config it pins, to the bit.
+    gen = torch.Generator().manual_seed(4)
+    keep = keep_map(256, gen)
+    c4_layout, win_layout = PageLayout.sglang(64, 256), PageLayout.sglang(64)
+    c4, win = filled_pool(c4_layout, 2, keep, gen), filled_pool(win_layout, 1, None, gen)
+    c4_locs = torch.stack([torch.randperm(128, generator=gen)[:37] for _ in range(2)]).to(DEVICE)
+    win_locs = torch.stack([torch.randperm(64, generator=gen)[:21] for _ in range(2)]).to(DEVICE)
+    q = torch.randn(2, 20, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    sink = torch.randn(20, generator=gen).to(DEVICE)
+    plan = plan_decode(9, 20, 21, 37, True, torch.device(DEVICE),
+                       config=DecodeConfig(splits=3, window_apart=False, **SMALL))
+    assert isinstance(plan, DecodePlan) and plan.splits == 3
+    args = (q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep)
+    assert torch.equal(decode(*args, config=plan), decode(*args, config=plan.config()))
+    with pytest.raises(ValueError, match=r"made for \(packed, columns, window_columns\) = \(True, 'natural', "
+                                         r"'natural'\), the call is \(True, 'kept_first', 'natural'\)"):
+        decode(*args, columns="kept_first", config=plan)
+
+
 def test_decode_refuses_zero_splits():
     with pytest.raises(ValueError, match="splits must be >= 1, got 0"):
         check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, splits=0)
@@ -436,7 +481,7 @@ def test_decode_with_no_window_and_all_padding(splits):
     q = torch.randn(2, 16, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     out = torch.full_like(q, float("nan"))
     decode(q, c4, layout, torch.full((2, 40), -1, device=DEVICE), win, win_layout, torch.zeros(2, 0, dtype=torch.long, device=DEVICE),
-           torch.zeros(16, device=DEVICE), keep, out=out, splits=splits, **SMALL)
+           torch.zeros(16, device=DEVICE), keep, out=out, config=DecodeConfig(splits=splits, **SMALL))
     assert torch.equal(out, torch.zeros_like(out))
 
 
@@ -529,8 +574,8 @@ def test_decode_on_gpu_joined_by_exchange_gives_the_join_kernels_output_every_la
     orders = dict(columns="kept_first", window_columns="kept_first") if kept_first else {}
     for _ in range(20):
         q = (torch.randn(batch, 64, 512, generator=gen) * 0.02).to(torch.bfloat16).to(DEVICE)
-        exchanged, joined = (decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, splits=2,
-                                    join=join, **orders) for join in ("exchange", "kernel"))
+        exchanged, joined = (decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep,
+                                    config=DecodeConfig(splits=2, join=join), **orders) for join in ("exchange", "kernel"))
         assert not exchanged.isnan().any()
         assert ((exchanged.double() - joined.double()).norm() / joined.double().norm()).item() < 1e-4
 

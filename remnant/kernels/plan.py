@@ -1,0 +1,308 @@
+"""plan_decode: every choice of a decode call, made once, as a frozen DecodePlan.
+
+A decode call is its data (q, the records and their layouts, the selected locations, the
+sink, the kept columns, the softmax scale, the column orders of q and of the window) and
+how to run it: which kernel, its launch settings, how many programs share a token's
+records (splits), whether the window gets a program of its own, the partials' dtype, how
+the splits share the records and how they are joined. `DecodeConfig` holds the second
+kind, each field None where the plan is to choose; `plan_decode` resolves it for one call
+shape into a `DecodePlan`, which `remnant.kernels.decode.decode` runs and the benchmark
+records (and sweeps, through DecodeConfig). No choice here changes what decode computes
+beyond float rounding.
+
+The measurements behind each default (which config, which split plan, which partials'
+dtype, which join) are in benchmarks/kernels/NOTES.md, "Choices in the code": the
+docstrings here say what each choice is and why, not how fast it ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+
+from remnant.kernels.common import interpreted
+
+#: Decode implementations plan_decode can choose ("triton": remnant.kernels.decode's
+#: _decode_kernel, which reads every record form on every GPU and in the interpreter).
+KERNELS = ("triton",)
+COLUMN_ORDERS = ("natural", "kept_first")
+MAX_SPLITS = 16
+PARTIALS = ("float32", "float16")
+SPLIT_PLANS = ("even", "by_cost")
+JOINS = ("kernel", "exchange")
+# How many C4 steps one window step costs when splits are cut by cost (split_plan
+# "by_cost"). Packed: its window step (32 tokens, four column sets) against its C4 step (64
+# records), the fastest weight measured at 8 splits. Native: both loops step over 32
+# native records the same way.
+PACKED_WINDOW_STEP_COST = 2
+NATIVE_WINDOW_STEP_COST = 1
+# The fewest splits at which decode cuts the folded call's by cost unless told, and the
+# split counts at which it cuts the native kernel's so (split_plan_for).
+BY_COST_FROM_SPLITS = 8
+NATIVE_BY_COST_SPLITS = (2,)
+# The fastest loop settings per kernel in the tuning of an H200 (remnant-kernels,
+# benchmarks/kernels/h200-2026-12-01-r6.json; NOTES.md, fifth round), at 64 heads per
+# program on 8 warps. Packed window records in natural order are read by column index, a
+# pointer per byte, whose registers make 16 records per step their best (more spill).
+DEFAULT_CONFIGS = {
+    "native": dict(block_n=32, num_stages=3, scores_transposed=True, window_block_n=32, window_scores_transposed=True),
+    "packed": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=16, window_scores_transposed=True),
+    "packed, kept-first window": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
+                                      window_scores_transposed=False),
+    # The window in a program of its own (window_apart): the native kernel's window loop,
+    # the packed kernel's C4 loop.
+    "packed, window apart": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
+                                 window_scores_transposed=True),
+}
+LOOP_SETTINGS = tuple(DEFAULT_CONFIGS["native"])
+
+
+def _allowed(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to run decode, each field None (or its default) where plan_decode chooses: what
+    the benchmark sweeps and tests pin. Callers that serve pass none, or only what their
+    geometry needs (the tiny engine model's 16-head blocks).
+
+    kernel: one of KERNELS (None: the plan's choice).
+    h_block, num_warps: query heads per program and its warps (64 on 8: V4's heads).
+    block_n, window_block_n: records per step of the C4 loop and of the window loop;
+    scores_transposed, window_scores_transposed: each loop's scores as (K q^T)^T (the
+    records the product's M side) or q K^T; num_stages: Triton's software-pipeline depth.
+    None: DEFAULT_CONFIGS of the call's kernel form.
+    splits: programs per (token, head block), each over a share of the records, joined by
+    their log-sum-exp (None: auto_splits); window_apart: window_apart_for; partials ("float32",
+    "float16"): partials_for; split_plan ("even", "by_cost"): split_plan_for; join
+    ("kernel", "exchange"): join_for.
+    """
+
+    kernel: str | None = None
+    h_block: int = 64
+    num_warps: int = 8
+    block_n: int | None = None
+    num_stages: int | None = None
+    scores_transposed: bool | None = None
+    window_block_n: int | None = None
+    window_scores_transposed: bool | None = None
+    splits: int | None = None
+    window_apart: bool | None = None
+    partials: str | None = None
+    split_plan: str | None = None
+    join: str | None = None
+
+    def __post_init__(self):
+        for name, allowed in (("kernel", KERNELS), ("partials", PARTIALS), ("split_plan", SPLIT_PLANS),
+                              ("join", JOINS)):
+            _allowed(name, getattr(self, name), (None, *allowed))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One decode call's choices, all resolved (plan_decode), with the call form they were
+    made for (packed records, q/out and window column orders). decode runs a plan as it
+    is, whatever the batch: a plan made once per shape serves every call of that shape
+    (and the benchmark's checks run the timed call's plan on a smaller batch)."""
+
+    kernel: str
+    packed: bool
+    columns: str
+    window_columns: str
+    h_block: int
+    num_warps: int
+    block_n: int
+    num_stages: int
+    scores_transposed: bool
+    window_block_n: int
+    window_scores_transposed: bool
+    splits: int
+    window_apart: bool
+    partials: str | None
+    split_plan: str | None
+    join: str | None
+
+    @property
+    def permute(self) -> bool:
+        """q and out are permuted between natural and kept-first order around the kernel."""
+        return self.packed and self.columns == "natural"
+
+    @property
+    def window_kept_first(self) -> bool:
+        return self.packed and self.window_columns == "kept_first"
+
+    def loops(self) -> dict:
+        """The loop settings (DEFAULT_CONFIGS' keys) as a dict."""
+        return {name: getattr(self, name) for name in LOOP_SETTINGS}
+
+    def config(self) -> DecodeConfig:
+        """A DecodeConfig that pins every choice of this plan."""
+        fields = asdict(self)
+        return DecodeConfig(**{name: fields[name] for name in DecodeConfig.__dataclass_fields__})
+
+
+def plan_decode(batch: int, heads: int, window: int, topk: int, packed: bool, device: torch.device, *,
+                columns: str = "natural", window_columns: str = "natural",
+                config: DecodeConfig | None = None) -> DecodePlan:
+    """The plan of a decode call of `batch` tokens, `heads` query heads, `window` window
+    locations and `topk` C4 locations per token, over packed (a keep list) or native C4
+    records on `device`, q and out in `columns` order and the window records in
+    `window_columns` order (see remnant.kernels.decode.decode). config: the choices made
+    by the caller (None: all chosen here)."""
+    config = config or DecodeConfig()
+    _allowed("columns", columns, COLUMN_ORDERS)
+    _allowed("window_columns", window_columns, COLUMN_ORDERS)
+    if window_columns == "kept_first" and not packed:
+        raise ValueError("window_columns='kept_first' needs packed C4 records (a keep list): the native kernel reads "
+                         "window records in natural order")
+    programs = batch * triton.cdiv(heads, config.h_block)
+    window_apart = window_apart_for(config.window_apart, packed, columns, window_columns, window, config.splits,
+                                    programs, device)
+    window_kept_first = packed and window_columns == "kept_first"
+    form = ("native" if not packed else "packed, kept-first window" if window_kept_first
+            else "packed, window apart" if window_apart else "packed")
+    given = {name: getattr(config, name) for name in LOOP_SETTINGS}
+    loops = {name: DEFAULT_CONFIGS[form][name] if value is None else value for name, value in given.items()}
+    splits = split_count(config.splits, programs, window, topk, loops["block_n"], loops["window_block_n"], device,
+                         window_apart)
+    return DecodePlan(
+        kernel=config.kernel or "triton", packed=packed, columns=columns, window_columns=window_columns,
+        h_block=config.h_block, num_warps=config.num_warps, **loops, splits=splits, window_apart=window_apart,
+        partials=partials_for(config.partials, splits),
+        split_plan=split_plan_for(config.split_plan, splits, packed, window_kept_first, window_apart),
+        join=join_for(config.join, splits, packed and columns == "natural", window_apart, device))
+
+
+def splits_for(programs: int, multiprocessors: int) -> int:
+    """Splits per program so that `programs` (tokens x head blocks) fill `multiprocessors`
+    once: one 64-head program per SM is the most that fits (255 registers, 144 KB of
+    shared memory), so a batch below the SM count leaves SMs idle without splits, and
+    above it more splits would only queue (benchmarks/kernels/NOTES.md)."""
+    return max(1, min(MAX_SPLITS, multiprocessors // max(programs, 1)))
+
+
+def auto_splits(programs: int, device: torch.device) -> int:
+    """splits_for this device's multiprocessors; 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    return splits_for(programs, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def split_count(splits: int | None, programs: int, window: int, topk: int, block_n: int, window_block_n: int,
+                device: torch.device, window_apart: bool = False) -> int:
+    """The splits decode runs: `splits` (None: auto_splits), at most one per step of the
+    longer loop (a split without a step of its own would only add a partial).
+
+    window_apart (window_apart_for): the window takes a program of its own, split 0, and the
+    rest share the C4 records, at most one per C4 step; None then chooses one more than
+    auto_splits."""
+    if splits is None:
+        splits = min(MAX_SPLITS, auto_splits(programs, device) + (1 if window_apart else 0))
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    if window_apart and splits < 2:
+        raise ValueError(f"splits must be >= 2 with window_apart (the window's program and one for the C4 records), "
+                         f"got {splits}")
+    c4_steps = max(-(-topk // block_n), 1)
+    if window_apart:
+        return 1 + min(splits - 1, c4_steps)
+    return min(splits, max(-(-window // window_block_n), c4_steps))
+
+
+def window_apart_for(window_apart: bool | None, packed: bool, columns: str, window_columns: str, window: int,
+                     splits: int | None, programs: int, device: torch.device) -> bool:
+    """Whether decode gives the window a program of its own (split 0 runs the native
+    program over the window, the other splits the packed program over the C4 records).
+
+    Only packed C4 records with q, out and the window in natural order (as SGLang calls
+    the kernel) can: there the fused program reads each window code by column index into
+    its kept-first sets, which cost it as much as its C4 records. None chooses it where the
+    window is not empty, splits is None and auto_splits gives the fused program one split
+    (more programs than half the multiprocessors, where it measured faster; split in two,
+    the fused program was faster); given splits keep the fused program."""
+    natural = packed and columns == "natural" and window_columns == "natural"
+    if window_apart is None:
+        return natural and window > 0 and splits is None and auto_splits(programs, device) == 1
+    if window_apart and not natural:
+        raise ValueError("window_apart needs packed C4 records with q, out and the window in natural order (a keep "
+                         f"list, columns='natural', window_columns='natural'), got "
+                         f"{'packed' if packed else 'native'} records, columns={columns!r}, "
+                         f"window_columns={window_columns!r}")
+    return window_apart
+
+
+def partials_for(partials: str | None, splits: int) -> str | None:
+    """The split partials' dtype: None for one split (no partials); else as given or, where
+    None, float16 (each row scaled by a power of two: decode's _row_scale) for two splits
+    and float32 for more. Half the bytes paid at two splits; at 8 and 16 each split's row
+    maxima cost more than the bytes they save."""
+    if splits == 1:
+        return None
+    if partials is not None:
+        return partials
+    return "float16" if splits <= 2 else "float32"
+
+
+def split_plan_for(split_plan: str | None, splits: int, packed: bool, window_kept_first: bool,
+                   window_apart: bool) -> str | None:
+    """How a token's splits share the window and the C4 records: None for one split;
+    "even", each split a like share of each (with the window apart: of the C4 records); or
+    "by_cost", each split a contiguous range of the window's steps then the C4 records',
+    cut at equal cost (decode's _split_step), so that most splits run one loop. None
+    chooses "by_cost" for the packed program with a kept-first window at
+    BY_COST_FROM_SPLITS splits or more (at 2 and 4 the even plan was faster), and for the
+    native kernel at NATIVE_BY_COST_SPLITS (at 4 and 16 it was slower, at 8 even)."""
+    if splits == 1:
+        return None
+    if split_plan is None:
+        if not packed:
+            return "by_cost" if splits in NATIVE_BY_COST_SPLITS else "even"
+        return "by_cost" if window_kept_first and not window_apart and splits >= BY_COST_FROM_SPLITS else "even"
+    if split_plan == "by_cost" and window_apart:
+        raise ValueError("split_plan='by_cost' cannot take the window apart: its program is split 0 by construction; "
+                         "pass window_apart=False or split_plan='even'")
+    return split_plan
+
+
+def join_for(join: str | None, splits: int, permute: bool, window_apart: bool, device: torch.device) -> str | None:
+    """How a token's splits are joined: None for one split; "kernel", the splits' partials
+    written to global memory and joined by decode's _combine_kernel; or "exchange", a
+    token's two splits launched as one cluster of two CTAs that write their partials as for
+    the kernel, pass a cluster barrier and each join half of the output columns from L2.
+    None chooses "exchange" wherever it can run: two splits, the output in the kernel's own
+    column order (no permutation back to natural order, no window apart: their join reads
+    the partials by index), compiled for an NVIDIA GPU with clusters (sm_90 and later;
+    inline PTX; the interpreter runs programs one at a time), by a Triton whose launcher
+    takes clusters from the packed metadata that launch_in_pairs sets (3.6 and later)."""
+    if splits == 1:
+        return None
+    why = None
+    if splits != 2:
+        why = f"{splits} splits (it pairs two)"
+    elif permute:
+        why = "columns='natural' over packed records (the join kernel permutes the output back)"
+    elif window_apart:
+        why = "the window apart (the join kernel reads its partials in two orders)"
+    elif device.type != "cuda" or interpreted():
+        why = "no compiled CUDA launch (Triton's interpreter runs programs one at a time)"
+    elif torch.version.hip is not None:
+        why = "a ROCm GPU (the cluster barrier is PTX)"
+    elif torch.cuda.get_device_capability(device) < (9, 0):
+        why = "a GPU before sm_90 (no thread block clusters)"
+    elif tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
+        why = f"Triton {triton.__version__} (launch_in_pairs needs 3.6 or later)"
+    if join is None:
+        return "kernel" if why else "exchange"
+    if join == "exchange" and why:
+        raise ValueError(f"join='exchange' cannot run with {why}; pass join='kernel' or leave it None")
+    return join
+
+
+def window_step_cost(packed: bool) -> int:
+    """How many C4 steps one window step weighs when splits are cut by cost (split_plan
+    "by_cost"; decode's _split_step): PACKED_ or NATIVE_WINDOW_STEP_COST."""
+    return PACKED_WINDOW_STEP_COST if packed else NATIVE_WINDOW_STEP_COST
