@@ -9,6 +9,13 @@ A watchdog stops the client early: when requests have been in flight for `stall_
 with no answer from the server (no token, no response; a request that times out is no
 answer), or when the run passes `deadline_s`. It stops sending, records the requests in flight as failed, and raises
 ClientStopped with the times.
+
+Streams are read by `remnant.client.http_stream` (a minimal HTTP/1.1 reader that hands
+each line to the request's record as its bytes arrive) and frames by
+`remnant.client.frames` (meta_info alone where the frame ends with it); `stream="httpx"`
+reads them with httpx and whole-frame parsing instead, the plain reference path, also taken
+where a proxy applies to the server's URL. Flushes go through httpx either way.
+benchmarks/client/NOTES.md has what each costs.
 """
 
 from __future__ import annotations
@@ -20,14 +27,19 @@ import re
 import signal
 import threading
 import time
+import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 import httpx
+import orjson
 from tqdm import tqdm
 
+from remnant.client.frames import JSONDecodeError, frame_fields, parse_frame
+from remnant.client.http_stream import CONTINUE, END, STOP, StreamError, StreamPool
 from remnant.client.request_record import RequestRecord
 from remnant.records.files import append_line
 from remnant.signals import Interrupted
@@ -130,7 +142,11 @@ class LoadClient:
     stall_timeout_s: stop when requests have been in flight this long, in all, since the
         server last answered (a token, or a response's status); time with nothing in flight
         does not count (None: no watchdog). deadline_s: stop this long after t0 (None: never).
+    stream: "fast" (remnant.client.http_stream and frames) or "httpx" (the reference path);
+        "fast" falls back to "httpx" where a proxy applies to base_url (see `stream_path`).
     """
+
+    STREAMS = ("fast", "httpx")
 
     def __init__(
         self,
@@ -142,8 +158,12 @@ class LoadClient:
         progress: bool | None = None,
         stall_timeout_s: float | None = None,
         deadline_s: float | None = None,
+        stream: str = "fast",
     ):
+        if stream not in self.STREAMS:
+            raise ValueError(f"stream={stream!r} is not allowed; allowed: {', '.join(self.STREAMS)}")
         self.base_url = base_url.rstrip("/")
+        self.stream = stream
         self.requests_path = Path(requests_path)
         self.request_timeout_s = request_timeout_s
         self.flush_timeout_s = flush_timeout_s
@@ -164,9 +184,22 @@ class LoadClient:
         self._mark_s = 0.0
         self._stop: dict | None = None
         self._phase: dict | None = None
+        self._pool: StreamPool | None = None
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
+
+    @property
+    def stream_path(self) -> str:
+        """The stream reader requests go through: "httpx" when asked for, or when a proxy
+        from the environment applies to base_url (httpx honours it; http_stream does not)."""
+        if self.stream == "httpx":
+            return "httpx"
+        u = urlsplit(self.base_url)
+        proxies = urllib.request.getproxies()
+        if (u.scheme in proxies or "all" in proxies) and not urllib.request.proxy_bypass(u.hostname or ""):
+            return "httpx"
+        return "fast"
 
     def run(self, phases: list[Phase], on_phase_end: Callable[[PhaseResult], None] = lambda _: None) -> list[PhaseResult]:
         """Run the phases; Ctrl-C or SIGTERM cancels what is in flight and raises
@@ -237,13 +270,21 @@ class LoadClient:
         limits = httpx.Limits(max_connections=max(p.concurrency for p in phases) + 4)
         timeout = httpx.Timeout(self.request_timeout_s, connect=10.0)
         results = []
+        self._pool = None
+        if self.stream_path == "fast":
+            self._pool = StreamPool(self.base_url, limits.max_connections, connect_timeout_s=10.0,
+                                    read_timeout_s=self.request_timeout_s)
         with tqdm(total=total, unit="req", disable=None if self.progress is None else not self.progress, dynamic_ncols=True) as bar:
             async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-                for phase in phases:
-                    bar.set_description(phase.name)
-                    result = await self._run_phase(client, phase, bar)
-                    results.append(result)
-                    on_phase_end(result)
+                try:
+                    for phase in phases:
+                        bar.set_description(phase.name)
+                        result = await self._run_phase(client, phase, bar)
+                        results.append(result)
+                        on_phase_end(result)
+                finally:
+                    if self._pool is not None:
+                        await self._pool.aclose()
         return results
 
     async def _watch(self, work: asyncio.Future) -> None:
@@ -333,7 +374,10 @@ class LoadClient:
                                 expected_output_tokens=req.max_new_tokens, session=req.session, turn=req.turn)
             self._in_flight_change(+1)
             try:
-                await self._send(client, req, rec)
+                if self._pool is not None:
+                    await self._send_fast(req, rec)
+                else:
+                    await self._send(client, req, rec)
             except asyncio.CancelledError:
                 if self._stop is not None:  # stopped by the watchdog: keep what it had
                     rec.error = (f"stopped: no answer from the server for {self._stop['limit_s']:g}s (stall)"
@@ -412,8 +456,7 @@ class LoadClient:
             return "ConnectTimeout: no connection within 10s"
         return type(exc).__name__
 
-    async def _send(self, client, req: PlannedRequest, rec: RequestRecord) -> None:
-        """Stream one /generate into `rec` (times, tokens, success or error)."""
+    def _payload(self, req: PlannedRequest) -> dict:
         payload = {
             "rid": f"{self._rid_prefix}-{req.id}",
             "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
@@ -423,60 +466,130 @@ class LoadClient:
             payload["input_ids"] = req.input_ids
         else:
             payload["text"] = req.text
-        seen = 0
+        return payload
+
+    async def _send(self, client, req: PlannedRequest, rec: RequestRecord) -> None:
+        """Stream one /generate into `rec` (times, tokens, success or error): the reference
+        path, httpx and whole-frame parsing; a chunk's time is when its frame was parsed."""
+        frames = _Frames(self, rec)
         rec.start_s = self.now()
         try:
-            async with client.stream("POST", f"{self.base_url}/generate", json=payload) as resp:
+            async with client.stream("POST", f"{self.base_url}/generate", json=self._payload(req)) as resp:
                 self._progress()
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")
                     rec.error = http_error(resp.status_code, body)
                     return
-                done = False
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: "):
                         continue
                     data = line[len("data: "):]
                     if data == "[DONE]":
-                        done = True
+                        frames.done = True
                         break
-                    frame = json.loads(data)
-                    if "error" in frame:
-                        err = frame["error"]
-                        message = err.get("message") if isinstance(err, dict) else err
-                        rec.error = f"server error: {snippet(str(message))}"
+                    if frames.frame(parse_frame(data.encode()), self.now()):
                         return
-                    t = self.now()
-                    meta = frame.get("meta_info") or {}
-                    # Tokens so far, as bench_serving counts them: completion_tokens (output_ids
-                    # holds only the new ids when SGLang streams incrementally).
-                    n = meta.get("completion_tokens")
-                    if n is None:
-                        n = len(frame.get("output_ids") or [])
-                    if n > seen:
-                        if rec.ttft_s is None:
-                            rec.ttft_s = t - rec.start_s
-                        rec.chunk_times_s.append(t)
-                        rec.chunk_tokens.append(n - seen)
-                        seen = n
-                        self._progress()
-                    rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
-                    rec.completion_tokens = meta.get("completion_tokens", seen)
-                    rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens) or 0
-                    reason = meta.get("finish_reason")
-                    if reason:
-                        rec.finish_reason = reason.get("type") if isinstance(reason, dict) else str(reason)
                 rec.end_s = self.now()
-                if rec.finish_reason == "abort":
-                    rec.error = "server aborted the request"
-                elif not done:
-                    rec.error = "stream ended before [DONE]"
-                else:
-                    rec.success = True
+                frames.finish()
         except httpx.HTTPError as exc:
             rec.error = self._transport_error(exc)
-        except json.JSONDecodeError as exc:
+        except JSONDecodeError as exc:
             rec.error = f"JSONDecodeError: {snippet(str(exc))}"
 
+    async def _send_fast(self, req: PlannedRequest, rec: RequestRecord) -> None:
+        """`_send` through http_stream: each line is read as its bytes arrive, a chunk's
+        time is the arrival of the read that completed its frame."""
+        frames = _Frames(self, rec)
+        t0 = self.t0
+
+        def on_line(buf: bytes, start: int, end: int, t: float) -> int:
+            if not buf.startswith(b"data: ", start):
+                return CONTINUE
+            start += 6
+            if end - start == 6 and buf.startswith(b"[DONE]", start):
+                frames.done = True
+                return END
+            return STOP if frames.frame(frame_fields(buf, start, end), t - t0) else CONTINUE
+
+        rec.start_s = self.now()
+        try:
+            resp = await self._pool.post_lines("/generate", _dumps(self._payload(req)), on_line, self._progress)
+        except StreamError as exc:
+            message = str(exc)
+            if message.startswith("ReadTimeout:"):
+                message = f"ReadTimeout: no data for {self.request_timeout_s:g}s (workload.request_timeout_s)"
+            rec.error = message
+            return
+        except JSONDecodeError as exc:
+            rec.error = f"JSONDecodeError: {snippet(str(exc))}"
+            return
+        if resp.status != 200:
+            rec.error = http_error(resp.status, resp.body.decode(errors="replace"))
+            return
+        if rec.error is not None:  # a server error frame
+            return
+        rec.end_s = resp.end_t - t0
+        frames.finish()
+
     def _append(self, rec: RequestRecord) -> None:
-        append_line(self.requests_path, json.dumps(rec.to_dict()))
+        append_line(self.requests_path, _dumps(rec.to_dict()).decode())
+
+
+def _dumps(doc) -> bytes:
+    """JSON of a payload or record: orjson, a tenth of json.dumps's time on a 512-token record."""
+    return orjson.dumps(doc)
+
+
+class _Frames:
+    """One request's frames into its record, the same for both stream paths: tokens counted
+    by meta_info.completion_tokens as bench_serving counts them (len(output_ids) where it is
+    absent), TTFT and chunk times from the first frame that carried a token."""
+
+    __slots__ = ("client", "rec", "seen", "done")
+
+    def __init__(self, client: LoadClient, rec: RequestRecord):
+        self.client, self.rec = client, rec
+        self.seen = 0
+        self.done = False
+
+    def frame(self, frame: dict, t: float) -> bool:
+        """Frame `frame` arrived at `t` (s since the client's t0); True: a server error
+        ended the request (recorded)."""
+        rec = self.rec
+        if "error" in frame:
+            err = frame["error"]
+            message = err.get("message") if isinstance(err, dict) else err
+            rec.error = f"server error: {snippet(str(message))}"
+            return True
+        meta = frame.get("meta_info") or {}
+        # Tokens so far, as bench_serving counts them: completion_tokens (output_ids holds
+        # only the new ids when SGLang streams incrementally).
+        n = meta.get("completion_tokens")
+        if n is None:
+            n = len(frame.get("output_ids") or [])
+        if n > self.seen:
+            if rec.ttft_s is None:
+                rec.ttft_s = t - rec.start_s
+            rec.chunk_times_s.append(t)
+            rec.chunk_tokens.append(n - self.seen)
+            self.seen = n
+            client = self.client
+            client._progress_s = client._mark_s = t  # as LoadClient._progress(), at the arrival
+            client._quiet_s = 0.0
+        rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
+        rec.completion_tokens = meta.get("completion_tokens", self.seen)
+        rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens) or 0
+        reason = meta.get("finish_reason")
+        if reason:
+            rec.finish_reason = reason.get("type") if isinstance(reason, dict) else str(reason)
+        return False
+
+    def finish(self) -> None:
+        """The stream ended (rec.end_s set): success, or why not."""
+        rec = self.rec
+        if rec.finish_reason == "abort":
+            rec.error = "server aborted the request"
+        elif not self.done:
+            rec.error = "stream ended before [DONE]"
+        else:
+            rec.success = True
