@@ -38,20 +38,13 @@ from omegaconf.errors import (
 )
 
 from remnant.config import (
+    HOSTS,
+    WORKLOADS,
     ConfigError,
-    EmbeddedHostConfig,
-    ExternalHostConfig,
-    LocalHostConfig,
-    ModalHostConfig,
     ModeConfig,
     ModelConfig,
-    RandomWorkloadConfig,
     RetentionConfig,
-    LongContextWorkloadConfig,
-    LongSWEWorkloadConfig,
     RunConfig,
-    ShareGPTWorkloadConfig,
-    SharedPrefixWorkloadConfig,
     validate,
 )
 from remnant.signals import Interrupted, describe as describe_signal, exit_status, raise_interrupted, signum_of
@@ -63,21 +56,17 @@ SCHEMA_PREFIX = "base_"
 
 
 def register_configs() -> None:
-    """Schemas behind every conf/ file: a typo or a wrong type fails at compose time."""
+    """Schemas behind every conf/ file: a typo or a wrong type fails at compose time. An
+    open group's kinds (workload, host) come from their registries: conf/<group>/x.yaml
+    names its kind's schema as `base_<kind>` in its defaults."""
     cs = ConfigStore.instance()
     cs.store(name="run_config", node=RunConfig)
     cs.store(group="mode", name="base_mode", node=ModeConfig)
     cs.store(group="retention", name="base_retention", node=RetentionConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
-    cs.store(group="workload", name="base_random", node=RandomWorkloadConfig)
-    cs.store(group="workload", name="base_shared_prefix", node=SharedPrefixWorkloadConfig)
-    cs.store(group="workload", name="base_sharegpt", node=ShareGPTWorkloadConfig)
-    cs.store(group="workload", name="base_long_context", node=LongContextWorkloadConfig)
-    cs.store(group="workload", name="base_longswe", node=LongSWEWorkloadConfig)
-    cs.store(group="host", name="base_embedded", node=EmbeddedHostConfig)
-    cs.store(group="host", name="base_external", node=ExternalHostConfig)
-    cs.store(group="host", name="base_local", node=LocalHostConfig)
-    cs.store(group="host", name="base_modal", node=ModalHostConfig)
+    for kinds in (WORKLOADS, HOSTS):
+        for kind, cls in kinds.all().items():
+            cs.store(group=kinds.group, name=f"{SCHEMA_PREFIX}{kind}", node=cls)
     register_resolvers()
 
 

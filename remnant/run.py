@@ -79,17 +79,7 @@ def _new_run_id() -> str:
 
 def _base_limits(cfg: RunConfig) -> list[str]:
     limits = ["a single run: its variance is not measured (sweep seed=0,1,2 and remnant-report for a confidence interval)"]
-    if cfg.host.kind == "embedded":
-        limits.append(
-            "embedded reference engine with random weights: text output is meaningless; "
-            "timing is the CPU/GPU reference engine's, not SGLang's"
-        )
-    if cfg.workload.kind in ("random", "shared_prefix", "long_context", "longswe"):
-        limits.append("synthetic random-token prompts, not real text")
-    if cfg.workload.kind == "longswe":
-        limits.append("replayed turns carry recorded-length synthetic answers, not the server's own output, "
-                      "so pages cached during decode are not reused as real multi-turn serving would")
-    return limits + list(cfg.limits)
+    return limits + cfg.host.limits() + cfg.workload.limits() + list(cfg.limits)
 
 
 def _native_decode_limits(server_info: dict | None) -> list[str]:
@@ -207,7 +197,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     from remnant.hosts.base import signals_deferred
     from remnant.records.provenance import artifact, sources
     from remnant.records.schema import RecordError, write_validated
-    from remnant.workloads import needs_server_info, plan_workload
+    from remnant.workloads import plan_workload
 
     run_dir = Path(run_dir)
     if (run_dir / RUN_JSON).exists():
@@ -242,9 +232,9 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             environment = endpoint.environment
             server_info = endpoint.server_info
             limits += _check_served_mode(cfg.mode.name, server_info, endpoint.base_url,
-                                         started_here=cfg.host.kind != "external")
+                                         started_here=cfg.host.starts_server())
             limits += _native_decode_limits(server_info)
-            if needs_server_info(cfg.workload):
+            if cfg.workload.needs_server_info():
                 stage.name = "workload"
                 plan = plan_workload(cfg.workload, cfg.model, server_info)
             stage.name = "client"
@@ -417,7 +407,7 @@ def resume_check(cfg: RunConfig, run_dir: Path) -> str | None:
     """None when run_dir's run.json is a completed run of exactly this cell: the same
     resolved config and the same request stream (workload fingerprint), so a resumed
     sweep may skip it. Otherwise why the cell runs again."""
-    from remnant.workloads import needs_server_info, plan_workload
+    from remnant.workloads import plan_workload
 
     try:
         doc = json.loads((Path(run_dir) / RUN_JSON).read_text())
@@ -433,7 +423,7 @@ def resume_check(cfg: RunConfig, run_dir: Path) -> str | None:
     if diff:
         return f"its config differs ({diff})"
     try:
-        server_info = doc.get("server_info") if needs_server_info(cfg.workload) else None
+        server_info = doc.get("server_info") if cfg.workload.needs_server_info() else None
         fingerprint = plan_workload(cfg.workload, cfg.model, server_info).fingerprint()
     except (ValueError, OSError) as exc:
         return f"its workload cannot be planned again ({exc})"

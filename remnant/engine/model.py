@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from remnant.config import DECODE_PATHS, ENGINE_DEVICES, NATIVE_DECODES
+from remnant.config import MODES
+from remnant.engine.args import DECODE_PATHS, ENGINE_DEVICES, NATIVE_DECODES, kernels_need_interpreter
 from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
@@ -100,9 +100,6 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([nope, r1 * cos - r2 * sin, r1 * sin + r2 * cos], dim=-1)
 
 
-MODES = ("native", "triton", "kernel")
-
-
 def resolve_device(device: str) -> torch.device:
     """`device` (cpu or cuda) as a torch.device; a clear error when CUDA is not there."""
     if device not in ENGINE_DEVICES:
@@ -144,7 +141,7 @@ def resolve_decode_path(decode_path: str, device: torch.device) -> str:
         raise ValueError(f"decode_path={decode_path} is not allowed; allowed: {', '.join(DECODE_PATHS)}")
     if decode_path == "auto":
         return "kernels" if device.type == "cuda" else "reference"
-    if decode_path == "kernels" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if kernels_need_interpreter(decode_path, device.type):
         raise ValueError("decode_path=kernels on device=cpu needs TRITON_INTERPRET=1 (Triton's interpreter) "
                          "in the environment before triton is imported; or use decode_path=reference")
     return decode_path

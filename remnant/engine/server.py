@@ -23,7 +23,6 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request as HttpRequest
@@ -33,7 +32,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import remnant
-from remnant.config import DECODE_PATHS, ENGINE_DEVICES, NATIVE_DECODES
+from remnant.config import MODES
 from remnant.engine.api import (
     BadRequest,
     GenerateRequest,
@@ -44,6 +43,7 @@ from remnant.engine.api import (
     generate_error,
     generate_error_stream,
 )
+from remnant.engine.args import EngineArgs, RetentionArgs
 from remnant.engine.engine import Engine
 
 log = logging.getLogger("remnant.serve")
@@ -54,39 +54,13 @@ FLUSH_OK = (
 )
 
 
-@dataclass
-class RetentionArgs:
-    """Retention of the CSA layers in triton/kernel modes (ignored in native mode)."""
-
-    retention: int | None = None
-    per_layer: list[int] | None = None
-    map_path: str | None = None
-    policy: str = "attention"
-
-
-@dataclass
-class EngineArgs:
-    """Device, pool and scheduler settings (SGLang's DeepSeek-V4 defaults for page size and
-    SWA ratio); device and decode_path as remnant.engine.model.Model takes them."""
-
-    kv_budget_bytes: int = 96 << 20
-    page_size: int = 256
-    swa_ratio: float = 0.1
-    max_running_requests: int = 32
-    chunked_prefill_size: int = 512
-    prefix_cache: bool = True
-    device: str = "cpu"
-    decode_path: str = "auto"
-    native_decode: str = "auto"
-
-
 def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
                engine_args: EngineArgs | None = None) -> FastAPI:
     """Load the model directory and build the FastAPI app (the engine starts with the app)."""
     import torch
     from tokenizers import Tokenizer
 
-    from remnant.engine.model import MODES, Model, ModelArgs
+    from remnant.engine.model import Model, ModelArgs
     from remnant.engine.retention_setup import setup_retention
 
     if mode not in MODES:
@@ -364,24 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
-    p.add_argument("--mode", default="native", choices=["native", "triton", "kernel"])
-    p.add_argument("--retention", type=int, default=None, help="coordinates kept per C4 record (R, uniform)")
-    p.add_argument("--retention-per-layer", default=None, help="R per CSA layer, comma-separated")
-    p.add_argument("--retention-map", default=None, help="retention map JSON (remnant/retention-map)")
-    p.add_argument("--retention-policy", default="attention",
-                   help="policy that chooses kept coordinates when no map is given")
-    p.add_argument("--chunked-prefill-size", type=int, default=512)
-    p.add_argument("--max-running-requests", type=int, default=32)
-    p.add_argument("--kv-budget-mib", type=float, default=96.0, help="bytes for every KV pool together, MiB")
-    p.add_argument("--page-size", type=int, default=256, help="tokens per page (multiple of 128)")
-    p.add_argument("--swa-ratio", type=float, default=0.1, help="SWA pool tokens per full token")
-    p.add_argument("--disable-prefix-cache", action="store_true")
-    p.add_argument("--device", default="cpu", choices=ENGINE_DEVICES, help="where weights and KV pools live")
-    p.add_argument("--decode-path", default="auto", choices=DECODE_PATHS,
-                   help="decode-step attention: torch reference or remnant.kernels (auto: kernels on cuda)")
-    p.add_argument("--native-decode", default="auto", choices=NATIVE_DECODES,
-                   help="kernel for native records on the kernels path: FlashMLA's V4 decode (sgl-flash-mla), "
-                        "Remnant's Triton native kernel, or auto (FlashMLA where it runs)")
+    p.add_argument("--mode", default="native", choices=MODES)
+    RetentionArgs.add_arguments(p)
+    EngineArgs.add_arguments(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -393,11 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
-        per_layer = [int(v) for v in a.retention_per_layer.split(",")] if a.retention_per_layer else None
-        retention = RetentionArgs(a.retention, per_layer, a.retention_map, a.retention_policy)
-        engine_args = EngineArgs(int(a.kv_budget_mib * (1 << 20)), a.page_size, a.swa_ratio,
-                                 a.max_running_requests, a.chunked_prefill_size, not a.disable_prefix_cache,
-                                 a.device, a.decode_path, a.native_decode)
+        retention = RetentionArgs.from_namespace(a)
+        engine_args = EngineArgs.from_namespace(a)
         sock = _bind(a.host, a.port)  # before loading: a taken port fails fast
         app = create_app(a.model_dir, a.mode, retention, engine_args)
     except (ValueError, OSError) as exc:

@@ -14,13 +14,48 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from remnant.config import EmbeddedHostConfig
+from remnant.config import HOSTS, HostConfig, at_least, positive_finite
+from remnant.engine.args import EngineArgs, RetentionArgs
 from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, wait_healthy
 
 _STOP_GRACE_S = 10.0
+
+
+@dataclass
+class _HostFields(HostConfig):
+    """The embedded host's own fields, ahead of the engine's in EmbeddedHostConfig (the
+    order `--cfg job` and run.json show them in)."""
+
+    kind: str = "embedded"
+    startup_timeout_s: float = 120.0
+    #: torch threads of the server process.
+    threads: int = 2
+    log_tail_lines: int = 40
+
+
+@HOSTS.register
+@dataclass
+class EmbeddedHostConfig(EngineArgs, _HostFields):
+    """remnant-serve in a child process on a free loopback port. The engine's settings
+    (remnant.engine.args.EngineArgs: host.kv_budget_mib, host.device, ...) are fields of
+    this config too, and go to remnant-serve whole."""
+
+    def validate(self) -> None:
+        super().validate()
+        positive_finite(self.startup_timeout_s, "host.startup_timeout_s")
+        at_least(self, "host.", ("threads",), 1)
+        self.check("host.")
+
+    def limits(self) -> list[str]:
+        return ["embedded reference engine with random weights: text output is meaningless; "
+                "timing is the CPU/GPU reference engine's, not SGLang's"]
+
+    def make(self) -> EmbeddedHost:
+        return EmbeddedHost(self)
 
 
 def _die_with_parent() -> None:
@@ -64,26 +99,10 @@ class EmbeddedHost:
             "--port-file", str(port_file),
             "--mode", spec.mode,
             "--threads", str(self.cfg.threads),
-            "--kv-budget-mib", str(self.cfg.kv_budget_mib),
-            "--max-running-requests", str(self.cfg.max_running_requests),
-            "--page-size", str(self.cfg.page_size),
-            "--swa-ratio", str(self.cfg.swa_ratio),
-            "--chunked-prefill-size", str(self.cfg.chunked_prefill_size),
-            "--device", self.cfg.device,
-            "--decode-path", self.cfg.decode_path,
-            "--native-decode", self.cfg.native_decode,
+            *self.cfg.engine_args().to_argv(),
         ]
-        if not self.cfg.prefix_cache:
-            cmd.append("--disable-prefix-cache")
         if spec.retention is not None:
-            ret = spec.retention
-            if ret.per_layer:
-                cmd += ["--retention-per-layer", ",".join(map(str, ret.per_layer))]
-            else:
-                cmd += ["--retention", str(ret.retention)]
-            if ret.map_path:
-                cmd += ["--retention-map", str(Path(ret.map_path).resolve())]
-            cmd += ["--retention-policy", ret.policy]
+            cmd += RetentionArgs.of(spec.retention).to_argv()
         log = open(spec.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._proc = proc = subprocess.Popen(

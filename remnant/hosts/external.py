@@ -3,10 +3,39 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator
+from urllib.parse import urlsplit
 
-from remnant.config import ExternalHostConfig
+from remnant.config import HOSTS, MISSING, ConfigError, HostConfig, positive_finite
 from remnant.hosts.base import Endpoint, ServerSpec, fetch_server_info, wait_healthy
+
+
+@HOSTS.register
+@dataclass
+class ExternalHostConfig(HostConfig):
+    """A server that is already running; never started or stopped."""
+
+    kind: str = "external"
+    base_url: str = MISSING
+    health_timeout_s: float = 30.0
+
+    def validate(self) -> None:
+        super().validate()
+        try:
+            url = urlsplit(self.base_url)
+            ok = url.scheme in ("http", "https") and bool(url.hostname) and (url.port or True)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"host.base_url={self.base_url} is not an http(s) URL like http://127.0.0.1:30000")
+        positive_finite(self.health_timeout_s, "host.health_timeout_s")
+
+    def starts_server(self) -> bool:
+        return False
+
+    def make(self) -> ExternalHost:
+        return ExternalHost(self)
 
 
 class ExternalHost:

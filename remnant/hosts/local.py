@@ -29,11 +29,102 @@ import tarfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from remnant.config import LocalHostConfig
+from remnant.config import HOSTS, ConfigError, HostConfig, ModelConfig, positive_finite
 from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred, wait_healthy
+
+#: Values of LocalHostConfig.server: what the image serves.
+LOCAL_SERVERS = ("sglang", "embedded")
+
+
+@HOSTS.register
+@dataclass
+class LocalHostConfig(HostConfig):
+    """A Docker container on this Linux host, from the image runners/docker/Dockerfile builds.
+
+    `server` picks what the image serves: sglang (SGLang with Remnant's plugin, on the GPUs
+    in `gpus`) or embedded (remnant-serve, CPU). The image is tagged by a hash of its build
+    context and built when missing (or always, with rebuild=true).
+    """
+
+    kind: str = "local"
+    server: str = "sglang"
+    #: The image the Dockerfile builds on (BASE_IMAGE): a tag or a digest.
+    base_image: str = "lmsysorg/sglang:v0.5.18"
+    rebuild: bool = False
+    #: GPU ids as this host numbers them, comma-separated ("0,1,2,3"); empty: no GPU.
+    gpus: str = ""
+    shm_size: str = "32g"
+    #: The server's port and the distributed rendezvous port (SGLang's NCCL port), on
+    #: this host's network; 0 picks a free one.
+    port: int = 0
+    master_port: int = 0
+    startup_timeout_s: float = 1800.0
+    stop_timeout_s: float = 30.0
+    log_tail_lines: int = 40
+    #: Shell command run before the container starts, e.g. to reserve the GPUs of a shared
+    #: node; GPUS and REMNANT_RUN_ID are in its environment, a non-zero exit stops the run.
+    reserve_command: str | None = None
+    #: Extra environment of the server (SGLANG_* switches, HF_TOKEN, ...).
+    env: dict[str, str] = field(default_factory=dict)
+    #: Server arguments after the model's server_args.
+    server_args: list[str] = field(default_factory=list)
+
+    def gpu_ids(self) -> list[int]:
+        """`gpus` as a list of ids; raises ConfigError naming the field when it is not one."""
+        text = str(self.gpus).strip()
+        if not text:
+            return []
+        parts = [p.strip() for p in text.split(",")]
+        if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+            raise ConfigError(f"host.gpus={self.gpus} is not a list of distinct GPU ids like 0,1,2,3 (GPUS)")
+        return [int(p) for p in parts]
+
+    def validate(self) -> None:
+        super().validate()
+        if self.server not in LOCAL_SERVERS:
+            raise ConfigError(f"host.server={self.server} is not a server; allowed: {', '.join(LOCAL_SERVERS)}")
+        if not str(self.base_image).strip():
+            raise ConfigError("host.base_image is empty; give an image tag or digest like lmsysorg/sglang:v0.5.18")
+        self.gpu_ids()
+        for name in ("port", "master_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"host.{name}={value} must be a port in 1..65535, or 0 for a free one")
+        if self.port and self.port == self.master_port:
+            raise ConfigError(f"host.master_port={self.master_port} is host.port too; they must differ")
+        if not re.fullmatch(r"[1-9][0-9]*[bkmg]?", str(self.shm_size)):
+            raise ConfigError(f"host.shm_size={self.shm_size} is not a size like 32g, 512m")
+        positive_finite(self.startup_timeout_s, "host.startup_timeout_s")
+        positive_finite(self.stop_timeout_s, "host.stop_timeout_s")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """The model's checkpoint directory, and for SGLang one GPU per tensor-parallel rank."""
+        if model.tp_size < 1:
+            raise ConfigError(f"model.tp_size={model.tp_size} must be >= 1")
+        if model.path is not None and not os.path.isdir(model.path):
+            raise ConfigError(f"model.path={model.path} is not a directory (MODEL_PATH)")
+        if self.server == "sglang":
+            if model.path is None:
+                raise ConfigError(
+                    f"model.path is not set; host.server=sglang serves a checkpoint: set MODEL_PATH "
+                    f"(or model.path=...) to model={model.name}'s directory"
+                )
+            gpus = self.gpu_ids()
+            if len(gpus) != model.tp_size:
+                raise ConfigError(
+                    f"host.gpus={self.gpus or '(none)'} gives {len(gpus)} GPUs; model={model.name} has "
+                    f"tp_size={model.tp_size}, so it needs {model.tp_size} (GPUS=0,1,2,3 style)"
+                )
+
+    def serves_sglang(self) -> bool:
+        return self.server == "sglang"
+
+    def make(self) -> LocalHost:
+        return LocalHost(self)
 
 #: Labels on every container this host starts; cleanup finds containers by them.
 LABEL_RUN_ID = "remnant.run_id"

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from remnant.config import MODES, ModalHostConfig
+from remnant.config import HOSTS, MODES, ConfigError, HostConfig, at_least, positive_finite
 from remnant.hosts.base import (Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred,
                                 wait_healthy)
 
@@ -47,6 +47,82 @@ ENDPOINT_FILE = "endpoint.json"
 ENVIRONMENT_FILE = "environment.json"
 _POLL_S = 2.0
 _LOG_DRAIN_S = 15.0
+
+
+@HOSTS.register
+@dataclass
+class ModalHostConfig(HostConfig):
+    """The same SGLang server on Modal GPUs (runners/modal/app.py), reached through a tunnel.
+
+    The fields from `app_name` to `port` are the app's settings (runners/modal/app.py
+    `Settings`, same names): the host deploys the app with them. Planned GPU time is
+    gpu_count x serve_timeout_s (Modal stops `serve` at its timeout), and
+    kernels_gpu_count x kernels_timeout_s for `benchmark_kernels`; a plan over
+    budget_gpu_hours is refused before anything starts.
+    """
+
+    kind: str = "modal"
+    app_name: str = "remnant"
+    gpu: str = "H100"
+    #: GPUs of `serve`, and SGLang's --tp-size (model.tp_size must match).
+    gpu_count: int = 4
+    serve_timeout_s: int = 7200
+    kernels_gpu_count: int = 1
+    kernels_timeout_s: int = 1800
+    download_timeout_s: int = 14400
+    inspect_timeout_s: int = 300
+    budget_gpu_hours: float = 8.0
+    model_repo: str = "deepseek-ai/DeepSeek-V4-Flash"
+    #: The checkpoint's commit on the hub; `serve` refuses to start without one.
+    model_revision: str | None = None
+    model_volume: str = "remnant-models"
+    runs_volume: str = "remnant-runs"
+    base_image: str = "lmsysorg/sglang:v0.5.18"
+    port: int = 30000
+    #: `modal deploy` the app before the run (quick when nothing changed); false reuses
+    #: the deployed app, which must have been deployed with the same settings.
+    deploy: bool = True
+    #: Modal environment (null: the profile's default).
+    environment: str | None = None
+    #: runners/modal/app.py of a remnant checkout (null: the one remnant is imported from).
+    app_path: str | None = None
+    #: Until /health answers through the tunnel: container start, weights, CUDA graphs.
+    startup_timeout_s: float = 1800.0
+    log_tail_lines: int = 40
+    #: Extra environment of the server (SGLANG_* switches, ...).
+    env: dict[str, str] = field(default_factory=dict)
+    #: Server arguments after the model's server_args.
+    server_args: list[str] = field(default_factory=list)
+
+    def planned_gpu_hours(self) -> dict[str, float]:
+        """GPU-hours each GPU function may bill at most: GPUs x timeout."""
+        return {"serve": self.gpu_count * self.serve_timeout_s / 3600,
+                "benchmark_kernels": self.kernels_gpu_count * self.kernels_timeout_s / 3600}
+
+    def validate(self) -> None:
+        """The fields, and the budget guard: the planned GPU-hours must fit the budget."""
+        super().validate()
+        at_least(self, "host.", ("gpu_count", "kernels_gpu_count", "serve_timeout_s", "kernels_timeout_s",
+                                 "download_timeout_s", "inspect_timeout_s"), 1)
+        positive_finite(self.startup_timeout_s, "host.startup_timeout_s")
+        positive_finite(self.budget_gpu_hours, "host.budget_gpu_hours")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"host.port={self.port} must be a port in 1..65535")
+        for function, (count, timeout) in {"serve": ("gpu_count", "serve_timeout_s"),
+                                           "benchmark_kernels": ("kernels_gpu_count", "kernels_timeout_s")}.items():
+            planned = self.planned_gpu_hours()[function]
+            if planned > self.budget_gpu_hours:
+                raise ConfigError(
+                    f"host.{count}={getattr(self, count)} x host.{timeout}={getattr(self, timeout)} plans "
+                    f"{planned:.2f} GPU-hours for {function}, over host.budget_gpu_hours={self.budget_gpu_hours:g}; "
+                    f"lower host.{timeout} or raise host.budget_gpu_hours"
+                )
+
+    def serves_sglang(self) -> bool:
+        return True
+
+    def make(self) -> ModalHost:
+        return ModalHost(self)
 
 
 def app_settings(cfg: ModalHostConfig) -> dict:

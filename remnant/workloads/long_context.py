@@ -10,11 +10,46 @@ C x requests_per_slot measured.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 
-from remnant.config import LongContextWorkloadConfig
+from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig, at_least
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.random import SYNTHETIC_PROMPTS
+
+
+@WORKLOADS.register
+@dataclass
+class LongContextWorkloadConfig(WorkloadConfig):
+    """Long random prompts: input_len in, output_len out, at a fixed concurrency or at the
+    allocator ceiling (the most requests the server's max_total_num_tokens holds at once,
+    read from /server_info per mode and recorded)."""
+
+    name: str = "long_context"
+    kind: str = "long_context"
+    concurrency: int = 24
+    input_len: int = 131072
+    output_len: int = 8192
+    at_ceiling: bool = False
+    requests_per_slot: int = 1
+
+    def validate(self) -> None:
+        super().validate()
+        at_least(self, "workload.", ("output_len", "input_len", "requests_per_slot"), 1)
+
+    def request_tokens(self) -> tuple[int, str] | None:
+        return (self.input_len + self.output_len,
+                f"workload.input_len={self.input_len} + workload.output_len={self.output_len}")
+
+    def needs_server_info(self) -> bool:
+        return self.at_ceiling
+
+    def limits(self) -> list[str]:
+        return [SYNTHETIC_PROMPTS]
+
+    def plan(self, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:
+        return build_plan(self, model.prompt_vocab_size, server_info)
 
 
 def ceiling(server_info: dict, request_tokens: int) -> int:
@@ -30,7 +65,7 @@ def ceiling(server_info: dict, request_tokens: int) -> int:
     return max(1, min(fit, slots) if slots else fit)
 
 
-def plan(cfg: LongContextWorkloadConfig, prompt_vocab_size: int, server_info: dict | None) -> WorkloadPlan:
+def build_plan(cfg: LongContextWorkloadConfig, prompt_vocab_size: int, server_info: dict | None) -> WorkloadPlan:
     concurrency = cfg.concurrency
     params = dataclasses.asdict(cfg)
     if cfg.at_ceiling:

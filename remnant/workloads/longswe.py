@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from remnant.config import LongSWEWorkloadConfig
+from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig, at_least, positive_finite, range_pair
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.random import SYNTHETIC_PROMPTS
 from remnant.workloads.sessions import (
     MOONCAKE_BLOCK,
     Session,
@@ -21,6 +23,53 @@ from remnant.workloads.sessions import (
     prompt_tokens,
     synthetic_sessions,
 )
+
+
+@WORKLOADS.register
+@dataclass
+class LongSWEWorkloadConfig(WorkloadConfig):
+    """Recorded multi-turn sessions replayed by `concurrency` active users.
+
+    Sessions come from sessions_path (remnant/sessions JSON), from trace_path (a
+    Mooncake-style JSONL trace, imported), or from the synthetic generator. Each user
+    replays one session's turns in order, the next turn starting when the previous answer
+    ends (plus recorded think time); a user whose session ends takes the next session.
+    token_scale shrinks recorded lengths (for small engines); replay_timestamps also holds
+    each turn until its recorded time. The first warmup_sessions sessions warm up.
+    """
+
+    name: str = "longswe"
+    kind: str = "longswe"
+    concurrency: int = 24
+    sessions_path: str | None = None
+    trace_path: str | None = None
+    num_sessions: int = 48
+    warmup_sessions: int = 4
+    #: Replay only sessions with at least this many turns (traces mix in single requests).
+    min_turns: int = 1
+    token_scale: float = 1.0
+    max_input_len: int = 1048576
+    replay_timestamps: bool = False
+    synthetic_turns: list[int] = field(default_factory=lambda: [3, 6])
+    synthetic_initial_tokens: list[int] = field(default_factory=lambda: [2048, 8192])
+    synthetic_turn_tokens: list[int] = field(default_factory=lambda: [256, 2048])
+    synthetic_output_tokens: list[int] = field(default_factory=lambda: [64, 512])
+
+    def validate(self) -> None:
+        super().validate()
+        at_least(self, "workload.", ("max_input_len", "num_sessions", "min_turns"), 1)
+        positive_finite(self.token_scale, "workload.token_scale")
+        at_least(self, "workload.", ("warmup_sessions",), 0)
+        for name in ("synthetic_turns", "synthetic_initial_tokens", "synthetic_turn_tokens", "synthetic_output_tokens"):
+            range_pair(getattr(self, name), f"workload.{name}")
+
+    def limits(self) -> list[str]:
+        return [SYNTHETIC_PROMPTS,
+                "replayed turns carry recorded-length synthetic answers, not the server's own output, "
+                "so pages cached during decode are not reused as real multi-turn serving would"]
+
+    def plan(self, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:
+        return build_plan(self, model.prompt_vocab_size)
 
 
 def _source(cfg: LongSWEWorkloadConfig) -> tuple[list[Session], dict | None, int]:
@@ -53,7 +102,7 @@ def _rebased(sessions: list[list[PlannedRequest]]) -> list[list[PlannedRequest]]
     return sessions
 
 
-def plan(cfg: LongSWEWorkloadConfig, prompt_vocab_size: int) -> WorkloadPlan:
+def build_plan(cfg: LongSWEWorkloadConfig, prompt_vocab_size: int) -> WorkloadPlan:
     sessions, dataset, block = _source(cfg)
     sessions = [s for s in sessions if len(s.turns) >= cfg.min_turns]
     need = cfg.warmup_sessions + cfg.num_sessions

@@ -8,14 +8,51 @@ hits its group's cached prefix if the working set (G x prefix_len tokens) still 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 
-from remnant.config import SharedPrefixWorkloadConfig
+from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig, at_least
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.random import SYNTHETIC_PROMPTS
 
 
-def plan(cfg: SharedPrefixWorkloadConfig, prompt_vocab_size: int) -> WorkloadPlan:
+@WORKLOADS.register
+@dataclass
+class SharedPrefixWorkloadConfig(WorkloadConfig):
+    """G prefix groups: each request is its group's prefix plus a unique suffix.
+
+    Warm-up sends one request per group after a cache flush; the measured requests
+    (requests_per_group per group, shuffled) then run on the warm cache, so the cache-hit
+    rate shows whether the groups' working set fits in the KV pool.
+    """
+
+    name: str = "shared_prefix"
+    kind: str = "shared_prefix"
+    concurrency: int = 16
+    groups: int = 16
+    prefix_len: int = 1024
+    suffix_len: int = 64
+    output_len: int = 16
+    requests_per_group: int = 4
+
+    def validate(self) -> None:
+        super().validate()
+        at_least(self, "workload.", ("groups", "prefix_len", "suffix_len", "output_len", "requests_per_group"), 1)
+
+    def request_tokens(self) -> tuple[int, str] | None:
+        return (self.prefix_len + self.suffix_len + self.output_len,
+                f"workload.prefix_len={self.prefix_len} + workload.suffix_len={self.suffix_len} + "
+                f"workload.output_len={self.output_len}")
+
+    def limits(self) -> list[str]:
+        return [SYNTHETIC_PROMPTS]
+
+    def plan(self, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:
+        return build_plan(self, model.prompt_vocab_size)
+
+
+def build_plan(cfg: SharedPrefixWorkloadConfig, prompt_vocab_size: int) -> WorkloadPlan:
     rng = np.random.default_rng(cfg.seed)
     prefixes = [rng.integers(0, prompt_vocab_size, cfg.prefix_len).tolist() for _ in range(cfg.groups)]
 

@@ -15,13 +15,45 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from remnant.config import ModelConfig, ShareGPTWorkloadConfig
+from remnant.config import MISSING, WORKLOADS, ModelConfig, WorkloadConfig, at_least
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
 from remnant.workloads.json_error import describe_json_error
+
+
+@WORKLOADS.register
+@dataclass
+class ShareGPTWorkloadConfig(WorkloadConfig):
+    """Conversations from a ShareGPT-format JSON file (never downloaded).
+
+    The first human turn is the prompt and the first reply's token count the output length
+    (or output_len when set), as sglang.bench_serving samples ShareGPT; prompts are
+    truncated to max_input_len tokens and outputs capped at max_output_len. C warm-up
+    requests, then num_prompts measured, cache flushed before each phase.
+    """
+
+    name: str = "sharegpt"
+    kind: str = "sharegpt"
+    dataset_path: str = MISSING
+    num_prompts: int = 12
+    max_input_len: int = 1024
+    max_output_len: int = 128
+    output_len: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        at_least(self, "workload.", ("output_len", "num_prompts", "max_input_len", "max_output_len"), 1)
+
+    def request_tokens(self) -> tuple[int, str] | None:
+        out = self.max_output_len if self.output_len is None else min(self.output_len, self.max_output_len)
+        return self.max_input_len + out, f"workload.max_input_len={self.max_input_len} + {out} output tokens"
+
+    def plan(self, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:
+        return build_plan(self, model)
 
 
 def read_conversations(path: Path) -> list[tuple[str, str, str]]:
@@ -61,7 +93,7 @@ def read_conversations(path: Path) -> list[tuple[str, str, str]]:
     return out
 
 
-def plan(cfg: ShareGPTWorkloadConfig, model: ModelConfig) -> WorkloadPlan:
+def build_plan(cfg: ShareGPTWorkloadConfig, model: ModelConfig) -> WorkloadPlan:
     from remnant.workloads.tokenizer import load_tokenizer
 
     path = Path(cfg.dataset_path)

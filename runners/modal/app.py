@@ -94,11 +94,11 @@ class Settings:
         return f"{self.gpu}:{count}"
 
     def check_budget(self) -> None:
-        """The host config's budget guard (remnant.config.validate_modal) on these settings:
-        one rule, whichever side reads it."""
-        from remnant.config import ModalHostConfig, validate_modal
+        """The host config's checks and budget guard (remnant.hosts.modal.ModalHostConfig)
+        on these settings: one rule, whichever side reads it."""
+        from remnant.hosts.modal import ModalHostConfig
 
-        validate_modal(ModalHostConfig(**dataclasses.asdict(self)))
+        ModalHostConfig(**dataclasses.asdict(self)).validate()
 
     def mismatch(self, expected: dict) -> str | None:
         """Why these settings are not the ones a run expects (None when they are)."""

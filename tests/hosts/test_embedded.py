@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from remnant.config import EmbeddedHostConfig, ModelConfig, RetentionConfig
+from remnant.config import ModelConfig, RetentionConfig
 from remnant.hosts import HostError, ServerSpec, make_host
+from remnant.hosts.embedded import EmbeddedHostConfig
 
 
 def _spec(tmp_path: Path, mode: str = "native", **model) -> ServerSpec:

@@ -22,9 +22,9 @@ from pathlib import Path
 import docker
 import pytest
 
-from remnant.config import ConfigError, LocalHostConfig, ModelConfig, RetentionConfig, validate_local
+from remnant.config import ConfigError, ModelConfig, RetentionConfig
 from remnant.hosts import HostError, ServerSpec, make_host
-from remnant.hosts.local import LABEL_RUN_DIR, LABEL_RUN_ID, context_digest, context_files
+from remnant.hosts.local import LABEL_RUN_DIR, LABEL_RUN_ID, LocalHostConfig, context_digest, context_files
 from tests.signals import default_sigint
 
 # (pytest -n runs this module in one worker, --dist loadfile: its tests share the Docker
@@ -282,6 +282,12 @@ def test_missing_model_path_is_one_line(tmp_path, monkeypatch):
     )
 
 
+def _validate(cfg: LocalHostConfig, model: ModelConfig) -> None:
+    """What remnant.config.validate asks of a host: its fields, then what it needs of the model."""
+    cfg.validate()
+    cfg.check_model(model)
+
+
 @pytest.mark.parametrize(("host", "model", "message"), [
     (dict(gpus="0,1"), dict(tp_size=4), r"host.gpus=0,1 gives 2 GPUs; model=tiny has tp_size=4, so it needs 4"),
     (dict(gpus=""), dict(tp_size=4), r"host.gpus=\(none\) gives 0 GPUs"),
@@ -295,11 +301,11 @@ def test_missing_model_path_is_one_line(tmp_path, monkeypatch):
 def test_local_rules_name_the_field(tmp_path, host, model, message):
     cfg = LocalHostConfig(**{"gpus": "0,1,2,3", **host})
     with pytest.raises(ConfigError, match=message):
-        validate_local(cfg, ModelConfig(path=str(tmp_path), **{"tp_size": 4, **model}))
+        _validate(cfg, ModelConfig(path=str(tmp_path), **{"tp_size": 4, **model}))
 
 
 def test_a_valid_sglang_host(tmp_path):
-    validate_local(LocalHostConfig(gpus="0,1,2,3"), ModelConfig(path=str(tmp_path), tp_size=4))
+    _validate(LocalHostConfig(gpus="0,1,2,3"), ModelConfig(path=str(tmp_path), tp_size=4))
     assert LocalHostConfig(gpus=" 3, 1 ").gpu_ids() == [3, 1]
 
 

@@ -18,9 +18,9 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from remnant.cli import register_configs, to_run_config
-from remnant.config import ConfigError, ModalHostConfig, ModelConfig, RetentionConfig
+from remnant.config import ConfigError, ModelConfig, RetentionConfig
 from remnant.hosts import ServerSpec
-from remnant.hosts.modal import APP_SETTINGS, ServeRequest, app_settings, credentials_problem
+from remnant.hosts.modal import APP_SETTINGS, ModalHostConfig, ServeRequest, app_settings, credentials_problem
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

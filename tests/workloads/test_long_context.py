@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from remnant.config import LongContextWorkloadConfig, ModelConfig
-from remnant.workloads import needs_server_info, plan_workload
-from remnant.workloads.long_context import ceiling
+from remnant.config import ModelConfig
+from remnant.workloads import plan_workload
+from remnant.workloads.long_context import LongContextWorkloadConfig, ceiling
 
 
 def test_matched_concurrency():
     plan = plan_workload(LongContextWorkloadConfig(input_len=50, output_len=5, concurrency=3), ModelConfig())
     assert plan.counts() == {"warmup": 3, "measured": 3}
     assert all(len(r.input_ids) == 50 and r.max_new_tokens == 5 for p in plan.phases for r in p.requests)
-    assert not needs_server_info(LongContextWorkloadConfig())
+    assert not LongContextWorkloadConfig().needs_server_info()
 
 
 def test_ceiling_from_server_info():
     cfg = LongContextWorkloadConfig(input_len=600, output_len=8, at_ceiling=True, concurrency=24)
-    assert needs_server_info(cfg)
+    assert cfg.needs_server_info()
     info = {"capacity": {"max_total_num_tokens": 15104, "page_size": 256, "max_running_requests": 32}}
     assert ceiling(info, 608) == 15104 // 768 == 19
     plan = plan_workload(cfg, ModelConfig(), info)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from remnant.config import LongSWEWorkloadConfig, ModelConfig
+from remnant.config import ModelConfig
+from remnant.workloads.longswe import LongSWEWorkloadConfig
 from remnant.records.schema import RecordError, validate
 from remnant.workloads import plan_workload
 from remnant.workloads.sessions import import_mooncake, load_sessions, synthetic_sessions, to_document

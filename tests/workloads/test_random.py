@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from remnant.config import ModelConfig, RandomWorkloadConfig
+from remnant.config import ModelConfig
+from remnant.workloads.random import RandomWorkloadConfig
 from remnant.workloads import plan_workload
 
 

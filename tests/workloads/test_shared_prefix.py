@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from remnant.config import ModelConfig, SharedPrefixWorkloadConfig
+from remnant.config import ModelConfig
 from remnant.workloads import plan_workload
+from remnant.workloads.shared_prefix import SharedPrefixWorkloadConfig
 
 
 def test_groups_prefixes_and_phases():
@@ -31,7 +32,7 @@ def test_groups_prefixes_and_phases():
 
 @pytest.mark.parametrize("field", ["groups", "prefix_len", "requests_per_group"])
 def test_bad_sizes_name_the_field(field):
-    from remnant.config import ConfigError, validate_workload
+    from remnant.config import ConfigError
 
     with pytest.raises(ConfigError, match=f"workload.{field}=0 must be >= 1"):
-        validate_workload(SharedPrefixWorkloadConfig(**{field: 0}))
+        SharedPrefixWorkloadConfig(**{field: 0}).validate()

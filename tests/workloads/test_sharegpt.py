@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from remnant.config import ModelConfig, ShareGPTWorkloadConfig
+from remnant.config import ModelConfig
+from remnant.workloads.sharegpt import ShareGPTWorkloadConfig
 from remnant.engine.model_dir import build_tokenizer
 from remnant.workloads import plan_workload
 

@@ -1,0 +1,169 @@
+"""What remnant-serve is started with, defined once: the engine's settings (`EngineArgs`)
+and the retention of its CSA layers (`RetentionArgs`).
+
+The embedded host's config carries EngineArgs' fields (host.kv_budget_mib, ...) and hands
+them whole to remnant-serve as flags (`to_argv`); remnant-serve's parser is made from the
+same fields (`add_arguments`), so a setting's name, default, allowed values and flag are
+written here only. Plain Python: importing this module imports neither torch nor the
+engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from remnant.config import ConfigError, RetentionConfig, at_least, positive_finite
+
+#: Values of EngineArgs.device, .decode_path and .native_decode (remnant.engine.model checks
+#: them again; native_decode's are remnant.kernels.flashmla.NATIVE_KERNELS and auto).
+ENGINE_DEVICES = ("cpu", "cuda")
+DECODE_PATHS = ("auto", "reference", "kernels")
+NATIVE_DECODES = ("auto", "flashmla", "triton")
+
+
+def kernels_need_interpreter(decode_path: str, device: str) -> bool:
+    """Whether decode_path on device (cpu or cuda) asks for Triton kernels on the CPU without
+    Triton's interpreter: there they run only under it, and TRITON_INTERPRET=1 must be in
+    the environment before triton is first imported."""
+    return decode_path == "kernels" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class EngineArgs:
+    """The engine's settings: KV pool budget and layout (SGLang's DeepSeek-V4 defaults for
+    page size and SWA ratio), scheduler, device and decode kernels. A boolean field is on
+    by default and has a flag that turns it off (metadata "flag")."""
+
+    #: Bytes for every KV pool together, MiB (SGLang sizes pools from what the GPU has left).
+    kv_budget_mib: float = field(default=96.0, metadata={"help": "bytes for every KV pool together, MiB"})
+    max_running_requests: int = 32
+    page_size: int = field(default=256, metadata={"help": "tokens per page (multiple of 128)"})
+    swa_ratio: float = field(default=0.1, metadata={"help": "SWA pool tokens per full token"})
+    chunked_prefill_size: int = 512
+    prefix_cache: bool = field(default=True, metadata={"flag": "--disable-prefix-cache"})
+    #: Where the engine's weights and KV pools live: cpu or cuda (one GPU).
+    device: str = field(default="cpu", metadata={"choices": ENGINE_DEVICES, "help": "where weights and KV pools live"})
+    #: How decode steps attend: reference (torch), kernels (remnant.kernels' Triton decode,
+    #: store and reconstruct), or auto (kernels on cuda, reference on cpu).
+    decode_path: str = field(default="auto", metadata={
+        "choices": DECODE_PATHS,
+        "help": "decode-step attention: torch reference or remnant.kernels (auto: kernels on cuda)"})
+    #: Which kernel decode steps on the kernels path run over native records (native and
+    #: triton modes, window-only and HCA layers): flashmla (FlashMLA's V4 decode, as SGLang
+    #: runs; needs sgl-flash-mla, an SM90/SM100 GPU and 64 or 128 heads), triton (Remnant's
+    #: Triton native kernel), or auto (flashmla where it runs, else triton: run.json's
+    #: limits say so).
+    native_decode: str = field(default="auto", metadata={
+        "choices": NATIVE_DECODES,
+        "help": "kernel for native records on the kernels path: FlashMLA's V4 decode (sgl-flash-mla), "
+                "Remnant's Triton native kernel, or auto (FlashMLA where it runs)"})
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return int(self.kv_budget_mib * (1 << 20))
+
+    def engine_args(self) -> EngineArgs:
+        """These settings alone, from a config that carries them among its own fields."""
+        return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
+
+    def check(self, prefix: str = "") -> None:
+        """ConfigError naming the first setting out of range, as `prefix + name` (host.)."""
+        positive_finite(self.kv_budget_mib, f"{prefix}kv_budget_mib")
+        at_least(self, prefix, ("max_running_requests",), 1)
+        if self.page_size % 128 or self.page_size < 128:
+            raise ConfigError(f"{prefix}page_size={self.page_size} must be a positive multiple of 128")
+        if not (math.isfinite(self.swa_ratio) and 0 < self.swa_ratio <= 1):
+            raise ConfigError(f"{prefix}swa_ratio={self.swa_ratio} must be in (0, 1]")
+        if self.chunked_prefill_size < 1:
+            # 0 would give every prefill step no tokens: the engine would spin, never answering.
+            raise ConfigError(f"{prefix}chunked_prefill_size={self.chunked_prefill_size} must be >= 1 "
+                              "(prompt tokens per engine step)")
+        for name in ("device", "decode_path", "native_decode"):
+            value, allowed = getattr(self, name), next(f for f in fields(EngineArgs) if f.name == name).metadata["choices"]
+            if value not in allowed:
+                raise ConfigError(f"{prefix}{name}={value} is not allowed; allowed: {', '.join(allowed)}")
+        if self.native_decode == "flashmla" and self.device == "cpu":
+            raise ConfigError(f"{prefix}native_decode=flashmla needs {prefix}device=cuda (FlashMLA runs on SM90/SM100 "
+                              "GPUs); use native_decode=auto or triton")
+        if kernels_need_interpreter(self.decode_path, self.device):
+            # The server would refuse it at start; say so before one is launched.
+            raise ConfigError(f"{prefix}decode_path=kernels with {prefix}device=cpu needs TRITON_INTERPRET=1 in the "
+                              f"environment (Triton's interpreter); use {prefix}device=cuda, or decode_path=auto")
+
+    def to_argv(self) -> list[str]:
+        """remnant-serve's flags for these settings (every one, so the server's own
+        defaults never decide)."""
+        argv, switches = [], []
+        for f in fields(EngineArgs):
+            value = getattr(self, f.name)
+            if isinstance(f.default, bool):
+                switches += [] if value else [f.metadata["flag"]]
+            else:
+                argv += [_flag(f.name), str(value)]
+        return argv + switches
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """remnant-serve's flags of these settings, with their defaults."""
+        for f in fields(EngineArgs):
+            if isinstance(f.default, bool):
+                parser.add_argument(f.metadata["flag"], dest=f.name, action="store_false", help=f.metadata.get("help"))
+            else:
+                parser.add_argument(_flag(f.name), dest=f.name, type=type(f.default), default=f.default,
+                                    choices=f.metadata.get("choices"), help=f.metadata.get("help"))
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+
+
+@dataclass
+class RetentionArgs:
+    """Retention of the CSA layers in triton and kernel modes (native ignores it): one R for
+    every layer or one per layer, and a retention map file or the policy that calibrates
+    one at load."""
+
+    retention: int | None = None
+    per_layer: list[int] | None = None
+    map_path: str | None = None
+    policy: str = "attention"
+
+    @classmethod
+    def of(cls, ret: RetentionConfig) -> RetentionArgs:
+        """A run config's retention as remnant-serve takes it; the map's path made absolute,
+        since the server runs in another working directory."""
+        return cls(None if ret.per_layer else ret.retention, list(ret.per_layer) if ret.per_layer else None,
+                   str(Path(ret.map_path).resolve()) if ret.map_path else None, ret.policy)
+
+    def to_argv(self) -> list[str]:
+        argv = []
+        if self.per_layer:
+            argv += ["--retention-per-layer", ",".join(map(str, self.per_layer))]
+        elif self.retention is not None:
+            argv += ["--retention", str(self.retention)]
+        if self.map_path:
+            argv += ["--retention-map", self.map_path]
+        return argv + ["--retention-policy", self.policy]
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--retention", type=int, default=None, help="coordinates kept per C4 record (R, uniform)")
+        parser.add_argument("--retention-per-layer", default=None, help="R per CSA layer, comma-separated")
+        parser.add_argument("--retention-map", dest="map_path", metavar="RETENTION_MAP", default=None,
+                            help="retention map JSON (remnant/retention-map)")
+        parser.add_argument("--retention-policy", dest="policy", metavar="RETENTION_POLICY", default="attention",
+                            help="policy that chooses kept coordinates when no map is given")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> RetentionArgs:
+        """ValueError where --retention-per-layer is not integers."""
+        per_layer = [int(v) for v in ns.retention_per_layer.split(",")] if ns.retention_per_layer else None
+        return cls(ns.retention, per_layer, ns.map_path, ns.policy)
