@@ -16,7 +16,7 @@ import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING, PoolGeometry, PoolSizes, pool_bytes
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
-from remnant.kv.paged import PageLayout
+from remnant.kv.layout import PageLayout
 
 INDEX_SCALE_BYTES = 4
 
@@ -52,7 +52,7 @@ class SplitPages:
     """One layer's paged records in SGLang's split layout: uint8 [pages, page_bytes].
 
     Record j of a sequence lives in page page_table[j // per_page], slot j % per_page, i.e.
-    at pool location page * per_page + slot of `layout` (remnant.kv.paged.PageLayout: data
+    at pool location page * per_page + slot of `layout` (remnant.kv.layout.PageLayout: data
     parts first, then the tails: 8 scale+pad bytes, or 4 scale bytes for indexer keys).
     """
 

@@ -178,9 +178,8 @@ def _launch(kernel: str, permute: str) -> dict:
 
 
 def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
-    from remnant.kv.paged import KeptColumns
     from remnant.kernels.store import store
-    from remnant.kv.paged import PageLayout
+    from remnant.kv.layout import KeptColumns, PageLayout
 
     rows = []
     per_page = 64
@@ -214,7 +213,7 @@ def bench_store(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: i
 
 def bench_reconstruct(ceil: Ceilings, sizes: list[int], retentions: list[int], reps: int, gen) -> list[dict]:
     from remnant.kernels.reconstruct import PERMUTES, reconstruct
-    from remnant.kv.paged import KeptColumns, PageLayout
+    from remnant.kv.layout import KeptColumns, PageLayout
 
     rows = []
     for retention in retentions:
@@ -312,7 +311,7 @@ class DecodeInputs:
     reference reads it in the case's form (window_columns)."""
 
     def __init__(self, gen: torch.Generator, c4_records: int = 4 * 2**20, window_records: int = 2**20):
-        from remnant.kv.paged import PageLayout
+        from remnant.kv.layout import PageLayout
 
         self.gen = gen
         self.window_layout = PageLayout.sglang(64)
@@ -336,8 +335,7 @@ class DecodeInputs:
         return pool
 
     def pool(self, retention: int):
-        from remnant.kv.paged import KeptColumns
-        from remnant.kv.paged import PageLayout
+        from remnant.kv.layout import KeptColumns, PageLayout
 
         if retention not in self.pools:
             layout = PageLayout.sglang(64, retention)
@@ -373,7 +371,7 @@ class DecodeInputs:
         calls give no `out`: FlashMLA returns its own output, as SGLang takes it (a copy
         into `out` would add a pass over the output to FlashMLA's time)."""
         from remnant.kernels import flashmla
-        from remnant.kv.paged import PageLayout
+        from remnant.kv.layout import PageLayout
 
         window, window_layout = self.window, self.window_layout
         if case.kernel == "flashmla":
@@ -424,7 +422,7 @@ def _check_flashmla(inputs: DecodeInputs, case: FlashMLACase) -> float:
     float64 reference (native records; triton mode: the packed records' reference, dropped
     coordinates zero), on four tokens with -1 padding in one. FlashMLA allocates its own
     output: the block it takes is filled with NaN first (poison_next_allocation)."""
-    from remnant.kv.paged import decode_native, decode_packed
+    from remnant.kv.paged import decode_native_reference, decode_packed_reference
 
     q, c4_locs, win_locs = inputs._random_call(4, case.topk, case.window)
     if case.topk > 5:
@@ -435,9 +433,9 @@ def _check_flashmla(inputs: DecodeInputs, case: FlashMLACase) -> float:
     layout, pool, keep = inputs.pool(case.retention)
     window = (inputs.window, inputs.window_layout, win_locs, sink)
     if case.kernel == "flashmla":
-        ref = decode_native(q, pool, layout, c4_locs, *window, reference=True)
+        ref = decode_native_reference(q, pool, layout, c4_locs, *window)
     else:
-        ref = decode_packed(q, pool, layout, c4_locs, keep.kept[: keep.n_kept].long().cpu(), *window, reference=True)
+        ref = decode_packed_reference(q, pool, layout, c4_locs, keep.kept[: keep.n_kept].long().cpu(), *window)
     if out.isnan().any():
         return float("inf")
     return float(((out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max())
@@ -484,16 +482,17 @@ def check_copies(gen: torch.Generator) -> list[dict]:
     from remnant.kernels.reconstruct import PERMUTES, reconstruct
     from remnant.kernels.store import store
     from remnant.kv import paged
+    from remnant.kv.layout import PageLayout
 
     checks = []
     n = 100_003
     for retention in (512, 128, 192, 256, 320, 384, 448, 64):
         keep = _keep(retention, gen)
-        layout = paged.PageLayout.sglang(64, retention)
+        layout = PageLayout.sglang(64, retention)
         x = (torch.randn(n, 512, device="cuda") * torch.exp(torch.randn(n, 1, device="cuda") * 2)).to(torch.bfloat16)
         locs = torch.randperm(n + 997, device="cuda")[:n]
         want = torch.full((-(-(n + 997) // 64), layout.page_stride), 0xAB, dtype=torch.uint8, device="cuda")
-        paged.store(x, want, layout, locs, keep, reference=True)
+        paged.store_reference(x, want, layout, locs, keep)
         for permute in _store_variants(retention):
             got = torch.full_like(want, 0xAB)
             store(x, got, layout, locs, keep, check_range=True, permute=permute)
@@ -501,7 +500,7 @@ def check_copies(gen: torch.Generator) -> list[dict]:
                            "bytes_differing": int((got != want).sum())})
         if keep is not None:
             picks = torch.randint(0, n + 997, (n,), device="cuda")
-            ref = paged.reconstruct(want, layout, picks, keep, reference=True)
+            ref = paged.reconstruct_reference(want, layout, picks, keep)
             for permute in PERMUTES:
                 out = reconstruct(want, layout, picks, keep, check_range=True, permute=permute)
                 checks.append({"kernel": "reconstruct", "retention": retention, "records": n, "permute": permute,
@@ -516,7 +515,7 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, plan) -> float:
     token's error ||out - ref|| / ||ref||; the output is poisoned with NaN first.
     """
     from remnant.kernels.decode import decode
-    from remnant.kv.paged import decode_native, decode_packed
+    from remnant.kv.paged import decode_native_reference, decode_packed_reference
 
     layout, pool, keep = inputs.pool(512 if case.variant == "native" else case.retention)
     batch = 4
@@ -538,11 +537,11 @@ def _check_decode(inputs: "DecodeInputs", case: DecodeCase, plan) -> float:
     else:
         decode(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep, out=out, **orders)
     if case.variant == "native":
-        ref = decode_native(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, reference=True)
+        ref = decode_native_reference(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink)
     else:
         keep_idx = keep.kept[: keep.n_kept].long().cpu()
-        ref = decode_packed(q, pool, layout, c4_locs, keep_idx, window, inputs.window_layout, win_locs, sink,
-                            reference=True, window_columns=case.window_columns)
+        ref = decode_packed_reference(q, pool, layout, c4_locs, keep_idx, window, inputs.window_layout, win_locs,
+                                      sink, window_columns=case.window_columns)
     if out.isnan().any():
         return float("inf")
     errors = (out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)

@@ -1,6 +1,6 @@
 """Pieces shared by the kernels: location checks, record addresses in the split page
 layout, and the byte permute (prmt) that store codes and scales are moved with (the
-column tables are remnant.kv.paged's KeptColumns)."""
+column tables are remnant.kv.layout's KeptColumns)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kv.paged import PageLayout
+from remnant.kv.layout import PageLayout
 
 
 def check_locs(locs: torch.Tensor, name: str, capacity: int, check_range: bool,

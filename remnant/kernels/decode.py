@@ -55,7 +55,7 @@ from remnant.kernels.common import (alignment, byte_permute, check_locs, interpr
                                    record_addresses)
 from remnant.kernels.plan import DecodeConfig, DecodePlan, plan_decode, window_step_cost
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
-from remnant.kv.paged import KeptColumns, PageLayout
+from remnant.kv.layout import KeptColumns, PageLayout
 
 LOG2E = 1.4426950408889634
 LOG2E_IN_KERNEL: tl.constexpr = tl.constexpr(LOG2E)

@@ -8,13 +8,13 @@ torch >= 2.14.1 but its abi3 build loads on 2.11) and imported only on CUDA.
 
 Records: the 584-byte native record in SGLang's split page layout (per page, the 576-byte
 data parts, then the 8-byte scale tails; the page stride padded to a multiple of 576), as
-remnant.kv.paged.PageLayout.sglang describes it. FlashMLA takes such a pool as a view
+remnant.kv.layout.PageLayout.sglang describes it. FlashMLA takes such a pool as a view
 [pages, per_page, 1, 584] whose stride(0) is the page stride (kv_view) and a record's
 index as page * per_page + slot: Remnant's flat location. As SGLang calls it, the window
 is the main cache and the C4 (or C128) records the extra one; indices are int32, -1 for
 none, padded to a multiple of 64 entries.
 
-Plain reference of the same operation: remnant.kv.paged.decode_native (float64).
+Plain reference of the same operation: remnant.kv.paged.decode_native_reference (float64).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, SCALE_BYTES
-from remnant.kv.paged import PageLayout
+from remnant.kv.layout import PageLayout
 
 PACKAGE = "sgl-flash-mla"
 INSTALL = f"pip install --no-deps {PACKAGE}==1.0.0"

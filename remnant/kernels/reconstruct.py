@@ -23,7 +23,7 @@ import triton.language as tl
 
 from remnant.kernels.common import alignment, byte_permute, check_locs, interpreted, record_addresses
 from remnant.kv.formats import NATIVE_RECORD_BYTES
-from remnant.kv.paged import KeptColumns, PageLayout
+from remnant.kv.layout import KeptColumns, PageLayout
 
 
 PERMUTES = ("registers", "shared")

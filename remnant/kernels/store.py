@@ -17,7 +17,7 @@ import triton.language as tl
 
 from remnant.kernels.common import alignment, check_locs, record_addresses
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM
-from remnant.kv.paged import KeptColumns, PageLayout
+from remnant.kv.layout import KeptColumns, PageLayout
 
 
 PERMUTES = ("registers", "loads", "shared")

@@ -21,9 +21,9 @@ _LAZY = {
     "unpack": "remnant.kv.packing",
     "to_pages": "remnant.kv.packing",
     "from_pages": "remnant.kv.packing",
-    "decode_native": "remnant.kv.attention",
-    "decode_reconstructed": "remnant.kv.attention",
-    "decode_packed": "remnant.kv.attention",
+    "attend_native": "remnant.kv.attention",
+    "attend_reconstructed": "remnant.kv.attention",
+    "attend_packed": "remnant.kv.attention",
 }
 
 

@@ -2,19 +2,20 @@
 
 One decode token: H query heads (64 in V4-Flash) attend, through one softmax with a
 per-head attention sink, to the sliding-window tokens (native records) and the top-k C4
-records the indexer selected, with V = K (the same 512-vector). Three paths, the ground
-truth for every kernel:
+records the indexer selected, with V = K (the same 512-vector). Three paths over record
+rows for one token, the ground truth for every kernel (remnant.kv.paged runs them token
+by token over pages: decode_native_reference, decode_packed_reference):
 
-- `decode_native`: over native C4 records (stock storage, stock attention);
-- `decode_reconstructed`: packed records unpacked to native (dropped codes = FP8 zero),
+- `attend_native`: over native C4 records (stock storage, stock attention);
+- `attend_reconstructed`: packed records unpacked to native (dropped codes = FP8 zero),
   then the native math (the triton mode);
-- `decode_packed`: directly over packed records, reading only kept coordinates; dropped
+- `attend_packed`: directly over packed records, reading only kept coordinates; dropped
   coordinates add nothing to scores and give zero output coordinates (the kernel mode).
 
 All three compute the window part and the C4 part of the scores and of the output
 separately, with the same operations, so keeping all 448 NoPE coordinates makes
-`decode_packed` equal `decode_native` exactly, and any retention makes
-`decode_reconstructed` and `decode_packed` agree to float rounding.
+`attend_packed` equal `attend_native` exactly, and any retention makes
+`attend_reconstructed` and `attend_packed` agree to float rounding.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _combine(
     return out + full
 
 
-def decode_native(
+def attend_native(
     q: torch.Tensor,
     window: torch.Tensor,
     c4: torch.Tensor,
@@ -99,7 +100,7 @@ def decode_native(
     return _combine(qd, sink.to(dtype), dequantize(window).to(dtype), qd, keys, None, scale)
 
 
-def decode_reconstructed(
+def attend_reconstructed(
     q: torch.Tensor,
     window: torch.Tensor,
     c4_packed: torch.Tensor,
@@ -112,11 +113,11 @@ def decode_reconstructed(
     """The triton mode: unpack the selected packed records to native, then native math.
 
     c4_packed: uint8 [n, R + 72]; keep: int64 [R - 64] kept NoPE indices. Other arguments
-    and the result as in decode_native.
+    and the result as in attend_native.
     """
     idx = selected(indices, c4_packed.shape[0])
     native = unpack(c4_packed[idx], keep)
-    return decode_native(q, window, native, torch.arange(idx.numel()), sink, scale, dtype)
+    return attend_native(q, window, native, torch.arange(idx.numel()), sink, scale, dtype)
 
 
 def packed_keys(packed: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,7 @@ def packed_keys(packed: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, rope], dim=1)
 
 
-def decode_packed(
+def attend_packed(
     q: torch.Tensor,
     window: torch.Tensor,
     c4_packed: torch.Tensor,
@@ -150,7 +151,7 @@ def decode_packed(
 
     Scores of C4 records use only the kept coordinates (q restricted to keep + RoPE); their
     output lands in those coordinates and is zero in the dropped ones. Arguments and result
-    as in decode_reconstructed. window_order: int [512], the natural column of each column
+    as in attend_reconstructed. window_order: int [512], the natural column of each column
     of the window records when they were quantized in another order (kernel mode's
     kept-first rings: KeptColumns.order); None: native records.
     """

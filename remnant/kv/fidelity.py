@@ -7,7 +7,7 @@ them selected, no window and no sink (the window and sink are identical in every
 leaving them out isolates what packing changes):
 
 - output_rel_error: ||o_packed - o_native|| / ||o_native|| per query token and head
-  (mean, p50, p95, max), o from remnant.kv.attention's decode_native and decode_packed;
+  (mean, p50, p95, max), o from remnant.kv.attention's attend_native and attend_packed;
 - topk_overlap: |top-k(scores_packed) & top-k(scores_native)| / k, mean over tokens and
   heads (k = --top-k records);
 - softmax_kl: KL(p_native || p_packed) in nats, mean over tokens and heads.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from remnant.kv.attention import SOFTMAX_SCALE, decode_native, decode_packed, packed_keys
+from remnant.kv.attention import SOFTMAX_SCALE, attend_native, attend_packed, packed_keys
 from remnant.kv.captures import Captures, LayerCapture, load_captures, synthetic_captures
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.formats import HEAD_DIM, NOPE_DIM, RETENTION_VALUES
@@ -74,8 +74,8 @@ def measure(evaluation: LayerCapture, records: torch.Tensor, keep: torch.Tensor,
     kept_keys = packed_keys(packed, keep).double()
     errors, overlaps, kls = [], [], []
     for qt in q:  # one decode token: [H, 512]
-        o_native = decode_native(qt, no_window, records, every, no_sink)
-        o_packed = decode_packed(qt, no_window, packed, keep, every, no_sink)
+        o_native = attend_native(qt, no_window, records, every, no_sink)
+        o_packed = attend_packed(qt, no_window, packed, keep, every, no_sink)
         errors.append((o_packed - o_native).norm(dim=1) / o_native.norm(dim=1).clamp_min(1e-300))
         s_native = qt @ native_keys.T * SOFTMAX_SCALE
         s_packed = qt[:, cols] @ kept_keys.T * SOFTMAX_SCALE

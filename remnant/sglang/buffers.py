@@ -1,8 +1,9 @@
 """The packed C4 pool's buffers and the steps that move records in and out of them.
 
-Everything here is torch and remnant.kv.paged only (no sglang import), so CPU tests and the
-GPU check of the store / reconstruct / decode kernels use the buffers exactly as the plugin
-lays them out. On CUDA tensors remnant.kv.paged dispatches to remnant.kernels.
+Everything here is torch, remnant.kv and remnant.kernels.dispatch only (no sglang import),
+so CPU tests and the GPU check of the store / reconstruct / decode kernels use the buffers
+exactly as the plugin lays them out. remnant.kernels.dispatch runs the kernels on CUDA
+tensors and the torch references elsewhere.
 
 Layout, per CSA layer: uint8 [num_pages, page_stride] in SGLang's split page layout
 (PageLayout.sglang(per_page, R)): per page, per_page packed data parts (R + 64 bytes each),
@@ -17,7 +18,9 @@ import torch
 
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_BYTES
 from remnant.kv.packing import pack
-from remnant.kv.paged import KeptColumns, PageLayout, decode_packed, reconstruct, write
+from remnant.kernels.dispatch import decode_packed, reconstruct
+from remnant.kv.layout import KeptColumns, PageLayout
+from remnant.kv.paged import write
 
 NATIVE = HEAD_DIM  # retention 512: the native record
 

@@ -11,11 +11,11 @@ SGLang runs untouched. In triton and kernel mode it registers (TARGETS):
   bytes per record instead of 584, so the freed bytes become tokens.
 - CompressorBackendMixin._forward_compress_all_in_one (AROUND): the C4 compressor's fused
   kernel writes its bf16 latents to a scratch (its own bf16_store path) and
-  remnant.kv.paged.store quantizes and packs them into the pool.
+  remnant.kernels.dispatch.store quantizes and packs them into the pool.
 - DeepseekV4AttnBackend.forward (AROUND), CSA layers on the FlashMLA decode path:
   triton mode reconstructs each query's selected records into native pages and runs the
   stock forward on them; kernel mode attends the packed records directly
-  (remnant.kv.paged.decode_packed). Window-only and C128 layers run unchanged.
+  (remnant.kernels.dispatch.decode_packed). Window-only and C128 layers run unchanged.
 - dequantize_k_cache_paged (AROUND), the sparse-prefill path (both modes): the C4
   records a prefill chunk reads are reconstructed into native pages first.
 - ServerArgs.check_server_args (AFTER): HiCache, HiSparse, context parallelism and
@@ -209,7 +209,7 @@ def compress_store(original, backend, **kwargs):
 
     SGLang's fused kernel (compress, norm, RoPE) writes the bf16 latents of this step's
     tokens to a scratch through its own bf16_store path, row i for token i; then
-    remnant.kv.paged.store quantizes (SGLang's UE8M0 FP8 quantizer) and packs them at
+    remnant.kernels.dispatch.store quantizes (SGLang's UE8M0 FP8 quantizer) and packs them at
     the tokens' C4 locations. Tokens that close no C4 record carry location 0, SGLang's
     null slot, exactly as in the native write.
     """

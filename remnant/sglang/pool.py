@@ -21,10 +21,10 @@ import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool
 
+from remnant.kernels.dispatch import store
 from remnant.kv.formats import NATIVE_RECORD_BYTES
-from remnant.kv.paged import KeptColumns
+from remnant.kv.layout import KeptColumns
 from remnant.kv.packing import check_keep
-from remnant.kv.paged import store
 from remnant.sglang.buffers import make_packed_buffers, native_records, store_native
 
 #: Live packed pools, so a hook that sees only a buffer can find the pool it belongs to.

@@ -22,7 +22,7 @@ from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
 from remnant.kv.codec import dequantize
 from remnant.kv.formats import NOPE_DIM
-from remnant.kv.paged import decode_native, decode_packed, dequantize_kept_first
+from remnant.kv.paged import decode_native_reference, decode_packed_reference, dequantize_kept_first
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -165,13 +165,12 @@ def _float64_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_loc
     and out in natural order: kept-first ones are put back)."""
     if keep.packed:
         kept_first = columns == "kept_first"
-        out = decode_packed(q[..., keep.inverse.long()] if kept_first else q, c4, c4_layout, c4_locs, keep,
-                            window, window_layout, window_locs, sink, scale, reference=True,
-                            window_columns=window_columns)
+        out = decode_packed_reference(q[..., keep.inverse.long()] if kept_first else q, c4, c4_layout, c4_locs,
+                                      keep, window, window_layout, window_locs, sink, scale,
+                                      window_columns=window_columns)
         out = out[..., keep.order.long()] if kept_first else out
     else:
-        out = decode_native(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, scale,
-                            reference=True)
+        out = decode_native_reference(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, scale)
     return out.to(q.dtype)
 
 

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kv.paged import PageLayout, store, store_kept_first
+from remnant.kv.layout import PageLayout
+from remnant.kv.paged import store_kept_first_reference, store_reference
 
 POISON = 0xAB
 ON_GPU = torch.cuda.is_available()
@@ -42,9 +43,9 @@ def filled_pool(layout: PageLayout, pages: int, keep, gen: torch.Generator, kept
     n = layout.capacity(pool)
     x, locs = latents(n, gen).to(DEVICE), torch.arange(n, device=DEVICE)
     if kept_first:
-        store_kept_first(x, pool, layout, locs, keep, reference=True)
+        store_kept_first_reference(x, pool, layout, locs, keep)
     else:
-        store(x, pool, layout, locs, keep, reference=True)
+        store_reference(x, pool, layout, locs, keep)
     return pool
 
 

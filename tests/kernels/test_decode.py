@@ -1,4 +1,4 @@
-"""remnant.kernels.decode against the float64 reference decode of remnant.kv.paged."""
+"""remnant.kernels.decode against the float64 reference decodes of remnant.kv.paged."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import triton.language as tl
 from remnant.kernels.decode import _split_step, decode, kept_column_blocks, permute_columns
 from remnant.kernels.plan import (DEFAULT_CONFIGS, DecodeConfig, DecodePlan, join_for, partials_for, plan_decode, split_count,
                                   split_plan_for, splits_for, window_apart_for, window_step_cost)
-from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed
+from remnant.kv.layout import KeptColumns, PageLayout
+from remnant.kv.paged import decode_native_reference, decode_packed_reference
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
 # bf16 operands and a bf16 output: errors of a few 1e-3 (METHOD: 1e-3..1e-2).
@@ -79,10 +80,10 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     args = (c4_locs, win, win_layout, win_locs, sink)
     orders = {"columns": config.pop("columns", "natural"), "window_columns": config.pop("window_columns", "natural")}
     if keep is None:
-        want = decode_native(q, c4, c4_layout, *args, reference=True)
+        want = decode_native_reference(q, c4, c4_layout, *args)
     else:
-        want = decode_packed(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink, reference=True,
-                             window_columns="kept_first" if window_kept_first else "natural")
+        want = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink,
+                                       window_columns="kept_first" if window_kept_first else "natural")
     out = torch.full_like(q, float("nan"))
     if window_kept_first:
         orders["window_columns"] = "kept_first"

@@ -14,7 +14,9 @@ import torch
 from remnant.kernels import flashmla
 from remnant.kernels.bench import poison_next_allocation
 from remnant.kv.attention import SOFTMAX_SCALE
-from remnant.kv.paged import KeptColumns, PageLayout, decode_native, decode_packed, store
+from remnant.kernels.dispatch import decode_native, store
+from remnant.kv.layout import KeptColumns, PageLayout
+from remnant.kv.paged import decode_native_reference, decode_packed_reference
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map, latents
 from tests.kernels.test_decode import MAGNITUDES, SOFT, TOLERANCE, set_magnitude, set_pad_bytes
 
@@ -93,7 +95,7 @@ def check_flashmla(batch, heads, topk, window, seed, q_scale=2.0, sink_shift=0.0
     win_locs = _locs(batch, window, win_layout.capacity(win), gen, 1)
     q = (torch.randn(batch, heads, 512, generator=gen) * q_scale).to(torch.bfloat16).to(DEVICE)
     sink = (torch.randn(heads, generator=gen) + sink_shift).to(DEVICE)
-    want = decode_native(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, reference=True)
+    want = decode_native_reference(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink)
     poison_next_allocation(q)  # FlashMLA allocates its own output: that block reads NaN where unwritten
     out = flashmla.decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, SOFTMAX_SCALE)
     assert out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
@@ -153,8 +155,8 @@ def test_flashmla_reads_the_engines_pools():
     win_locs[2, :100] = -1  # a ring not yet full
     for records, k in ((c4, 512), (c128, 37)):
         locs = _locs(batch, k, records.layout.capacity(records.buf), gen, 0)
-        want = decode_native(q, records.buf, records.layout, locs, swa.pages(1), swa.layout, win_locs, sink,
-                             reference=True)
+        want = decode_native_reference(q, records.buf, records.layout, locs, swa.pages(1), swa.layout, win_locs,
+                                       sink)
         got = flashmla.decode(q, records.buf, records.layout, locs, swa.pages(1), swa.layout, win_locs, sink,
                               SOFTMAX_SCALE)
         err = ((got.double() - want).norm() / want.norm()).item()
@@ -185,7 +187,7 @@ def test_flashmla_reads_what_triton_mode_stages_in_the_sglang_plugin():
     q = torch.randn(batch, 64, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     sink = torch.randn(64, generator=gen).to(DEVICE)
     got = flashmla.decode(q, scratch, native_layout(64), staged, swa, swa_layout, swa_idx, sink, SOFTMAX_SCALE)
-    want = decode_packed(q, buf, layout, c4_idx, keep, swa, swa_layout, swa_idx, sink, reference=True)
+    want = decode_packed_reference(q, buf, layout, c4_idx, keep, swa, swa_layout, swa_idx, sink)
     err = ((got.double() - want).norm() / want.norm()).item()
     assert err < TOLERANCE, f"relative error {err:.2e}"
 
@@ -212,14 +214,14 @@ def test_flashmla_replays_in_a_cuda_graph_and_repeats():
         assert torch.equal(out, eager)
     q.copy_(torch.randn(batch, 64, 512, generator=gen).to(torch.bfloat16))  # new inputs, same graph
     graph.replay()
-    want = decode_native(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, reference=True)
+    want = decode_native_reference(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink)
     assert ((out.double() - want).norm() / want.norm()).item() < TOLERANCE
 
 
 @pytest.mark.gpu
 @needs_flashmla
-def test_paged_decode_native_takes_flashmla_where_it_runs(monkeypatch):
-    # remnant.kv.paged dispatches native records to FlashMLA on SGLang's pages (auto) and to
+def test_dispatch_decode_native_takes_flashmla_where_it_runs(monkeypatch):
+    # remnant.kernels.dispatch sends native records to FlashMLA on SGLang's pages (auto) and to
     # the Triton kernel on plain rows, which FlashMLA cannot read.
     gen = torch.Generator().manual_seed(11)
     calls = []
@@ -229,7 +231,7 @@ def test_paged_decode_native_takes_flashmla_where_it_runs(monkeypatch):
     c4_locs, win_locs = _locs(2, 64, c4_layout.capacity(c4), gen, 0), _locs(2, 16, win_layout.capacity(win), gen, 1)
     q = torch.randn(2, 64, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     sink = torch.randn(64, generator=gen).to(DEVICE)
-    want = decode_native(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, reference=True)
+    want = decode_native_reference(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink)
     for kernel, expected in (("auto", 1), ("triton", 1), ("flashmla", 2)):
         got = decode_native(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, kernel=kernel)
         assert len(calls) == expected, kernel

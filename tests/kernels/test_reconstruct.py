@@ -1,4 +1,4 @@
-"""remnant.kernels.reconstruct against remnant.kv.paged.reconstruct (exact: a byte copy)."""
+"""remnant.kernels.reconstruct against remnant.kv.paged.reconstruct_reference (exact: a byte copy)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 
 from remnant.kernels.reconstruct import PERMUTES, reconstruct as reconstruct_kernel
 from remnant.kv.formats import RETENTION_VALUES
-from remnant.kv.paged import PageLayout, gather, reconstruct
+from remnant.kv.layout import PageLayout
+from remnant.kv.paged import gather, reconstruct_reference
 from tests.kernels.inputs import DEVICE, ON_GPU, POISON, filled_pool, keep_map, poisoned_pages
 
 
@@ -17,7 +18,7 @@ def check_reconstruct(k: int, retention: int, pages: int, seed: int, permute: st
     layout = PageLayout.sglang(64, retention)
     pool = filled_pool(layout, pages, keep, gen)
     locs = torch.randint(0, layout.capacity(pool), (k,), generator=gen).to(DEVICE)
-    want = reconstruct(pool, layout, locs, keep, reference=True)
+    want = reconstruct_reference(pool, layout, locs, keep)
 
     rows = reconstruct_kernel(pool, layout, locs, keep, check_range=True, permute=permute)
     assert torch.equal(rows, want)

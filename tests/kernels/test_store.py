@@ -1,4 +1,4 @@
-"""remnant.kernels.store against remnant.kv.paged.store (the torch reference)."""
+"""remnant.kernels.store against remnant.kv.paged.store_reference (the torch reference)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from remnant.kernels.common import alignment
 from remnant.kernels.store import PERMUTES, store as store_kernel
 from remnant.kernels.store import store_kept_first
 from remnant.kv.formats import NOPE_DIM
-from remnant.kv.paged import KeptColumns, PageLayout, gather, quantize_kept_first, store
+from remnant.kv.layout import KeptColumns, PageLayout
+from remnant.kv.paged import gather, quantize_kept_first, store_reference
 from tests.kernels.inputs import DEVICE, ON_GPU, POISON, keep_map, latents, poisoned_pages, triton_fp8_codes
 
 
@@ -29,7 +30,7 @@ def check_store(n: int, retention: int, per_page: int, pages: int, seed: int, pe
     x = latents(n, gen).to(DEVICE)
     locs = torch.randperm(per_page * pages, generator=gen)[:n].to(DEVICE)
     want = poisoned_pages(layout, pages)
-    store(x, want, layout, locs, keep, reference=True)
+    store_reference(x, want, layout, locs, keep)
     got = poisoned_pages(layout, pages)
     store_kernel(x, got, layout, locs, keep, check_range=True, permute=permute)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from remnant.kv import RETENTION_VALUES, dequantize, pack, quantize, unpack
-from remnant.kv.attention import decode_native, decode_packed, decode_reconstructed
+from remnant.kv.attention import attend_native, attend_packed, attend_reconstructed
 
 
 def _case(heads=64, window=128, records=700, topk=512, seed=0):
@@ -41,16 +41,16 @@ def _naive(q, win, c4, idx, sink):
 def test_all_coordinates_kept_equals_native_exactly(dtype):
     q, win, c4, idx, sink, _ = _case()
     keep = torch.arange(448)
-    native = decode_native(q, win, c4, idx, sink, dtype=dtype)
+    native = attend_native(q, win, c4, idx, sink, dtype=dtype)
     packed = pack(c4, keep)
-    assert torch.equal(decode_reconstructed(q, win, packed, keep, idx, sink, dtype=dtype), native)
-    assert torch.equal(decode_packed(q, win, packed, keep, idx, sink, dtype=dtype), native)
+    assert torch.equal(attend_reconstructed(q, win, packed, keep, idx, sink, dtype=dtype), native)
+    assert torch.equal(attend_packed(q, win, packed, keep, idx, sink, dtype=dtype), native)
     assert native.dtype == dtype and native.shape == (64, 512)
 
 
 def test_native_equals_the_definition():
     q, win, c4, idx, sink, _ = _case(heads=8, records=300, topk=200, seed=1)
-    torch.testing.assert_close(decode_native(q, win, c4, idx, sink), _naive(q, win, c4, idx, sink), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(attend_native(q, win, c4, idx, sink), _naive(q, win, c4, idx, sink), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("retention", RETENTION_VALUES)
@@ -59,8 +59,8 @@ def test_triton_math_equals_kernel_math(retention, dtype, tol):
     q, win, c4, idx, sink, g = _case(seed=retention)
     keep = _keep(retention, g)
     packed = pack(c4, keep)
-    a = decode_reconstructed(q, win, packed, keep, idx, sink, dtype=dtype)
-    b = decode_packed(q, win, packed, keep, idx, sink, dtype=dtype)
+    a = attend_reconstructed(q, win, packed, keep, idx, sink, dtype=dtype)
+    b = attend_packed(q, win, packed, keep, idx, sink, dtype=dtype)
     # Float rounding, relative to the output's scale (float32 sums of ~600 terms).
     atol = tol * float(a.abs().max())
     torch.testing.assert_close(b, a, rtol=0, atol=atol)
@@ -73,7 +73,7 @@ def test_dropped_coordinates_of_c4_output_come_from_the_window_only():
     q, win, c4, idx, sink, g = _case(seed=5)
     keep = _keep(256, g)
     empty_window = win[:0]
-    out = decode_packed(q, empty_window, pack(c4, keep), keep, idx, sink)
+    out = attend_packed(q, empty_window, pack(c4, keep), keep, idx, sink)
     dropped = torch.ones(448, dtype=torch.bool)
     dropped[keep] = False
     assert (out[:, :448][:, dropped] == 0).all()
@@ -82,13 +82,13 @@ def test_dropped_coordinates_of_c4_output_come_from_the_window_only():
 def test_padding_and_empty_selection():
     q, win, c4, idx, sink, g = _case(seed=2)
     padded = torch.cat([idx[:100], torch.full((412,), -1)])
-    torch.testing.assert_close(decode_native(q, win, c4, padded, sink), decode_native(q, win, c4, idx[:100], sink))
+    torch.testing.assert_close(attend_native(q, win, c4, padded, sink), attend_native(q, win, c4, idx[:100], sink))
     none = torch.full((512,), -1)
-    only_window = decode_native(q, win, c4, none, sink)
+    only_window = attend_native(q, win, c4, none, sink)
     keep = _keep(128, g)
-    torch.testing.assert_close(decode_packed(q, win, pack(c4, keep), keep, none, sink), only_window)
+    torch.testing.assert_close(attend_packed(q, win, pack(c4, keep), keep, none, sink), only_window)
     # No keys at all: the sink takes all the mass.
-    assert torch.equal(decode_native(q, win[:0], c4, none, sink), torch.zeros(64, 512, dtype=torch.float64))
+    assert torch.equal(attend_native(q, win[:0], c4, none, sink), torch.zeros(64, 512, dtype=torch.float64))
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -103,10 +103,10 @@ def test_bad_inputs_name_the_problem(kwargs, message):
     q, win, c4, idx, sink, _ = _case()
     args = {"q": q, "window": win, "c4": c4, "indices": idx, "sink": sink, **kwargs}
     with pytest.raises(ValueError, match=message):
-        decode_native(**args)
+        attend_native(**args)
 
 
 def test_packed_path_rejects_bad_keep():
     q, win, c4, idx, sink, _ = _case()
     with pytest.raises(ValueError, match="not sorted ascending"):
-        decode_packed(q, win, pack(c4, torch.arange(192)), torch.arange(192).flip(0), idx, sink)
+        attend_packed(q, win, pack(c4, torch.arange(192)), torch.arange(192).flip(0), idx, sink)

@@ -1,5 +1,5 @@
 """remnant.kv.paged: kept-first window records (quantize_kept_first, dequantize_kept_first,
-store_kept_first) and the reconstruct kernel's word plan."""
+store_kept_first_reference) and the reference decode over them."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import torch
 
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.formats import NOPE_DIM
-from remnant.kv.paged import (KeptColumns, PageLayout, decode_packed, dequantize_kept_first, gather,
-                              quantize_kept_first, store_kept_first)
-from tests.kernels.inputs import latents, prmt
+from remnant.kv.layout import KeptColumns, PageLayout
+from remnant.kv.paged import (decode_packed_reference, dequantize_kept_first, gather, quantize_kept_first,
+                              store_kept_first_reference)
+from tests.kernels.inputs import latents
 
 CPU = torch.device("cpu")
 
@@ -59,7 +60,7 @@ def test_store_kept_first_reference_writes_quantize_kept_first_records():
     pages = torch.full((3, layout.page_stride), 0xAB, dtype=torch.uint8)
     x = latents(11, torch.Generator().manual_seed(9))
     locs = torch.tensor([0, 5, 17, 3, 40, 41, 2, 33, 20, 9, 47])
-    store_kept_first(x, pages, layout, locs, keep, reference=True)
+    store_kept_first_reference(x, pages, layout, locs, keep)
     assert torch.equal(gather(pages, layout, locs), quantize_kept_first(x, cols))
 
 
@@ -80,34 +81,9 @@ def test_reference_decode_reads_a_kept_first_window_in_natural_order():
     sink = torch.zeros(3)
     win_locs = torch.arange(8).repeat(2, 1)
     c4_locs = torch.full((2, 1), -1)
-    want = decode_packed(q, c4, c4_layout, c4_locs, keep, native, layout, win_locs, sink, reference=True)
-    got = decode_packed(q, c4, c4_layout, c4_locs, keep, kept_first, layout, win_locs, sink, reference=True,
-                        window_columns="kept_first")
-    wrong = decode_packed(q, c4, c4_layout, c4_locs, keep, kept_first, layout, win_locs, sink, reference=True)
+    want = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, native, layout, win_locs, sink)
+    got = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, kept_first, layout, win_locs, sink,
+                                  window_columns="kept_first")
+    wrong = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, kept_first, layout, win_locs, sink)
     assert (got - want).norm() < 0.05 * want.norm()
     assert (wrong - want).norm() > 0.3 * want.norm()
-
-
-def test_word_plan_rebuilds_every_native_code_word_from_two_packed_words():
-    # N = 64 with: native word 0 holding only byte 3 (a negative mask), a run across a packed
-    # word boundary starting at slot 3 (first % 4 == 3), and the last slot N - 1 in word 111.
-    keep = sorted({3, 8, 9, 10, 11, 12, 13, 14} | set(range(100, 155)) | {447})
-    assert len(keep) == 64
-    gen = torch.Generator().manual_seed(6)
-    for kept in (torch.tensor(keep), torch.arange(0, 448, 7)[:64], torch.arange(384, 448), torch.empty(0, dtype=torch.long)):
-        cols = KeptColumns.of(kept, torch.device("cpu"))
-        codes = torch.randint(1, 256, (cols.n_kept + 128,), dtype=torch.uint8, generator=gen)  # codes, then RoPE
-        words = codes.view(torch.int32).tolist()
-        native = torch.zeros(448, dtype=torch.uint8)
-        native[kept] = codes[: cols.n_kept]
-        want = native.view(torch.int32).tolist()
-        first, selector, mask = (cols.word_plan[i].tolist() for i in range(3))
-        for w in range(112):
-            if mask[w] == 0:
-                assert want[w] == 0
-                continue
-            assert first[w] + 1 <= cols.n_kept // 4  # the second word read is at most the RoPE's first
-            assert all((selector[w] >> (4 * k)) & 0xF < 8 for k in range(4))  # no sign-replicating nibble
-            pair = (words[first[w]] & 0xFFFFFFFF) | ((words[first[w] + 1] & 0xFFFFFFFF) << 32)
-            got = prmt(pair, selector[w]) & (mask[w] & 0xFFFFFFFF)
-            assert got == want[w] & 0xFFFFFFFF, f"native word {w}"

@@ -1,4 +1,4 @@
-"""The packed pool's buffers and steps on CPU (remnant.kv.paged's torch path)."""
+"""The packed pool's buffers and steps on CPU (remnant.kernels.dispatch's torch path)."""
 
 import pytest
 import torch
@@ -7,7 +7,9 @@ from remnant.kv.attention import SOFTMAX_SCALE
 from remnant.kv.codec import quantize
 from remnant.kv.formats import page_bytes
 from remnant.kv.packing import pack, unpack
-from remnant.kv.paged import KeptColumns, decode_native, gather, store
+from remnant.kernels.dispatch import store
+from remnant.kv.layout import KeptColumns
+from remnant.kv.paged import decode_native_reference, gather, store_reference
 from remnant.sglang.buffers import (
     decode_c4_packed,
     make_packed_buffers,
@@ -124,11 +126,11 @@ def test_kernel_decode_equals_native_decode_of_reconstructed_records():
                              swa_idx, swa_len, sink, SOFTMAX_SCALE)
     assert torch.equal(again, out)
     native = torch.zeros(num_pages(400, PER_PAGE), native_layout(PER_PAGE).page_stride, dtype=torch.uint8)
-    from remnant.kv.paged import reconstruct, write
+    from remnant.kv.paged import reconstruct_reference, write
 
-    write(native, native_layout(PER_PAGE), c4_locs, reconstruct(buf, layout, c4_locs, keep))
-    want = decode_native(q, native, native_layout(PER_PAGE), mask_by_length(c4_idx, c4_len), swa, swa_layout,
-                         mask_by_length(swa_idx, swa_len), sink)
+    write(native, native_layout(PER_PAGE), c4_locs, reconstruct_reference(buf, layout, c4_locs, keep))
+    want = decode_native_reference(q, native, native_layout(PER_PAGE), mask_by_length(c4_idx, c4_len), swa,
+                                   swa_layout, mask_by_length(swa_idx, swa_len), sink)
     torch.testing.assert_close(out.double(), want.to(q.dtype).double())
 
 
@@ -158,7 +160,7 @@ def test_the_hooks_steps_run_inside_cuda_graph_capture():
     locs_native = torch.arange(100, 164, device=dev)
     swa_layout = native_layout(128)
     swa = torch.zeros(2, swa_layout.page_stride, dtype=torch.uint8, device=dev)
-    store(latents(256, seed=5).to(dev), swa, swa_layout, torch.arange(256, device=dev), reference=True)
+    store_reference(latents(256, seed=5).to(dev), swa, swa_layout, torch.arange(256, device=dev))
     q = torch.randn(4, 64, 512, device=dev).to(torch.bfloat16)
     c4_idx = torch.randint(1, 65, (4, 64), device=dev, dtype=torch.int32)
     swa_idx = torch.arange(128, device=dev, dtype=torch.int32).repeat(4, 1)

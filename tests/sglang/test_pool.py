@@ -5,7 +5,8 @@ import torch
 
 from remnant.kv.codec import quantize
 from remnant.kv.packing import pack, unpack
-from remnant.kv.paged import gather, keep_tensor
+from remnant.kv.layout import keep_tensor
+from remnant.kv.paged import gather
 from tests.sglang.env import needs_sglang, probe
 
 pytestmark = needs_sglang
