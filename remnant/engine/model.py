@@ -16,7 +16,7 @@ Devices and decode paths: weights come from the seeded generator on the CPU, the
 the torch reference below. With decode_path=kernels, single-token chunks (decode steps)
 attend through remnant.kernels instead: the Triton decode over the pools' pages (after the
 Triton reconstruct in triton mode), and their records are written through
-remnant.kv.paged.store: the Triton store on CUDA, its torch reference on the CPU (Triton's
+remnant.kernels.dispatch.store: the Triton store on CUDA, its torch reference on the CPU (Triton's
 interpreter rounds some FP8 casts wrongly, triton-lang/triton issue 8322, so its records
 would not be the engine's).
 
@@ -45,8 +45,9 @@ from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.packing import check_keep, pack, unpack
-from remnant.kv.paged import (KeptColumns, PageLayout, dequantize_kept_first, quantize_kept_first, store,
-                              store_kept_first)
+from remnant.kernels.dispatch import store, store_kept_first
+from remnant.kv.layout import KeptColumns, PageLayout
+from remnant.kv.paged import dequantize_kept_first, quantize_kept_first
 
 CSA_RATIO = 4
 HCA_RATIO = 128
@@ -585,7 +586,7 @@ class Model:
                        latents: torch.Tensor, kernels: bool) -> None:
         """Store the records of blocks `index` [k] from their latents float32 [k, 512]: CSA
         records in the layer's C4 format (packed at the KV write), HCA records native. On
-        the kernels path remnant.kv.paged.store quantizes (and packs) straight into the
+        the kernels path remnant.kernels.dispatch.store quantizes (and packs) straight into the
         pages: the Triton store on CUDA (see the module docstring for the CPU)."""
         csa = layer.ratio == CSA_RATIO
         target = _record_pages(li, layer, pools)
@@ -604,7 +605,7 @@ class Model:
         in q's column order (kept-first on layers with folded_weights). window_locs: their
         window's ring slots (_window_locations).
 
-        Each new token's window record is first stored into its ring (remnant.kv.paged.store):
+        Each new token's window record is first stored into its ring (remnant.kernels.dispatch.store):
         the kernel reads the token's own record there (the reference joins it from memory
         and writes the same ring slot). Compressed records are read where they are stored:
         native C4 or C128 records as they are, packed ones directly (kernel mode) or after
