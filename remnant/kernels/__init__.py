@@ -8,7 +8,9 @@
 - `flashmla`: FlashMLA's V4 decode (PyPI sgl-flash-mla, optional, CUDA only) over native
   records: the stock attention SGLang runs, and the baseline of every decode figure.
 
-Each has its plain torch reference in `remnant.kv.paged`, which dispatches here for CUDA
-tensors; tests compare the two (float64 reference, poisoned outputs, odd sizes).
-`remnant.kernels.bench` is the `remnant-kernels` microbenchmark.
+Each has its plain torch reference in `remnant.kv.paged` (`*_reference`); tests compare the
+two (float64 reference, poisoned outputs, odd sizes). `remnant.kernels.dispatch` runs the
+kernel on CUDA tensors and the reference elsewhere (what the engine and the SGLang plugin
+call); `remnant.kernels.plan` makes each decode call's DecodePlan. `remnant.kernels.bench`
+is the `remnant-kernels` microbenchmark.
 """
