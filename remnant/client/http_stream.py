@@ -220,7 +220,7 @@ class _Conn(asyncio.Protocol):
         try:
             return int(line.split(b";", 1)[0].strip(), 16)
         except ValueError:
-            raise StreamError(f"RemoteProtocolError: bad chunk size line {bytes(line[:40])!r}") from None
+            raise StreamError(f"RemoteProtocolError: bad chunk size line {bytes(line[:40]).strip()!r}") from None
 
     def _head(self, head: str) -> None:
         lines = head.split("\r\n")
