@@ -1,0 +1,199 @@
+"""What remnant-serve serves: a model directory loaded into an engine, its HTTP frontend, and
+the description /server_info and /model_info give of it.
+
+`load_served` reads the model directory (config.json, tokenizer.json), builds the model
+and its retention, sizes the KV pools from the byte budget as SGLang sizes them, and
+collects the environment where the server runs. The app (remnant.engine.server) keeps the
+result in `app.state`; the routes read it there.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import remnant
+from remnant.config import MODES
+from remnant.engine.api import ModelLimits
+from remnant.engine.args import EngineArgs, RetentionArgs
+from remnant.engine.engine import Engine
+from remnant.engine.frontend import Frontend
+
+
+@dataclass
+class ServerInfo:
+    """The served model as SGLang's /server_info and /model_info describe it. server_args:
+    SGLang's ServerArgs names plus remnant_* ones; capacity: pool sizes and bytes;
+    environment: provenance of the machine the server runs on (collected here, where the
+    work runs, not by whoever started the server); started: Unix time."""
+
+    model_dir: Path
+    hf_config: dict
+    server_args: dict
+    capacity: dict
+    environment: dict
+    started: float
+
+    @property
+    def served_model_name(self) -> str:
+        return self.server_args["served_model_name"]
+
+    def server_info(self, stats: dict) -> dict:
+        """GET /server_info, with the engine's current `stats`."""
+        return {
+            **self.server_args,
+            "startup_time": self.started,
+            "version": remnant.__version__,
+            "engine": "remnant-embedded",
+            "environment": self.environment,
+            "model_config": {k: v for k, v in self.hf_config.items() if k != "remnant"},
+            "capacity": self.capacity,
+            "internal_states": [stats],
+        }
+
+    def model_info(self) -> dict:
+        """GET /model_info."""
+        return {
+            "model_path": str(self.model_dir),
+            "served_model_name": self.served_model_name,
+            "tokenizer_path": str(self.model_dir),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "load_format": "dummy",  # random weights generated from the seed
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self.hf_config.get("model_type"),
+            "architectures": self.hf_config.get("architectures"),
+        }
+
+
+@dataclass
+class Served:
+    """A loaded model ready to serve: the engine (started and stopped with the app), the
+    frontend the routes submit requests through, its description, and the load time (s)."""
+
+    engine: Engine
+    frontend: Frontend
+    info: ServerInfo
+    load_s: float
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    """config.json of `model_dir`; ValueError says how to write one."""
+    path = model_dir / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist; write one with python -m remnant.engine.model_dir --out {model_dir}") from None
+
+
+def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
+                engine_args: EngineArgs | None = None) -> Served:
+    """Load `model_dir` in `mode`; ValueError names what is wrong (a missing file, a budget
+    too small for the pools, a bad retention)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from remnant.engine.capacity import size_pools
+    from remnant.engine.chat_template import ChatTemplate
+    from remnant.engine.model import Model, ModelArgs
+    from remnant.engine.pools import KVPools, geometry_of
+    from remnant.engine.prefix_cache import PrefixCache
+    from remnant.engine.retention_setup import setup_retention
+    from remnant.records.provenance import environment
+
+    if mode not in MODES:
+        raise ValueError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
+    retention = retention or RetentionArgs()
+    engine_args = engine_args or EngineArgs()
+    model_dir = Path(model_dir)
+    hf = read_hf_config(model_dir)
+    args = ModelArgs.from_hf_config(hf)
+    t0 = time.perf_counter()
+    model = Model(args, device=engine_args.device, decode_path=engine_args.decode_path,
+                  native_decode=engine_args.native_decode)
+    served_name = hf.get("remnant", {}).get("preset") or model_dir.name
+    rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
+                           retention.map_path, retention.policy)
+    load_s = time.perf_counter() - t0
+    tokenizer_path = model_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise ValueError(f"{tokenizer_path} does not exist; the model directory needs a tokenizer")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+
+    geometry = geometry_of(model, engine_args.page_size, engine_args.swa_ratio, engine_args.max_running_requests)
+    sizes = size_pools(geometry, engine_args.kv_budget_bytes)
+    if sizes.full_tokens == 0 or sizes.swa_tokens < geometry.window_size:
+        raise ValueError(
+            f"kv budget {engine_args.kv_budget_bytes} bytes holds {sizes.full_tokens} tokens and "
+            f"{sizes.swa_tokens} window slots after {sum(sizes.fixed_bytes.values())} fixed bytes; "
+            f"raise the budget or lower max_running_requests"
+        )
+    pools = KVPools(geometry, sizes, model.device)
+    engine = Engine(model, hf["eos_token_id"], pools, PrefixCache(pools, engine_args.prefix_cache),
+                    engine_args.chunked_prefill_size)
+    capacity = {
+        "max_total_num_tokens": sizes.full_tokens,
+        "swa_max_total_num_tokens": sizes.swa_tokens,
+        "page_size": geometry.page_size,
+        "swa_full_tokens_ratio": geometry.swa_ratio,
+        "kv_budget_bytes": engine_args.kv_budget_bytes,
+        "bytes_per_token": sizes.bytes_per_full_token,
+        "fixed_bytes": sizes.fixed_bytes,
+        "accounted_bytes": pools.accounted_bytes(),
+        "allocated_bytes": pools.allocated_bytes(),
+        "c4_records": sizes.c4_records,
+        "c128_records": sizes.c128_records,
+        "max_running_requests": pools.slots.n,
+    }
+    started = time.time()
+    server_environment = environment()
+    server_args = {
+        "model_path": str(model_dir),
+        "tokenizer_path": str(model_dir),
+        "served_model_name": served_name,
+        "dtype": "float32",
+        "kv_cache_dtype": "fp8_e4m3",
+        "chunked_prefill_size": engine_args.chunked_prefill_size,
+        "max_running_requests": pools.slots.n,
+        "max_total_num_tokens": sizes.full_tokens,
+        "page_size": geometry.page_size,
+        "disable_radix_cache": not engine_args.prefix_cache,
+        "remnant_mode": mode,
+        "device": model.device.type,  # as SGLang's ServerArgs.device: "cuda" or "cpu"
+        "remnant_decode_path": model.decode_path,
+        # Which kernel decode steps ran over native records, and why not FlashMLA.
+        "remnant_native_decode": {"kernel": model.native_decode, "reason": model.native_decode_reason,
+                                  "flashmla_version": _flashmla_version(model.native_decode)},
+        "remnant_retention": None if rmap is None else {
+            "per_layer": {str(i): rmap.retention(i) for i in model.csa_layers},
+            "policy": rmap.policy,
+            "map_path": retention.map_path,
+            "calibration": rmap.calibration,
+        },
+        "c4_record_bytes": [model.c4_formats[i].record_bytes for i in model.csa_layers],
+        "random_seed": args.seed,
+        "torch_num_threads": torch.get_num_threads(),
+    }
+    info = ServerInfo(model_dir, hf, server_args, capacity, server_environment, started)
+
+    pool_tokens = pools.num_pages * geometry.page_size
+    # Without max_new_tokens a request may generate one request's share of the pool (see
+    # remnant.engine.api.engine_params): 113,664 / 32 = 3,552 tokens at the defaults.
+    limits = ModelLimits(args.vocab_size, args.max_position_embeddings, pool_tokens,
+                         default_new_tokens=max(1, pool_tokens // pools.slots.n))
+    frontend = Frontend(engine, tokenizer, limits, served_name, ChatTemplate.from_model_dir(model_dir))
+    return Served(engine, frontend, info, load_s)
+
+
+def _flashmla_version(kernel: str) -> str | None:
+    if kernel != "flashmla":
+        return None
+    from remnant.kernels.flashmla import version
+
+    return version()
