@@ -60,6 +60,22 @@ def test_groups_hold_what_the_design_names():
     assert "tiny" in _options("model")
 
 
+def test_every_kind_lives_in_its_module_with_a_conf_file():
+    """Workload and host kinds are found by their registries: remnant/<package>/<kind>.py
+    holds the config class and conf/<group>/<kind>.yaml composes it."""
+    from remnant.config import HOSTS, WORKLOADS
+
+    for kinds in (WORKLOADS, HOSTS):
+        found = kinds.all()
+        assert found, kinds.group
+        for kind, cls in found.items():
+            assert cls.__module__ == f"{kinds.package}.{kind}" and cls.kind == kind
+            assert CONF.joinpath(kinds.group, f"{kind}.yaml").is_file()
+    with pytest.raises(ConfigError, match="workload.kind=moon is not a workload; allowed: long_context, longswe, "
+                                          "random, shared_prefix, sharegpt"):
+        WORKLOADS.get("moon")
+
+
 def test_defaults():
     cfg = _compose([])
     assert (cfg.mode.name, cfg.retention.name, cfg.workload.name, cfg.host.kind, cfg.model.name) == (
