@@ -199,6 +199,14 @@ def _shares(sampler: _Sampler, periods: list[dict]) -> dict:
             "server_cpu_share": server_cpu / (b - a), "busy_span_s": b - a}
 
 
+def _per_cpu_s(run: dict) -> float | None:
+    """Output tokens per second of the client's CPU: throughput / client CPU share. On a
+    machine whose cores other work shares, this is the rate the client would reach with a
+    core to itself (if it is CPU-bound), where output_throughput is the rate it got."""
+    share = run["client_cpu_share"]
+    return run["output_throughput"] / share if share else None
+
+
 def run_remnant(server: _Server, cpu: int | None, a, requests: int, concurrency: int, work: Path) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix="remnant-", dir=work))
     cmd = [sys.executable, "-m", "remnant.client.ceiling", "--drive", server.base_url, "--requests", str(requests),
@@ -268,7 +276,8 @@ def _spread(values: list[float]) -> dict:
 
 def summarize_runs(runs: list[dict], clients: list[str]) -> list[dict]:
     """Per concurrency: each client's throughputs over rounds (median, min, max) and the
-    remnant / sglang ratio of output throughput, paired within each round."""
+    remnant / sglang ratios of output throughput and of output tokens per client CPU-second,
+    paired within each round."""
     out = []
     for c in sorted({r["concurrency"] for r in runs}):
         at = [r for r in runs if r["concurrency"] == c]
@@ -277,13 +286,21 @@ def summarize_runs(runs: list[dict], clients: list[str]) -> list[dict]:
             mine = [r for r in at if r["client"] == name]
             row[name] = {"output_throughput": _spread([r["output_throughput"] for r in mine]),
                          "request_throughput": _spread([r["request_throughput"] for r in mine])}
+            per_cpu = [r["output_tokens_per_client_cpu_s"] for r in mine if r["output_tokens_per_client_cpu_s"]]
+            if per_cpu:
+                row[name]["output_tokens_per_client_cpu_s"] = _spread(per_cpu)
         if "remnant" in clients and "sglang" in clients:
-            ratios = []
+            ratios, per_cpu = [], []
             for rnd in sorted({r["round"] for r in at}):
                 pair = {r["client"]: r for r in at if r["round"] == rnd}
                 if "remnant" in pair and "sglang" in pair:
-                    ratios.append(pair["remnant"]["output_throughput"] / pair["sglang"]["output_throughput"])
+                    mine, theirs = pair["remnant"], pair["sglang"]
+                    ratios.append(mine["output_throughput"] / theirs["output_throughput"])
+                    if mine["output_tokens_per_client_cpu_s"] and theirs["output_tokens_per_client_cpu_s"]:
+                        per_cpu.append(mine["output_tokens_per_client_cpu_s"] / theirs["output_tokens_per_client_cpu_s"])
             row["ratio_output_throughput"] = _spread(ratios)
+            if per_cpu:
+                row["ratio_output_tokens_per_client_cpu_s"] = _spread(per_cpu)
         out.append(row)
     return out
 
@@ -402,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                             r = run_remnant(server, pinning["client_cpu"], a, n, c, work)
                         else:
                             r = run_sglang(server, pinning["client_cpu"], a, sg_python, tokenizer_dir, n, c, work)
+                        r["output_tokens_per_client_cpu_s"] = _per_cpu_s(r)
                         runs.append({"round": rnd, "order": k, "client": name, "concurrency": c, "requests": n, **r})
                         print(f"round {rnd} C={c} {name}: {r['output_throughput']:,.0f} tok/s "
                               f"{r['request_throughput']:.1f} req/s (client CPU {r['client_cpu_share'] or 0:.2f}, "
@@ -460,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
         if "ratio_output_throughput" in row:
             rt = row["ratio_output_throughput"]
             line += f"; ratio {rt['median']:.2f}x ({rt['min']:.2f}-{rt['max']:.2f})"
+        if "ratio_output_tokens_per_client_cpu_s" in row:
+            rt = row["ratio_output_tokens_per_client_cpu_s"]
+            line += f", per client CPU-second {rt['median']:.2f}x ({rt['min']:.2f}-{rt['max']:.2f})"
         print(line, file=sys.stderr)
     print(a.out)
     return 0

@@ -23,7 +23,7 @@ from remnant.records.schema import validate, write_validated
 
 INDEX = "index.json"
 _DESCRIBE = {"remnant/fidelity": "fidelity report", "remnant/capacity": "capacity report",
-             "remnant/kernel-bench": "kernel benchmark"}
+             "remnant/kernel-bench": "kernel benchmark", "remnant/client-bench": "client ceiling benchmark"}
 
 
 def curate(sweep: Path, name: str, description: str, benchmarks: Path) -> Path:
@@ -84,7 +84,8 @@ def write_index(benchmarks: Path) -> Path:
             continue
         description = doc.get("description") or _DESCRIBE[kind]
         entries.append({"path": str(rel), "kind": kind, "sha256": sha256_file(path), "description": description})
-    return write_validated(benchmarks / INDEX, {"schema": "remnant/index", "schema_version": 1, "entries": entries})
+    # v2: v1 plus the kind remnant/client-bench.
+    return write_validated(benchmarks / INDEX, {"schema": "remnant/index", "schema_version": 2, "entries": entries})
 
 
 def main(argv: list[str] | None = None) -> int:
