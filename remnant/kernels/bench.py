@@ -41,7 +41,7 @@ import torch
 
 from remnant.records.provenance import GIT_COMMIT_ENV
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 HEADS = 64
 H_BLOCK = 64  # heads per decode program in every tuned config: all 64 of a token
 WINDOW = 128
@@ -259,6 +259,7 @@ class DecodeCase:
     window_apart: bool | None = None  # packed, all orders natural: the window in a program of its own (decode's)
     split_plan: str | None = None  # how splits share the records (decode's split_plan); None: split_plan_for
     join: str | None = None  # how splits join (decode's join); None: join_for
+    kernel: str = "triton"  # the decode kernel (remnant.kernels.plan.KERNELS): "sm90", the folded packed call only
 
     def plan(self, launch: dict):
         """decode's plan for this case at the launch settings `launch` (h_block, num_warps
@@ -266,10 +267,11 @@ class DecodeCase:
         as decode itself makes it."""
         from remnant.kernels.plan import DecodeConfig, plan_decode
 
-        config = DecodeConfig(**launch, splits=self.splits, window_apart=self.window_apart,
+        config = DecodeConfig(kernel=self.kernel, **launch, splits=self.splits, window_apart=self.window_apart,
                               split_plan=self.split_plan, join=self.join)
         return plan_decode(self.batch, HEADS, self.window, self.topk, self.variant == "packed", torch.device("cuda"),
-                           columns=self.columns, window_columns=self.window_columns, config=config)
+                           columns=self.columns, window_columns=self.window_columns, config=config,
+                           n_kept=self.retention - 64, q_dtype=torch.bfloat16)
 
 
 def _plan_fields(plan) -> dict:
@@ -465,12 +467,13 @@ def against_flashmla(decode_rows: list[dict], flashmla_rows: list[dict]) -> list
         flash = stock.get((r["batch"], r["topk"], r["window"]))
         if flash is None:
             continue
-        if "kernel" in r:
+        if "variant" not in r:
             what = f"triton mode (reconstruct R={r['retention']} + FlashMLA)"
         elif r["variant"] == "native":
             what = "Remnant's Triton native kernel (cross-check)"
         else:
-            what = f"kernel mode, packed R={r['retention']} ({_orders_label(r['columns'], r['window_columns'])})"
+            what = (f"kernel mode, packed R={r['retention']} ({_orders_label(r['columns'], r['window_columns'])}"
+                    f"{_kernel_label(r)})")
         out.append({"name": f"{what}, batch {r['batch']}, top-k {r['topk']}, window {r['window']}",
                     "batch": r["batch"], "topk": r["topk"], "window": r["window"],
                     "value": r["time_us"] / flash["time_us"]})
@@ -687,18 +690,23 @@ def _tuned_kind(case: DecodeCase) -> tuple[str, str, bool]:
 def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, cases: list[DecodeCase]) -> list[dict]:
     rows = []
     for case in cases:
-        config = best[_tuned_kind(case)]
+        config = SM90_CONFIG if case.kernel == "sm90" else best[_tuned_kind(case)]
         plan = case.plan(config)
         nbytes, flops = _decode_bytes_flops(case, plan.window_apart)
         compiled: list = []
         seconds = _sync_time_graph(inputs.call_sets(case, ceil.l2_bytes, plan, compiled), reps)
         fields = _plan_fields(plan)
-        rows.append({"variant": case.variant, "retention": case.retention, "batch": case.batch, "topk": case.topk,
-                     "window": case.window, "columns": case.columns, "window_columns": case.window_columns, "heads": HEADS,
-                     "config": config, "splits": fields.pop("splits"), "auto_splits": case.splits is None, **fields,
+        rows.append({"variant": case.variant, "kernel": plan.kernel, "retention": case.retention, "batch": case.batch,
+                     "topk": case.topk, "window": case.window, "columns": case.columns,
+                     "window_columns": case.window_columns, "heads": HEADS, "config": config, "splits": fields.pop("splits"), "auto_splits": case.splits is None, **fields,
                      **_compiled_info(compiled), **_roofline(seconds, nbytes, flops, ceil)})
         _progress_row(rows[-1])
     return rows
+
+
+# The SM90 Gluon kernel's fixed program, as a decode row's config: 64 heads on 8 warps,
+# steps of 64 records, two stages of copies (remnant.kernels.packed_sm90).
+SM90_CONFIG = {"h_block": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 
 
 def _other_split_plan(plan: str | None) -> str | None:
@@ -709,9 +717,10 @@ def _other_split_plan(plan: str | None) -> str | None:
 DECODE_BATCHES = [1, 16, 32, 64, 128, 256, 512]
 
 
-def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[DecodeCase]:
+def decode_cases(quick: bool, multiprocessors: int | None = None, sm90: bool = False) -> list[DecodeCase]:
     """The decode rows' cases; multiprocessors (default: this GPU's) sets the split counts
-    of the rows that time the other split plan at auto_splits' count."""
+    of the rows that time the other split plan at auto_splits' count; sm90: the SM90 Gluon
+    kernel's folded call beside the Triton one at every batch and window."""
     from remnant.kernels.plan import split_plan_for, splits_for
 
     if multiprocessors is None:
@@ -727,6 +736,9 @@ def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[Decode
             cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window))
             cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first",
                                     "kept_first" if window else "natural"))
+            if sm90:  # the same folded call on the SM90 kernel (it reads kept-first windows only)
+                cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "kept_first",
+                                        kernel="sm90"))
             if batch >= 64 and window:  # each of the two orders alone
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first"))
                 if batch in (64, 128):
@@ -764,6 +776,10 @@ def decode_cases(quick: bool, multiprocessors: int | None = None) -> list[Decode
     return cases
 
 
+def _kernel_label(row: dict) -> str:
+    return ", SM90 Gluon kernel" if row.get("kernel") == "sm90" else ""
+
+
 def _orders_label(columns: str, window_columns: str) -> str:
     label = f"{columns} columns"
     return label + (", kept-first window" if window_columns == "kept_first" else "")
@@ -778,8 +794,8 @@ def _shared_cost(by: dict, batch: int, window: int, orders: tuple[str, str], nat
     """The ratio target's note on the calls without C4 records (top-k 0 rows at the same
     splits, where the run has them): what the two calls share, and the ratio of the rest
     (left out where the native call's rest is not positive: timing noise on a small call)."""
-    native0 = by.get(("native", 512, batch, 0, window, ("natural", "natural")))
-    packed0 = by.get(("packed", KERNEL_R, batch, 0, window, orders))
+    native0 = by.get(("native", 512, batch, 0, window, ("natural", "natural"), "triton"))
+    packed0 = by.get(("packed", KERNEL_R, batch, 0, window, orders, packed.get("kernel", "triton")))
     if not (native0 and packed0) or (native0["splits"], packed0["splits"]) != (native["splits"], packed["splits"]):
         return ""
     note = (f"; without C4 records (q, out, the window and, where split, the join; at the same splits) native "
@@ -838,26 +854,31 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
     fixed = {(r["variant"], orders(r), r["batch"], r["topk"], r["window"], r["splits"], r.get("split_plan"),
               r.get("join")): r for r in decode_rows if not r["auto_splits"]}
     decode_rows = [r for r in decode_rows if r["auto_splits"]]
-    by = {(r["variant"], r["retention"], r["batch"], r["topk"], r["window"], orders(r)): r for r in decode_rows}
+    by = {(r["variant"], r["retention"], r["batch"], r["topk"], r["window"], orders(r), r.get("kernel", "triton")): r
+          for r in decode_rows}
     stock = {(r["batch"], r["topk"], r["window"]): r for r in flashmla_rows if r["kernel"] == "flashmla"}
-    for columns, window_columns in sorted({orders(r) for r in decode_rows if r["variant"] == "packed"}, key=_order_rank):
+    forms = {(*orders(r), r.get("kernel", "triton")) for r in decode_rows if r["variant"] == "packed"}
+    for columns, window_columns, kernel in sorted(forms, key=lambda f: (_order_rank(f[:2]), f[2] == "sm90")):
         for window in (WINDOW, 0):
             for batch in sorted({r["batch"] for r in decode_rows}):
                 flash = stock.get((batch, TOPK, window))
-                native = by.get(("native", 512, batch, TOPK, window, ("natural", "natural")))
-                packed = by.get(("packed", KERNEL_R, batch, TOPK, window, (columns, window_columns)))
+                native = by.get(("native", 512, batch, TOPK, window, ("natural", "natural"), "triton"))
+                packed = by.get(("packed", KERNEL_R, batch, TOPK, window, (columns, window_columns), kernel))
                 if not (flash and packed):
                     continue
                 ratio = packed["time_us"] / flash["time_us"]
                 limit = KERNEL_VS_FLASHMLA_FROM_64 if batch >= 64 else KERNEL_VS_FLASHMLA
-                if packed.get("window_apart"):
+                if kernel == "sm90":
+                    how = ("the SM90 Gluon kernel (remnant.kernels.packed_sm90): q, out and the window in kept-first "
+                           "order")
+                elif packed.get("window_apart"):
                     how = ("the window read by a program of its own in natural order, the C4 records by the "
                            "others through the kept columns, joined in natural order")
                 elif columns == "natural":
                     how = "q and out permuted to and from kept-first order in the call"
                 else:
                     how = "q and out in kept-first order: the permutation folded into the projections"
-                if window_columns == "kept_first":
+                if window_columns == "kept_first" and kernel != "sm90":
                     how += "; window records written in kept-first order"
                 note = (f"FlashMLA V4 {flash['time_us']:.1f} us, packed {packed['time_us']:.1f} us ({how}); "
                         f"byte ratio against FlashMLA's call {packed['bytes'] / flash['bytes']:.3f} (C4 records "
@@ -867,7 +888,8 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                              f"{native['time_us'] / flash['time_us']:.2f}x FlashMLA): packed/native "
                              f"{packed['time_us'] / native['time_us']:.3f}")
                     note += _triton_native_notes(by, fixed, batch, window, (columns, window_columns), native, packed)
-                out.append({"name": f"decode packed ({_orders_label(columns, window_columns)})/FlashMLA V4 time, "
+                label = _orders_label(columns, window_columns) + (", SM90 Gluon kernel" if kernel == "sm90" else "")
+                out.append({"name": f"decode packed ({label})/FlashMLA V4 time, "
                                     f"batch {batch}, top-k {TOPK}, window {window}",
                             "value": ratio, "target": f"<= {limit}", "met": ratio <= limit, "note": note})
     for kernel, rows in (("store", store_rows), ("reconstruct", reconstruct_rows)):
@@ -886,7 +908,7 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                      f"tensor-core fraction {r['fraction_of_matmul_rate']:.2f}")
             if capability == "9.0" and "n_regs" in r and "shared_bytes" in r:
                 bound += "; " + _residency(r)
-            label = "" if r["variant"] == "native" else f" ({_orders_label(*orders(r))})"
+            label = "" if r["variant"] == "native" else f" ({_orders_label(*orders(r))}{_kernel_label(r)})"
             out.append({"name": f"decode {r['variant']} R={r['retention']}{label} batch {r['batch']}: "
                                 "fraction of copy bandwidth",
                         "value": f, "target": ">= 0.75 or a named bound", "met": f >= 0.75, "note": bound})
@@ -981,7 +1003,12 @@ def run(sweep: str, reps: int, seed: int, progress=print, stock: dict | None = N
     tuning, best = tune_decode(inputs, ceil, reps, quick, batch=128, defaults=sweep == "decode")
     progress(f"  best: {best}")
     progress("decode: sweep")
-    decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick))
+    from remnant.kernels.plan import sm90_unavailable
+
+    sm90_why = sm90_unavailable(True, "kept_first", "kept_first", torch.device("cuda"), KERNEL_R - 64, HEADS,
+                                torch.bfloat16)
+    progress("  SM90 Gluon kernel: " + ("timed" if sm90_why is None else f"not timed, it {sm90_why}"))
+    decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick, sm90=sm90_why is None))
     flashmla_rows = []
     if stock["timed"]:
         progress(f"decode: FlashMLA V4 (sgl-flash-mla {stock['version']}) and triton mode's reconstruct + FlashMLA")
@@ -1016,7 +1043,7 @@ def table(doc: dict) -> str:
                      f"{r['achieved_gbps']:7.0f} GB/s  {100 * r['fraction_of_copy_bandwidth']:5.1f}% copy")
     for r in doc["decode"]:
         variant = r["variant"] + ("*" if r.get("columns") == "kept_first" else "") + (
-            "w" if r.get("window_columns") == "kept_first" else "")
+            "w" if r.get("window_columns") == "kept_first" else "") + ("@sm90" if r.get("kernel") == "sm90" else "")
         splits = f"s={r['splits']}" + ("" if r["auto_splits"] else "!") if "splits" in r else ""  # (v3: no splits)
         splits += "a" if r.get("window_apart") else ""
         splits += "c" if r.get("split_plan") == "by_cost" else ""
@@ -1032,6 +1059,8 @@ def table(doc: dict) -> str:
     if any(r.get("columns") == "kept_first" for r in doc["decode"]):
         lines.append("packed*: q and out in kept-first column order (the permutation folded into the projections); "
                      "packed..w: window records written in kept-first order")
+    if any(r.get("kernel") == "sm90" for r in doc["decode"]):
+        lines.append("@sm90: the SM90 Gluon kernel (remnant.kernels.packed_sm90); every other decode row: Triton")
     lines.append("s=N: programs per token and head block (auto_splits); s=N!: fixed, the split sweep; "
                  "s=Na: the window in a program of its own (window_apart); s=Nc: splits cut by cost (split_plan)")
     for t in doc["targets"]:

@@ -806,7 +806,8 @@ def decode(
                              f"{(cols.packed, columns, window_columns)}")
     else:
         plan = plan_decode(batch, heads, window_locs.shape[-1], c4_locs.shape[-1], cols.packed, q.device,
-                           columns=columns, window_columns=window_columns, config=config)
+                           columns=columns, window_columns=window_columns, config=config, n_kept=cols.n_kept,
+                           q_dtype=q.dtype)
     if q.stride(2) != 1:
         q = q.contiguous()
     _check_layout(c4_layout, c4, cols.record_bytes, "c4")
@@ -823,6 +824,11 @@ def decode(
     elif out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out must be [B, H, {HEAD_DIM}] = {tuple(q.shape)} with contiguous rows, got "
                          f"{tuple(out.shape)} with strides {out.stride()}")
+    if plan.kernel == "sm90":
+        from remnant.kernels import packed_sm90
+
+        return packed_sm90.decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, cols, scale,
+                                  out=out, splits=plan.splits, compiled=compiled)
     return _run_triton(plan, q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink.float().contiguous(),
                        cols, scale, out, compiled)
 

@@ -442,7 +442,7 @@ def _rows(count: int) -> int:
 def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: torch.Tensor, window: torch.Tensor,
            window_layout: PageLayout, window_locs: torch.Tensor, sink: torch.Tensor, keep: KeptColumns,
            scale: float = 1.0 / math.sqrt(HEAD_DIM), out: torch.Tensor | None = None, splits: int | None = None,
-           profile_skip: int = 0) -> torch.Tensor:
+           profile_skip: int = 0, compiled: list | None = None) -> torch.Tensor:
     """Packed decode at R = 256 with q, out and the window records in kept-first order, as
     remnant.kernels.decode.decode(..., columns="kept_first", window_columns="kept_first").
 
@@ -454,7 +454,8 @@ def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: to
 
     profile_skip (measurement only; the output is then wrong): leave out the dequantizing
     (1), the matrix products (2) or the copies of every step after the first (4), or a
-    sum of them, so that the benchmark can say where the time goes.
+    sum of them, so that the benchmark can say where the time goes. compiled: a list the
+    compiled kernel is appended to (the benchmark records its registers and spills).
     """
     reason = unavailable_reason(q.device, keep.n_kept, q.shape[1] if q.ndim == 3 else None)
     if reason is not None:
@@ -482,7 +483,7 @@ def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: to
     else:
         lse = sink  # not read
         target, strides = out, (0, out.stride(0), out.stride(1))
-    _packed_sm90_kernel[(batch, splits)](
+    kernel = _packed_sm90_kernel[(batch, splits)](
         q_ptr=q, q_sb=q.stride(0), q_sh=q.stride(1), out_ptr=target, o_ss=strides[0], o_sb=strides[1],
         o_sh=strides[2], lse_ptr=lse, sink_ptr=sink, H=heads,
         c4_ptr=c4, c4_locs_ptr=c4_locs, c4_sb=c4_locs.stride(0), K=c4_locs.shape[1], c4_stride=c4_layout.page_stride,
@@ -494,4 +495,6 @@ def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: to
     if splits > 1:
         _join_kernel[(batch, heads)](part_ptr=part, lse_ptr=lse, out_ptr=out, o_sb=out.stride(0), o_sh=out.stride(1),
                                      B=batch, H=heads, S=splits, SP=triton.next_power_of_2(splits))
+    if compiled is not None:
+        compiled.append(kernel)
     return out

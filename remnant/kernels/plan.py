@@ -25,8 +25,13 @@ import triton
 from remnant.kernels.common import interpreted
 
 #: Decode implementations plan_decode can choose ("triton": remnant.kernels.decode's
-#: _decode_kernel, which reads every record form on every GPU and in the interpreter).
-KERNELS = ("triton",)
+#: _decode_kernel, which reads every record form on every GPU and in the interpreter;
+#: "sm90": remnant.kernels.packed_sm90, the Gluon folded packed call at R = 256 on sm_90).
+KERNELS = ("triton", "sm90")
+# DecodeConfig fields that only the Triton kernel reads: a config that sets any of them
+# asks for that kernel's program, so plan_decode chooses "sm90" only where none is set.
+TRITON_ONLY = ("block_n", "num_stages", "scores_transposed", "window_block_n", "window_scores_transposed",
+               "window_apart", "partials", "split_plan", "join")
 COLUMN_ORDERS = ("natural", "kept_first")
 MAX_SPLITS = 16
 PARTIALS = ("float32", "float16")
@@ -147,18 +152,22 @@ class DecodePlan:
 
 def plan_decode(batch: int, heads: int, window: int, topk: int, packed: bool, device: torch.device, *,
                 columns: str = "natural", window_columns: str = "natural",
-                config: DecodeConfig | None = None) -> DecodePlan:
+                config: DecodeConfig | None = None, n_kept: int | None = None,
+                q_dtype: torch.dtype | None = None) -> DecodePlan:
     """The plan of a decode call of `batch` tokens, `heads` query heads, `window` window
     locations and `topk` C4 locations per token, over packed (a keep list) or native C4
     records on `device`, q and out in `columns` order and the window records in
     `window_columns` order (see remnant.kernels.decode.decode). config: the choices made
-    by the caller (None: all chosen here)."""
+    by the caller (None: all chosen here). n_kept, q_dtype: the call's kept columns and
+    q's dtype, which decide whether the SM90 kernel can take it (kernel_for)."""
     config = config or DecodeConfig()
     _allowed("columns", columns, COLUMN_ORDERS)
     _allowed("window_columns", window_columns, COLUMN_ORDERS)
     if window_columns == "kept_first" and not packed:
         raise ValueError("window_columns='kept_first' needs packed C4 records (a keep list): the native kernel reads "
                          "window records in natural order")
+    if kernel_for(config, packed, columns, window_columns, device, n_kept, heads, q_dtype) == "sm90":
+        return _sm90_plan(batch, packed, columns, window_columns, device, config)
     programs = batch * triton.cdiv(heads, config.h_block)
     window_apart = window_apart_for(config.window_apart, packed, columns, window_columns, window, config.splits,
                                     programs, device)
@@ -175,6 +184,57 @@ def plan_decode(batch: int, heads: int, window: int, topk: int, packed: bool, de
         partials=partials_for(config.partials, splits),
         split_plan=split_plan_for(config.split_plan, splits, packed, window_kept_first, window_apart),
         join=join_for(config.join, splits, packed and columns == "natural", window_apart, device))
+
+
+def sm90_unavailable(packed: bool, columns: str, window_columns: str, device: torch.device, n_kept: int | None,
+                     heads: int, q_dtype: torch.dtype | None) -> str | None:
+    """Why the SM90 kernel cannot take this call (None: it can)."""
+    if not (packed and columns == "kept_first" and window_columns == "kept_first"):
+        return "it runs the folded call only (packed records, q, out and the window in kept-first order)"
+    if q_dtype is not None and q_dtype != torch.bfloat16:
+        return f"it reads bf16 q, got {q_dtype}"
+    from remnant.kernels import packed_sm90  # Gluon is imported only where it may run
+
+    return packed_sm90.unavailable_reason(device, n_kept, heads)
+
+
+def kernel_for(config: DecodeConfig, packed: bool, columns: str, window_columns: str, device: torch.device,
+               n_kept: int | None, heads: int, q_dtype: torch.dtype | None) -> str:
+    """config.kernel, or, where it is None: "sm90" where that kernel can take the call and
+    the config sets none of the Triton kernel's own choices (TRITON_ONLY, h_block,
+    num_warps), else "triton". Asking for "sm90" where it cannot run is a ValueError."""
+    if config.kernel == "triton":
+        return "triton"
+    if device.type != "cuda" and config.kernel is None:
+        return "triton"
+    why = sm90_unavailable(packed, columns, window_columns, device, n_kept, heads, q_dtype)
+    if config.kernel == "sm90":
+        if why is not None:
+            raise ValueError(f"decode kernel='sm90' cannot run this call: {why}")
+        return "sm90"
+    pinned = any(getattr(config, name) is not None for name in TRITON_ONLY)
+    pinned = pinned or (config.h_block, config.num_warps) != (64, 8)
+    return "sm90" if why is None and not pinned else "triton"
+
+
+def _sm90_plan(batch: int, packed: bool, columns: str, window_columns: str, device: torch.device,
+               config: DecodeConfig) -> DecodePlan:
+    """The SM90 kernel's plan: its splits (packed_sm90.splits_for unless given); its fixed
+    program in the launch fields (64 heads on 8 warps, steps of 64 records, two stages)."""
+    from remnant.kernels import packed_sm90
+
+    splits = config.splits
+    if splits is None:
+        splits = packed_sm90.splits_for(batch, torch.cuda.get_device_properties(device).multi_processor_count)
+    if not 1 <= splits <= packed_sm90.MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {packed_sm90.MAX_SPLITS}] for the SM90 kernel, got {splits}")
+    split = splits > 1
+    return DecodePlan(
+        kernel="sm90", packed=packed, columns=columns, window_columns=window_columns, h_block=packed_sm90.HEADS,
+        num_warps=packed_sm90.NUM_WARPS, block_n=packed_sm90.STEP, num_stages=packed_sm90.STAGES,
+        scores_transposed=False, window_block_n=packed_sm90.STEP, window_scores_transposed=False, splits=splits,
+        window_apart=False, partials="float32" if split else None, split_plan="by_cost" if split else None,
+        join="kernel" if split else None)
 
 
 def splits_for(programs: int, multiprocessors: int) -> int:

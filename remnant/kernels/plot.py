@@ -8,20 +8,25 @@ from pathlib import Path
 
 from remnant.kernels.bench import KERNEL_VS_FLASHMLA_FROM_64
 
-# Decode rows drawn, as (variant, columns, window_columns) -> label; as served first.
+# Decode rows drawn, as (variant, columns, window_columns, decode kernel) -> label; as
+# served first. FlashMLA's rows have no decode kernel of ours ("").
 DECODE_LINES = {
-    ("flashmla", "natural", "natural"): "FlashMLA V4 (stock)",
-    ("reconstruct+flashmla", "natural", "natural"): "triton mode: reconstruct + FlashMLA",
-    ("native", "natural", "natural"): "Remnant Triton native (cross-check)",
-    ("packed", "natural", "natural"): "packed, natural q/out and window (SGLang plugin)",
-    ("packed", "natural", "kept_first"): "packed, natural q/out, kept-first window (engine)",
-    ("packed", "kept_first", "natural"): "packed, kept-first q/out",
-    ("packed", "kept_first", "kept_first"): "packed, kept-first q/out and window (folded)",
+    ("flashmla", "natural", "natural", ""): "FlashMLA V4 (stock)",
+    ("reconstruct+flashmla", "natural", "natural", ""): "triton mode: reconstruct + FlashMLA",
+    ("native", "natural", "natural", "triton"): "Remnant Triton native (cross-check)",
+    ("packed", "natural", "natural", "triton"): "packed, natural q/out and window (SGLang plugin)",
+    ("packed", "natural", "kept_first", "triton"): "packed, natural q/out, kept-first window (engine)",
+    ("packed", "kept_first", "natural", "triton"): "packed, kept-first q/out",
+    ("packed", "kept_first", "kept_first", "triton"): "packed, kept-first q/out and window (folded, Triton)",
+    ("packed", "kept_first", "kept_first", "sm90"): "packed, folded, SM90 Gluon kernel",
 }
 
 
-def _line_key(row: dict) -> tuple[str, str, str]:
-    return row.get("variant", row.get("kernel")), row.get("columns", "natural"), row.get("window_columns", "natural")
+def _line_key(row: dict) -> tuple[str, str, str, str]:
+    if "variant" not in row:  # a FlashMLA row: its "kernel" names FlashMLA's call
+        return row["kernel"], "natural", "natural", ""
+    # (records before kernel-bench v12 have no decode kernel: all were Triton's)
+    return row["variant"], row.get("columns", "natural"), row.get("window_columns", "natural"), row.get("kernel", "triton")
 
 
 def decode_series(doc: dict, window: int, topk: int, retention: int) -> dict[str, list[tuple[int, float]]]:
@@ -39,7 +44,7 @@ def decode_series(doc: dict, window: int, topk: int, retention: int) -> dict[str
 def ratio_series(doc: dict, window: int, topk: int, retention: int) -> dict[str, list[tuple[int, float]]]:
     """{label: [(batch, time / FlashMLA's time)]} of decode_series' lines but FlashMLA's."""
     series = decode_series(doc, window, topk, retention)
-    stock = dict(series.pop(DECODE_LINES[("flashmla", "natural", "natural")], []))
+    stock = dict(series.pop(DECODE_LINES[("flashmla", "natural", "natural", "")], []))
     return {label: [(b, t / stock[b]) for b, t in points if b in stock] for label, points in series.items()
             if any(b in stock for b, _ in points)}
 
@@ -88,7 +93,7 @@ def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
     for ax, window in zip(axes[:2], (128, 0)):
         for label, points in decode_series(doc, window, topk, retention).items():
             color = f"C{labels.index(label)}"  # the same line, the same color, in every panel
-            stock = label == DECODE_LINES[("flashmla", "natural", "natural")]
+            stock = label == DECODE_LINES[("flashmla", "natural", "natural", "")]
             ax.plot([b for b, _ in points], [t for _, t in points], marker="o", color=color, label=label,
                     linewidth=2.5 if stock else 1.5, linestyle="-" if stock else "--" if "Triton native" in label else "-")
         _finish(ax, "batch (decode tokens)", "time per call (us)", f"decode, top-k {topk}, window {window}, R = {retention}",

@@ -54,7 +54,7 @@ def check(inputs, keep, batch, topk, window, splits, pad, sink_scale=1.0):
                   keep, out=tri, columns="kept_first", window_columns="kept_first")
     tri_nat = torch.empty_like(q)
     tri_nat[:, :, keep.order] = tri
-    ref = decode_packed_reference(q, pool, layout, c4_locs, keep, inputs.window, inputs.window_layout, win_locs, sink,
+    ref = decode_packed_reference(q, pool, layout, c4_locs, keep.kept[: keep.n_kept].long().cpu(), inputs.window, inputs.window_layout, win_locs, sink,
                                   window_columns="kept_first")
     nan = bool(got.isnan().any())
     err = float(((out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max())

@@ -33,7 +33,8 @@ def _decode_row(ceil: Ceilings, config: dict, variant: str, retention: int, colu
                 us: float, topk: int = 512, splits: int = 2, auto_splits: bool = True) -> dict:
     """A decode row of batch 64, window 128, as bench_decode writes it, taking `us`."""
     nbytes, flops = _decode_bytes_flops(DecodeCase(variant, retention, 64, topk, 128, columns, window_columns))
-    return {"variant": variant, "retention": retention, "batch": 64, "topk": topk, "window": 128, "columns": columns,
+    return {"variant": variant, "kernel": "triton", "retention": retention, "batch": 64, "topk": topk, "window": 128,
+            "columns": columns,
             "window_columns": window_columns, "heads": 64, "config": config, "splits": splits,
             "auto_splits": auto_splits, "window_apart": False, "partials": partials_for(None, splits),
             "split_plan": split_plan_for(None, splits, variant == "packed", variant == "packed" and window_columns == "kept_first",
@@ -64,6 +65,10 @@ def _doc() -> dict:
     for variant, retention, orders, us in (("native", 512, "natural", 24.0), ("packed", 256, "kept_first", 15.0)):
         decode.append(dict(_decode_row(ceil, config, variant, retention, orders, orders, us, auto_splits=False),
                            join="kernel"))
+    # The folded call on the SM90 Gluon kernel (its own splits, joined by a kernel).
+    decode.append(dict(_decode_row(ceil, dict(h_block=64, block_n=64, num_warps=8, num_stages=2), "packed", 256,
+                                   "kept_first", "kept_first", 8.0), kernel="sm90", split_plan="by_cost", join="kernel",
+                       partials="float32"))
     # The calls without C4 records (top-k 0), native and folded, at the auto rows' splits.
     for variant, retention, orders, us in (("native", 512, "natural", 8.0), ("packed", 256, "kept_first", 9.0)):
         decode.append(_decode_row(ceil, config, variant, retention, orders, orders, us, topk=0))
@@ -115,6 +120,11 @@ def test_targets_are_ratios_to_flashmla_in_this_run():
         "decode packed (kept_first columns, kept-first window)/FlashMLA V4 time, batch 64"))
     assert window["value"] == pytest.approx(10.0 / 16.0) and window["met"]
     assert "window records written in kept-first order" in window["note"]
+    # The SM90 kernel's folded call is a target of its own beside the Triton kernel's.
+    sm90 = next(t for t in doc["targets"] if t["name"].startswith(
+        "decode packed (kept_first columns, kept-first window, SM90 Gluon kernel)/FlashMLA V4 time, batch 64"))
+    assert sm90["value"] == pytest.approx(8.0 / 16.0) and sm90["met"]
+    assert sm90["note"].startswith("FlashMLA V4 16.0 us, packed 8.0 us (the SM90 Gluon kernel")
     # Below batch 64 the target is not to be slower than FlashMLA.
     small = _doc()
     for row in small["decode"] + small["flashmla_decode"]:
@@ -323,12 +333,14 @@ def test_decode_series_by_column_order():
     series = decode_series(_doc(), window=128, topk=512, retention=256)
     assert list(series) == ["FlashMLA V4 (stock)", "triton mode: reconstruct + FlashMLA",
                             "Remnant Triton native (cross-check)", "packed, natural q/out and window (SGLang plugin)",
-                            "packed, kept-first q/out", "packed, kept-first q/out and window (folded)"]
+                            "packed, kept-first q/out", "packed, kept-first q/out and window (folded, Triton)",
+                            "packed, folded, SM90 Gluon kernel"]
     assert series["Remnant Triton native (cross-check)"] == [(64, pytest.approx(20.0))]
     assert series["FlashMLA V4 (stock)"] == [(64, pytest.approx(16.0))]
     ratios = ratio_series(_doc(), window=128, topk=512, retention=256)
     assert "FlashMLA V4 (stock)" not in ratios
-    assert ratios["packed, kept-first q/out and window (folded)"] == [(64, pytest.approx(10.0 / 16.0))]
+    assert ratios["packed, kept-first q/out and window (folded, Triton)"] == [(64, pytest.approx(10.0 / 16.0))]
+    assert ratios["packed, folded, SM90 Gluon kernel"] == [(64, pytest.approx(8.0 / 16.0))]
 
 
 def test_plots_an_existing_record_without_a_gpu(tmp_path, capsys):

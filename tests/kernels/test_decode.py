@@ -400,7 +400,7 @@ def test_plan_resolves_every_choice_as_the_resolvers_do():
     assert native.loops() == DEFAULT_CONFIGS["native"]
     # A plan pins itself: planned again from its own config, at any batch, it is the same.
     assert plan_decode(40, 64, 128, 512, True, cpu, config=plan.config()) == plan
-    with pytest.raises(ValueError, match="kernel='sm80' is not allowed; allowed: None, 'triton'"):
+    with pytest.raises(ValueError, match="kernel='sm80' is not allowed; allowed: None, 'triton', 'sm90'"):
         DecodeConfig(kernel="sm80")
 
 

@@ -14,7 +14,7 @@ import torch
 
 from remnant.kernels import packed_sm90 as sm90
 from remnant.kernels.decode import decode as triton_decode
-from remnant.kernels.plan import DecodeConfig
+from remnant.kernels.plan import DecodeConfig, plan_decode
 from remnant.kv.layout import KeptColumns, PageLayout
 from remnant.kv.paged import decode_packed_reference
 from tests.kernels.inputs import DEVICE, filled_pool, keep_map
@@ -33,6 +33,47 @@ def test_off_an_sm90_gpu_it_says_why():
     with pytest.raises(ValueError, match="the SM90 packed decode needs a CUDA GPU"):
         sm90.decode(torch.zeros(1, 64, 512, dtype=torch.bfloat16), None, None, None, None, None, None, None,
                     KeptColumns.of(keep_map(256, torch.Generator().manual_seed(0)), torch.device("cpu")))
+
+
+def test_the_plan_chooses_triton_off_the_gpu_and_refuses_sm90_where_it_cannot_run():
+    cpu = torch.device("cpu")
+    folded = dict(columns="kept_first", window_columns="kept_first", n_kept=192, q_dtype=torch.bfloat16)
+    assert plan_decode(64, 64, 128, 512, True, cpu, **folded).kernel == "triton"
+    with pytest.raises(ValueError, match="decode kernel='sm90' cannot run this call: needs a CUDA GPU"):
+        plan_decode(64, 64, 128, 512, True, cpu, config=DecodeConfig(kernel="sm90"), **folded)
+    with pytest.raises(ValueError, match="cannot run this call: it runs the folded call only"):
+        plan_decode(64, 64, 128, 512, True, cpu, config=DecodeConfig(kernel="sm90"), n_kept=192)
+    with pytest.raises(ValueError, match="cannot run this call: it reads bf16 q, got torch.float32"):
+        plan_decode(64, 64, 128, 512, True, cpu, config=DecodeConfig(kernel="sm90"),
+                    **dict(folded, q_dtype=torch.float32))
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_the_plan_takes_sm90_for_the_folded_call_unless_told_triton_or_tuned():
+    folded = dict(columns="kept_first", window_columns="kept_first", n_kept=192, q_dtype=torch.bfloat16)
+    plan = plan_decode(16, 64, 128, 512, True, DEVICE, **folded)
+    assert (plan.kernel, plan.splits, plan.join, plan.split_plan) == ("sm90", 6, "kernel", "by_cost")
+    assert plan_decode(256, 64, 128, 512, True, DEVICE, **folded).splits == 1
+    for config in (DecodeConfig(kernel="triton"), DecodeConfig(block_n=32), DecodeConfig(h_block=16, num_warps=4)):
+        assert plan_decode(16, 64, 128, 512, True, DEVICE, config=config, **folded).kernel == "triton"
+    assert plan_decode(16, 64, 128, 512, True, DEVICE, n_kept=192, q_dtype=torch.bfloat16).kernel == "triton"
+    assert plan_decode(16, 64, 128, 512, True, DEVICE, **dict(folded, n_kept=128)).kernel == "triton"
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_decode_runs_the_folded_call_on_sm90_by_itself():
+    x = _inputs(9, 64, 512, 128, seed=5)
+    order = x["cols"].order
+    compiled: list = []
+    got = triton_decode(x["q"][:, :, order], x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
+                        x["window_locs"], x["sink"], x["cols"], columns="kept_first", window_columns="kept_first",
+                        compiled=compiled)
+    assert compiled and "packed_sm90" in compiled[-1].name
+    out = torch.empty_like(got)
+    out[:, :, order] = got
+    assert _relative(out, _reference(x)) < TOLERANCE
 
 
 @needs_sm90
