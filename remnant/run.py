@@ -93,6 +93,20 @@ def _native_decode_limits(server_info: dict | None) -> list[str]:
             f"Triton native kernel, not FlashMLA's V4 decode that SGLang runs: {native.get('reason')}"]
 
 
+def _packed_decode_limits(server_info: dict | None) -> list[str]:
+    """The embedded engine on a GPU says which kernel kernel mode's packed decode ran on: the
+    SM90 Gluon kernel, or the Triton kernel and why not the SM90 one (benchmarks measure
+    them apart: benchmarks/kernels/NOTES.md)."""
+    info = server_info or {}
+    packed = info.get("remnant_packed_decode") or {}
+    if info.get("device") != "cuda" or packed.get("kernel") not in ("sm90", "triton"):
+        return []
+    if packed["kernel"] == "sm90":
+        return ["kernel mode's decode over packed records ran on the SM90 Gluon kernel (remnant.kernels.packed_sm90)"]
+    return [f"kernel mode's decode over packed records ran on Remnant's Triton kernel, not the SM90 Gluon kernel: "
+            f"{packed.get('reason')}"]
+
+
 def _check_served_mode(mode: str, server_info: dict | None, base_url: str, started_here: bool) -> list[str]:
     """Limits to record about the server's mode; raises HostError where the server reports
     another mode than the run's: an external server started in one mode and driven as
@@ -233,7 +247,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             server_info = endpoint.server_info
             limits += _check_served_mode(cfg.mode.name, server_info, endpoint.base_url,
                                          started_here=cfg.host.starts_server())
-            limits += _native_decode_limits(server_info)
+            limits += _native_decode_limits(server_info) + _packed_decode_limits(server_info)
             if cfg.workload.needs_server_info():
                 stage.name = "workload"
                 plan = plan_workload(cfg.workload, cfg.model, server_info)

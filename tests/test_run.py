@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from remnant.run import _native_decode_limits
+from remnant.run import _native_decode_limits, _packed_decode_limits
 from tests.conftest import start_server, stop_server
 
 
@@ -21,6 +21,18 @@ def test_a_gpu_run_on_the_triton_native_kernel_says_so_and_why():
         assert _native_decode_limits(quiet) == []
 
 
+def test_a_gpu_run_says_which_kernel_ran_kernel_modes_packed_decode():
+    why = "the SM90 Gluon kernel cannot take it: it reads bf16 q, got torch.float32"
+    (limit,) = _packed_decode_limits({"device": "cuda", "remnant_packed_decode": {"kernel": "triton", "reason": why}})
+    assert limit == ("kernel mode's decode over packed records ran on Remnant's Triton kernel, not the SM90 Gluon "
+                     f"kernel: {why}")
+    (limit,) = _packed_decode_limits({"device": "cuda", "remnant_packed_decode": {"kernel": "sm90", "reason": None}})
+    assert "ran on the SM90 Gluon kernel" in limit
+    for quiet in ({"device": "cuda", "remnant_packed_decode": {"kernel": None, "reason": None}},
+                  {"device": "cpu", "remnant_packed_decode": {"kernel": "triton", "reason": "..."}}, {}, None):
+        assert _packed_decode_limits(quiet) == []
+
+
 def test_the_server_reports_which_kernel_decodes_native_records(tiny_model_dir, tmp_path, monkeypatch):
     for name, extra, want in (("reference", (), ("reference", "decode steps attend through the torch reference "
                                                                 "(decode_path=reference)")),
@@ -30,9 +42,11 @@ def test_the_server_reports_which_kernel_decodes_native_records(tiny_model_dir, 
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         server = start_server(tiny_model_dir, tmp_path / name, *extra)
         try:
-            native = httpx.get(f"{server.base_url}/server_info", timeout=10).json()["remnant_native_decode"]
+            info = httpx.get(f"{server.base_url}/server_info", timeout=10).json()
         finally:
             stop_server(server)
+        native = info["remnant_native_decode"]
+        assert info["remnant_packed_decode"] == {"kernel": None, "reason": None}  # native mode: no packed layer
         assert (native["kernel"], native["reason"], native["flashmla_version"]) == (*want, None)
 
 

@@ -135,6 +135,27 @@ def resolve_native_decode(native_decode: str, device: torch.device, decode_path:
     return choose_native(native_decode, device, heads, (PageLayout.sglang(64),))
 
 
+def resolve_packed_decode(device: torch.device, decode_path: str, heads: int, n_kept: int | None,
+                          dtype: torch.dtype) -> tuple[str | None, str | None]:
+    """The kernel that kernel mode's decode steps run over packed records (the folded call:
+    q, out and the window ring in kept-first order): ("sm90", None), the SM90 Gluon kernel;
+    ("triton", why not it); ("reference", why) on the torch reference path; (None, None)
+    where no layer holds packed records (n_kept None)."""
+    if n_kept is None:
+        return None, None
+    if decode_path == "reference":
+        return "reference", "decode steps attend through the torch reference (decode_path=reference)"
+    from remnant.kernels.plan import DecodeConfig, kernel_for, sm90_unavailable
+
+    config = _decode_config(heads) or DecodeConfig()
+    kernel = kernel_for(config, True, "kept_first", "kept_first", device, n_kept, heads, dtype)
+    if kernel == "sm90":
+        return "sm90", None
+    why = sm90_unavailable(True, "kept_first", "kept_first", device, n_kept, heads, dtype)
+    return "triton", f"the SM90 Gluon kernel cannot take it: {why}" if why else (
+        f"the launch settings of a {heads}-head model ({config}) are the Triton kernel's")
+
+
 def resolve_decode_path(decode_path: str, device: torch.device) -> str:
     """auto -> kernels on CUDA, reference on the CPU. Kernels on the CPU run only under
     Triton's interpreter, which must be chosen before triton is imported."""
@@ -330,6 +351,11 @@ class Model:
         if sorted(formats) != self.csa_layers:
             raise ValueError(f"C4 formats given for layers {sorted(formats)}; the model's CSA layers are {self.csa_layers}")
         self.c4_formats = {i: f.to(self.device) for i, f in formats.items()}
+        kept = [f.columns.n_kept for f in self.c4_formats.values() if f.mode == "kernel" and f.columns.packed]
+        #: The kernel of kernel mode's packed decode steps, and why not the SM90 kernel
+        #: (None, None without packed kernel-mode layers). The model computes in float32.
+        self.packed_decode, self.packed_decode_reason = resolve_packed_decode(
+            self.device, self.decode_path, self.args.num_attention_heads, kept[0] if kept else None, torch.float32)
         #: Kernel-mode CSA layer -> its FoldedWeights, on the kernels decode path only: the
         #: reference path reads natural q and would gain nothing.
         self.folded_weights = {i: FoldedWeights.of(self.layers[i], f.columns) for i, f in self.c4_formats.items()

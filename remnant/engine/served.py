@@ -170,6 +170,9 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         # Which kernel decode steps ran over native records, and why not FlashMLA.
         "remnant_native_decode": {"kernel": model.native_decode, "reason": model.native_decode_reason,
                                   "flashmla_version": _flashmla_version(model.native_decode)},
+        # Which kernel kernel mode's decode steps ran over packed records, and why not the
+        # SM90 Gluon kernel (null without packed kernel-mode layers).
+        "remnant_packed_decode": {"kernel": model.packed_decode, "reason": model.packed_decode_reason},
         "remnant_retention": None if rmap is None else {
             "per_layer": {str(i): rmap.retention(i) for i in model.csa_layers},
             "policy": rmap.policy,

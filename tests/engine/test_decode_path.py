@@ -400,3 +400,17 @@ def test_serve_refuses_cuda_without_a_gpu(tiny_model_dir, capsys):
     assert main(["--model-dir", str(tiny_model_dir), "--port", "0", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("remnant-serve: error: device=cuda needs a CUDA GPU")
+
+
+def test_kernel_mode_names_the_kernel_of_its_packed_decode():
+    # The engine computes in float32, so the SM90 Gluon kernel (bf16 q) never takes its
+    # folded call; on the reference path no kernel runs; without packed layers, none.
+    from remnant.engine.model import resolve_packed_decode
+
+    cpu = torch.device("cpu")
+    assert resolve_packed_decode(cpu, "kernels", 64, 192, torch.float32) == (
+        "triton", "the SM90 Gluon kernel cannot take it: it reads bf16 q, got torch.float32")
+    assert resolve_packed_decode(cpu, "reference", 64, 192, torch.float32)[0] == "reference"
+    assert resolve_packed_decode(cpu, "kernels", 64, None, torch.float32) == (None, None)
+    kernel, why = resolve_packed_decode(cpu, "kernels", 8, 192, torch.bfloat16)
+    assert kernel == "triton" and why.startswith("the SM90 Gluon kernel cannot take it: needs a CUDA GPU")
