@@ -1,6 +1,8 @@
 """Check and time the Gluon SM90 packed decode against the float64 reference, Remnant's
-Triton folded decode and FlashMLA's V4 decode, on one H200 (a lab script; its table and
-JSON go to $OUT).
+Triton folded decode and FlashMLA's V4 decode, on one H200 (the lab script of
+benchmarks/kernels/NOTES.md's nineteenth round; its table and JSON go to $OUT). Its
+--profile rows time the kernel with parts left out (packed_sm90.decode's profile_skip),
+which remnant-kernels does not; the curated figures come from remnant-kernels.
 
     python runners/device/packed_sm90_h200.py [--quick] [--out DIR]
 """
@@ -10,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 from remnant.kernels import packed_sm90 as sm90
-from remnant.kernels.bench import HEADS, DecodeInputs
+from remnant.kernels.bench import HEADS, DecodeInputs, _sync_time_graph
 from remnant.kernels.decode import decode as triton_decode
 from remnant.kv.paged import decode_packed_reference
 
@@ -64,27 +65,8 @@ def check(inputs, keep, batch, topk, window, splits, pad, sink_scale=1.0):
 
 
 def timed(calls, reps: int = 15) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+    """Microseconds of one call, as remnant-kernels times it (a CUDA graph of the rotation)."""
+    return _sync_time_graph(calls, reps) * 1e6
 
 
 def time_case(inputs, keep, batch, topk, window, with_flashmla, splits=None, skip=None):
