@@ -237,8 +237,8 @@ def _task_config(config: DictConfig) -> DictConfig:
     return task
 
 
-def _fail(message: str, code: int = 2) -> None:
-    print(f"remnant-run: error: {message}", file=sys.stderr)
+def _fail(message: str, code: int = 2, prog: str = "remnant-run") -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(code)
 
 
@@ -557,6 +557,199 @@ def run_main() -> None:
         sys.exit(exc.code)
     except OSError as exc:
         _fail(_disk_error(exc), 1)
+
+
+# ---------------------------------------------------------------------------------------
+# remnant-frontier: the highest load that meets an SLO (remnant.frontier)
+
+#: Config groups remnant-frontier adds to remnant-run's, in the order --help lists them.
+FRONTIER_GROUPS = ("slo", "frontier")
+
+
+def register_frontier_configs() -> None:
+    """remnant-run's schemas, with FrontierConfig (a RunConfig plus slo and search) as the
+    root schema: conf/frontier_config.yaml composes conf/config.yaml, whose defaults name the root
+    schema `run_config`. OmegaConf refuses to merge a RunConfig into a FrontierConfig, so
+    the name stands for FrontierConfig in this process rather than naming a second schema."""
+    from remnant.frontier import FrontierConfig
+
+    register_configs()
+    ConfigStore.instance().store(name="run_config", node=FrontierConfig)
+
+
+def to_frontier_config(cfg: DictConfig):
+    """Composed DictConfig -> remnant.frontier.FrontierConfig, with the run rules (on the
+    steps' shared config) and the search's rules enforced."""
+    from remnant.frontier import validate_frontier
+
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigProblem(unknown)
+    frontier_cfg = OmegaConf.to_object(cfg)
+    validate(frontier_cfg.run_config())
+    validate_frontier(frontier_cfg)
+    return frontier_cfg
+
+
+class FrontierConfigCheck(Callback):
+    """ConfigCheck for remnant-frontier: a mistake leaves no directory behind."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)
+        task = _task_config(config)
+        try:
+            to_frontier_config(task)
+        except CONFIG_ERRORS as exc:
+            raise ConfigRejected(config_error_line(exc, task)) from None
+
+
+def print_frontier_summary(sweep: Path, stopped: str | None = None) -> None:
+    """One line per search of a sweep: status, steps and the frontier."""
+    import json
+
+    rows = []
+    for path in sorted(sweep.glob("*/frontier.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            rows.append((path.parent.name, "unreadable", "-", "-"))
+            continue
+        front = doc.get("frontier") or {}
+        load = front.get("load")
+        shown = "none" if load is None else f"{'>=' if front.get('at_least') else ''}{load:g}"
+        rows.append((path.parent.name, doc.get("status", "?"), str(len(doc.get("steps") or [])), shown))
+    if rows:
+        width = max(len(r[0]) for r in rows)
+        print(f"\n{'search':<{width}}  {'status':<11}  {'steps':>5}  frontier", file=sys.stderr)
+        for name, status, n, shown in rows:
+            print(f"{name:<{width}}  {status:<11}  {n:>5}  {shown}", file=sys.stderr)
+        print(f"{sum(r[1] == 'completed' for r in rows)} of {len(rows)} searches completed; "
+              f"remnant-report {sweep} plots goodput against load", file=sys.stderr)
+    if stopped:
+        print(f"remnant-frontier: stopped by {stopped}; the same command with hydra.sweep.dir={sweep} "
+              "resumes, reusing the steps written", file=sys.stderr)
+
+
+class FrontierSweepSummary(Callback):
+    """Notes where a sweep of searches writes, and ends it with one line per search."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        sweep = Path(str(config.hydra.sweep.dir))
+        _SWEEP.update(dir=sweep, existed=sweep.exists())
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        print_frontier_summary(Path(str(config.hydra.sweep.dir)))
+
+
+@hydra.main(version_base=None, config_path="pkg://remnant.conf", config_name="frontier_config")
+def _frontier(cfg: DictConfig) -> None:
+    from remnant.frontier import run_frontier
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    try:
+        frontier_cfg = to_frontier_config(cfg)
+    except CONFIG_ERRORS as exc:
+        # A single search was checked before its directory was made (FrontierConfigCheck);
+        # in a sweep one bad search must not stop the others.
+        message = config_error_line(exc, cfg)
+        if not multirun:
+            raise ConfigProblem(message) from None
+        print(f"remnant-frontier: error: {out_dir.name}: {message}; no search ran there", file=sys.stderr)
+        return
+    field = frontier_cfg.search.axis().field
+
+    def prepare_step(run_dir: Path, step_cfg) -> None:
+        # The step's .hydra/ as remnant-run writes a cell's: the composed config with the
+        # step's load, so the step reads like any run directory.
+        from omegaconf import open_dict
+
+        task = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+        with open_dict(task):
+            task.workload[field] = getattr(step_cfg.workload, field)
+        write_hydra_dir(run_dir, task)
+        overrides = [*hc.overrides.task, f"workload.{field}={getattr(step_cfg.workload, field)}"]
+        (run_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(overrides), encoding="utf-8")
+
+    outcome = run_frontier(frontier_cfg, out_dir, prepare_step=prepare_step)
+    front = "none met the SLO" if outcome.frontier is None else f"{field}={outcome.frontier:g}"
+    print(f"remnant-frontier: search {outcome.status} ({outcome.stopped}): frontier {front}", file=sys.stderr)
+    if outcome.path is None:
+        print(f"remnant-frontier: error: {outcome.write_error}", file=sys.stderr)
+        if multirun:
+            raise SweepAborted(outcome.write_error)
+        sys.exit(1)
+    print(outcome.path, flush=True)
+    if outcome.status == "interrupted":
+        raise Interrupted(outcome.signum)
+    if outcome.status != "completed" and not multirun:
+        sys.exit(1)
+
+
+def frontier_help_text() -> str:
+    """`remnant-frontier --help`."""
+    rows = [f"  {g:<9} {', '.join(_options(g))}" for g in FRONTIER_GROUPS]
+    return f"""usage: remnant-frontier [-m] [GROUP=OPTION ...] [FIELD=VALUE ...]
+
+Find the highest load (workload.concurrency) whose TTFT p99 and TPOT p99 meet an SLO, for
+one mode and workload: double the load from search.start until a step misses the SLO or
+reaches search.max, then bisect down to search.resolution. Each step is a run directory as
+remnant-run writes it (c0001/, c0002/, ...); frontier.json beside them lists the steps,
+their metrics, pass or miss, and the frontier (schema remnant/frontier). stdout carries
+only the path of each frontier.json.
+
+Takes every group and field of remnant-run (remnant-run --help), plus:
+{chr(10).join(rows)}
+  slo.ttft_p99_ms=MS slo.tpot_p99_ms=MS     the SLO (at least one; null is unchecked)
+  search.start=1 search.max=64 search.resolution=1 search.max_steps=12
+
+Examples:
+  remnant-frontier workload=smoke slo=cpu_smoke search.max=8
+  remnant-frontier -m frontier=modes_smoke hydra.sweep.dir=multirun/frontier
+  remnant-report multirun/frontier --out report/   goodput against load, each mode's frontier
+
+Resume: the same command with the same hydra.run.dir (hydra.sweep.dir with -m) reuses every
+step whose run.json is completed with the same config and request stream, and judges it
+anew against the SLO given; force=true runs every step again. Ctrl-C or SIGTERM stops after
+the running step is recorded; frontier.json then says interrupted.
+
+Exit status: 0 the search ran to its end (a sweep: every search did); 1 a step failed to
+run, or records could not be written; 2 a configuration mistake; 130 / 143 Ctrl-C / SIGTERM.
+"""
+
+
+def frontier_main() -> None:
+    """Entry point of `remnant-frontier`."""
+    logging.basicConfig(level=logging.WARNING)
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(frontier_help_text())
+        return
+    register_frontier_configs()
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    _install_signal_handlers()
+    try:
+        _frontier()
+    except ConfigRejected as exc:
+        _fail(str(exc), 2, "remnant-frontier")
+    except CONFIG_ERRORS as exc:
+        _remove_empty_sweep_dir()
+        _fail(config_error_line(exc), 2, "remnant-frontier")
+    except KeyboardInterrupt as exc:
+        signum = signum_of(exc)
+        if _SWEEP["dir"] is not None:
+            print_frontier_summary(_SWEEP["dir"], stopped=describe_signal(signum))
+        else:
+            print(f"remnant-frontier: stopped by {describe_signal(signum)}", file=sys.stderr)
+        sys.exit(exit_status(signum))
+    except SweepAborted as exc:
+        print(f"remnant-frontier: error: {exc.message}", file=sys.stderr)
+        if _SWEEP["dir"] is not None:
+            print_frontier_summary(_SWEEP["dir"], stopped="an error no later search can avoid")
+        sys.exit(exc.code)
+    except OSError as exc:
+        _fail(_disk_error(exc), 1, "remnant-frontier")
 
 
 if __name__ == "__main__":  # python -m remnant.cli, where the console script is not installed
