@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from remnant.workloads.base import WorkloadPlan
 
 MODES = ("native", "triton", "kernel")
+#: Open-loop arrival processes (workload.arrival): exponential gaps (Poisson arrivals, as
+#: sglang.bench_serving draws them) or equal gaps.
+ARRIVALS = ("poisson", "constant")
 
 #: OmegaConf's marker for a value the user must give (kept literal: no OmegaConf import here).
 MISSING = "???"
@@ -145,9 +148,25 @@ class WorkloadConfig:
     #: A run whose measured requests failed at more than this share (0..1) ends degraded,
     #: not completed.
     max_failed_share: float = 0.1
+    #: Open loop: requests (sessions, for session workloads) arrive at this rate per second,
+    #: and `concurrency` caps those in flight. null: closed loop, each sent as a slot frees.
+    request_rate: float | None = None
+    #: How open-loop arrivals are spaced: poisson (exponential gaps, seeded) or constant.
+    arrival: str = "poisson"
+    #: The client was saturated, and run.json's limits say so, when its event loop was busy
+    #: for at least this share of the measured phase (of one core: the loop is one thread)...
+    saturation_cpu_share: float = 0.9
+    #: ...or when its dispatch delay (sent after it meant to) had a p99 above this.
+    saturation_dispatch_p99_ms: float = 10.0
 
     def validate(self) -> None:
         """ConfigError naming the first field out of its range; a kind adds its own fields."""
+        if self.request_rate is not None:
+            positive_finite(self.request_rate, "workload.request_rate")
+        if self.arrival not in ARRIVALS:
+            raise ConfigError(f"workload.arrival={self.arrival} is not allowed; allowed: {', '.join(ARRIVALS)}")
+        positive_finite(self.saturation_cpu_share, "workload.saturation_cpu_share")
+        positive_finite(self.saturation_dispatch_p99_ms, "workload.saturation_dispatch_p99_ms")
         positive_finite(self.request_timeout_s, "workload.request_timeout_s")
         positive_finite(self.flush_timeout_s, "workload.flush_timeout_s")
         positive_finite(self.stall_timeout_s, "workload.stall_timeout_s")

@@ -39,7 +39,7 @@ HYDRA_DIR = ".hydra"
 #: What one attempt leaves in its run directory, set aside before the next attempt.
 ATTEMPT_FILES = (RUN_JSON, REQUESTS_JSONL, SERVER_LOG, HYDRA_DIR)
 #: run.json's schema version this code writes.
-RUN_SCHEMA_VERSION = 2
+RUN_SCHEMA_VERSION = 3
 #: Space held on the run's disk from its start until run.json is written, so a disk that
 #: fills during the run still takes run.json (a run.json is some 10-20 KB).
 RESERVE = ".run.json.reserve"
@@ -172,9 +172,10 @@ def run_document(*, run_id: str, status: str, error: dict | None, started_at: st
                  duration_s: float, config: dict, sources: dict, host: dict, workload: dict, limits: list[str],
                  environment: dict | None = None, server_info: dict | None = None, phases: list | None = None,
                  metrics: dict | None = None, failures: dict | None = None, client_stop: dict | None = None,
-                 artifacts: list | None = None) -> dict:
+                 client: dict | None = None, artifacts: list | None = None) -> dict:
     """run.json (schema remnant/run, RUN_SCHEMA_VERSION): every run writes this document,
-    one that ran and one whose config broke a rule alike. phases: dicts, as recorded."""
+    one that ran and one whose config broke a rule alike. phases: dicts, as recorded;
+    client: remnant.client.metrics.client_summary of the measured phase, None where none ran."""
     return {
         "schema": "remnant/run",
         "schema_version": RUN_SCHEMA_VERSION,
@@ -194,6 +195,7 @@ def run_document(*, run_id: str, status: str, error: dict | None, started_at: st
         "metrics": metrics,
         "failures": failures,
         "client_stop": client_stop,
+        "client": client,
         "artifacts": artifacts or [],
         "limits": limits,
     }
@@ -205,7 +207,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     Files an earlier attempt left without a run.json (a killed run) are set aside first.
     A signal raised while run.json is being written waits until it is written.
     """
-    from remnant.client.metrics import failure_summary, per_turn, summarize
+    from remnant.client.metrics import client_summary, failure_summary, per_turn, saturation_limits, summarize
     from remnant.client.runner import ClientStopped, LoadClient
     from remnant.hosts import HostError, ServerSpec, make_host
     from remnant.hosts.base import signals_deferred
@@ -225,7 +227,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     stage = _Stage()
     status, error, signum = "completed", None, None
     host = None
-    server_info = environment = metrics = failures = client_stop = None
+    server_info = environment = metrics = failures = client_stop = client_record = None
     phases: list = []
     limits = _base_limits(cfg)
     plan = None
@@ -267,6 +269,11 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         if any(r.turn is not None for r in measured.records):
             metrics["per_turn"] = per_turn(measured.records)
         limits += _pause_limits(metrics)
+        w = cfg.workload
+        client_record = client_summary(measured.records, measured.duration_s, measured.loop_cpu_s,
+                                       measured.process_cpu_s, w.request_rate, w.arrival, w.saturation_cpu_share,
+                                       w.saturation_dispatch_p99_ms)
+        limits += saturation_limits(client_record)
         for r in results:
             if r.flush is not None and not r.flush.ok:
                 limits.append(f"prefix cache flush before {r.name} failed: {r.flush.message}")
@@ -322,6 +329,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             host=host_info, environment=environment, server_info=server_info, workload=workload_rec,
             phases=[p.to_dict() for p in phases], metrics=metrics if status in ("completed", "degraded") else None,
             failures=failures, client_stop=client_stop, artifacts=artifacts, limits=limits,
+            client=client_record if status in ("completed", "degraded") else None,
         )
         path: Path | None = run_dir / RUN_JSON
         write_error = None
@@ -336,7 +344,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
                 doc.update(status="failed", metrics=None, config={"unrecorded": str(exc)},
                            error={"stage": "record", "type": "RecordError", "message": str(exc)},
                            server_info=None, workload={**workload_rec, "params": {}}, failures=None,
-                           client_stop=None)
+                           client_stop=None, client=None)
                 write_validated(path, doc)
         except OSError as exc:
             write_error, path = _write_error(run_dir / RUN_JSON, exc), None

@@ -82,6 +82,13 @@ def test_defaults():
         "native", "r256", "random", "embedded", "tiny")
     assert isinstance(cfg.workload, RandomWorkloadConfig)
     assert cfg.workload.counts() == (4, 12)
+    assert cfg.workload.request_rate is None  # closed loop unless asked
+
+
+def test_open_loop_fields_compose_for_every_kind():
+    for workload in ("random", "longswe", "shared_prefix"):
+        cfg = _compose([f"workload={workload}", "workload.request_rate=2.5", "workload.arrival=constant"])
+        assert (cfg.workload.request_rate, cfg.workload.arrival) == (2.5, "constant")
 
 
 @pytest.mark.parametrize("retention", ["r64", "r128", "r192", "r320", "r384", "r448"])
@@ -193,6 +200,11 @@ def test_external_base_url_must_be_http(url):
     ("workload.stall_timeout_s=0", "workload.stall_timeout_s=0.0 must be a finite number > 0"),
     ("workload.deadline_s=-1", "workload.deadline_s=-1.0 must be a finite number > 0"),
     ("workload.max_failed_share=1.5", r"workload.max_failed_share=1.5 must be a share in \[0, 1\]"),
+    ("workload.request_rate=0", "workload.request_rate=0.0 must be a finite number > 0"),
+    ("workload.request_rate=inf", "workload.request_rate=inf must be a finite number > 0"),
+    ("workload.arrival=bursty", "workload.arrival=bursty is not allowed; allowed: poisson, constant"),
+    ("workload.saturation_cpu_share=0", "workload.saturation_cpu_share=0.0 must be a finite number > 0"),
+    ("workload.saturation_dispatch_p99_ms=-1", "workload.saturation_dispatch_p99_ms=-1.0 must be a finite number > 0"),
     ("workload.input_len=10000000", "workload.input_len=10000000 \\+ workload.output_len=32 = 10000032 tokens per "
                                     "request is more than model=tiny's context length "
                                     "\\(model.max_position_embeddings=65536\\)"),

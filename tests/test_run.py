@@ -1,8 +1,11 @@
-"""remnant.run's records of where a run's decode ran."""
+"""remnant.run's records: where a run's decode ran, pauses, the client's own load."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
+import pytest
 
 from remnant.run import _native_decode_limits, _packed_decode_limits
 from tests.conftest import start_server, stop_server
@@ -81,3 +84,70 @@ def test_set_aside_never_overwrites_an_earlier_attempt(tmp_path):
         assert leftovers(tmp_path) == []
     kept = sorted(p.read_text() for p in tmp_path.glob("requests.killed-*.jsonl"))
     assert kept == ["first", "second"]
+
+
+def _stream_server_run(tmp_path, **workload):
+    """A run of remnant-run's code against the model-free stream server (host external): the
+    server answers at once, so the client is the one working."""
+    from remnant.client.ceiling import _Server
+    from remnant.config import ModelConfig, RunConfig
+    from remnant.hosts.external import ExternalHostConfig
+    from remnant.run import execute_run
+    from remnant.workloads.random import RandomWorkloadConfig
+
+    srv = _Server(None, tmp_path, tmp_path / "stream-server.log", incremental=False)
+    try:
+        cfg = RunConfig(workload=RandomWorkloadConfig(**{"input_len": 16, **workload}),
+                        host=ExternalHostConfig(base_url=srv.base_url), model=ModelConfig())
+        cfg.workload.validate()
+        outcome = execute_run(cfg, tmp_path / "run", progress=False)
+    finally:
+        srv.stop()
+    return outcome, json.loads(outcome.path.read_text())
+
+
+def test_a_client_bound_run_says_so_in_limits(tmp_path):
+    """A client kept busy: 32 streams of 256 tokens from a server that computes nothing. Its
+    own CPU use and dispatch delay are recorded; with the CPU threshold forced below what
+    such a run uses (on a shared machine its share of one core varies), the limit appears."""
+    outcome, doc = _stream_server_run(tmp_path, output_len=256, concurrency=32, measured_requests=64,
+                                      saturation_cpu_share=0.05)
+    assert outcome.status == "completed", doc["error"]
+    client = doc["client"]
+    assert client["arrival"] == "closed" and client["request_rate"] is None and client["queued_ms"] is None
+    assert client["loop_cpu_share"] >= 0.05 and client["saturated"] is True
+    assert client["dispatch_delay_ms"]["count"] == 64
+    assert any(limit.startswith("the load client was saturated: its event loop was busy") for limit in doc["limits"])
+
+
+def test_an_open_loop_run_records_its_schedule_and_an_unsaturated_client(tmp_path):
+    outcome, doc = _stream_server_run(tmp_path, output_len=4, concurrency=4, measured_requests=20,
+                                      request_rate=40.0, arrival="constant", saturation_dispatch_p99_ms=1000.0)
+    assert outcome.status == "completed", doc["error"]
+    client = doc["client"]
+    assert (client["arrival"], client["request_rate"]) == ("constant", 40.0)
+    assert client["sent_request_rate"] == pytest.approx(40.0, rel=0.2)
+    assert client["queued_ms"]["count"] == 20
+    assert client["saturated"] is False and not any("load client" in limit for limit in doc["limits"])
+    lines = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    measured = [r for r in lines if r["phase"] == "measured"]
+    assert all(r["scheduled_s"] is not None and r["start_s"] >= r["intended_start_s"] >= r["scheduled_s"]
+               for r in measured)
+
+
+def test_saturation_limits_name_each_threshold_passed():
+    from remnant.client.metrics import client_summary, saturation_limits
+    from remnant.client.request_record import RequestRecord
+
+    recs = [RequestRecord(id=f"m-{i}", phase="measured", index=i, intended_start_s=i * 0.1,
+                          start_s=i * 0.1 + 0.02 * (i == 9)) for i in range(10)]
+
+    def summary(cpu_s: float, p99_ms: float) -> dict:
+        return client_summary(recs, 1.0, cpu_s, cpu_s, None, "poisson", 0.9, p99_ms)
+
+    assert summary(0.5, 30.0)["saturated"] is False and saturation_limits(summary(0.5, 30.0)) == []
+    (cpu,) = saturation_limits(summary(0.95, 30.0))
+    assert cpu.startswith("the load client was saturated: its event loop was busy 95% of the measured phase")
+    (late,) = saturation_limits(summary(0.5, 10.0))  # one request 20 ms late: p99 18.2 ms
+    assert late.startswith("the load client fell behind: dispatch delay p99 18.2 ms")
+    assert summary(0.95, 10.0)["saturated"] is True and len(saturation_limits(summary(0.95, 10.0))) == 2

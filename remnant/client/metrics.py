@@ -283,3 +283,57 @@ def failure_summary(records: Iterable[RequestRecord | dict], max_share: float) -
         "max_share": float(max_share),
         "errors": [{"message": m, "count": c} for m, c in list(counts.items())[:FIRST_ERRORS]],
     }
+
+
+def client_summary(records: Iterable[RequestRecord | dict], duration_s: float, loop_cpu_s: float,
+                   process_cpu_s: float, request_rate: float | None, arrival: str, cpu_share_limit: float,
+                   dispatch_p99_limit_ms: float) -> dict:
+    """run.json's `client`: what the load client itself cost and how late it sent, over one
+    phase's records (the measured phase), and whether that made it the bottleneck.
+
+    duration_s: the phase's duration; loop_cpu_s / process_cpu_s: CPU seconds of the event
+    loop's thread and of the client process over it. dispatch_delay_ms covers every request
+    sent (failed ones too: they were sent late or not); queued_ms (open loop) is how long
+    arrivals waited for a free concurrency slot. saturated: the loop's CPU share reached
+    cpu_share_limit, or dispatch delay p99 passed dispatch_p99_limit_ms (see saturation_limits).
+    """
+    recs = _as_records(records)
+    delays = [(r.start_s - r.intended_start_s) * 1000.0 for r in recs]
+    queued = [(r.intended_start_s - r.scheduled_s) * 1000.0 for r in recs if r.scheduled_s is not None]
+    starts = sorted(r.start_s for r in recs)
+    span = starts[-1] - starts[0] if len(starts) > 1 else 0.0
+
+    def share(cpu_s: float) -> float:
+        return float(cpu_s / duration_s) if duration_s > 0 else 0.0
+
+    out = {
+        "loop_cpu_s": float(loop_cpu_s),
+        "loop_cpu_share": share(loop_cpu_s),
+        "process_cpu_s": float(process_cpu_s),
+        "process_cpu_share": share(process_cpu_s),
+        "dispatch_delay_ms": distribution(delays),
+        "arrival": "closed" if request_rate is None else arrival,
+        "request_rate": request_rate,
+        "sent_request_rate": float((len(starts) - 1) / span) if span > 0 else None,
+        "queued_ms": distribution(queued) if request_rate is not None else None,
+        "saturation": {"loop_cpu_share": float(cpu_share_limit), "dispatch_delay_p99_ms": float(dispatch_p99_limit_ms)},
+    }
+    out["saturated"] = bool(saturation_limits(out))
+    return out
+
+
+def saturation_limits(client: dict) -> list[str]:
+    """run.json limits for a saturated client (`client_summary`'s dict): a number it measured
+    may be the client's own ceiling, not the server's."""
+    limits = []
+    bound = client["saturation"]
+    if client["loop_cpu_share"] >= bound["loop_cpu_share"]:
+        limits.append(f"the load client was saturated: its event loop was busy {client['loop_cpu_share']:.0%} of "
+                      f"the measured phase (one core at most; workload.saturation_cpu_share="
+                      f"{bound['loop_cpu_share']:g}): throughput and latencies may be the client's, not the server's")
+    p99 = client["dispatch_delay_ms"]["p99"]
+    if p99 is not None and p99 > bound["dispatch_delay_p99_ms"]:
+        limits.append(f"the load client fell behind: dispatch delay p99 {p99:.1f} ms (requests sent that late after "
+                      f"they were due; workload.saturation_dispatch_p99_ms={bound['dispatch_delay_p99_ms']:g}): "
+                      "TTFT and E2E undercount the wait, and the load offered was lower than configured")
+    return limits

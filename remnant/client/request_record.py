@@ -18,7 +18,12 @@ class RequestRecord:
     id: request id sent to the server (unique within a run).
     phase: "warmup" or "measured".
     intended_start_s / start_s / end_s: when the request should have been sent, when it
-        was sent, and when its last byte arrived (s since the client's t0).
+        was sent, and when its last byte arrived (s since the client's t0). Intended is
+        when its concurrency slot (or its user) became free, and in open loop not before
+        scheduled_s, so start_s - intended_start_s (dispatch delay) is the client's lag alone.
+    scheduled_s: open loop (workload.request_rate): when it arrived by the schedule; it
+        waits from then to intended_start_s while `concurrency` requests are in flight.
+        None in closed loop.
     ttft_s: time from send to the first chunk that carried a token (None if none came).
     chunk_times_s: arrival of every chunk that carried new tokens (s since t0).
     chunk_tokens: new tokens in each of those chunks (same length as chunk_times_s).
@@ -43,6 +48,7 @@ class RequestRecord:
     expected_output_tokens: int | None = None
     session: str | None = None  # sessions workloads: which session and turn index
     turn: int | None = None
+    scheduled_s: float | None = None
 
     @property
     def e2e_s(self) -> float | None:

@@ -2,7 +2,9 @@
 
 Per phase: flush the prefix cache (retrying while the server answers 400 because requests
 still run), then send the phase's requests with at most `concurrency` in flight, each as
-a streaming /generate. Each request's record is appended to requests.jsonl the moment it
+a streaming /generate: as soon as a slot frees (closed loop), or, where the phase has
+arrival times (open loop, workload.request_rate), at its time or when a slot frees after
+it. The phase records the CPU time its event loop and the whole process spent. Each request's record is appended to requests.jsonl the moment it
 ends, whole or not at all, so a crash, Ctrl-C or a full disk loses nothing that finished.
 
 A watchdog stops the client early: when requests have been in flight for `stall_timeout_s`
@@ -124,6 +126,10 @@ class PhaseResult:
     requests: int
     failed: int
     records: list[RequestRecord]
+    #: CPU seconds over the phase (after its flush): the event loop's thread, which reads
+    #: every stream and cannot use more than one core, and the whole client process.
+    loop_cpu_s: float = 0.0
+    process_cpu_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -356,6 +362,7 @@ class LoadClient:
         self._phase = {"name": phase.name, "flush": None, "started": self.now(), "records": records}
         flush = await self.flush(client) if phase.flush_before else None
         started = self.now()
+        loop_cpu0, process_cpu0 = time.thread_time(), time.process_time()
         self._phase.update(flush=flush, started=started)
         # Closed loop: each of the C slots holds the time it became free; a request is due
         # then, so dispatch delay shows how late the client really sent it.
@@ -369,9 +376,10 @@ class LoadClient:
             records.append(rec)
             bar.update(1)
 
-        async def send(index: int, req: PlannedRequest, intended: float) -> RequestRecord:
+        async def send(index: int, req: PlannedRequest, intended: float, scheduled: float | None = None) -> RequestRecord:
             rec = RequestRecord(id=req.id, phase=phase.name, index=index, intended_start_s=intended,
-                                expected_output_tokens=req.max_new_tokens, session=req.session, turn=req.turn)
+                                expected_output_tokens=req.max_new_tokens, session=req.session, turn=req.turn,
+                                scheduled_s=scheduled)
             self._in_flight_change(+1)
             try:
                 if self._pool is not None:
@@ -394,11 +402,23 @@ class LoadClient:
                 gone.append(why)
             return rec
 
+        arrivals = phase.arrivals_s
+
+        async def due(index: int) -> float | None:
+            """Open loop: wait until arrival `index` is due and return its time."""
+            if arrivals is None:
+                return None
+            at = started + arrivals[index]
+            if at > self.now():
+                await asyncio.sleep(at - self.now())
+            return at
+
         async def one(index: int, req: PlannedRequest) -> None:
-            intended = await free_since.get()
+            scheduled = await due(index)
+            free = await free_since.get()
             try:
                 if not gone:
-                    await send(index, req, intended)
+                    await send(index, req, free if scheduled is None else max(free, scheduled), scheduled)
             finally:
                 free_since.put_nowait(self.now())
 
@@ -408,15 +428,19 @@ class LoadClient:
         async def user() -> None:
             """Replay sessions one after another: each turn after the previous answer."""
             while sessions and not gone:
+                number = len(phase.sessions) - len(sessions)
                 session = sessions.pop(0)
                 ready = self.now()
+                if arrivals is not None and started + arrivals[number] > ready:
+                    ready = await due(number)
+                scheduled = None if arrivals is None else started + arrivals[number]
                 for k, req in enumerate(session):
-                    due = ready + (req.think_time_s or 0.0 if k else 0.0)
+                    at = ready + (req.think_time_s or 0.0 if k else 0.0)
                     if req.not_before_s is not None:
-                        due = max(due, started + req.not_before_s)
-                    if due > self.now():
-                        await asyncio.sleep(due - self.now())
-                    rec = await send(next(counter), req, due)
+                        at = max(at, started + req.not_before_s)
+                    if at > self.now():
+                        await asyncio.sleep(at - self.now())
+                    rec = await send(next(counter), req, at, None if k else scheduled)
                     if gone:
                         break
                     if not rec.success:
@@ -443,7 +467,8 @@ class LoadClient:
             raise ServerGone(gone[0])
         failed = sum(not r.success for r in records)
         self._phase = None
-        return PhaseResult(phase.name, flush, started, self.now() - started, len(records), failed, records)
+        return PhaseResult(phase.name, flush, started, self.now() - started, len(records), failed, records,
+                           loop_cpu_s=time.thread_time() - loop_cpu0, process_cpu_s=time.process_time() - process_cpu0)
 
     def _transport_error(self, exc: Exception) -> str:
         """An httpx error as one line; httpx's timeouts carry no message of their own."""

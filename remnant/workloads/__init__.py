@@ -5,7 +5,7 @@ registered in remnant.config.WORKLOADS, whose plan() turns it into a WorkloadPla
 from __future__ import annotations
 
 from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig
-from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan, arrival_times
 
 
 def plan_workload(cfg: WorkloadConfig, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:
@@ -18,6 +18,10 @@ def plan_workload(cfg: WorkloadConfig, model: ModelConfig, server_info: dict | N
     WORKLOADS.get(cfg.kind)
     plan = cfg.plan(model, server_info)
     check_context(plan, model)
+    if cfg.request_rate is not None:  # open loop, whatever the kind: every phase at that rate
+        for i, phase in enumerate(plan.phases):
+            n = len(phase.sessions) if phase.sessions is not None else len(phase.requests)
+            phase.arrivals_s = arrival_times(n, cfg.request_rate, cfg.arrival, cfg.seed, i)
     return plan
 
 

@@ -6,6 +6,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
+from remnant.config import ARRIVALS
+
 
 @dataclass
 class PlannedRequest:
@@ -32,6 +36,26 @@ class Phase:
     #: When set, the phase replays sessions: `concurrency` users each send one session's
     #: turns in order (a turn after the previous answer), then take the next session.
     sessions: list[list[PlannedRequest]] | None = None
+    #: Open loop (workload.request_rate): when each request (each session, for a sessions
+    #: phase) is due, in s since the phase started; `concurrency` still caps those in
+    #: flight, as SGLang's --max-concurrency does. None: closed loop, each request sent as
+    #: soon as a slot frees.
+    arrivals_s: list[float] | None = None
+
+
+def arrival_times(n: int, rate: float, arrival: str, seed: int, phase: int) -> list[float]:
+    """When n requests arriving at `rate` per second are due, s since the phase start; the
+    first at 0, as sglang.bench_serving sends its first at once. poisson: gaps drawn
+    exponential with mean 1/rate from (seed, phase); constant: gaps of 1/rate."""
+    if arrival not in ARRIVALS:
+        raise ValueError(f"workload.arrival={arrival} is not allowed; allowed: {', '.join(ARRIVALS)}")
+    if n == 0:
+        return []
+    if arrival == "constant":
+        gaps = np.full(n - 1, 1.0 / rate)
+    else:
+        gaps = np.random.default_rng([seed, phase]).exponential(1.0 / rate, size=n - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)]).tolist()
 
 
 @dataclass
@@ -51,6 +75,8 @@ class WorkloadPlan:
                 h.update(json.dumps(asdict(r), sort_keys=True).encode())
             for session in phase.sessions or []:
                 h.update(json.dumps([r.id for r in session]).encode())
+            if phase.arrivals_s is not None:  # only then: closed-loop fingerprints stay as they were
+                h.update(json.dumps(["arrivals_s", phase.arrivals_s]).encode())
         return h.hexdigest()
 
     def counts(self) -> dict:

@@ -300,3 +300,37 @@ def test_an_html_error_page_becomes_its_status_and_a_short_snippet(tmp_path):
     assert snippet('{"error": {"message": "bad rid", "type": "x"}}') == "bad rid"
     assert snippet('{"detail": "Not Found"}') == "Not Found"
     assert snippet("a\n  b " + "c" * 500).endswith("...") and len(snippet("c" * 500)) == SNIPPET_CHARS
+
+
+def _open_phase(n: int, c: int, arrivals: list[float], tokens: int = 4) -> Phase:
+    phase = _phase("measured", n, c, tokens)
+    phase.arrivals_s = arrivals
+    return phase
+
+
+def test_open_loop_sends_each_request_at_its_arrival(server, tmp_path):
+    """Constant arrivals 50 ms apart, more slots than requests: each request is due at its
+    arrival, sent then, and the record says when it was scheduled, intended and sent."""
+    arrivals = [0.05 * i for i in range(8)]
+    client = LoadClient(server.base_url, tmp_path / "r.jsonl", progress=False)
+    (res,) = client.run([_open_phase(8, 8, arrivals)])
+    recs = sorted(res.records, key=lambda r: r.index)
+    assert all(r.success for r in recs)
+    for r, a in zip(recs, arrivals):
+        assert r.scheduled_s == pytest.approx(res.started_at_s + a)
+        assert r.intended_start_s == r.scheduled_s  # a slot was free: no wait for the cap
+        # Late by the event loop's wake-up at most, never early.
+        assert 0 <= r.start_s - r.scheduled_s < 0.05
+    assert res.loop_cpu_s > 0 and res.process_cpu_s >= res.loop_cpu_s * 0.5
+
+
+def test_open_loop_arrivals_wait_for_the_concurrency_cap(server, tmp_path):
+    """Four requests arriving at once with one slot: sent one after another, each intended
+    when the previous ended (not at its arrival), so the wait is queueing, not client lag."""
+    client = LoadClient(server.base_url, tmp_path / "r.jsonl", progress=False)
+    (res,) = client.run([_open_phase(4, 1, [0.0] * 4, tokens=6)])
+    recs = sorted(res.records, key=lambda r: r.start_s)
+    for before, after in zip(recs, recs[1:]):
+        assert after.start_s >= before.end_s
+        assert after.intended_start_s >= before.end_s > after.scheduled_s
+        assert after.start_s - after.intended_start_s < 0.05
