@@ -310,6 +310,7 @@ Other commands:
   remnant-check PATH...       validate run.json and other records; flags run directories
                               without run.json (killed runs)
   remnant-report DIR --out D  tables with confidence intervals, paired comparisons, plots
+  remnant-frontier            the highest concurrency meeting an SLO (remnant-frontier --help)
   remnant-serve               the embedded reference engine alone, on a port
   remnant-kernels             time Remnant's Triton kernels against FlashMLA (CUDA GPU)
 

@@ -54,6 +54,12 @@ def test_search_to_its_end_then_resume_reuses_steps(tmp_path):
     # Progress: one line as each step starts and one as it ends.
     assert p.stderr.count("remnant-frontier: step ") == 6 and "[ran " in p.stderr
     assert check(out).returncode == 0
+    report = subprocess.run([str(BIN / "remnant-report"), str(out), "--out", str(tmp_path / "report")],
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "| smoke | TTFT p99 <= 1e+09 ms | native | - | 1 | >=4.0 concurrency | s0: >=4 |" in text
+    assert (tmp_path / "report" / "goodput_vs_load.png").stat().st_size > 5000
 
     # The same steps judged against an SLO no load meets: nothing runs again, the search
     # stops at its start, and the record says the step was reused.

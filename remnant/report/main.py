@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from remnant.report import plots
+from remnant.report import frontier, plots
 from remnant.report.runs import load_runs
 from remnant.report.stats import paired_deltas, summary
 
@@ -74,17 +74,33 @@ def build(paths: list[Path], out: Path) -> tuple[Path, str]:
         plots.cache_hits(runs, out),
         plots.capacity_by_mode(runs, out / "capacity_by_mode.png"),
     ) if p is not None]
+    searches, steps = frontier.load_searches(paths)
+    if not searches.empty:
+        made.append(frontier.goodput_plot(steps, searches, out / "goodput_vs_load.png"))
+        made = [p for p in made if p is not None]
     failed = runs[runs["status"] != "completed"]
     repeated = not table.empty and table["runs"].min() >= 2
     # Each run says it is a single run; the report says it once, for the set: answered
     # where every cell has repeated runs, a caveat of the whole report where not.
-    limits = sorted({limit for ls in runs["limits"] for limit in ls if not limit.startswith("a single run")})
+    every = list(runs["limits"]) + (list(searches["limits"]) if not searches.empty else [])
+    limits = sorted({limit for ls in every for limit in ls
+                     if not limit.startswith(("a single run", "one search:"))})
     if not repeated:
         limits.insert(0, "one run per cell: no confidence interval (± appears with repeated runs: sweep seed=0,1,2)")
+    sections = []
+    if not searches.empty:
+        # Each search's steps are runs at different loads: the summary above averages over them.
+        sections = ["## Frontier at the SLO (highest load meeting it; mean ± 95 % CI over seeds)",
+                    frontier.frontier_markdown(frontier.frontier_table(searches)),
+                    "The summary table above averages each search's steps, which ran at different loads; "
+                    "goodput_vs_load.png shows them by load (filled: met the SLO, hollow: missed)."]
+        if searches.groupby(["workload", "slo", "mode", "retention"]).size().max() < 2:
+            limits.insert(0, "one frontier search per mode: no interval over seeds (remnant-frontier -m ... seed=0,1,2)")
     text = "\n\n".join([
         "# Remnant report",
         f"{len(runs)} runs ({len(runs) - len(failed)} completed) from {', '.join(map(str, paths))}.",
         "## Summary (mean ± 95 % CI over repeated runs)", summary_markdown(table),
+        *sections,
         "## Paired against native (per request, same request stream)", deltas_markdown(deltas),
         "## Failed or interrupted runs",
         "\n".join(f"- {r['run_dir']}: {r['status']}" for _, r in failed.iterrows()) or "None.",
