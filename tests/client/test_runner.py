@@ -334,3 +334,23 @@ def test_open_loop_arrivals_wait_for_the_concurrency_cap(server, tmp_path):
         assert after.start_s >= before.end_s
         assert after.intended_start_s >= before.end_s > after.scheduled_s
         assert after.start_s - after.intended_start_s < 0.05
+
+
+def test_open_loop_sessions_start_at_their_arrivals(server, tmp_path):
+    """Sessions phases take arrivals per session: a session's first turn is due at its
+    arrival (recorded as scheduled_s), later turns after the previous answer (no schedule)."""
+    sessions = [[PlannedRequest(f"s{s}-t{t}", 3, input_ids=list(range(8 + t)), session=f"s{s}", turn=t)
+                 for t in range(2)] for s in range(3)]
+    phase = Phase("measured", [r for s in sessions for r in s], 3, sessions=sessions, arrivals_s=[0.0, 0.3, 0.6])
+    client = LoadClient(server.base_url, tmp_path / "r.jsonl", progress=False)
+    (res,) = client.run([phase])
+    recs = {r.id: r for r in res.records}
+    assert all(r.success for r in recs.values())
+    for s, arrival in enumerate((0.0, 0.3, 0.6)):
+        first, second = recs[f"s{s}-t0"], recs[f"s{s}-t1"]
+        assert first.scheduled_s == pytest.approx(res.started_at_s + arrival)
+        # Intended when its user was free, not before its arrival: here at the arrival, or
+        # for the first (due at the phase start) when the user started, a moment after.
+        assert 0 <= first.intended_start_s - first.scheduled_s < 0.05
+        assert 0 <= first.start_s - first.intended_start_s < 0.05
+        assert second.scheduled_s is None and second.intended_start_s >= first.end_s
