@@ -708,8 +708,8 @@ Takes every group and field of remnant-run (remnant-run --help), plus:
 
 Examples:
   remnant-frontier workload=smoke slo=cpu_smoke search.max=8
-  remnant-frontier -m frontier=modes_smoke hydra.sweep.dir=multirun/frontier
-  remnant-report multirun/frontier --out report/   goodput against load, each mode's frontier
+  remnant-frontier -m frontier=modes_smoke hydra.sweep.dir=multirun/frontier-modes
+  remnant-report multirun/frontier-modes --out report/   goodput against load, each mode's frontier
 
 Resume: the same command with the same hydra.run.dir (hydra.sweep.dir with -m) reuses every
 step whose run.json is completed with the same config and request stream, and judges it
