@@ -4,8 +4,9 @@ Per phase: flush the prefix cache (retrying while the server answers 400 because
 still run), then send the phase's requests with at most `concurrency` in flight, each as
 a streaming /generate: as soon as a slot frees (closed loop), or, where the phase has
 arrival times (open loop, workload.request_rate), at its time or when a slot frees after
-it. The phase records the CPU time its event loop and the whole process spent. Each request's record is appended to requests.jsonl the moment it
-ends, whole or not at all, so a crash, Ctrl-C or a full disk loses nothing that finished.
+it. The phase records the CPU time its event loop and the whole process spent. Each
+request's record is appended to requests.jsonl the moment it ends, whole or not at all,
+so a crash, Ctrl-C or a full disk loses nothing that finished.
 
 A watchdog stops the client early: when requests have been in flight for `stall_timeout_s`
 with no answer from the server (no token, no response; a request that times out is no
@@ -376,7 +377,8 @@ class LoadClient:
             records.append(rec)
             bar.update(1)
 
-        async def send(index: int, req: PlannedRequest, intended: float, scheduled: float | None = None) -> RequestRecord:
+        async def send(index: int, req: PlannedRequest, intended: float,
+                       scheduled: float | None = None) -> RequestRecord:
             rec = RequestRecord(id=req.id, phase=phase.name, index=index, intended_start_s=intended,
                                 expected_output_tokens=req.max_new_tokens, session=req.session, turn=req.turn,
                                 scheduled_s=scheduled)
