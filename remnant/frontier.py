@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 FRONTIER_JSON = "frontier.json"
 FRONTIER_SCHEMA_VERSION = 1
+#: How a step's run.json limits begin where the load client, not the server, may have set
+#: its numbers (remnant.client.metrics.saturation_limits); frontier.json repeats them.
+CLIENT_LIMIT = "the load client"
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,6 +149,10 @@ def validate_frontier(cfg: FrontierConfig) -> None:
     if getattr(w, "at_ceiling", False):
         raise ConfigError("workload.at_ceiling=true sets the concurrency from the server's capacity, so a search "
                           "over it measures one load; give workload.at_ceiling=false")
+    rate = getattr(w, "request_rate", None)
+    if axis.field == "concurrency" and rate is not None:
+        raise ConfigError(f"workload.request_rate={rate:g} sends open loop, where concurrency only caps the requests "
+                          "in flight; a search over concurrency is closed loop: give workload.request_rate=null")
     sessions = getattr(w, "num_sessions", None)
     if axis.field == "concurrency" and isinstance(sessions, int) and cfg.search.max > sessions:
         raise ConfigError(f"search.max={cfg.search.max:g} is more than workload.num_sessions={sessions}: active users "
@@ -360,7 +367,11 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
     axis = cfg.search.axis()
     started_at = _now()
     steps: list[dict] = []
+    client_limits: list[tuple[str, str]] = []
     state = {"status": "running", "error": None, "signum": None}
+    search_record = dataclasses.asdict(cfg.search)
+    if axis.integer:  # Hydra gives the float fields as 1.0; an integer axis's record says 1
+        search_record.update({k: int(search_record[k]) for k in ("start", "max", "resolution")})
 
     def document(result: SearchResult | None) -> dict:
         frontier = None
@@ -373,6 +384,9 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
             "bisection assumes latency grows with load: a step that passes above one that missed is kept in steps, "
             "not searched around",
         ] + base.host.limits() + base.workload.limits() + list(base.limits)
+        # A step whose client was the bottleneck measured the client (run.json says so where
+        # remnant.client found it saturated): the search's reader must see it too.
+        limits += [f"step {name}: {limit}" for name, limit in client_limits]
         if result is not None and result.stopped == "max_passed":
             limits.append(f"search.max={cfg.search.max:g} passed: the frontier is at least that, not measured above it")
         return {
@@ -380,7 +394,7 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
             "status": state["status"], "error": state["error"], "started_at": started_at, "ended_at": _now(),
             "mode": base.mode.name, "retention": None if base.mode.name == "native" else base.retention.name,
             "workload": base.workload.name, "seed": base.seed, "load": cfg.search.load,
-            "slo": dataclasses.asdict(cfg.slo), "search": dataclasses.asdict(cfg.search),
+            "slo": dataclasses.asdict(cfg.slo), "search": search_record,
             "sources": sources(), "steps": steps, "frontier": frontier, "limits": limits,
         }
 
@@ -423,6 +437,8 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
                 state["signum"] = outcome.signum
         doc = json.loads((run_dir / RUN_JSON).read_text())
         verdict, reason = judge(doc.get("metrics"), doc["status"], cfg.slo)
+        client_limits.extend((run_dir.name, limit) for limit in doc.get("limits") or []
+                             if limit.startswith(CLIENT_LIMIT))
         steps.append({
             "index": len(steps), "load": level, "run_dir": run_dir.name, "run_id": doc["run_id"],
             "status": doc["status"], "reused": reused, "passed": verdict, "reason": reason,

@@ -188,6 +188,8 @@ def test_preset_composes_each_of_its_cells():
     (["experiment=longswe_c24_smoke", "slo=interactive", "search.max=8"],
      "search.max=8 is more than workload.num_sessions=6"),
     (["experiment=ctx128k_out8k_ceiling_smoke", "slo=interactive"], "workload.at_ceiling=true sets the concurrency"),
+    (["workload=smoke", "slo=interactive", "workload.request_rate=2"],
+     "workload.request_rate=2 sends open loop, where concurrency only caps the requests in flight"),
 ])
 def test_config_mistakes_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(".", r"\.").replace("+", r"\+")):

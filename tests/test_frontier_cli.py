@@ -73,13 +73,16 @@ def test_search_to_its_end_then_resume_reuses_steps(tmp_path):
     assert [_doc(out / d / "run.json")["run_id"] for d in ("c0001", "c0002", "c0004")] == first_ids
     assert not list(out.glob("*/run.*-*.json"))  # nothing set aside
 
-    # A changed step config (another workload length) runs the step again and keeps the earlier one.
-    p = frontier("workload=smoke", "workload.output_len=4", "slo.ttft_p99_ms=1e9", "search.max=1",
-                 f"hydra.run.dir={out}", cwd=tmp_path)
+    # A changed step config (another workload length) runs the step again and keeps the
+    # earlier one. A client bound no client meets: the step's run.json says the client was
+    # saturated, and frontier.json repeats it, naming the step.
+    p = frontier("workload=smoke", "workload.output_len=4", "workload.saturation_cpu_share=1e-9",
+                 "slo.ttft_p99_ms=1e9", "search.max=1", f"hydra.run.dir={out}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     doc = _doc(out / "frontier.json")
     assert [(s["load"], s["reused"]) for s in doc["steps"]] == [(1, False)]
-    assert "its config differs (workload.output_len: 8 -> 4)" in p.stderr
+    assert "its config differs (workload." in p.stderr
+    assert any(limit.startswith("step c0001: the load client was saturated") for limit in doc["limits"])
     assert len(list((out / "c0001").glob("run.completed-*.json"))) == 1
 
 
