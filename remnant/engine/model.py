@@ -25,8 +25,7 @@ kept-first column order (KeptColumns.order; RoPE stays at 448..511), so the mode
 each such layer's wq_b and wo with that permutation folded into the projections
 (Model.folded_weights): q comes out kept-first for every token of the step, decode runs
 with columns="kept_first", and wo reads kept-first o. That saves decode the two Triton
-passes permuting q and out, about 20 of 120 us at batch 128 on an H200
-(benchmarks/kernels/NOTES.md, "Third round"). Tokens attending through the torch
+passes permuting q and out (benchmarks/kernels/NOTES.md, "Third round", has their cost). Tokens attending through the torch
 reference put q back in natural order and their output in kept-first order.
 """
 
@@ -248,8 +247,8 @@ class FoldedWeights:
     float summation order: the per-head rms_norm does not depend on column order (its sum
     runs in another order) and RoPE acts on columns 448..511, which the order leaves in
     place. Likewise o (kept-first) @ wo is natural o @ natural wo. The decode kernel then takes q and gives out in its own order
-    (columns="kept_first") instead of permuting both around the call, about 20 of 120 us
-    at batch 128 on an H200 (benchmarks/kernels/NOTES.md, "Third round").
+    (columns="kept_first") instead of permuting both around the call (NOTES.md, "Third
+    round", in benchmarks/kernels, has what that saves).
     """
 
     wq_b: torch.Tensor  # [q_lora_rank, H * 512], output columns in kept-first order per head

@@ -807,7 +807,7 @@ def decode(
     else:
         plan = plan_decode(batch, heads, window_locs.shape[-1], c4_locs.shape[-1], cols.packed, q.device,
                            columns=columns, window_columns=window_columns, config=config, n_kept=cols.n_kept,
-                           q_dtype=q.dtype)
+                           q_dtype=q.dtype, layouts=(c4_layout, window_layout))
     if q.stride(2) != 1:
         q = q.contiguous()
     _check_layout(c4_layout, c4, cols.record_bytes, "c4")

@@ -188,8 +188,8 @@ if gluon is not None:
     def _q_tile(q_row, h_ok, col0: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr, smem_layout: gl.constexpr):
         """q's columns [col0, col0 + COLS) of the 64 heads (0 past H) into a new operand tile,
         as an asynchronous copy: every load of the preamble is in flight at once, where
-        loads each waited on before the next cost a memory round trip apiece (about 10
-        us per program on the H200)."""
+        loads each waited on before the next cost a memory round trip apiece
+        (benchmarks/kernels/NOTES.md, nineteenth round)."""
         c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
         rows = gl.convert_layout(q_row, gl.SliceLayout(1, layout))
         ok = gl.convert_layout(h_ok, gl.SliceLayout(1, layout))
@@ -425,13 +425,24 @@ def _join_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, B, H, S: tl.constexpr, 
     tl.store(out_ptr + b.to(tl.int64) * o_sb + h * o_sh + c, out.to(out_ptr.dtype.element_ty))
 
 
-def splits_for(batch: int, multiprocessors: int) -> int:
-    """Splits per token. Below a full GPU's batch a token's records are shared by several
-    programs so that every multiprocessor gets one; past 8 tokens at most 6 (a split of
-    fewer than two steps' work spends more on its start and its partial than it saves:
-    batch 16 on the H200, 16.8 us at 6 splits against 18.5 at 8; benchmarks/kernels/NOTES.md)."""
+def splits_per_token(batch: int, multiprocessors: int) -> int:
+    """Programs per token (the plan's choice for this kernel). Below a full GPU's batch a
+    token's records are shared by several programs so that every multiprocessor gets one;
+    from 8 tokens on at most 6, as a split of fewer than two steps' work spends more on its
+    start and its partial than it saves (benchmarks/kernels/NOTES.md, nineteenth round)."""
     splits = max(1, min(MAX_SPLITS, multiprocessors // max(batch, 1)))
     return splits if batch < 8 else min(splits, 6)
+
+
+def layout_problem(c4_layout: PageLayout, window_layout: PageLayout) -> str | None:
+    """Why the kernel cannot read these pages (None: it can): its 16-byte copies need split
+    pages (data rows, then the 8-byte tails) with 16-byte aligned data parts of R = 256
+    packed records and of native window records."""
+    for name, layout, width in (("c4", c4_layout, KEPT + 128), ("window", window_layout, 576)):
+        if layout.data_bytes != width or layout.tail_bytes != 8 or layout.page_stride % 16:
+            return (f"reads {name} records with {width}-byte data parts on 16-byte aligned split pages, got "
+                    f"{layout.per_page} per page of stride {layout.page_stride} with {layout.data_bytes}-byte data")
+    return None
 
 
 def _rows(count: int) -> int:
@@ -441,7 +452,7 @@ def _rows(count: int) -> int:
 
 def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: torch.Tensor, window: torch.Tensor,
            window_layout: PageLayout, window_locs: torch.Tensor, sink: torch.Tensor, keep: KeptColumns,
-           scale: float = 1.0 / math.sqrt(HEAD_DIM), out: torch.Tensor | None = None, splits: int | None = None,
+           splits: int, scale: float = 1.0 / math.sqrt(HEAD_DIM), out: torch.Tensor | None = None,
            profile_skip: int = 0, compiled: list | None = None) -> torch.Tensor:
     """Packed decode at R = 256 with q, out and the window records in kept-first order, as
     remnant.kernels.decode.decode(..., columns="kept_first", window_columns="kept_first").
@@ -450,7 +461,8 @@ def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: to
     16-byte aligned), c4_locs int [B, K]; window: kept-first window records (native
     width), window_locs int [B, W] (-1 = padding in both); sink float [H]; keep: the
     layer's KeptColumns (192 kept). Returns out [B, H, 512] in q's dtype (or writes the
-    given `out`, contiguous rows). splits: programs per token (None: splits_for).
+    given `out`, contiguous rows). splits: programs per token, 1 to MAX_SPLITS (the plan's
+    choice: splits_per_token).
 
     profile_skip (measurement only; the output is then wrong): leave out the dequantizing
     (1), the matrix products (2) or the copies of every step after the first (4), or a
@@ -463,16 +475,15 @@ def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: to
     batch, heads, width = q.shape
     if width != HEAD_DIM or q.dtype != torch.bfloat16 or q.stride(2) != 1:
         raise ValueError(f"q must be bf16 [B, H, {HEAD_DIM}] with contiguous rows, got {q.dtype} {tuple(q.shape)}")
-    for name, layout, width in (("c4", c4_layout, KEPT + 128), ("window", window_layout, 576)):
-        if layout.data_bytes != width or layout.tail_bytes != 8 or layout.page_stride % 16 or width % 16:
-            raise ValueError(f"{name} records must have {width}-byte data parts on 16-byte aligned pages, got "
-                             f"{layout}")
+    problem = layout_problem(c4_layout, window_layout)
+    if problem is not None:
+        raise ValueError(f"the SM90 packed decode {problem}")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} with contiguous rows, got {tuple(out.shape)}")
-    if splits is None:
-        splits = splits_for(batch, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     c4_locs = c4_locs.to(torch.int32).contiguous()
     window_locs = window_locs.to(torch.int32).contiguous()
     sink = sink.float().contiguous()

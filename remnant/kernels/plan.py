@@ -153,20 +153,20 @@ class DecodePlan:
 def plan_decode(batch: int, heads: int, window: int, topk: int, packed: bool, device: torch.device, *,
                 columns: str = "natural", window_columns: str = "natural",
                 config: DecodeConfig | None = None, n_kept: int | None = None,
-                q_dtype: torch.dtype | None = None) -> DecodePlan:
+                q_dtype: torch.dtype | None = None, layouts: tuple | None = None) -> DecodePlan:
     """The plan of a decode call of `batch` tokens, `heads` query heads, `window` window
     locations and `topk` C4 locations per token, over packed (a keep list) or native C4
     records on `device`, q and out in `columns` order and the window records in
     `window_columns` order (see remnant.kernels.decode.decode). config: the choices made
-    by the caller (None: all chosen here). n_kept, q_dtype: the call's kept columns and
-    q's dtype, which decide whether the SM90 kernel can take it (kernel_for)."""
+    by the caller (None: all chosen here). n_kept, q_dtype, layouts (the C4 and window
+    PageLayouts): what decides whether the SM90 kernel can take the call (kernel_for)."""
     config = config or DecodeConfig()
     _allowed("columns", columns, COLUMN_ORDERS)
     _allowed("window_columns", window_columns, COLUMN_ORDERS)
     if window_columns == "kept_first" and not packed:
         raise ValueError("window_columns='kept_first' needs packed C4 records (a keep list): the native kernel reads "
                          "window records in natural order")
-    if kernel_for(config, packed, columns, window_columns, device, n_kept, heads, q_dtype) == "sm90":
+    if kernel_for(config, packed, columns, window_columns, device, n_kept, heads, q_dtype, layouts) == "sm90":
         return _sm90_plan(batch, packed, columns, window_columns, device, config)
     programs = batch * triton.cdiv(heads, config.h_block)
     window_apart = window_apart_for(config.window_apart, packed, columns, window_columns, window, config.splits,
@@ -187,45 +187,60 @@ def plan_decode(batch: int, heads: int, window: int, topk: int, packed: bool, de
 
 
 def sm90_unavailable(packed: bool, columns: str, window_columns: str, device: torch.device, n_kept: int | None,
-                     heads: int, q_dtype: torch.dtype | None) -> str | None:
-    """Why the SM90 kernel cannot take this call (None: it can)."""
+                     heads: int, q_dtype: torch.dtype | None, layouts: tuple | None = None) -> str | None:
+    """Why the SM90 kernel cannot take this call (None: it can). layouts: the C4 and window
+    PageLayouts, checked where given (the kernel reads 16-byte aligned split pages)."""
     if not (packed and columns == "kept_first" and window_columns == "kept_first"):
         return "it runs the folded call only (packed records, q, out and the window in kept-first order)"
     if q_dtype is not None and q_dtype != torch.bfloat16:
         return f"it reads bf16 q, got {q_dtype}"
     from remnant.kernels import packed_sm90  # Gluon is imported only where it may run
 
-    return packed_sm90.unavailable_reason(device, n_kept, heads)
+    why = packed_sm90.unavailable_reason(device, n_kept, heads)
+    if why is None and layouts is not None:
+        why = packed_sm90.layout_problem(*layouts)
+    return why
+
+
+def _pinned(config: DecodeConfig) -> list[str]:
+    """The Triton kernel's own choices that `config` sets (TRITON_ONLY, h_block, num_warps)."""
+    names = [name for name in TRITON_ONLY if getattr(config, name) is not None]
+    return names + [name for name, default in (("h_block", 64), ("num_warps", 8)) if getattr(config, name) != default]
 
 
 def kernel_for(config: DecodeConfig, packed: bool, columns: str, window_columns: str, device: torch.device,
-               n_kept: int | None, heads: int, q_dtype: torch.dtype | None) -> str:
+               n_kept: int | None, heads: int, q_dtype: torch.dtype | None, layouts: tuple | None = None) -> str:
     """config.kernel, or, where it is None: "sm90" where that kernel can take the call and
-    the config sets none of the Triton kernel's own choices (TRITON_ONLY, h_block,
-    num_warps), else "triton". Asking for "sm90" where it cannot run is a ValueError."""
+    the config sets none of the Triton kernel's own choices (_pinned), else "triton".
+    Asking for "sm90" where it cannot run, or with Triton choices it would ignore, is a
+    ValueError."""
     if config.kernel == "triton":
         return "triton"
     if device.type != "cuda" and config.kernel is None:
         return "triton"
-    why = sm90_unavailable(packed, columns, window_columns, device, n_kept, heads, q_dtype)
+    pinned = _pinned(config)
+    if config.kernel is None and pinned:
+        return "triton"
+    why = sm90_unavailable(packed, columns, window_columns, device, n_kept, heads, q_dtype, layouts)
     if config.kernel == "sm90":
         if why is not None:
             raise ValueError(f"decode kernel='sm90' cannot run this call: {why}")
+        if pinned:
+            raise ValueError(f"decode kernel='sm90' has a fixed program; these settings are the Triton kernel's: "
+                             f"{', '.join(pinned)}")
         return "sm90"
-    pinned = any(getattr(config, name) is not None for name in TRITON_ONLY)
-    pinned = pinned or (config.h_block, config.num_warps) != (64, 8)
-    return "sm90" if why is None and not pinned else "triton"
+    return "sm90" if why is None else "triton"
 
 
 def _sm90_plan(batch: int, packed: bool, columns: str, window_columns: str, device: torch.device,
                config: DecodeConfig) -> DecodePlan:
-    """The SM90 kernel's plan: its splits (packed_sm90.splits_for unless given); its fixed
-    program in the launch fields (64 heads on 8 warps, steps of 64 records, two stages)."""
+    """The SM90 kernel's plan: its splits (packed_sm90.splits_per_token unless given); its
+    fixed program in the launch fields (64 heads on 8 warps, steps of 64 records, two stages)."""
     from remnant.kernels import packed_sm90
 
     splits = config.splits
     if splits is None:
-        splits = packed_sm90.splits_for(batch, torch.cuda.get_device_properties(device).multi_processor_count)
+        splits = packed_sm90.splits_per_token(batch, torch.cuda.get_device_properties(device).multi_processor_count)
     if not 1 <= splits <= packed_sm90.MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {packed_sm90.MAX_SPLITS}] for the SM90 kernel, got {splits}")
     split = splits > 1

@@ -39,7 +39,12 @@ def make_inputs(inputs: DecodeInputs, batch: int, topk: int, window: int, pad: i
     return q, c4_locs, win_locs
 
 
+def plan_splits(batch: int, splits: int | None) -> int:
+    return splits or sm90.splits_per_token(batch, torch.cuda.get_device_properties(0).multi_processor_count)
+
+
 def check(inputs, keep, batch, topk, window, splits, pad, sink_scale=1.0):
+    splits = plan_splits(batch, splits)
     layout, pool, _ = inputs.pool(256)
     q, c4_locs, win_locs = make_inputs(inputs, batch, topk, window, pad)
     if window and pad:
@@ -70,6 +75,7 @@ def timed(calls, reps: int = 15) -> float:
 
 
 def time_case(inputs, keep, batch, topk, window, with_flashmla, splits=None, skip=None):
+    splits = plan_splits(batch, splits)
     from remnant.kernels import flashmla
 
     layout, pool, _ = inputs.pool(256)
@@ -97,8 +103,7 @@ def time_case(inputs, keep, batch, topk, window, with_flashmla, splits=None, ski
                                                                 inputs.window_layout, s[2], sink) for s in sets])
         row["gluon_over_flashmla"] = row["gluon_us"] / row["flashmla_us"]
         row["triton_over_flashmla"] = row["triton_folded_us"] / row["flashmla_us"]
-    row["splits"] = splits if splits is not None else sm90.splits_for(
-        batch, torch.cuda.get_device_properties(0).multi_processor_count)
+    row["splits"] = splits
     row["gluon_gbps"] = call_bytes(batch, topk, window, False) / row["gluon_us"] / 1e3
     return row
 

@@ -25,14 +25,14 @@ needs_sm90 = pytest.mark.skipif(WHY_NOT is not None, reason=f"the SM90 packed de
 
 
 def test_splits_fill_the_gpu_once_and_stop_at_six_past_eight_tokens():
-    assert [sm90.splits_for(b, 132) for b in (1, 4, 7, 8, 16, 32, 64, 128, 512)] == [16, 16, 16, 6, 6, 4, 2, 1, 1]
+    assert [sm90.splits_per_token(b, 132) for b in (1, 4, 7, 8, 16, 32, 64, 128, 512)] == [16, 16, 16, 6, 6, 4, 2, 1, 1]
 
 
 def test_off_an_sm90_gpu_it_says_why():
     assert sm90.unavailable_reason(torch.device("cpu")) == "needs a CUDA GPU"
     with pytest.raises(ValueError, match="the SM90 packed decode needs a CUDA GPU"):
         sm90.decode(torch.zeros(1, 64, 512, dtype=torch.bfloat16), None, None, None, None, None, None, None,
-                    KeptColumns.of(keep_map(256, torch.Generator().manual_seed(0)), torch.device("cpu")))
+                    KeptColumns.of(keep_map(256, torch.Generator().manual_seed(0)), torch.device("cpu")), splits=1)
 
 
 def test_the_plan_chooses_triton_off_the_gpu_and_refuses_sm90_where_it_cannot_run():
@@ -61,6 +61,47 @@ def test_the_plan_takes_sm90_for_the_folded_call_unless_told_triton_or_tuned():
     assert plan_decode(16, 64, 128, 512, True, DEVICE, **dict(folded, n_kept=128)).kernel == "triton"
 
 
+def test_the_kernel_reads_split_pages_only():
+    assert sm90.layout_problem(PageLayout.sglang(64, 256), PageLayout.sglang(64)) is None
+    assert sm90.layout_problem(PageLayout.sglang(64, 256), PageLayout.sglang(128)) is None
+    assert sm90.layout_problem(PageLayout.rows(328), PageLayout.sglang(64)).startswith(
+        "reads c4 records with 320-byte data parts on 16-byte aligned split pages, got 1 per page of stride 328")
+    assert "window records with 576-byte" in sm90.layout_problem(PageLayout.sglang(64, 256), PageLayout.rows(584))
+    assert "c4 records" in sm90.layout_problem(PageLayout.sglang(64, 128), PageLayout.sglang(64))
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_rows_and_tuned_configs_stay_on_triton_and_sm90_refuses_triton_settings():
+    folded = dict(columns="kept_first", window_columns="kept_first", n_kept=192, q_dtype=torch.bfloat16)
+    rows = (PageLayout.rows(328), PageLayout.rows(584))
+    assert plan_decode(16, 64, 128, 512, True, DEVICE, layouts=rows, **folded).kernel == "triton"
+    with pytest.raises(ValueError, match="kernel='sm90' cannot run this call: reads c4 records"):
+        plan_decode(16, 64, 128, 512, True, DEVICE, layouts=rows, config=DecodeConfig(kernel="sm90"), **folded)
+    with pytest.raises(ValueError, match="kernel='sm90' has a fixed program; these settings are the Triton "
+                                         "kernel's: block_n, h_block"):
+        plan_decode(16, 64, 128, 512, True, DEVICE, config=DecodeConfig(kernel="sm90", block_n=32, h_block=16),
+                    **folded)
+    # decode itself on row layouts, the folded call with no config: Triton's program, right.
+    gen = torch.Generator().manual_seed(8)
+    keep = keep_map(256, gen)
+    c4_layout, win_layout = rows
+    c4 = filled_pool(c4_layout, 4 * 512 + 1, keep, gen)
+    win = filled_pool(win_layout, 2 * 128 + 1, keep, gen, kept_first=True)
+    c4_locs = torch.stack([torch.randperm(4 * 512, generator=gen)[:512] for _ in range(3)]).to(DEVICE)
+    win_locs = torch.stack([torch.randperm(2 * 128, generator=gen)[:128] for _ in range(3)]).to(DEVICE)
+    q = torch.randn(3, 64, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    sink = torch.randn(64, generator=gen).to(DEVICE)
+    cols = KeptColumns.of(keep, DEVICE)
+    got = triton_decode(q[:, :, cols.order], c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, cols,
+                        columns="kept_first", window_columns="kept_first")
+    out = torch.empty_like(got)
+    out[:, :, cols.order] = got
+    want = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink,
+                                   window_columns="kept_first")
+    assert _relative(out, want) < TOLERANCE
+
+
 @needs_sm90
 @pytest.mark.gpu
 def test_decode_runs_the_folded_call_on_sm90_by_itself():
@@ -82,11 +123,11 @@ def test_refuses_other_retentions_and_more_heads():
     keep128 = KeptColumns.of(keep_map(128, torch.Generator().manual_seed(0)), DEVICE)
     q = torch.zeros(1, 64, 512, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="written for R = 256 \\(192 kept NoPE columns\\), got 64"):
-        sm90.decode(q, None, None, None, None, None, None, None, keep128)
+        sm90.decode(q, None, None, None, None, None, None, None, keep128, splits=1)
     keep = KeptColumns.of(keep_map(256, torch.Generator().manual_seed(0)), DEVICE)
     with pytest.raises(ValueError, match="at most 64 heads per call, got 65"):
         sm90.decode(torch.zeros(1, 65, 512, dtype=torch.bfloat16, device=DEVICE), None, None, None, None, None,
-                    None, None, keep)
+                    None, None, keep, splits=1)
 
 
 def _inputs(batch, heads, topk, window, seed, q_scale=2.0, sink_shift=0.0, scale_byte=None, pad_byte=0):
@@ -114,10 +155,13 @@ def _inputs(batch, heads, topk, window, seed, q_scale=2.0, sink_shift=0.0, scale
 
 
 def _sm90(x, splits=None, q=None):
+    """(splits None: the plan's choice for this batch.)"""
     """The kernel on x's inputs; q and out in the model's order (permuted around the call)."""
     order = x["cols"].order
     q = x["q"] if q is None else q
     got = torch.full_like(q, float("nan"))
+    if splits is None:
+        splits = sm90.splits_per_token(q.shape[0], torch.cuda.get_device_properties(DEVICE).multi_processor_count)
     sm90.decode(q[:, :, order].contiguous(), x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
                 x["window_locs"], x["sink"], x["cols"], out=got, splits=splits)
     out = torch.full_like(q, float("nan"))
