@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from remnant.cli import register_frontier_configs, to_frontier_config
+from remnant.cli import register_configs, register_frontier_configs, to_frontier_config
 from remnant.config import ConfigError
 from remnant.frontier import (
     FrontierConfig,
@@ -144,6 +144,15 @@ def test_goodput_counts_requests_that_meet_every_bound(tmp_path):
     assert goodput(tmp_path, slo, duration_s=2.0) == pytest.approx(2 / 2.0)
     assert goodput(tmp_path, SloConfig(ttft_p99_ms=200), duration_s=2.0) == pytest.approx(3 / 2.0)
     assert goodput(tmp_path, slo, duration_s=None) is None
+
+
+@pytest.fixture(autouse=True)
+def _run_config_restored():
+    """register_frontier_configs makes `run_config` FrontierConfig in this process: give
+    remnant-run's schema back, for the tests that compose after these in the same worker."""
+    yield
+    GlobalHydra.instance().clear()
+    register_configs()
 
 
 def _compose(overrides: list[str]) -> FrontierConfig:
