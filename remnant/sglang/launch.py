@@ -1,4 +1,4 @@
-"""`python -m remnant.sglang.launch [--remnant-mode M] [--remnant-retention R] [--remnant-retention-map F] SGLANG_ARGS...`
+"""`python -m remnant.sglang.launch [--remnant-mode M] [--remnant-retention R] [--remnant-retention-map F] [--remnant-retention-policy P] SGLANG_ARGS...`
 
 SGLang's launch_server with the Remnant plugin enabled. The --remnant-* flags (or the
 REMNANT_* variables they stand for, remnant.sglang.settings) choose the mode and retention;
@@ -7,7 +7,9 @@ every other argument goes to SGLang unchanged, e.g.
     REMNANT_MODE=kernel python -m remnant.sglang.launch --model-path /models/DeepSeek-V4-Flash --tp 4
 
 The flags become environment variables before SGLang starts, because SGLang loads
-plugins again in each scheduler process it spawns, which inherit the environment.
+plugins again in each scheduler process it spawns, which inherit the environment. Flags
+and variables are read together as Settings (checked: a bad value stops the launch before
+SGLang starts) and written back by Settings.to_env, the one writer of REMNANT_*.
 """
 
 from __future__ import annotations
@@ -16,26 +18,29 @@ import argparse
 import os
 import sys
 
+from collections.abc import Mapping
+
 from remnant.config import MODES
-from remnant.sglang.settings import ENV_MODE, ENV_RETENTION, ENV_RETENTION_MAP, GENERAL_PLUGINS_GROUP, PLUGIN_NAME
+from remnant.sglang.settings import (ENV_MODE, ENV_RETENTION, ENV_RETENTION_MAP, ENV_RETENTION_POLICY,
+                                     GENERAL_PLUGINS_GROUP, PLUGIN_NAME, from_env)
 
 FLAGS = {"--remnant-mode": ENV_MODE, "--remnant-retention": ENV_RETENTION,
-         "--remnant-retention-map": ENV_RETENTION_MAP}
+         "--remnant-retention-map": ENV_RETENTION_MAP, "--remnant-retention-policy": ENV_RETENTION_POLICY}
 
 
-def split_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """(REMNANT_* variables from the --remnant-* flags, SGLang's own arguments)."""
+def split_args(argv: list[str], environ: Mapping[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    """(the REMNANT_* variables of the --remnant-* flags over `environ`'s (default: this
+    process's), as Settings.to_env writes them; SGLang's own arguments). A bad setting is a
+    ConfigError naming the variable."""
     parser = argparse.ArgumentParser(prog="python -m remnant.sglang.launch", add_help=False)
     parser.add_argument("--remnant-mode", choices=MODES)
     parser.add_argument("--remnant-retention")
     parser.add_argument("--remnant-retention-map")
+    parser.add_argument("--remnant-retention-policy")
     ours, rest = parser.parse_known_args(argv)
-    env = {}
-    for flag, var in FLAGS.items():
-        value = getattr(ours, flag[2:].replace("-", "_"))
-        if value is not None:
-            env[var] = os.path.abspath(value) if var == ENV_RETENTION_MAP else value
-    return env, rest
+    given = {var: getattr(ours, flag[2:].replace("-", "_")) for flag, var in FLAGS.items()}
+    merged = {**(os.environ if environ is None else environ), **{k: v for k, v in given.items() if v is not None}}
+    return from_env(merged).to_env(), rest
 
 
 def enable_plugin(env: dict[str, str]) -> None:

@@ -5,12 +5,22 @@ import pytest
 from remnant.sglang.launch import enable_plugin, split_args
 
 
-def test_remnant_flags_become_env_and_the_rest_goes_to_sglang(tmp_path):
+def test_remnant_flags_become_env_and_the_rest_goes_to_sglang(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "map.json").write_text("{}")
     env, rest = split_args(["--model-path", "/m", "--remnant-mode", "triton", "--tp", "4",
-                            "--remnant-retention", "192", "--remnant-retention-map", "map.json"])
+                            "--remnant-retention", "192", "--remnant-retention-map", "map.json"], environ={})
     assert rest == ["--model-path", "/m", "--tp", "4"]
-    assert env["REMNANT_MODE"] == "triton" and env["REMNANT_RETENTION"] == "192"
-    assert env["REMNANT_RETENTION_MAP"] == os.path.abspath("map.json")
+    assert env == {"REMNANT_MODE": "triton", "REMNANT_RETENTION": "192",
+                   "REMNANT_RETENTION_MAP": os.path.abspath("map.json")}
+
+
+def test_flags_override_the_environment_and_are_written_by_settings():
+    env, _ = split_args(["--remnant-retention", "128"], environ={"REMNANT_MODE": "triton", "REMNANT_RETENTION": "256",
+                                                                "REMNANT_RETENTION_POLICY": "prefix"})
+    assert env == {"REMNANT_MODE": "triton", "REMNANT_RETENTION": "128", "REMNANT_RETENTION_POLICY": "prefix"}
+    with pytest.raises(ValueError, match="REMNANT_RETENTION_POLICY=attention needs calibration captures"):
+        split_args(["--remnant-mode", "kernel", "--remnant-retention-policy", "attention"], environ={})
 
 
 def test_bad_mode_flag_is_refused():
