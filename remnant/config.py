@@ -108,7 +108,11 @@ class Kinds:
         self._classes: dict[str, type] = {}
 
     def register(self, cls: type) -> type:
-        """Class decorator: `cls.kind` (its field's default) names it."""
+        """Class decorator: `cls.kind` (its field's default) names it; a second class of
+        the same kind is an error, not a silent replacement."""
+        if self._classes.get(cls.kind, cls) is not cls:
+            raise TypeError(f"{self.group} kind {cls.kind!r} is registered twice: {self._classes[cls.kind].__qualname__} "
+                            f"and {cls.__qualname__}")
         self._classes[cls.kind] = cls
         return cls
 

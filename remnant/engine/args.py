@@ -134,7 +134,7 @@ class RetentionArgs:
     retention: int | None = None
     per_layer: list[int] | None = None
     map_path: str | None = None
-    policy: str = "attention"
+    policy: str = RetentionConfig.policy  # one default, the run config's
 
     @classmethod
     def of(cls, ret: RetentionConfig) -> RetentionArgs:
@@ -159,8 +159,8 @@ class RetentionArgs:
         parser.add_argument("--retention-per-layer", default=None, help="R per CSA layer, comma-separated")
         parser.add_argument("--retention-map", dest="map_path", metavar="RETENTION_MAP", default=None,
                             help="retention map JSON (remnant/retention-map)")
-        parser.add_argument("--retention-policy", dest="policy", metavar="RETENTION_POLICY", default="attention",
-                            help="policy that chooses kept coordinates when no map is given")
+        parser.add_argument("--retention-policy", dest="policy", metavar="RETENTION_POLICY",
+                            default=RetentionArgs.policy, help="policy that chooses kept coordinates when no map is given")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RetentionArgs:

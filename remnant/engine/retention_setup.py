@@ -13,6 +13,7 @@ import json
 
 import torch
 
+from remnant.config import RetentionConfig
 from remnant.engine.model import C4Format, Model
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.kv.captures import Captures, LayerCapture
@@ -54,7 +55,7 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
 
 def setup_retention(model: Model, mode: str, model_id: str, retention: int | None = None,
                     per_layer: list[int] | None = None, map_path: str | None = None,
-                    policy: str = "attention") -> RetentionMap | None:
+                    policy: str = RetentionConfig.policy) -> RetentionMap | None:
     """Set the model's C4 formats for `mode`; returns the retention map used (None: native)."""
     if mode == "native":
         model.set_c4_formats({i: C4Format() for i in model.csa_layers})
