@@ -827,8 +827,8 @@ def decode(
     if plan.kernel == "sm90":
         from remnant.kernels import packed_sm90
 
-        return packed_sm90.decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, cols, scale,
-                                  out=out, splits=plan.splits, compiled=compiled)
+        return packed_sm90.decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, cols,
+                                  splits=plan.splits, scale=scale, out=out, compiled=compiled)
     return _run_triton(plan, q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink.float().contiguous(),
                        cols, scale, out, compiled)
 
