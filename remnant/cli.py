@@ -335,6 +335,18 @@ class SweepAborted(BaseException):
         self.message, self.code = message, code
 
 
+def _print_table(rows: list[tuple[str, ...]], header: tuple[str, ...], tail: str) -> None:
+    """A sweep's closing table on stderr: name, status, then right-aligned columns; then
+    how many of the rows completed."""
+    if not rows:
+        return
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(len(header))]
+    for row in (header, *rows):
+        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])] + [v.rjust(w) for v, w in zip(row[2:], widths[2:])]
+        print(("\n" if row is header else "") + "  ".join(cells).rstrip(), file=sys.stderr)
+    print(f"{sum(r[1] == 'completed' for r in rows)} of {len(rows)} {tail}", file=sys.stderr)
+
+
 def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
     """One line per cell: status and headline metrics; then how many completed."""
     import json
@@ -351,13 +363,8 @@ def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
         rows.append((path.parent.name, doc.get("status", "?"),
                      "-" if m.get("output_throughput") is None else f"{m['output_throughput']:.1f}",
                      "-" if ttft is None else f"{ttft:.1f}"))
-    if rows:
-        width = max(len(r[0]) for r in rows)
-        print(f"\n{'cell':<{width}}  {'status':<11}  {'out tok/s':>9}  {'TTFT p50 ms':>11}", file=sys.stderr)
-        for cell, status, tput, ttft in rows:
-            print(f"{cell:<{width}}  {status:<11}  {tput:>9}  {ttft:>11}", file=sys.stderr)
-        print(f"{sum(r[1] == 'completed' for r in rows)} of {len(rows)} cells completed; "
-              f"remnant-report {sweep} for tables and plots", file=sys.stderr)
+    _print_table(rows, ("cell", "status", "out tok/s", "TTFT p50 ms"),
+                 f"cells completed; remnant-report {sweep} for tables and plots")
     if stopped:
         print(f"remnant-run: sweep stopped by {stopped}; the same command with hydra.sweep.dir={sweep} "
               "runs the cells left", file=sys.stderr)
@@ -619,13 +626,8 @@ def print_frontier_summary(sweep: Path, stopped: str | None = None) -> None:
         load = front.get("load")
         shown = "none" if load is None else f"{'>=' if front.get('at_least') else ''}{load:g}"
         rows.append((path.parent.name, doc.get("status", "?"), str(len(doc.get("steps") or [])), shown))
-    if rows:
-        width = max(len(r[0]) for r in rows)
-        print(f"\n{'search':<{width}}  {'status':<11}  {'steps':>5}  frontier", file=sys.stderr)
-        for name, status, n, shown in rows:
-            print(f"{name:<{width}}  {status:<11}  {n:>5}  {shown}", file=sys.stderr)
-        print(f"{sum(r[1] == 'completed' for r in rows)} of {len(rows)} searches completed; "
-              f"remnant-report {sweep} plots goodput against load", file=sys.stderr)
+    _print_table(rows, ("search", "status", "steps", "frontier"),
+                 f"searches completed; remnant-report {sweep} plots goodput against load")
     if stopped:
         print(f"remnant-frontier: stopped by {stopped}; the same command with hydra.sweep.dir={sweep} "
               "resumes, reusing the steps written", file=sys.stderr)
