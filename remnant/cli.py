@@ -335,6 +335,17 @@ class SweepAborted(BaseException):
         self.message, self.code = message, code
 
 
+def _sweep_records(sweep: Path, file_name: str):
+    """(directory name, its `file_name` parsed, or None where unreadable) per subdirectory."""
+    import json
+
+    for path in sorted(sweep.glob(f"*/{file_name}")):
+        try:
+            yield path.parent.name, json.loads(path.read_text())
+        except (OSError, ValueError):
+            yield path.parent.name, None
+
+
 def _print_table(rows: list[tuple[str, ...]], header: tuple[str, ...], tail: str) -> None:
     """A sweep's closing table on stderr: name, status, then right-aligned columns; then
     how many of the rows completed."""
@@ -349,18 +360,14 @@ def _print_table(rows: list[tuple[str, ...]], header: tuple[str, ...], tail: str
 
 def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
     """One line per cell: status and headline metrics; then how many completed."""
-    import json
-
     rows = []
-    for path in sorted(sweep.glob("*/run.json")):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            rows.append((path.parent.name, "unreadable", "-", "-"))
+    for name, doc in _sweep_records(sweep, "run.json"):
+        if doc is None:
+            rows.append((name, "unreadable", "-", "-"))
             continue
         m = doc.get("metrics") or {}
         ttft = (m.get("ttft_ms") or {}).get("p50")
-        rows.append((path.parent.name, doc.get("status", "?"),
+        rows.append((name, doc.get("status", "?"),
                      "-" if m.get("output_throughput") is None else f"{m['output_throughput']:.1f}",
                      "-" if ttft is None else f"{ttft:.1f}"))
     _print_table(rows, ("cell", "status", "out tok/s", "TTFT p50 ms"),
@@ -371,14 +378,16 @@ def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
 
 
 class SweepSummary(Callback):
-    """Notes where a sweep (`-m`) writes, and ends it with one line per cell."""
+    """Notes where a sweep (`-m`) writes, and ends it with one line per cell (`summary`)."""
+
+    summary = staticmethod(print_sweep_summary)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
         _SWEEP.update(dir=sweep, existed=sweep.exists())
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        print_sweep_summary(Path(str(config.hydra.sweep.dir)))
+        self.summary(Path(str(config.hydra.sweep.dir)))
 
 
 class ConfigCheck(Callback):
@@ -613,19 +622,15 @@ class FrontierConfigCheck(Callback):
 
 def print_frontier_summary(sweep: Path, stopped: str | None = None) -> None:
     """One line per search of a sweep: status, steps and the frontier."""
-    import json
-
     rows = []
-    for path in sorted(sweep.glob("*/frontier.json")):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            rows.append((path.parent.name, "unreadable", "-", "-"))
+    for name, doc in _sweep_records(sweep, "frontier.json"):
+        if doc is None:
+            rows.append((name, "unreadable", "-", "-"))
             continue
         front = doc.get("frontier") or {}
         load = front.get("load")
         shown = "none" if load is None else f"{'>=' if front.get('at_least') else ''}{load:g}"
-        rows.append((path.parent.name, doc.get("status", "?"), str(len(doc.get("steps") or [])), shown))
+        rows.append((name, doc.get("status", "?"), str(len(doc.get("steps") or [])), shown))
     _print_table(rows, ("search", "status", "steps", "frontier"),
                  f"searches completed; remnant-report {sweep} plots goodput against load")
     if stopped:
@@ -633,15 +638,10 @@ def print_frontier_summary(sweep: Path, stopped: str | None = None) -> None:
               "resumes, reusing the steps written", file=sys.stderr)
 
 
-class FrontierSweepSummary(Callback):
-    """Notes where a sweep of searches writes, and ends it with one line per search."""
+class FrontierSweepSummary(SweepSummary):
+    """SweepSummary for a sweep of searches: one line per search."""
 
-    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        sweep = Path(str(config.hydra.sweep.dir))
-        _SWEEP.update(dir=sweep, existed=sweep.exists())
-
-    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        print_frontier_summary(Path(str(config.hydra.sweep.dir)))
+    summary = staticmethod(print_frontier_summary)
 
 
 @hydra.main(version_base=None, config_path="pkg://remnant.conf", config_name="frontier_config")
