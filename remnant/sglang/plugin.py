@@ -3,7 +3,9 @@
 SGLang (0.5.18) calls `register` through the entry point group `sglang.srt.plugins`
 (pyproject.toml) in every process it starts, then applies the hooks registered with its
 HookRegistry. With REMNANT_MODE=native (the default) `register` registers nothing, so
-SGLang runs untouched. In triton and kernel mode it registers (TARGETS):
+SGLang runs untouched; native with REMNANT_CAPTURE registers only the capture hooks
+(remnant.sglang.capture, which records calibration captures and changes nothing the server
+computes). In triton and kernel mode it registers (TARGETS):
 
 - DeepSeekV4TokenToKVPool._make_kv_pool (AROUND): the C4 pool becomes a PackedC4Pool.
 - DeepSeekV4TokenToKVPool.__init__ (AFTER): refuses a KV pool without the packed C4 pool.
@@ -28,7 +30,7 @@ import logging
 import math
 
 from remnant.config import ConfigError, check_packed_rules
-from remnant.sglang.settings import ENV_RETENTION, Settings, check_sglang_version, from_env
+from remnant.sglang.settings import ENV_RETENTION, Settings, capture_from_env, check_sglang_version, from_env
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +58,32 @@ def installed_sglang_version() -> str:
 
 
 def register() -> None:
-    """SGLang's entry point: read the settings, and in triton or kernel mode register hooks.
+    """SGLang's entry point: read the settings, and in triton or kernel mode register hooks;
+    in native mode with REMNANT_CAPTURE, only the capture hooks (remnant.sglang.capture).
 
-    A bad setting or an unsupported sglang raises SystemExit with a one-line reason:
-    SGLang's loader logs and swallows ordinary exceptions, which would serve native
-    records while the user asked for packed ones.
+    A bad setting (a packed mode with REMNANT_CAPTURE too) or an unsupported sglang raises
+    SystemExit with a one-line reason: SGLang's loader logs and swallows ordinary
+    exceptions, which would serve native records while the user asked for packed ones.
     """
     try:
         s = from_env()
-        if s.packed:
+        capture = capture_from_env(s)
+        if s.packed or capture is not None:
             check_sglang_version(installed_sglang_version())
     except (ConfigError, RuntimeError) as e:
         raise SystemExit(f"remnant: {e}") from None
     configure(s)
+    if capture is not None:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        from remnant.sglang import capture as capture_mode
+
+        capture_mode.configure(capture)
+        for target, hook, hook_type in capture_mode.targets():
+            HookRegistry.register(target, hook, hook_type)
+        logger.info("remnant: REMNANT_MODE=native with capture into %s: %d capture hooks registered",
+                    capture.path, len(capture_mode.TARGETS))
+        return
     if not s.packed:
         logger.info("remnant: REMNANT_MODE=native; no hooks registered, SGLang runs unchanged")
         return

@@ -12,6 +12,9 @@ so the settings travel as environment variables, which child processes inherit;
                            the first R - 64 NoPE coordinates
     REMNANT_RETENTION_POLICY  the run config's policy; without a map only `prefix` is
                            accepted (SGLang cannot calibrate at load)
+    REMNANT_CAPTURE        a capture file to write (remnant-capture/1): capture mode, native
+                           only; REMNANT_CAPTURE_TOKENS, _RECORDS, _SOURCE and _MODEL_ID
+                           bound and label it (remnant.kv.capture_recorder.CaptureSettings)
 
 `Settings.to_env` writes these variables (the hosts that start SGLang use it), `from_env`
 reads them.
@@ -150,6 +153,19 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     settings = Settings(mode=mode, retention=retention, map_path=map_path, policy=policy)
     check_packed_rules(mode, list(retention), False, _retention_label(retention))
     return settings
+
+
+def capture_from_env(settings: Settings, environ: Mapping[str, str] | None = None):
+    """The capture settings (CaptureSettings) of the REMNANT_CAPTURE* variables, or None
+    without REMNANT_CAPTURE. Capture records native attention, so a packed mode with
+    REMNANT_CAPTURE is a ConfigError naming both variables."""
+    from remnant.kv.capture_recorder import ENV_CAPTURE, CaptureSettings
+
+    capture = CaptureSettings.from_env(environ)
+    if capture is not None and settings.packed:
+        raise ConfigError(f"{ENV_CAPTURE}={capture.path} is not allowed with {ENV_MODE}={settings.mode}; "
+                          f"capture runs only with {ENV_MODE}=native (it records the native C4 latents)")
+    return capture
 
 
 def check_sglang_version(version: str) -> None:

@@ -142,8 +142,49 @@ def server_check(hicache: str) -> dict:
     return {"error": None}
 
 
+def capture_patched() -> dict:
+    """Load plugins; which of the packed-mode and capture-mode targets carry a wrapper."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from remnant.sglang import capture
+    from remnant.sglang.plugin import TARGETS
+
+    out = {"packed": {}, "capture": {}}
+    for key, targets in (("packed", TARGETS), ("capture", capture.TARGETS)):
+        for target, _, _ in targets:
+            out[key][target] = hasattr(pkgutil.resolve_name(target), "__wrapped__")
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    out["registered"] = sorted(f"{target} {hook.__module__}.{hook.__name__} {kind.value}"
+                               for target, hooks in HookRegistry._hooks.items() for kind, hook, _ in hooks)
+    return out
+
+
+def capture_server_check(*flags: str) -> dict:
+    """check_server_args of SGLang's own CLI parse of `flags` (after --model-path), with the
+    plugin loaded: the error, if any."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+
+    try:
+        sa = prepare_server_args(["--model-path", write_config(TINY_RATIOS), "--device", "cpu",
+                                  "--skip-tokenizer-init", *flags])
+        publish(sa, role="scheduler")
+        sa.check_server_args()
+    except ValueError as e:
+        return {"error": str(e)}
+    except Exception as e:  # SGLang's own checks unrelated to Remnant
+        return {"other": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
 if __name__ == "__main__":
     check, *args = sys.argv[1:]
-    fn = {"patched": patched, "pool": pool, "configurator": configurator, "server_check": server_check}[check]
+    fn = {"patched": patched, "pool": pool, "configurator": configurator, "server_check": server_check,
+          "capture_patched": capture_patched, "capture_server_check": capture_server_check}[check]
     result = fn(*[int(a) if a.isdigit() else a for a in args])
     print("PROBE " + json.dumps(result))
