@@ -39,6 +39,7 @@ from omegaconf.errors import (
 
 from remnant.config import (
     HOSTS,
+    CaptureConfig,
     WORKLOADS,
     ConfigError,
     ModeConfig,
@@ -50,7 +51,7 @@ from remnant.config import (
 from remnant.signals import Interrupted, describe as describe_signal, exit_status, raise_interrupted, signum_of
 
 #: Config groups a user picks from, in the order --help lists them.
-GROUPS = ("mode", "retention", "workload", "host", "model", "experiment")
+GROUPS = ("mode", "retention", "workload", "host", "model", "capture", "experiment")
 #: ConfigStore nodes that are schemas behind the group files, not options.
 SCHEMA_PREFIX = "base_"
 
@@ -64,6 +65,7 @@ def register_configs() -> None:
     cs.store(group="mode", name="base_mode", node=ModeConfig)
     cs.store(group="retention", name="base_retention", node=RetentionConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="capture", name="base_capture", node=CaptureConfig)
     for kinds in (WORKLOADS, HOSTS):
         for kind, cls in kinds.all().items():
             cs.store(group=kinds.group, name=f"{SCHEMA_PREFIX}{kind}", node=cls)
@@ -311,11 +313,49 @@ Other commands:
                               without run.json (killed runs)
   remnant-report DIR --out D  tables with confidence intervals, paired comparisons, plots
   remnant-frontier            the highest concurrency meeting an SLO (remnant-frontier --help)
+  remnant-capture             record calibration captures (remnant-capture --help)
   remnant-serve               the embedded reference engine alone, on a port
   remnant-kernels             time Remnant's Triton kernels against FlashMLA (CUDA GPU)
 
 Hydra's own flags: --cfg job|hydra|all, --info, --config-dir DIR, --hydra-help.
 """
+
+
+def capture_help_text() -> str:
+    """`remnant-capture --help`."""
+    return """usage: remnant-capture [GROUP=OPTION ...] [FIELD=VALUE ...]
+
+Record calibration captures: remnant-run with capture=on. A native server (host=embedded,
+or host=local: a container of the serving image, SGLang or the embedded engine) serves the
+workload; each CSA layer hands its first capture.tokens decode queries (after RoPE) and
+first capture.records C4 latents (before FP8) to a recorder, which writes
+capture.safetensors (remnant-capture/1) into the run directory. run.json records the
+file's fingerprint; every map built from it, and every run that serves with that map,
+carries it on.
+
+  remnant-capture workload=sharegpt                       # embedded engine, CPU
+  remnant-capture workload=longswe capture.tokens=512
+  remnant-capture host=local model=dsv4_flash_0731 host.gpus=0,1,2,3 workload=sharegpt
+  python -m remnant.kv.build_map --captures outputs/.../capture.safetensors \\
+      --policy attention --retention 256 --out map.json
+  remnant-run mode=kernel retention.map_path=map.json
+
+Fields: capture.tokens (256), capture.records (4096), capture.source (default: the
+workload's name; evaluate policies on a source they were not calibrated on).
+host=external and host=modal are refused: Remnant cannot hand those servers capture
+settings or bring their file back.
+Everything else is remnant-run's (remnant-run --help); the capture needs mode=native.
+"""
+
+
+def capture_main() -> None:
+    """Entry point of `remnant-capture`: remnant-run with capture=on."""
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(capture_help_text())
+        return
+    if not any(a.startswith(("capture=", "+capture=", "++capture=")) for a in sys.argv[1:]):
+        sys.argv.insert(1, "capture=on")
+    run_main()
 
 
 # ---------------------------------------------------------------------------------------

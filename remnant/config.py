@@ -228,6 +228,10 @@ class HostConfig:
         """Whether the run starts (and so configures) the server it drives."""
         return True
 
+    def capture_refusal(self) -> str | None:
+        """Why this host cannot run a capture (capture=on), in one line; None where it can."""
+        return None
+
     def limits(self) -> list[str]:
         """Caveats of runs on this host that every run.json of it carries."""
         return []
@@ -239,6 +243,21 @@ class HostConfig:
 
 #: Host kinds: remnant/hosts/<kind>.py registers its HostConfig subclass.
 HOSTS = Kinds("host", "remnant.hosts")
+
+
+@dataclass
+class CaptureConfig:
+    """A capture run (`remnant-capture`, or `remnant-run capture=on`): the native server
+    records each CSA layer's first `tokens` decode queries and first `records` C4 latents
+    (remnant.kv.capture_recorder) into capture.safetensors in the run directory, the
+    calibration data of python -m remnant.kv.build_map."""
+
+    name: str = "on"
+    tokens: int = 256
+    records: int = 4096
+    #: What the capture is of, recorded in the file (policies are evaluated on a source they
+    #: were not calibrated on); empty: the workload's name.
+    source: str = ""
 
 
 @dataclass
@@ -256,6 +275,26 @@ class RunConfig:
     limits: list[str] = field(default_factory=list)
     #: Run a sweep cell again even when its run.json says completed.
     force: bool = False
+    #: A capture run when set (conf/capture/on.yaml); None: an ordinary run.
+    capture: CaptureConfig | None = None
+
+
+def validate_capture(cfg: RunConfig) -> None:
+    """ConfigError where a capture run cannot run: a packed mode, a host that cannot
+    capture, a budget below one token or record."""
+    cap = cfg.capture
+    if cfg.mode.name != "native":
+        raise ConfigError(f"capture=on needs mode=native, got mode={cfg.mode.name}: a capture records the native "
+                          "model's latents, which the packed modes no longer hold")
+    refusal = cfg.host.capture_refusal()
+    if refusal:
+        raise ConfigError(f"capture=on is not possible on host={cfg.host.kind}: {refusal}")
+    for name in ("tokens", "records"):
+        value = getattr(cap, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"capture.{name}={value} must be an integer >= 1")
+    if csa_layer_count(cfg.model) == 0:
+        raise ConfigError(f"capture=on: model={cfg.model.name} has no CSA layer (compress_ratios has no 4) to capture")
 
 
 def csa_layer_count(model: ModelConfig) -> int:
@@ -276,6 +315,8 @@ def validate(cfg: RunConfig) -> None:
     validate_context(cfg.workload, cfg.model)
     cfg.host.validate()
     cfg.host.check_model(cfg.model)
+    if cfg.capture is not None:
+        validate_capture(cfg)
     if mode == "native":
         return  # native ignores retention
     ret = cfg.retention

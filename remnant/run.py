@@ -32,14 +32,16 @@ from remnant.signals import raise_interrupted, signum_of
 log = logging.getLogger(__name__)
 
 RUN_JSON = "run.json"
+#: A capture run's capture file, in its run directory.
+CAPTURE_FILE = "capture.safetensors"
 REQUESTS_JSONL = "requests.jsonl"
 SERVER_LOG = "server.log"
 SERVER_PORT = "server.port"
 HYDRA_DIR = ".hydra"
 #: What one attempt leaves in its run directory, set aside before the next attempt.
-ATTEMPT_FILES = (RUN_JSON, REQUESTS_JSONL, SERVER_LOG, HYDRA_DIR)
+ATTEMPT_FILES = (RUN_JSON, REQUESTS_JSONL, SERVER_LOG, HYDRA_DIR, CAPTURE_FILE)
 #: run.json's schema version this code writes.
-RUN_SCHEMA_VERSION = 3
+RUN_SCHEMA_VERSION = 4
 #: Space held on the run's disk from its start until run.json is written, so a disk that
 #: fills during the run still takes run.json (a run.json is some 10-20 KB).
 RESERVE = ".run.json.reserve"
@@ -172,10 +174,13 @@ def run_document(*, run_id: str, status: str, error: dict | None, started_at: st
                  duration_s: float, config: dict, sources: dict, host: dict, workload: dict, limits: list[str],
                  environment: dict | None = None, server_info: dict | None = None, phases: list | None = None,
                  metrics: dict | None = None, failures: dict | None = None, client_stop: dict | None = None,
-                 client: dict | None = None, artifacts: list | None = None) -> dict:
+                 client: dict | None = None, artifacts: list | None = None, capture: dict | None = None,
+                 retention_map: dict | None = None) -> dict:
     """run.json (schema remnant/run, RUN_SCHEMA_VERSION): every run writes this document,
     one that ran and one whose config broke a rule alike. phases: dicts, as recorded;
-    client: remnant.client.metrics.client_summary of the measured phase, None where none ran."""
+    client: remnant.client.metrics.client_summary of the measured phase, None where none ran;
+    capture: capture_record of a capture run; retention_map: retention_map_record of the
+    map a packed run served with."""
     return {
         "schema": "remnant/run",
         "schema_version": RUN_SCHEMA_VERSION,
@@ -197,8 +202,61 @@ def run_document(*, run_id: str, status: str, error: dict | None, started_at: st
         "client_stop": client_stop,
         "client": client,
         "artifacts": artifacts or [],
+        "capture": capture,
+        "retention_map": retention_map,
         "limits": limits,
     }
+
+
+def capture_settings(cfg: RunConfig, run_dir: Path):
+    """The CaptureSettings a capture run gives its server (None for an ordinary run)."""
+    if cfg.capture is None:
+        return None
+    from remnant.kv.capture_recorder import CaptureSettings
+
+    return CaptureSettings(path=str((Path(run_dir) / CAPTURE_FILE).resolve()), tokens=cfg.capture.tokens,
+                           records=cfg.capture.records, source=cfg.capture.source or cfg.workload.name,
+                           model_id=cfg.model.path or cfg.model.name)
+
+
+def capture_record(settings, run_dir: Path) -> tuple[dict, list[str]]:
+    """run.json's `capture` for the file the server wrote, and the limits it calls for.
+    ValueError (naming the file) where the server wrote none or an unreadable one."""
+    from remnant.kv.captures import load_captures
+
+    path = Path(settings.path)
+    if not path.is_file():
+        raise ValueError(f"the server wrote no capture file {path.name}: no CSA layer saw a decode query and a "
+                         "latent before it stopped (see server.log); give the workload more requests or output tokens")
+    caps = load_captures(path)
+    queries = min(int(c.q.shape[0]) for c in caps.layers.values())
+    latents = min(int(c.k.shape[0]) for c in caps.layers.values())
+    record = {"path": path.relative_to(Path(run_dir).resolve()).as_posix(), "fingerprint": caps.fingerprint,
+              "model_id": caps.model_id, "source": caps.source, "layers": sorted(caps.layers),
+              "heads": int(next(iter(caps.layers.values())).q.shape[1]),
+              "queries": queries, "latents": latents, "tokens": settings.tokens, "records": settings.records,
+              "complete": bool(caps.params.get("complete", queries >= settings.tokens and latents >= settings.records))}
+    limits = ["a capture run: the server copied each CSA layer's decode queries and latents to the CPU while serving, "
+              "so its timings are not a benchmark of the mode"]
+    if not record["complete"]:
+        limits.append(f"the capture stopped short of its budget ({queries} of {settings.tokens} decode queries, "
+                      f"{latents} of {settings.records} latents in its smallest CSA layer): written when the server "
+                      "stopped")
+    return record, limits
+
+
+def retention_map_record(cfg: RunConfig) -> dict | None:
+    """run.json's `retention_map`: the map a packed run served with, with the fingerprint of
+    the captures it was built from (None in native mode or without a map file)."""
+    if cfg.mode.name == "native" or not cfg.retention.map_path:
+        return None
+    from remnant.kv.retention import RetentionMap
+    from remnant.records.provenance import sha256_file
+
+    rmap = RetentionMap.load(cfg.retention.map_path)
+    return {"path": str(Path(cfg.retention.map_path).resolve()), "sha256": sha256_file(cfg.retention.map_path),
+            "model_id": rmap.model_id, "policy": {"name": rmap.policy, "params": dict(rmap.policy_params)},
+            "calibration": dict(rmap.calibration)}
 
 
 def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progress: bool | None = None) -> RunOutcome:
@@ -219,7 +277,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     if (run_dir / RUN_JSON).exists():
         raise FileExistsError(f"{run_dir / RUN_JSON} exists: a run directory holds one run")
     run_dir.mkdir(parents=True, exist_ok=True)
-    set_aside(run_dir, "killed", names=(REQUESTS_JSONL, SERVER_LOG))
+    set_aside(run_dir, "killed", names=(REQUESTS_JSONL, SERVER_LOG, CAPTURE_FILE))
     reserve = _reserve(run_dir)
     run_id = run_id or _new_run_id()
     requests_path = run_dir / REQUESTS_JSONL
@@ -231,6 +289,8 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     phases: list = []
     limits = _base_limits(cfg)
     plan = None
+    capture = capture_settings(cfg, run_dir)
+    capture_rec = map_rec = None
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         stage.name = "workload"
@@ -239,11 +299,12 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         if reuse and reuse > 1:
             limits.append(f"the dataset's usable conversations were reused {reuse:.2f}x: repeated prompts hit "
                           "the prefix cache")
+        map_rec = retention_map_record(cfg)
         stage.name = "serve"
         host = make_host(cfg.host)
         native = cfg.mode.name == "native"
         spec = ServerSpec(cfg.mode.name, None if native else cfg.retention, cfg.model, run_dir, run_dir / SERVER_LOG,
-                          run_id=run_id)
+                          run_id=run_id, capture=capture)
         with host.serve(spec) as endpoint:
             environment = endpoint.environment
             server_info = endpoint.server_info
@@ -278,6 +339,11 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             if r.flush is not None and not r.flush.ok:
                 limits.append(f"prefix cache flush before {r.name} failed: {r.flush.message}")
         failures = failure_summary(measured.records, cfg.workload.max_failed_share)
+        if capture is not None:
+            # The server is stopped: a capture short of its budget was written as it stopped.
+            stage.name = "capture"
+            capture_rec, capture_limits = capture_record(capture, run_dir)
+            limits += capture_limits
         if metrics["failed"]:
             limits.append(f"{metrics['failed']} measured requests failed; metrics cover the {metrics['completed']} that completed")
         if metrics["completed"] == 0:
@@ -316,7 +382,8 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     with signals_deferred():
         if reserve is not None:
             reserve.unlink(missing_ok=True)  # room for run.json, on a disk that may be full
-        artifacts = [artifact(p, run_dir) for p in (requests_path, run_dir / SERVER_LOG) if p.is_file()]
+        artifacts = [artifact(p, run_dir) for p in (requests_path, run_dir / SERVER_LOG, run_dir / CAPTURE_FILE)
+                     if p.is_file()]
         host_info = host.describe() if host is not None else {"kind": cfg.host.kind}
         # A container host knows the image that ran and the SGLang inside it; sources() cannot.
         run_sources = {**sources(), "image_digest": host_info.get("image_id")}
@@ -330,6 +397,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             phases=[p.to_dict() for p in phases], metrics=metrics if status in ("completed", "degraded") else None,
             failures=failures, client_stop=client_stop, artifacts=artifacts, limits=limits,
             client=client_record if status in ("completed", "degraded") else None,
+            capture=capture_rec, retention_map=map_rec,
         )
         path: Path | None = run_dir / RUN_JSON
         write_error = None

@@ -15,8 +15,12 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from remnant.config import ConfigError, RetentionConfig, at_least, positive_finite
+
+if TYPE_CHECKING:
+    from remnant.kv.capture_recorder import CaptureSettings
 
 #: Values of EngineArgs.device, .decode_path and .native_decode (remnant.engine.model checks
 #: them again; native_decode's are remnant.kernels.flashmla.NATIVE_KERNELS and auto).
@@ -167,3 +171,36 @@ class RetentionArgs:
         """ValueError where --retention-per-layer is not integers."""
         per_layer = [int(v) for v in ns.retention_per_layer.split(",")] if ns.retention_per_layer else None
         return cls(ns.retention, per_layer, ns.map_path, ns.policy)
+
+
+def capture_argv(capture: CaptureSettings | None) -> list[str]:
+    """remnant-serve's flags for a capture (none without one)."""
+    if capture is None:
+        return []
+    return ["--capture", os.path.abspath(capture.path), "--capture-tokens", str(capture.tokens),
+            "--capture-records", str(capture.records), "--capture-source", capture.source,
+            "--capture-model-id", capture.model_id]
+
+
+def add_capture_arguments(parser: argparse.ArgumentParser) -> None:
+    """remnant-serve's capture flags (remnant.kv.capture_recorder; native mode only)."""
+    from remnant.kv.capture_recorder import DEFAULT_RECORDS, DEFAULT_TOKENS
+
+    parser.add_argument("--capture", metavar="FILE", default=None,
+                        help="record CSA layers' decode queries and C4 latents into this capture file (native mode)")
+    parser.add_argument("--capture-tokens", type=int, default=DEFAULT_TOKENS, help="decode queries kept per CSA layer")
+    parser.add_argument("--capture-records", type=int, default=DEFAULT_RECORDS, help="C4 latents kept per CSA layer")
+    parser.add_argument("--capture-source", default="unknown", help="what is served (a workload name), for the file")
+    parser.add_argument("--capture-model-id", default=None, help="model id for the file (default: the served name)")
+
+
+def capture_from_namespace(ns: argparse.Namespace) -> CaptureSettings | None:
+    """The capture flags as settings; None without --capture. ConfigError names a bad flag."""
+    from remnant.kv.capture_recorder import CaptureSettings
+
+    if not ns.capture:
+        return None
+    settings = CaptureSettings(ns.capture, ns.capture_tokens, ns.capture_records, ns.capture_source,
+                               ns.capture_model_id or "")
+    settings.check(prefix="--capture-")
+    return settings

@@ -329,6 +329,9 @@ class Model:
         self.csa_layers = [i for i, r in enumerate(args.compress_ratios) if r == CSA_RATIO]
         #: layer -> list of query tensors [T, H, 512] while calibrating (None otherwise)
         self.capture: dict[int, list[torch.Tensor]] | None = None
+        #: A capture server's remnant.kv.capture_recorder.CaptureRecorder: CSA layers hand it
+        #: their decode queries (natural order, after RoPE) and C4 latents (before FP8).
+        self.recorder = None
         # Generated on the CPU from the seed, then moved: every device holds the same weights.
         gen = torch.Generator().manual_seed(args.seed)
         self.embed = torch.randn(args.vocab_size, args.hidden_size, generator=gen).to(self.device)
@@ -561,6 +564,10 @@ class Model:
         n = self._compress_new_blocks(li, layer, seq, pools, st, kernels)
         if self.capture is not None and layer.ratio == CSA_RATIO:
             self.capture[li].append(self._natural_q(li, st.q).detach().clone())  # policies read natural q
+        if self.recorder is not None and layer.ratio == CSA_RATIO and st.q.shape[0] == 1 \
+                and self.recorder.wants(li, "queries"):
+            # Decode steps are one-token chunks (so is a prompt's rare last chunk of one token).
+            self.recorder.add_queries(li, self._natural_q(li, st.q))
         if not n:
             return None
         rec_end = (torch.arange(n, device=self.device) + 1) * layer.ratio - 1
@@ -595,6 +602,8 @@ class Model:
             pages = seq.page_tensor(self.device)
             index = torch.arange(first, first + full, device=self.device)
             latents = self.compress(layer, pc[: full * r].view(full, r, -1), pg[: full * r].view(full, r, -1), index)
+            if self.recorder is not None and r == CSA_RATIO and self.recorder.wants(li, "latents"):
+                self.recorder.add_latents(li, latents)
             self._write_records(li, layer, pools, pages, index, latents, kernels)
             if r == CSA_RATIO:
                 keys = pik[: full * r].view(full, r, -1).mean(1)

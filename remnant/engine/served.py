@@ -81,6 +81,9 @@ class Served:
     frontend: Frontend
     info: ServerInfo
     load_s: float
+    #: The capture a capture server records (remnant.kv.capture_recorder.CaptureRecorder),
+    #: closed when the server stops; None otherwise.
+    recorder: object | None = None
 
 
 def read_hf_config(model_dir: Path) -> dict:
@@ -93,9 +96,12 @@ def read_hf_config(model_dir: Path) -> dict:
 
 
 def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
-                engine_args: EngineArgs | None = None) -> Served:
+                engine_args: EngineArgs | None = None, capture=None) -> Served:
     """Load `model_dir` in `mode`; ValueError names what is wrong (a missing file, a budget
-    too small for the pools, a bad retention)."""
+    too small for the pools, a bad retention, a capture outside native mode).
+
+    capture: remnant.kv.capture_recorder.CaptureSettings: the model records its CSA layers'
+    decode queries and C4 latents into that capture file (native mode only)."""
     import torch
     from tokenizers import Tokenizer
 
@@ -109,6 +115,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
 
     if mode not in MODES:
         raise ValueError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
+    if capture is not None and mode != "native":
+        raise ValueError(f"--capture needs --mode native, got {mode}: a capture records the native model's latents")
     retention = retention or RetentionArgs()
     engine_args = engine_args or EngineArgs()
     model_dir = Path(model_dir)
@@ -121,6 +129,9 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
                            retention.map_path, retention.policy)
     load_s = time.perf_counter() - t0
+    recorder = None
+    if capture is not None:
+        recorder = capture_recorder(model, capture, served_name, model_dir)
     tokenizer_path = model_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise ValueError(f"{tokenizer_path} does not exist; the model directory needs a tokenizer")
@@ -180,6 +191,10 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
             "calibration": rmap.calibration,
         },
         "c4_record_bytes": [model.c4_formats[i].record_bytes for i in model.csa_layers],
+        # Where a capture server writes its capture, and its budget (null otherwise).
+        "remnant_capture": None if recorder is None else {
+            "path": str(recorder.settings.path), "tokens": recorder.settings.tokens,
+            "records": recorder.settings.records, "source": recorder.settings.source},
         "random_seed": args.seed,
         "torch_num_threads": torch.get_num_threads(),
     }
@@ -191,7 +206,23 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     limits = ModelLimits(args.vocab_size, args.max_position_embeddings, pool_tokens,
                          default_new_tokens=max(1, pool_tokens // pools.slots.n))
     frontend = Frontend(engine, tokenizer, limits, served_name, ChatTemplate.from_model_dir(model_dir))
-    return Served(engine, frontend, info, load_s)
+    return Served(engine, frontend, info, load_s, recorder)
+
+
+def capture_recorder(model, capture, served_name: str, model_dir: Path):
+    """The recorder `model` hands its CSA layers' decode queries and latents to."""
+    import dataclasses
+
+    from remnant.kv.capture_recorder import CaptureRecorder
+    from remnant.records.provenance import sources
+
+    settings = dataclasses.replace(capture, model_id=capture.model_id or served_name)
+    params = {"server": "remnant-serve", "engine": "remnant-embedded", "weights_seed": model.args.seed,
+              "model_dir": str(model_dir), "heads": model.args.num_attention_heads,
+              "sources": sources()}
+    recorder = CaptureRecorder(settings, params, layers=model.csa_layers)
+    model.recorder = recorder
+    return recorder
 
 
 def _flashmla_version(kernel: str) -> str | None:

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from remnant.config import MODES
 from remnant.engine.api import describe_errors, error_body
-from remnant.engine.args import EngineArgs, RetentionArgs
+from remnant.engine.args import EngineArgs, RetentionArgs, add_capture_arguments, capture_from_namespace
 from remnant.engine.openai_api import router as openai_router
 from remnant.engine.served import Served, load_served
 from remnant.engine.sglang_api import router as sglang_router
@@ -41,9 +41,10 @@ log = logging.getLogger("remnant.serve")
 
 
 def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
-               engine_args: EngineArgs | None = None) -> FastAPI:
-    """Load the model directory and build the FastAPI app (the engine starts with the app)."""
-    return app_for(load_served(model_dir, mode, retention, engine_args))
+               engine_args: EngineArgs | None = None, capture=None) -> FastAPI:
+    """Load the model directory and build the FastAPI app (the engine starts with the app).
+    capture: remnant.kv.capture_recorder.CaptureSettings, or None."""
+    return app_for(load_served(model_dir, mode, retention, engine_args, capture))
 
 
 def app_for(served: Served) -> FastAPI:
@@ -56,6 +57,9 @@ def app_for(served: Served) -> FastAPI:
         log.info("engine ready: model loaded in %.2fs", served.load_s)
         yield
         served.engine.stop()
+        if served.recorder is not None:
+            # A capture short of its budget is still written when the server stops.
+            served.recorder.close()
 
     app = FastAPI(title="remnant-serve", lifespan=lifespan)
     app.state.engine = served.engine
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="native", choices=MODES)
     RetentionArgs.add_arguments(p)
     EngineArgs.add_arguments(p)
+    add_capture_arguments(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -122,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         retention = RetentionArgs.from_namespace(a)
         engine_args = EngineArgs.from_namespace(a)
+        capture = capture_from_namespace(a)
         sock = _bind(a.host, a.port)  # before loading: a taken port fails fast
-        app = create_app(a.model_dir, a.mode, retention, engine_args)
+        app = create_app(a.model_dir, a.mode, retention, engine_args, capture)
     except (ValueError, OSError) as exc:
         print(f"remnant-serve: error: {exc}", file=sys.stderr)
         return 2

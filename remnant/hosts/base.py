@@ -10,11 +10,14 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import httpx
 
 from remnant.config import ModelConfig, RetentionConfig
+
+if TYPE_CHECKING:
+    from remnant.kv.capture_recorder import CaptureSettings
 
 
 class HostError(RuntimeError):
@@ -32,6 +35,9 @@ class ServerSpec:
     log_path: Path
     #: The run's id (run.json's run_id): container hosts label what they start with it.
     run_id: str | None = None
+    #: A capture run's remnant.kv.capture_recorder.CaptureSettings (its path is in run_dir),
+    #: or None: the server records its CSA layers' queries and latents there.
+    capture: "CaptureSettings | None" = None
 
 
 @dataclass

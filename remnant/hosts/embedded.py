@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from remnant.config import HOSTS, HostConfig, at_least, positive_finite
-from remnant.engine.args import EngineArgs, RetentionArgs
+from remnant.engine.args import EngineArgs, RetentionArgs, capture_argv
 from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, wait_healthy
 
 _STOP_GRACE_S = 10.0
@@ -103,6 +103,7 @@ class EmbeddedHost:
         ]
         if spec.retention is not None:
             cmd += RetentionArgs.of(spec.retention).to_argv()
+        cmd += capture_argv(spec.capture)
         log = open(spec.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._proc = proc = subprocess.Popen(

@@ -34,6 +34,10 @@ class ExternalHostConfig(HostConfig):
     def starts_server(self) -> bool:
         return False
 
+    def capture_refusal(self) -> str | None:
+        return ("Remnant does not start that server, so it cannot give it capture settings; start it with "
+                "REMNANT_CAPTURE=<file> in its environment (docs/capture.md) and drive it with an ordinary run")
+
     def make(self) -> ExternalHost:
         return ExternalHost(self)
 

@@ -145,6 +145,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the builder colours a command's stderr
 
 MODEL_MOUNT = "/model"
 RETENTION_MAP_MOUNT = "/remnant/retention-map.json"
+#: Where a capture run's directory is mounted (read-write): the server writes its capture there.
+CAPTURE_MOUNT = "/remnant/capture"
 
 
 def repo_root() -> Path:
@@ -359,8 +361,11 @@ class LocalHost:
         ret = spec.retention
         plugin = Settings(spec.mode) if ret is None else Settings(
             spec.mode, tuple(ret.values()), RETENTION_MAP_MOUNT if ret.map_path else None, ret.policy)
+        capture = {} if spec.capture is None else dataclasses.replace(
+            spec.capture, path=f"{CAPTURE_MOUNT}/{Path(spec.capture.path).name}").to_env()
         return {
             **{str(k): str(v) for k, v in self.cfg.env.items()},
+            **capture,
             "MODEL_PATH": MODEL_MOUNT,
             "PORT": str(port),
             "MASTER_PORT": str(master_port),
@@ -390,6 +395,8 @@ class LocalHost:
             volumes = {str(model_dir): {"bind": MODEL_MOUNT, "mode": "ro"}}
             if spec.retention is not None and spec.retention.map_path:
                 volumes[str(Path(spec.retention.map_path).resolve())] = {"bind": RETENTION_MAP_MOUNT, "mode": "ro"}
+            if spec.capture is not None:
+                volumes[str(Path(spec.capture.path).resolve().parent)] = {"bind": CAPTURE_MOUNT, "mode": "rw"}
             gpus = self.cfg.gpu_ids()
             devices = [DeviceRequest(device_ids=[str(g) for g in gpus], capabilities=[["gpu"]])] if gpus else []
             # The model's server_args are SGLang flags; host.server_args go to either server.

@@ -121,6 +121,10 @@ class ModalHostConfig(HostConfig):
     def serves_sglang(self) -> bool:
         return True
 
+    def capture_refusal(self) -> str | None:
+        return ("the capture file would be written inside the Modal container, which does not bring it back; "
+                "capture with host=local (or host=embedded) and upload the map you build from it")
+
     def make(self) -> ModalHost:
         return ModalHost(self)
 

@@ -16,7 +16,9 @@ case "$mode" in native|triton|kernel) ;; *) die "REMNANT_MODE=$mode is not a mod
 case "${REMNANT_SERVER:-}" in
 sglang)
   # SGLang's own arguments; the plugin reads REMNANT_MODE, REMNANT_RETENTION,
-  # REMNANT_RETENTION_MAP and REMNANT_RETENTION_POLICY from this environment.
+  # REMNANT_RETENTION_MAP and REMNANT_RETENTION_POLICY from this environment, and in
+  # capture mode REMNANT_CAPTURE* (remnant.sglang.launch then adds --disable-cuda-graph
+  # and takes the capture's model id from --model-path unless REMNANT_CAPTURE_MODEL_ID is set).
   args=(--model-path "$MODEL_PATH" --host 127.0.0.1 --port "$port" --tp-size "${REMNANT_TP_SIZE:-1}")
   [ -z "${MASTER_PORT:-}" ] || args+=(--nccl-port "$MASTER_PORT")
   echo "remnant-container-serve: run ${REMNANT_RUN_ID:-?}: python3 -m remnant.sglang.launch ${args[*]} $*"
@@ -32,6 +34,11 @@ embedded)
     esac
     [ -z "${REMNANT_RETENTION_MAP:-}" ] || args+=(--retention-map "$REMNANT_RETENTION_MAP")
     args+=(--retention-policy "${REMNANT_RETENTION_POLICY:-attention}")
+  fi
+  if [ -n "${REMNANT_CAPTURE:-}" ]; then
+    args+=(--capture "$REMNANT_CAPTURE" --capture-tokens "${REMNANT_CAPTURE_TOKENS:-256}"
+           --capture-records "${REMNANT_CAPTURE_RECORDS:-4096}" --capture-source "${REMNANT_CAPTURE_SOURCE:-unknown}")
+    [ -z "${REMNANT_CAPTURE_MODEL_ID:-}" ] || args+=(--capture-model-id "$REMNANT_CAPTURE_MODEL_ID")
   fi
   echo "remnant-container-serve: run ${REMNANT_RUN_ID:-?}: remnant-serve ${args[*]} $*"
   exec python3 -m remnant.engine.server "${args[@]}" "$@"

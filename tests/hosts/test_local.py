@@ -105,6 +105,26 @@ def test_run_in_a_container_completes_and_removes_it(docker_engine, tmp_path):
     assert not _containers(docker_engine, again)
 
 
+@pytest.mark.docker
+def test_a_capture_in_a_container_lands_in_the_run_directory(docker_engine, tmp_path):
+    """remnant-capture on host=local: the container writes the capture through its mount of
+    the run directory, and is removed after."""
+    run_dir = tmp_path / "run"
+    p = subprocess.run([str(BIN / "remnant-capture"), *LOCAL, "workload=smoke", "capture.tokens=4",
+                        "capture.records=8", f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((run_dir / "run.json").read_text())
+    cap = doc["capture"]
+    assert (cap["queries"], cap["latents"], cap["complete"], cap["source"]) == (4, 8, True, "smoke")
+    from remnant.kv.captures import load_captures
+
+    captures = load_captures(run_dir / "capture.safetensors")
+    assert captures.fingerprint == cap["fingerprint"] and captures.params["server"] == "remnant-serve"
+    assert not _containers(docker_engine, run_dir)
+    _check(run_dir / "run.json")
+
+
 def _start_long_run(tmp_path: Path, run_dir: Path, client) -> tuple[subprocess.Popen, object]:
     proc = subprocess.Popen(
         [str(BIN / "remnant-run"), *LOCAL, "workload=smoke", "workload.measured_requests=2000",
@@ -309,6 +329,22 @@ def test_local_rules_name_the_field(tmp_path, host, model, message):
 def test_a_valid_sglang_host(tmp_path):
     _validate(LocalHostConfig(gpus="0,1,2,3"), ModelConfig(path=str(tmp_path), tp_size=4))
     assert LocalHostConfig(gpus=" 3, 1 ").gpu_ids() == [3, 1]
+
+
+def test_a_capture_gives_the_sglang_container_the_plugins_capture_settings(tmp_path):
+    """The plugin reads REMNANT_CAPTURE* (remnant.sglang); the path is where the container
+    mounts the run directory."""
+    from remnant.kv.capture_recorder import CaptureSettings
+    from remnant.hosts.local import CAPTURE_MOUNT
+
+    host = LocalHostConfig(gpus="0,1,2,3").make()
+    capture = CaptureSettings(str(tmp_path / "capture.safetensors"), 64, 512, "sharegpt", "/models/dsv4")
+    spec = ServerSpec("native", None, ModelConfig(path=str(tmp_path), tp_size=4), tmp_path, tmp_path / "log",
+                      capture=capture)
+    env = host._environment(spec, "run1", 30000, 30001)
+    assert CaptureSettings.from_env(env) == CaptureSettings(f"{CAPTURE_MOUNT}/capture.safetensors", 64, 512,
+                                                            "sharegpt", "/models/dsv4")
+    assert env["REMNANT_MODE"] == "native"
 
 
 def test_context_digest_follows_content_and_args(tmp_path):
