@@ -16,6 +16,13 @@ Latents are FP8-quantized first, so "native" is what SGLang stores, not the floa
 
     python -m remnant.kv.fidelity --synthetic --out fidelity.json
     python -m remnant.kv.fidelity --captures captures.safetensors --out fidelity.json
+
+That single-capture report (schema remnant/fidelity v1) splits one capture by token and
+compares the training-free policies. The comparison across every policy, the learned one
+included, on a split by capture source is a subcommand (remnant.kv.fidelity_compare,
+schema remnant/fidelity v2):
+
+    python -m remnant.kv.fidelity compare --train A.safetensors --eval B.safetensors --out NAME.json
 """
 
 from __future__ import annotations
@@ -160,6 +167,11 @@ def _int_list(text: str, name: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"]:
+        from remnant.kv.fidelity_compare import main as compare_main
+
+        return compare_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m remnant.kv.fidelity", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--captures", type=Path, help="capture file (remnant-capture/1 safetensors)")

@@ -3,7 +3,7 @@
 Each policy scores the 448 NoPE coordinates of one layer from its calibration capture and
 keeps the N = R - 64 best (RoPE 448..511 is always kept, so it is never a candidate).
 Ties go to the lower index, so the choice is deterministic. Learned scoring is an offline
-research extension, not here.
+research extension in remnant.kv.learned (it reuses `top`), not one of POLICIES.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ A retention map names, per CSA layer, the sorted NoPE coordinates kept at that l
 retention R (N = R - 64 of 0..447; RoPE 448..511 is always kept). It is a JSON record,
 `"schema": "remnant/retention-map"` (schemas/retention-map/v1.schema.json), carrying its
 own provenance: the policy and its parameters, the calibration captures' fingerprint, the
-model id, when and by which code it was built.
+model id, when and by which code it was built. Maps of the training-free policies are
+written as v1; maps of the learned policy (remnant.kv.learned, offline) as v2, which is v1
+plus the policy name "learned" and its scorer's provenance. Both versions load.
 
 A retention profile gives R per CSA layer: uniform or one value per layer.
 
@@ -25,12 +27,19 @@ from remnant.kv.formats import NOPE_DIM, RETENTION_VALUES, ROPE_DIM
 
 #: Training-free policies that choose kept coordinates (remnant.kv.policies implements them).
 POLICIES = ("magnitude", "attention", "prefix", "random")
+#: The offline learned policy (remnant.kv.learned): a map can name it, a run never
+#: calibrates with it at load, so it is not one of POLICIES.
+LEARNED = "learned"
+#: Every policy a retention map may name.
+MAP_POLICIES = POLICIES + (LEARNED,)
 
 if TYPE_CHECKING:
     import torch
 
 SCHEMA = "remnant/retention-map"
 SCHEMA_VERSION = 1
+#: The version written for maps of the learned policy (v1 cannot name it).
+LEARNED_SCHEMA_VERSION = 2
 
 _ALLOWED = ", ".join(map(str, RETENTION_VALUES))
 
@@ -95,12 +104,12 @@ class RetentionMap:
                 f"retention map has {len(mine)} CSA layers {mine}; the model has {len(theirs)}: {theirs}")
 
     def to_dict(self) -> dict:
-        """The map as a remnant/retention-map v1 document."""
+        """The map as a remnant/retention-map document: v1, or v2 for the learned policy."""
         from remnant.records.provenance import sources as code_sources
 
         return {
             "schema": SCHEMA,
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": LEARNED_SCHEMA_VERSION if self.policy == LEARNED else SCHEMA_VERSION,
             "model_id": self.model_id,
             "policy": {"name": self.policy, "params": dict(self.policy_params)},
             "calibration": dict(self.calibration),

@@ -23,7 +23,8 @@ from remnant.records.schema import validate, write_validated
 
 INDEX = "index.json"
 _DESCRIBE = {"remnant/fidelity": "fidelity report", "remnant/capacity": "capacity report",
-             "remnant/kernel-bench": "kernel benchmark", "remnant/client-bench": "client ceiling benchmark"}
+             "remnant/kernel-bench": "kernel benchmark", "remnant/client-bench": "client ceiling benchmark",
+             "remnant/learned-scorer": "learned coordinate scorer"}
 
 
 def curate(sweep: Path, name: str, description: str, benchmarks: Path) -> Path:
@@ -84,8 +85,8 @@ def write_index(benchmarks: Path) -> Path:
             continue
         description = doc.get("description") or _DESCRIBE[kind]
         entries.append({"path": str(rel), "kind": kind, "sha256": sha256_file(path), "description": description})
-    # v2: v1 plus the kind remnant/client-bench.
-    return write_validated(benchmarks / INDEX, {"schema": "remnant/index", "schema_version": 2, "entries": entries})
+    # v3: v2 plus the kind remnant/learned-scorer (v2: v1 plus remnant/client-bench).
+    return write_validated(benchmarks / INDEX, {"schema": "remnant/index", "schema_version": 3, "entries": entries})
 
 
 def main(argv: list[str] | None = None) -> int:
