@@ -329,13 +329,16 @@ Record calibration captures: remnant-run with capture=on. A native server (host=
 or host=local: a container of the serving image, SGLang or the embedded engine) serves the
 workload; each CSA layer hands its first capture.tokens decode queries (after RoPE) and
 first capture.records C4 latents (before FP8) to a recorder, which writes
-capture.safetensors (remnant-capture/1) into the run directory. run.json records the
-file's fingerprint; every map built from it, and every run that serves with that map,
-carries it on.
+capture.safetensors (remnant-capture/1) into the run directory: at once when every layer
+has both, else when the workload ends (the run asks for it before it stops the server).
+run.json records the file's fingerprint; every map built from it, and every run that
+serves with that map, carries it on.
 
-  remnant-capture workload=sharegpt                       # embedded engine, CPU
+  remnant-capture workload=smoke                          # embedded engine, CPU, seconds
+  BENCH_DATASET_PATH=sharegpt.json remnant-capture workload=sharegpt
   remnant-capture workload=longswe capture.tokens=512
-  remnant-capture host=local model=dsv4_flash_0731 host.gpus=0,1,2,3 workload=sharegpt
+  BENCH_DATASET_PATH=sharegpt.json remnant-capture host=local model=dsv4_flash_0731 \\
+      host.gpus=0,1,2,3 workload=sharegpt
   python -m remnant.kv.build_map --captures outputs/.../capture.safetensors \\
       --policy attention --retention 256 --out map.json
   remnant-run mode=kernel retention.map_path=map.json

@@ -219,6 +219,25 @@ def capture_settings(cfg: RunConfig, run_dir: Path):
                            model_id=cfg.model.path or cfg.model.name)
 
 
+def ask_capture_write(base_url: str, settings) -> None:
+    """Ask the server to write its capture now, short of the budget if need be: the marker
+    file beside the capture, then /flush_cache (remnant.kv.capture_recorder.write_requested).
+    SGLang stops its schedulers with SIGKILL, so nothing could write it after the run."""
+    import httpx
+
+    from remnant.kv.capture_recorder import write_request
+
+    marker = write_request(settings.path)
+    marker.touch()
+    try:
+        # The server writes the file before it answers: up to a few GB for a real model.
+        httpx.post(f"{base_url}/flush_cache", timeout=600.0)
+    except httpx.HTTPError as exc:
+        log.warning("capture: /flush_cache failed (%s); the capture is written only if the server stops cleanly", exc)
+    finally:
+        marker.unlink(missing_ok=True)
+
+
 def capture_record(settings, run_dir: Path) -> tuple[dict, list[str]]:
     """run.json's `capture` for the file the server wrote, and the limits it calls for.
     ValueError (naming the file) where the server wrote none or an unreadable one."""
@@ -240,8 +259,8 @@ def capture_record(settings, run_dir: Path) -> tuple[dict, list[str]]:
               "so its timings are not a benchmark of the mode"]
     if not record["complete"]:
         limits.append(f"the capture stopped short of its budget ({queries} of {settings.tokens} decode queries, "
-                      f"{latents} of {settings.records} latents in its smallest CSA layer): written when the server "
-                      "stopped")
+                      f"{latents} of {settings.records} latents in its smallest CSA layer): written when the run "
+                      "ended")
     return record, limits
 
 
@@ -324,6 +343,9 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
                 deadline_s=cfg.workload.deadline_s,
             )
             results = client.run(plan.phases, on_phase_end=lambda r: phases.append(r))
+            if capture is not None:
+                stage.name = "capture"
+                ask_capture_write(endpoint.base_url, capture)
         stage.name = "metrics"
         measured = next(r for r in results if r.name == "measured")
         metrics = summarize(measured.records, duration_s=measured.duration_s)

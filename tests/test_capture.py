@@ -67,7 +67,9 @@ def test_capture_then_build_map_then_a_packed_run_with_it(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_a_capture_short_of_its_budget_is_written_as_the_server_stops(tmp_path):
+def test_a_capture_short_of_its_budget_is_written_when_the_run_ends(tmp_path):
+    """The run asks for the write before it stops the server (SGLang's schedulers die by
+    SIGKILL): server.log shows it came at that request, not at shutdown."""
     p = _cli("remnant-capture", "workload=smoke", "capture.tokens=1000", "capture.source=tiny-smoke",
              f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
@@ -76,6 +78,9 @@ def test_a_capture_short_of_its_budget_is_written_as_the_server_stops(tmp_path):
     assert not cap["complete"] and cap["queries"] < 1000 and cap["source"] == "tiny-smoke"
     assert any("stopped short of its budget" in line for line in doc["limits"])
     assert load_captures(tmp_path / "run" / cap["path"]).params["complete"] is False
+    log = (tmp_path / "run" / "server.log").read_text()
+    assert log.rindex("flush_cache done") < log.index("remnant capture: wrote") < log.index("application shutdown")
+    assert not (tmp_path / "run" / "capture.safetensors.write-now").exists()
 
 
 @pytest.mark.parametrize("args, message", [

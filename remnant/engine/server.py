@@ -65,6 +65,7 @@ def app_for(served: Served) -> FastAPI:
     app.state.engine = served.engine
     app.state.frontend = served.frontend
     app.state.info = served.info
+    app.state.recorder = served.recorder
     _add_error_handlers(app)
     app.include_router(sglang_router)
     app.include_router(openai_router)

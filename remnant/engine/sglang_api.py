@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from remnant.engine.api import BadRequest, GenerateRequest, Utf8JSONRoute, generate_error, generate_error_stream
+from remnant.kv.capture_recorder import write_requested
 
 log = logging.getLogger("remnant.serve")
 
@@ -86,9 +87,11 @@ async def generate(req: GenerateRequest, http: HttpRequest) -> Response:
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(http: HttpRequest) -> Response:
-    """400 while requests run, as SGLang refuses it."""
+    """400 while requests run, as SGLang refuses it. A capture server also writes its
+    capture here when the run asks (remnant.kv.capture_recorder.write_requested)."""
     ok, detail = http.app.state.engine.flush_cache()
     log.info("flush_cache %s: %s", "done" if ok else "refused", detail)
+    write_requested(getattr(http.app.state, "recorder", None))
     if not ok:
         return Response(content="Flush cache failed.\n", status_code=400)
     return Response(content=FLUSH_OK, status_code=200)

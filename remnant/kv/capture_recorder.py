@@ -4,8 +4,11 @@ A capture server runs in native mode; its CSA layers hand every decode query (af
 and every C4 latent (before FP8 quantization) to a CaptureRecorder, which keeps the first
 `tokens` decode queries and the first `records` latents of each CSA layer on the CPU.
 When every CSA layer has both, it writes one remnant-capture/1 file (remnant.kv.captures,
-atomically) and ignores what comes later; `close()` at shutdown writes what it has if it
-has not written yet. Recording only copies: the server computes as it would without it.
+atomically) and ignores what comes later. Short of that, the file is written with what the
+recorder has when the run asks for it (`write_requested`: a marker file beside the capture,
+then the server's /flush_cache) or at shutdown (`close()`). The request matters for
+SGLang, which stops its scheduler processes with SIGKILL, so no exit handler runs there.
+Recording only copies: the server computes as it would without it.
 
 Settings come from plain values (CaptureSettings); `to_env` / `from_env` carry them to
 SGLang's processes as REMNANT_CAPTURE* variables. Importing this module imports no torch.
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from remnant.config import ConfigError
+from remnant.config import CaptureConfig, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -33,10 +36,11 @@ ENV_CAPTURE_RECORDS = "REMNANT_CAPTURE_RECORDS"
 ENV_CAPTURE_SOURCE = "REMNANT_CAPTURE_SOURCE"
 ENV_CAPTURE_MODEL_ID = "REMNANT_CAPTURE_MODEL_ID"
 
-#: Defaults: 256 decode queries of 64 heads are 32 MiB of float32 per CSA layer; 4096
-#: latents are 8 MiB. Both bound the file and the time the policies take to read it.
-DEFAULT_TOKENS = 256
-DEFAULT_RECORDS = 4096
+#: Defaults, the run config's (remnant.config.CaptureConfig): 256 decode queries of 64
+#: heads are 32 MiB of float32 per CSA layer; 4096 latents are 8 MiB. Both bound the file
+#: and the time the policies take to read it.
+DEFAULT_TOKENS = CaptureConfig.tokens
+DEFAULT_RECORDS = CaptureConfig.records
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,20 @@ class CaptureSettings:
             raise ConfigError(f"{ENV_CAPTURE}={path} is a directory; give the capture file to write")
         return cls(path=path, source=env.get(ENV_CAPTURE_SOURCE, "").strip() or "unknown",
                    model_id=env.get(ENV_CAPTURE_MODEL_ID, "").strip() or "unknown", **values)
+
+
+def write_request(path: str | os.PathLike) -> Path:
+    """The marker file that asks the server recording into `path` to write it now: a run
+    creates it, then calls /flush_cache (the file's directory is the one a container mounts)."""
+    return Path(f"{path}.write-now")
+
+
+def write_requested(recorder: CaptureRecorder | None) -> Path | None:
+    """At /flush_cache: write `recorder`'s capture if the run asked for it (close()); the
+    path written, or None."""
+    if recorder is None or not write_request(recorder.settings.path).exists():
+        return None
+    return recorder.close()
 
 
 @dataclass
@@ -210,5 +228,5 @@ class CaptureRecorder:
         self.written = path
         self._layers = {i: _Layer(n_queries=e.n_queries, n_latents=e.n_latents) for i, e in self._layers.items()}
         log.warning("remnant capture: wrote %s (%s; %d CSA layers)", path,
-                    "budget reached" if complete else "at shutdown, short of the budget", len(layers))
+                    "budget reached" if complete else "short of the budget", len(layers))
         return path

@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--train needs --eval FILE: the capture source the policies are measured on")
     if a.synthetic and a.eval is not None:
         p.error("--eval is for --train; --synthetic makes both sources itself")
+    made: list[Path] = []
     try:
         policies = [x.strip() for x in a.policies.split(",") if x.strip()]
         bad = [x for x in policies if x not in COMPARE_POLICIES]
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         stem = a.out.with_suffix("")
         scorer_path = a.out.parent / f"{stem.name}.scorer.json"
         scorer = train(train_named, hp, seed=a.seed)
-        scorer.save(scorer_path)
+        scorer.save(scorer_path)  # first: the report names the scorer file's sha256
+        made.append(scorer_path)
         results = evaluate_split(train_named, eval_named, scorer, policies, values, a.top_k, a.seed)
         doc = document(train_named, eval_named, scorer, scorer_path.name, results, policies, values, a.top_k,
                        a.seed, [], a.limit)
@@ -356,9 +358,12 @@ def main(argv: list[str] | None = None) -> int:
 
         validate(doc, source=str(a.out))  # before the plots: a bad report makes no files
         paths = plot(doc, stem)
+        made += paths
         doc["plots"] = [{"file": x.name, "sha256": sha256_file(x)} for x in paths]
         path = write_validated(a.out, doc)
     except (ValueError, OSError) as exc:
+        for leftover in made:  # no scorer or plot without the report that names them
+            leftover.unlink(missing_ok=True)
         print(f"fidelity compare: error: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)
         return 2
     print(table_markdown(doc), file=sys.stderr)

@@ -23,14 +23,16 @@ stock SGLang does; the hooks only copy:
   recorder, prefill and decode alike.
 - ServerArgs.check_server_args (AFTER): capture needs CUDA graphs off (a replay runs no
   Python, so the hooks would miss decode steps), torch.compile off, no speculative
-  decoding (the target model then runs no decode batches) and one pipeline stage.
+  decoding (the target model then runs no decode batches), one pipeline stage, and no
+  data-parallel replicas outside attention DP (each has a TP rank 0 writing the file).
 
 Only TP rank 0 records (with attention data parallelism that is attention-DP rank 0,
 attention-TP rank 0): its queries are its own head shard, which the file's params name.
 The recorder is made at the first hook call, when the rank is known, and writes the file
-when every CSA layer has its budget; at interpreter exit it writes what it has if it has
-not written yet (a scheduler killed by signal runs no exit handlers: size the workload to
-fill the budget).
+when every CSA layer has its budget. Short of it, Scheduler.flush_cache (AFTER) writes what
+it has when the run asks (a marker file beside the capture, then /flush_cache: SGLang
+stops its schedulers with SIGKILL, which runs no exit handler); an exit handler covers a
+scheduler that exits normally.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import logging
 import threading
 
 from remnant.config import ConfigError
-from remnant.kv.capture_recorder import ENV_CAPTURE, CaptureRecorder, CaptureSettings
+from remnant.kv.capture_recorder import ENV_CAPTURE, CaptureRecorder, CaptureSettings, write_requested
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ _COMPRESSOR_MODULE = "sglang.srt.layers.attention.dsv4.compressor_v2"
 _COMPRESSOR = f"{_COMPRESSOR_MODULE}.CompressorBackendMixin"
 _BACKEND = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 _settings: CaptureSettings | None = None
 _recorder: CaptureRecorder | None = None
@@ -186,12 +189,14 @@ def attention_capture(original, backend, q, k, v, layer, forward_batch, compress
     if compress_ratio == 4 and forward_batch.forward_mode.is_decode():
         rec = recorder(backend)
         if rec is not None and rec.wants(layer.layer_id, "queries"):
-            queries = q.reshape(q.shape[0], q.shape[-2], q.shape[-1])[: real_rows(q, forward_batch)]
+            # Under attention TP, DeepSeek-V4 pads each rank's heads to 64 with unwritten
+            # memory (deepseek_v4.py, q_padded); the layer's tp_q_head_num are the real ones.
+            heads = int(getattr(layer, "tp_q_head_num", None) or q.shape[-2])
+            queries = q.reshape(q.shape[0], q.shape[-2], q.shape[-1])[: real_rows(q, forward_batch), :heads]
             if "query_heads" not in rec.params:
                 tp = rec.params.get("ranks", {})
                 shard = tp.get("attn_tp_size", tp.get("tp_size", 1))
-                rec.params["query_heads"] = {"heads": int(queries.shape[1]), "first": 0,
-                                             "of": int(queries.shape[1]) * int(shard),
+                rec.params["query_heads"] = {"heads": heads, "first": 0, "of": heads * int(shard),
                                              "note": "TP rank 0's head shard: model heads 0..heads-1"}
             rec.add_queries(layer.layer_id, queries)
     return original(backend, q, k, v, layer, forward_batch, compress_ratio, *args, **kwargs)
@@ -214,10 +219,11 @@ def compress_capture(original, backend, **kwargs):
     """CompressorBackendMixin._forward_compress_all_in_one: name the CSA layer for
     store_capture, then the stock call (see the module doc)."""
     layer = rec = None
-    if not kwargs.get("is_indexer") and kwargs.get("compress_ratio") == 4 and not kwargs.get("bf16_store"):
+    if not kwargs.get("is_indexer") and kwargs.get("compress_ratio") == 4:
         rec = recorder(backend)
         if rec is not None:
-            layer = c4_layer_of(backend.token_to_kv_pool, kwargs["kv_cache"])
+            # (A bf16_store call writes no paged C4 buffer either: the warning below names it.)
+            layer = None if kwargs.get("bf16_store") else c4_layer_of(backend.token_to_kv_pool, kwargs["kv_cache"])
             if layer is None:
                 _warn_once("layer", "remnant capture: the C4 compressor writes no paged C4 buffer of the token pool "
                                     "(unified KV layout?); no latents are captured")
@@ -254,6 +260,15 @@ def store_capture(original, kv, plan, *args, out_loc, kvcache, page_size, bf16_s
     return result
 
 
+def flush_write(result, scheduler, *args, **kwargs):
+    """Scheduler.flush_cache (AFTER): where the run asked for it (a marker file beside the
+    capture: remnant.kv.capture_recorder.write_request), write the capture now, short of
+    its budget. SGLang stops its schedulers with SIGKILL, so a run asks before it stops
+    the server; an ordinary /flush_cache (before each phase) writes nothing."""
+    write_requested(_recorder)
+    return result
+
+
 def check_server_args(result, server_args, *args, **kwargs):
     """ServerArgs.check_server_args: what capture needs of the server (see the module doc)."""
     where = f"{ENV_CAPTURE}={settings().path}"
@@ -270,6 +285,10 @@ def check_server_args(result, server_args, *args, **kwargs):
     if getattr(server_args, "speculative_algorithm", None):
         raise ConfigError(f"remnant: {where} does not allow --speculative-algorithm="
                           f"{server_args.speculative_algorithm}; the target model then runs no decode batches")
+    if int(getattr(server_args, "dp_size", 1) or 1) > 1 and not getattr(server_args, "enable_dp_attention", False):
+        raise ConfigError(f"remnant: {where} does not allow --dp-size={server_args.dp_size} without "
+                          f"--enable-dp-attention; allowed: 1 (each data-parallel replica has its own TP rank 0, "
+                          f"and they would write the same file)")
     if int(getattr(server_args, "pp_size", 1) or 1) > 1:
         raise ConfigError(f"remnant: {where} does not allow --pp-size={server_args.pp_size}; allowed: 1 "
                           f"(each pipeline stage would write its own layers to the same file)")
@@ -280,5 +299,6 @@ TARGETS = [
     (f"{_BACKEND}.forward", attention_capture, "around"),
     (f"{_COMPRESSOR}._forward_compress_all_in_one", compress_capture, "around"),
     (f"{_COMPRESSOR_MODULE}.compress_norm_rope_store", store_capture, "around"),
+    (f"{_SCHEDULER}.flush_cache", flush_write, "after"),
     (f"{_SERVER_ARGS}.check_server_args", check_server_args, "after"),
 ]

@@ -36,8 +36,11 @@ embedded)
     args+=(--retention-policy "${REMNANT_RETENTION_POLICY:-attention}")
   fi
   if [ -n "${REMNANT_CAPTURE:-}" ]; then
-    args+=(--capture "$REMNANT_CAPTURE" --capture-tokens "${REMNANT_CAPTURE_TOKENS:-256}"
-           --capture-records "${REMNANT_CAPTURE_RECORDS:-4096}" --capture-source "${REMNANT_CAPTURE_SOURCE:-unknown}")
+    # Unset ones keep remnant-serve's defaults.
+    args+=(--capture "$REMNANT_CAPTURE")
+    [ -z "${REMNANT_CAPTURE_TOKENS:-}" ] || args+=(--capture-tokens "$REMNANT_CAPTURE_TOKENS")
+    [ -z "${REMNANT_CAPTURE_RECORDS:-}" ] || args+=(--capture-records "$REMNANT_CAPTURE_RECORDS")
+    [ -z "${REMNANT_CAPTURE_SOURCE:-}" ] || args+=(--capture-source "$REMNANT_CAPTURE_SOURCE")
     [ -z "${REMNANT_CAPTURE_MODEL_ID:-}" ] || args+=(--capture-model-id "$REMNANT_CAPTURE_MODEL_ID")
   fi
   echo "remnant-container-serve: run ${REMNANT_RUN_ID:-?}: remnant-serve ${args[*]} $*"

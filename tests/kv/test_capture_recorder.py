@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from remnant.config import ConfigError
-from remnant.kv.capture_recorder import CaptureRecorder, CaptureSettings
+from remnant.kv.capture_recorder import CaptureRecorder, CaptureSettings, write_request, write_requested
 from remnant.kv.captures import load_captures
 
 
@@ -68,3 +68,15 @@ def test_settings_round_trip_and_errors(tmp_path):
         CaptureSettings.from_env({"REMNANT_CAPTURE": str(tmp_path)})
     with pytest.raises(ConfigError, match="capture.records=0 must be an integer >= 1"):
         CaptureRecorder(CaptureSettings(path="x", records=0))
+
+
+def test_a_write_is_made_only_where_the_run_asks_for_it(tmp_path):
+    rec = CaptureRecorder(_settings(tmp_path), layers=[1])
+    rec.add_queries(1, torch.randn(1, 2, 512))
+    rec.add_latents(1, torch.randn(2, 512))
+    assert write_requested(rec) is None and not rec.done   # an ordinary /flush_cache
+    write_request(rec.settings.path).touch()
+    path = write_requested(rec)
+    assert path == tmp_path / "cap.safetensors" and rec.done
+    assert load_captures(path).params["complete"] is False
+    assert write_requested(None) is None

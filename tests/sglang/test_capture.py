@@ -289,6 +289,58 @@ def test_attention_hook_records_decode_queries_of_csa_layers_and_returns_stock_o
 
 
 @needs_sglang
+def test_data_parallel_replicas_outside_attention_dp_are_refused(capture_mode):
+    """(SGLang's own CPU parse of --dp-size 2 fails before the plugin's check, so the hook
+    is called with the resolved fields it reads.)"""
+    from remnant.config import ConfigError
+
+    off = SimpleNamespace(decode=SimpleNamespace(backend="disabled"), prefill=SimpleNamespace(backend="disabled"))
+    args = SimpleNamespace(cuda_graph_config=off, dp_size=2, enable_dp_attention=False, pp_size=1)
+    with pytest.raises(ConfigError, match="does not allow --dp-size=2 without --enable-dp-attention"):
+        capture_mode.check_server_args(None, args)
+    args.enable_dp_attention = True
+    capture_mode.check_server_args(None, args)
+
+
+@needs_sglang
+def test_flush_cache_writes_a_short_capture_only_when_the_run_asks(capture_mode):
+    """SGLang stops its schedulers with SIGKILL: the run's marker file plus /flush_cache
+    (Scheduler.flush_cache, AFTER) is where a capture short of its budget gets written."""
+    from remnant.kv.capture_recorder import write_request
+    from remnant.kv.captures import load_captures
+
+    pool = token_pool()
+    decode_queries(capture_mode, pool, CSA)
+    rec = capture_mode.recorder()
+    for layer in CSA:
+        rec.add_latents(layer, torch.randn(3, 512))
+    assert capture_mode.flush_write("flushed", None) == "flushed" and not rec.done  # an ordinary flush
+    write_request(rec.settings.path).touch()
+    assert capture_mode.flush_write("flushed", None) == "flushed" and rec.done
+    caps = load_captures(rec.written)
+    assert sorted(caps.layers) == CSA and caps.params["complete"] is False
+
+
+@needs_sglang
+def test_attention_hook_keeps_only_the_real_heads_of_a_padded_tp_shard(capture_mode):
+    """Under attention TP DeepSeek-V4 pads a rank's 16 heads to 64 with unwritten memory;
+    only the layer's tp_q_head_num heads are queries."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    pool = token_pool()
+    q = torch.full((3, 64, 512), float("nan"), dtype=torch.bfloat16)
+    q[:, :16] = torch.randn(3, 16, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    layer = SimpleNamespace(layer_id=2, tp_q_head_num=16)
+    capture_mode.attention_capture(lambda *a, **kw: None, SimpleNamespace(token_to_kv_pool=pool), q, None, None,
+                                   layer, SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=3), 4)
+    rec = capture_mode.recorder()
+    assert rec.counts()[2] == (3, 0)
+    assert rec.params["query_heads"]["heads"] == 16
+    (kept,) = rec._layers[2].queries
+    assert kept.shape == (3, 16, 512) and torch.equal(kept, q[:, :16].float())
+
+
+@needs_sglang
 def test_compressor_hook_stores_stock_records_and_captures_what_was_quantized(monkeypatch, capture_mode):
     from remnant.kv.captures import load_captures
     from remnant.kv.codec import dequantize, quantize
