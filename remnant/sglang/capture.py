@@ -111,14 +111,6 @@ def ranks() -> dict:
     return out
 
 
-def _csa_layers(pool) -> list[int] | None:
-    ratios = getattr(pool, "compression_ratios", None)
-    if ratios is None:
-        return None
-    start, end = getattr(pool, "_stage_start", 0), getattr(pool, "_stage_end", len(ratios))
-    return [i for i in range(start, end) if ratios[i] == 4]
-
-
 def make_recorder(capture: CaptureSettings, pool=None, where: dict | None = None) -> CaptureRecorder | None:
     """A recorder for this process, or None unless it is TP rank 0 (`where`: ranks(), by
     default read from SGLang). pool: the DeepSeek-V4 token pool, whose CSA layers a
@@ -137,7 +129,9 @@ def make_recorder(capture: CaptureSettings, pool=None, where: dict | None = None
               "queries": "decode queries of CSA layers as attention receives them (after RoPE), TP rank 0 only",
               "latents": "C4 latents (K = V) of every new record, prefill and decode, as SGLang's fused "
                          "kernel rounds them to bf16 before FP8 quantization (its bf16_store path)"}
-    rec = CaptureRecorder(capture, params, _csa_layers(pool) if pool is not None else None)
+    from remnant.sglang.plugin import stage_csa_layers
+
+    rec = CaptureRecorder(capture, params, stage_csa_layers(pool) if pool is not None else None)
     logger.warning("remnant capture: recording up to %d decode queries and %d latents per CSA layer into %s",
                    capture.tokens, capture.records, capture.path)
     return rec

@@ -117,6 +117,12 @@ def _csa_layers(compression_ratios: list[int]) -> list[int]:
     return [i for i, r in enumerate(compression_ratios) if r == 4]
 
 
+def stage_csa_layers(pool) -> list[int]:
+    """The CSA model layers of a DeepSeek-V4 token pool's pipeline stage."""
+    ratios = list(pool.compression_ratios)
+    return [i for i in range(pool._stage_start, pool._stage_end) if ratios[i] == 4]
+
+
 def retention_plan(s: Settings, compression_ratios: list[int]) -> tuple[dict[int, int], dict[int, "object"]]:
     """R and kept NoPE indices (int64 [R - 64]) per CSA model layer.
 
@@ -166,7 +172,7 @@ def make_kv_pool(original, pool, **kwargs):
                           f"REMNANT_MODE={settings().mode}; allowed: SGLang's DeepSeekV4SingleKVPool")
     ratios = list(pool.compression_ratios)
     values, keeps = retention_plan(settings(), ratios)
-    stage = [i for i in range(pool._stage_start, pool._stage_end) if ratios[i] == 4]
+    stage = stage_csa_layers(pool)
     if len(stage) != kwargs["layer_num"]:
         raise RuntimeError(f"remnant: C4 pool of {kwargs['layer_num']} layers, but the stage has CSA layers {stage}")
     return PackedC4Pool(
