@@ -585,38 +585,45 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, raise_interrupted)
 
 
-def run_main() -> None:
-    """Entry point of `remnant-run`."""
+def _entry(prog: str, help_text_of, register, body, summary, what: str) -> None:
+    """What remnant-run and remnant-frontier do around their Hydra task: --help, the
+    schemas, signals, and one line (and the sweep's table) for every way it can end.
+    what: the unit a sweep is made of ("cell", "search"), for the stop message."""
     logging.basicConfig(level=logging.WARNING)
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
-        print(help_text())
+        print(help_text_of())
         return
-    register_configs()
+    register()
     # Hydra's errors reach this function instead of being printed (with a traceback, or
     # a hint that does not fit typed configs) and ending in exit status 1.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     _install_signal_handlers()
     try:
-        _run()
+        body()
     except ConfigRejected as exc:
-        _fail(str(exc), 2)
+        _fail(str(exc), 2, prog)
     except CONFIG_ERRORS as exc:
         _remove_empty_sweep_dir()
-        _fail(config_error_line(exc), 2)
+        _fail(config_error_line(exc), 2, prog)
     except KeyboardInterrupt as exc:
         signum = signum_of(exc)
         if _SWEEP["dir"] is not None:
-            print_sweep_summary(_SWEEP["dir"], stopped=describe_signal(signum))
+            summary(_SWEEP["dir"], stopped=describe_signal(signum))
         else:
-            print(f"remnant-run: stopped by {describe_signal(signum)}", file=sys.stderr)
+            print(f"{prog}: stopped by {describe_signal(signum)}", file=sys.stderr)
         sys.exit(exit_status(signum))
     except SweepAborted as exc:
-        print(f"remnant-run: error: {exc.message}", file=sys.stderr)
+        print(f"{prog}: error: {exc.message}", file=sys.stderr)
         if _SWEEP["dir"] is not None:
-            print_sweep_summary(_SWEEP["dir"], stopped="an error no later cell can avoid")
+            summary(_SWEEP["dir"], stopped=f"an error no later {what} can avoid")
         sys.exit(exc.code)
     except OSError as exc:
-        _fail(_disk_error(exc), 1)
+        _fail(_disk_error(exc), 1, prog)
+
+
+def run_main() -> None:
+    """Entry point of `remnant-run`."""
+    _entry("remnant-run", help_text, register_configs, _run, print_sweep_summary, "cell")
 
 
 # ---------------------------------------------------------------------------------------
@@ -768,34 +775,8 @@ run, or records could not be written; 2 a configuration mistake; 130 / 143 Ctrl-
 
 def frontier_main() -> None:
     """Entry point of `remnant-frontier`."""
-    logging.basicConfig(level=logging.WARNING)
-    if any(a in ("-h", "--help") for a in sys.argv[1:]):
-        print(frontier_help_text())
-        return
-    register_frontier_configs()
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    _install_signal_handlers()
-    try:
-        _frontier()
-    except ConfigRejected as exc:
-        _fail(str(exc), 2, "remnant-frontier")
-    except CONFIG_ERRORS as exc:
-        _remove_empty_sweep_dir()
-        _fail(config_error_line(exc), 2, "remnant-frontier")
-    except KeyboardInterrupt as exc:
-        signum = signum_of(exc)
-        if _SWEEP["dir"] is not None:
-            print_frontier_summary(_SWEEP["dir"], stopped=describe_signal(signum))
-        else:
-            print(f"remnant-frontier: stopped by {describe_signal(signum)}", file=sys.stderr)
-        sys.exit(exit_status(signum))
-    except SweepAborted as exc:
-        print(f"remnant-frontier: error: {exc.message}", file=sys.stderr)
-        if _SWEEP["dir"] is not None:
-            print_frontier_summary(_SWEEP["dir"], stopped="an error no later search can avoid")
-        sys.exit(exc.code)
-    except OSError as exc:
-        _fail(_disk_error(exc), 1, "remnant-frontier")
+    _entry("remnant-frontier", frontier_help_text, register_frontier_configs, _frontier,
+           print_frontier_summary, "search")
 
 
 if __name__ == "__main__":  # python -m remnant.cli, where the console script is not installed
