@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import math
 import os
 import sys
@@ -208,18 +207,9 @@ class LearnedScorer:
         """Read and check a scorer file; RecordError naming the file for a missing or
         unreadable file, malformed JSON or a schema error."""
         from remnant.records.provenance import sha256_file
-        from remnant.records.schema import ROOT, RecordError
+        from remnant.records.schema import read_json
 
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise RecordError(str(path), ROOT, f"cannot read learned scorer: {e}") from None
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise RecordError(str(path), ROOT,
-                              f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-        scorer = cls.from_dict(doc, source=str(path))
+        scorer = cls.from_dict(read_json(path, "learned scorer"), source=str(path))
         scorer.fingerprint = sha256_file(path)
         return scorer
 

@@ -16,7 +16,6 @@ torch is imported only where a tensor is made, so config validation can import t
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -161,18 +160,9 @@ class RetentionMap:
 
         A missing or unreadable file, or malformed JSON, is a RecordError naming the file.
         """
-        from remnant.records.schema import ROOT, RecordError
+        from remnant.records.schema import read_json
 
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise RecordError(str(path), ROOT, f"cannot read retention map: {e}") from None
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise RecordError(str(path), ROOT,
-                              f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-        return cls.from_dict(doc, source=str(path))
+        return cls.from_dict(read_json(path, "retention map"), source=str(path))
 
 
 def _now() -> str:

@@ -15,24 +15,10 @@ run.json; 2 a path does not exist or nothing was checked.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from remnant.records.schema import PREFIX, ROOT, RecordError, validate
-
-
-def _load(path: Path) -> object:
-    """Parsed JSON of `path`; RecordError for an unreadable file or malformed JSON."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecordError(str(path), ROOT, f"cannot read file: {e}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RecordError(str(path), ROOT,
-                          f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+from remnant.records.schema import PREFIX, RecordError, read_json, validate
 
 
 def _is_record(doc: object) -> bool:
@@ -103,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             seen.add(key)
             try:
-                doc = _load(path)
+                doc = read_json(path)
             except RecordError as e:
                 # A file that is not even JSON may well be a broken record: report it.
                 print(f"FAIL {e}")

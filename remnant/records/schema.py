@@ -204,6 +204,20 @@ def validate(doc: Any, source: str = "<document>") -> None:
     raise RecordError(source, *first, errors=[first, *rest])
 
 
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Parsed JSON of `path`; RecordError naming the file for an unreadable file ("cannot
+    read <what>") or malformed JSON (its line and column)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordError(str(path), ROOT, f"cannot read {what}: {e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecordError(str(path), ROOT,
+                          f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
 def write_validated(path: str | os.PathLike, doc: dict) -> Path:
     """Validate `doc`, then write it to `path` as indented JSON with a trailing newline.
 
