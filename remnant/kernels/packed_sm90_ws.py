@@ -39,8 +39,11 @@ import math
 
 import torch
 import triton
-import triton.language as tl
 
+# What the two kernels share (their contract, the plan's split choice, the join of splits)
+# has one home, packed_sm90; this file differs in the kernel only.
+from remnant.kernels.packed_sm90 import (  # noqa: F401 - HEADS, KEPT, splits_per_token: its contract
+    HEADS, KEPT, MAX_SPLITS, _join_kernel, layout_problem, splits_per_token, unavailable_reason)
 from remnant.kv.formats import HEAD_DIM
 from remnant.kv.layout import KeptColumns, PageLayout
 
@@ -52,36 +55,15 @@ try:  # Gluon comes with Triton >= 3.5 builds for NVIDIA GPUs
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-KEPT = 192  # N at R = 256, the retention this kernel is written for
-HEADS = 64  # one warpgroup MMA's M; fewer heads are masked
 STEP = 64  # C4 records per step
 WINDOW_STEP = 32  # window records per step (512 columns: a slot holds as many bytes as a C4 step)
 STAGES = 2  # steps of copies in flight in the producer (its staging buffer)
 SLOTS = 3  # bf16 operand slots between producer and consumers
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 16
 NUM_WARPS = 8  # the consumers; the producer's warps come on top
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 88
 MAX_REGS = 168  # 12 warps share the 64K registers: 168 each at launch, then redistributed
-
-
-def unavailable_reason(device: torch.device, n_kept: int | None = None, heads: int | None = None) -> str | None:
-    """Why this kernel cannot run on `device` for these records (None: it can)."""
-    if gluon is None:
-        return f"Triton {triton.__version__} has no Gluon (needs >= 3.5)"
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    if torch.version.hip is not None:
-        return "needs an NVIDIA GPU (ROCm has no warpgroup MMA)"
-    capability = torch.cuda.get_device_capability(device)
-    if capability != (9, 0):
-        return f"needs sm_90 (H100/H200); this GPU is sm_{capability[0]}{capability[1]}"
-    if n_kept is not None and n_kept != KEPT:
-        return f"is written for R = 256 ({KEPT} kept NoPE columns), got {n_kept}"
-    if heads is not None and heads > HEADS:
-        return f"takes at most {HEADS} heads per call, got {heads}"
-    return None
 
 
 if gluon is not None:
@@ -450,43 +432,6 @@ if gluon is not None:
             (_producer, (ring, raw, scales, ready, empty, c4_locs, w_locs, c4_ptr, c4_stride, K, win_ptr, win_stride,
                          W, kept_starts_ptr, c4_lo, c4_hi, win_lo, win_hi, C4_PER_PAGE, WIN_PER_PAGE, SKIP)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
-
-
-@triton.jit
-def _join_kernel(part_ptr, lse_ptr, out_ptr, o_sb, o_sh, B, H, S: tl.constexpr, SP: tl.constexpr):
-    """out[b, h] = sum_s 2^(lse_s - lse_max) part_s / sum_s 2^(lse_s - lse_max): the splits'
-    normalized partials (float32 [S, B, H, 512]) weighted by their share of the softmax."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, SP)
-    lse = tl.load(lse_ptr + (s * B + b) * H + h, mask=s < S, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))
-    w = w / tl.sum(w, axis=0)
-    c = tl.arange(0, 512)
-    part = tl.load(part_ptr + ((s[:, None] * B + b) * H + h).to(tl.int64) * 512 + c[None, :], mask=s[:, None] < S,
-                   other=0.0)
-    out = tl.sum(part * w[:, None], axis=0)
-    tl.store(out_ptr + b.to(tl.int64) * o_sb + h * o_sh + c, out.to(out_ptr.dtype.element_ty))
-
-
-def splits_per_token(batch: int, multiprocessors: int) -> int:
-    """Programs per token (the plan's choice for this kernel). Below a full GPU's batch a
-    token's records are shared by several programs so that every multiprocessor gets one;
-    from 8 tokens on at most 6, as a split of fewer than two steps' work spends more on its
-    start and its partial than it saves (benchmarks/kernels/NOTES.md, nineteenth round)."""
-    splits = max(1, min(MAX_SPLITS, multiprocessors // max(batch, 1)))
-    return splits if batch < 8 else min(splits, 6)
-
-
-def layout_problem(c4_layout: PageLayout, window_layout: PageLayout) -> str | None:
-    """Why the kernel cannot read these pages (None: it can): its 16-byte copies need split
-    pages (data rows, then the 8-byte tails) with 16-byte aligned data parts of R = 256
-    packed records and of native window records."""
-    for name, layout, width in (("c4", c4_layout, KEPT + 128), ("window", window_layout, 576)):
-        if layout.data_bytes != width or layout.tail_bytes != 8 or layout.page_stride % 16:
-            return (f"reads {name} records with {width}-byte data parts on 16-byte aligned split pages, got "
-                    f"{layout.per_page} per page of stride {layout.page_stride} with {layout.data_bytes}-byte data")
-    return None
 
 
 def _rows(count: int, step: int) -> int:
