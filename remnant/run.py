@@ -404,8 +404,9 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     with signals_deferred():
         if reserve is not None:
             reserve.unlink(missing_ok=True)  # room for run.json, on a disk that may be full
-        artifacts = [artifact(p, run_dir) for p in (requests_path, run_dir / SERVER_LOG, run_dir / CAPTURE_FILE)
-                     if p.is_file()]
+        known = {CAPTURE_FILE: capture_rec["fingerprint"]} if capture_rec else {}  # hashed when it was read
+        artifacts = [artifact(p, run_dir, known.get(p.name))
+                     for p in (requests_path, run_dir / SERVER_LOG, run_dir / CAPTURE_FILE) if p.is_file()]
         host_info = host.describe() if host is not None else {"kind": cfg.host.kind}
         # A container host knows the image that ran and the SGLang inside it; sources() cannot.
         run_sources = {**sources(), "image_digest": host_info.get("image_id")}

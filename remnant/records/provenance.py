@@ -34,8 +34,9 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def artifact(path: str | os.PathLike, root: str | os.PathLike) -> dict:
+def artifact(path: str | os.PathLike, root: str | os.PathLike, sha256: str | None = None) -> dict:
     """Artifact entry of a run record: {"path" relative to root (posix), "sha256", "bytes"}.
+    sha256: the file's, where the caller has already hashed it (a capture of some GB).
 
     Raises ValueError when `path` is not inside `root`, since a record may only point at
     files that travel with its run directory.
@@ -45,7 +46,7 @@ def artifact(path: str | os.PathLike, root: str | os.PathLike) -> dict:
         raise ValueError(f"artifact {path} is not inside the run directory {root}")
     return {
         "path": path.relative_to(root).as_posix(),
-        "sha256": sha256_file(path),
+        "sha256": sha256 or sha256_file(path),
         "bytes": path.stat().st_size,
     }
 
