@@ -1,0 +1,450 @@
+"""moe: the routed experts of a DeepSeek-style MoE block for decode-sized token counts.
+
+Each of T tokens is routed to k of E experts with a weight. Expert e is a SwiGLU:
+y = (silu(x @ G_e) * (x @ U_e)) @ D_e, with the gate and up projections side by side in
+one matrix W_gate_up[e] = [G_e | U_e] of [hidden, 2 * I] and W_down[e] of [I, hidden]; a
+token's output is the sum over its k experts of its routing weight times that expert's y.
+
+The kernel reads only the experts the tokens were routed to (torch._grouped_mm reads every
+expert's weights: ../shared/notes/h200-facts.md), the structure of vLLM's and SGLang's
+fused_moe, written here from scratch:
+
+1. Alignment (torch, `align`): the T * k (token, expert) pairs, pair p = t * k + j, are
+   sorted by expert (a stable argsort) and laid out in blocks of BLOCK_M rows, each block
+   holding pairs of one expert, the last block of an expert padded with the sentinel pair
+   T * k. Every shape depends on T, k, E and BLOCK_M only, and nothing is read back to the
+   host, so the whole step can be captured in a CUDA graph. The number of blocks is the
+   worst case over all routings: with n = T * k pairs over m <= min(n, E) non-empty
+   experts, sum_e ceil(c_e / BM) = m + sum_e floor((c_e - 1) / BM) <= m + (n - m) // BM,
+   which grows with m, so `max_blocks` = min(n, E) + (n - min(n, E)) // BM (attained: all
+   but one expert with one pair). Blocks past the routed ones are marked expert -1.
+2. gate_up (Triton): one program per (block, tile of BLOCK_N of the I columns) that exits
+   at once on a padding block; otherwise it loads its rows' tokens of x and, for each
+   BLOCK_K slice of hidden, the expert's gate tile and up tile once, multiplies on the
+   tensor cores (tl.dot: operands in x's dtype, float32 accumulation), scales by the
+   per-column FP8 scale, applies silu(gate) * up in float32 and writes the pair's row of
+   the intermediate h [n, I] (x's dtype).
+3. down (Triton): one program per (block, tile of the hidden columns): h's rows times the
+   expert's down tile, the FP8 scale and the pair's routing weight, written to the pair's
+   own row of a float32 [T, k, hidden] buffer. Each pair's row is written by exactly one
+   program, so no atomics; the k rows of a token are summed in torch, in a fixed order
+   (deterministic), and rounded to x's dtype once.
+
+Weight bytes read: the routed experts' gate_up and down tiles, each once per block (one
+block per expert at decode sizes), plus their scales: for FP8 experts
+3 * hidden * I + 4 * (2 * I + hidden) bytes per distinct expert. Activations are small
+beside them (x's rows per block, h, the float32 pair buffer).
+
+Expert weights: bfloat16, float32 or FP8 e4m3 (torch.float8_e4m3fn) with a float32 scale
+per (expert, output column): W = codes * scale[e, column] (`quantize_experts`, with torch's
+correct cast; Triton's interpreter rounds some float32 -> FP8 casts wrongly, triton issue
+8322, so no kernel here quantizes). FP8 codes are widened to x's dtype in the kernel
+(exact) and the scale, constant along the summed axis, multiplies the accumulator.
+
+Beside the kernel: `routed_experts_reference`, the float64 loop over tokens and their k
+experts (the ground truth), `routed_experts_torch`, the same blocks as batched gather and
+bmm (graph-safe; the path on CPU without Triton's interpreter), and `routed_experts`, which
+picks the kernel for CUDA tensors and for CPU ones under the interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from remnant.kernels.common import interpreted
+
+#: Expert weight dtypes the kernel reads, by name (the engine's expert_dtype values).
+EXPERT_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
+#: Activation (compute) dtypes: the dtype of x, of the matrix operands and of the output.
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+FP8_MAX = 448.0  # largest finite FP8 e4m3 (e4m3fn) value
+IMPLS = ("auto", "triton", "torch")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most blocks of block_m rows that num_pairs (token, expert) pairs over num_experts
+    experts can fill, each block holding one expert's pairs: min(n, E) + (n - min(n, E)) //
+    block_m (see the module docstring), the static grid of the kernels."""
+    m = min(num_pairs, num_experts)
+    return m + (num_pairs - m) // block_m
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """The (token, expert) pairs sorted by expert in blocks of block_m rows.
+
+    rows: int32 [max_blocks * block_m], the pair p = t * k + j at each row, n = T * k where
+    a block's row is padding. block_expert: int32 [max_blocks], each block's expert, -1 for
+    a padding block. All shapes are static given T, k, E and block_m.
+    """
+
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+    num_pairs: int
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort topk_ids int [T, k] (expert per token and slot) by expert into blocks of block_m
+    rows, on topk_ids' device, without a host synchronisation (CUDA-graph safe)."""
+    n = topk_ids.numel()
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    blocks_n = max_blocks(n, num_experts, block_m)
+    order = torch.argsort(flat, stable=True)  # pair indices, by expert, in pair order within one
+    # Per-expert counts by scatter_add (bincount's output size would depend on the values).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)                 # inclusive: expert e owns [end - blocks, end)
+    first_pair = torch.cumsum(counts, 0) - counts       # sorted position of expert e's first pair
+    sorted_expert = flat[order]
+    rank = torch.arange(n, device=device) - first_pair[sorted_expert]
+    slot = (block_end - blocks)[sorted_expert] * block_m + rank
+    rows = torch.full((blocks_n * block_m,), n, dtype=torch.int64, device=device)
+    rows.scatter_(0, slot, order)
+    # Block b belongs to the first expert whose block range ends after b; none: padding.
+    block_expert = torch.searchsorted(block_end, torch.arange(blocks_n, device=device), right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return Alignment(rows.to(torch.int32), block_expert.to(torch.int32), block_m, n)
+
+
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 codes and float32 scales of expert weights w float [E, K, N] (K: the summed
+    input axis), one scale per (expert, output column): scale = amax over K / 448, codes =
+    w / scale cast by torch (round to nearest even). Returns (codes float8_e4m3fn [E, K, N],
+    scale float32 [E, N]); codes * scale[:, None, :] approximates w."""
+    if w.ndim != 3 or not w.is_floating_point():
+        raise ValueError(f"quantize_experts expects float [E, K, N] weights, got {w.dtype} {tuple(w.shape)}")
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = (w / scale[:, None, :]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Expert weights w [E, K, N] as `dtype`, times scale [E, N] where given (FP8 codes)."""
+    out = w.to(dtype)
+    return out if scale is None else out * scale.to(dtype)[:, None, :]
+
+
+def check_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor, gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None,
+                 check_ids: bool = False) -> tuple[int, int, int, int, int]:
+    """Check the arguments of routed_experts*; returns (T, k, E, hidden, I).
+
+    check_ids reads topk_ids back to the host (a device sync) to check their range: tests
+    turn it on, serving paths (ids from torch.topk over E scores) leave it off.
+    """
+    if x.ndim != 2 or _name(x.dtype) not in COMPUTE_DTYPES:
+        raise ValueError(f"x must be [T, hidden] of {', '.join(COMPUTE_DTYPES)}, got {x.dtype} {tuple(x.shape)}")
+    T, hidden = x.shape
+    if w_gate_up.ndim != 3 or w_gate_up.shape[1] != hidden or w_gate_up.shape[2] % 2:
+        raise ValueError(f"w_gate_up must be [E, hidden={hidden}, 2 * I], got {tuple(w_gate_up.shape)}")
+    E, _, two_i = w_gate_up.shape
+    inter = two_i // 2
+    if w_down.shape != (E, inter, hidden):
+        raise ValueError(f"w_down must be [E={E}, I={inter}, hidden={hidden}], got {tuple(w_down.shape)}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if _name(w.dtype) not in EXPERT_DTYPES:
+            raise ValueError(f"{name} dtype={_name(w.dtype)} is not allowed; allowed: {', '.join(EXPERT_DTYPES)}")
+    if w_down.dtype != w_gate_up.dtype:
+        raise ValueError(f"w_down dtype={_name(w_down.dtype)} must equal w_gate_up's, {_name(w_gate_up.dtype)}")
+    fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+    for name, scale, shape in (("gate_up_scale", gate_up_scale, (E, two_i)), ("down_scale", down_scale, (E, hidden))):
+        if fp8 and (scale is None or scale.shape != shape or scale.dtype != torch.float32):
+            got = "None" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
+            raise ValueError(f"{name} must be float32 {shape} with float8_e4m3fn experts, got {got}")
+        if not fp8 and scale is not None:
+            raise ValueError(f"{name} must be None with {_name(w_gate_up.dtype)} experts (scales are for FP8 codes)")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != T or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64 [T={T}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if not 1 <= k <= E:
+        raise ValueError(f"topk_ids has k={k} experts per token; allowed: 1..E={E}")
+    if topk_weights.shape != (T, k) or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be float [T={T}, k={k}], got {topk_weights.dtype} "
+                         f"{tuple(topk_weights.shape)}")
+    tensors = [x, topk_ids, topk_weights, w_gate_up, w_down] + [s for s in (gate_up_scale, down_scale) if s is not None]
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"routed experts' tensors must share one device, got {sorted(map(str, devices))}")
+    if check_ids and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"topk_ids must lie in [0, E={E}), got [{lo}, {hi}]")
+    return T, k, E, hidden, inter
+
+
+def routed_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                             w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                             gate_up_scale: torch.Tensor | None = None,
+                             down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The ground truth: float64 [T, hidden], sum over j of topk_weights[t, j] times expert
+    topk_ids[t, j]'s SwiGLU of x[t], one token and expert at a time in float64 (weights
+    dequantized exactly: codes * scale). Shapes as routed_experts."""
+    T, k, _, _, inter = check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale,
+                                     check_ids=True)
+    f64 = torch.float64
+    out = torch.zeros(T, x.shape[1], dtype=f64, device=x.device)
+    for t in range(T):
+        for j in range(k):
+            e = int(topk_ids[t, j])
+            gu = w_gate_up[e].to(f64)
+            dn = w_down[e].to(f64)
+            if gate_up_scale is not None:
+                gu = gu * gate_up_scale[e].to(f64)[None, :]
+                dn = dn * down_scale[e].to(f64)[None, :]
+            h = x[t].to(f64) @ gu
+            a = F.silu(h[:inter]) * h[inter:]
+            out[t] += float(topk_weights[t, j]) * (a @ dn)
+    return out
+
+
+def torch_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per block of routed_experts_torch: at least 16, and at least the mean pairs per
+    expert (a power of two), so its blocks number at most 2E and the weights it gathers at
+    most twice all experts' (T of thousands in a CPU prefill would otherwise gather one
+    expert copy per 16 pairs)."""
+    mean = -(-num_pairs // num_experts)
+    return max(16, 1 << (mean - 1).bit_length())
+
+
+def routed_experts_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                         gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                         block_m: int | None = None) -> torch.Tensor:
+    """The kernel's blocks as batched torch: each block's rows of x times its expert's
+    weights (gathered, widened to x's dtype) with bmm, the scales per column, silu(gate) *
+    up rounded to x's dtype, the down bmm, the routing weights, then the pairs summed per
+    token in float32. x's dtype [T, hidden]; graph-safe (static shapes, no host sync).
+    block_m: rows per block, None taking torch_block_m."""
+    T, k, E, hidden, inter = check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale)
+    n = T * k
+    al = align(topk_ids, E, block_m or torch_block_m(n, E))
+    rows = al.rows.long().view(-1, al.block_m)                             # [B, BM], n = padding
+    experts = al.block_expert.long().clamp_min(0)                          # padding blocks use expert 0
+    x_pad = torch.cat([x, x.new_zeros(1, hidden)])                         # row T: the padding rows' token
+    xb = x_pad[torch.where(rows < n, rows // k, T)]                        # [B, BM, hidden]
+    h = torch.bmm(xb, w_gate_up[experts].to(x.dtype)).float()              # [B, BM, 2I]
+    if gate_up_scale is not None:
+        h = h * gate_up_scale[experts][:, None, :]
+    a = (F.silu(h[..., :inter]) * h[..., inter:]).to(x.dtype)
+    y = torch.bmm(a, w_down[experts].to(x.dtype)).float()                  # [B, BM, hidden]
+    if down_scale is not None:
+        y = y * down_scale[experts][:, None, :]
+    weights = torch.cat([topk_weights.reshape(-1).float(), topk_weights.new_zeros(1, dtype=torch.float32)])
+    y = y * weights[rows][..., None]
+    # Each pair is one row; the padding rows all land on the extra row n, which is dropped.
+    pairs = torch.zeros(n + 1, hidden, dtype=torch.float32, device=x.device)
+    pairs.index_copy_(0, rows.reshape(-1), y.reshape(-1, hidden))
+    return pairs[:n].view(T, k, hidden).sum(1).to(x.dtype)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """a @ b with float32 accumulation: the tensor cores on bf16 operands (IEEE float32 for
+    float32 ones). Triton 3.9's interpreter returns garbage for tl.dot on bf16 operands
+    (remnant.kernels.decode._mma), so interpreted runs multiply the same values as float32."""
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, stride_x,
+    w_ptr, stride_we, stride_wk,
+    scale_ptr, stride_se,
+    h_ptr, stride_h,
+    rows_ptr, block_expert_ptr, n_pairs,
+    K_TOP: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b)
+    if e < 0:  # a padding block: the grid is the worst case, most decode steps route fewer
+        return
+    m = tl.arange(0, BLOCK_M)
+    pair = tl.load(rows_ptr + b * BLOCK_M + m)
+    row_ok = pair < n_pairs
+    x_rows = x_ptr + (pair // K_TOP).to(tl.int64)[:, None] * stride_x
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < HIDDEN
+        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_tile = w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :]
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        # FP8 codes widen exactly to x's dtype; the scale waits for the accumulator.
+        gate = tl.load(w_tile, mask=w_ok, other=0.0).to(x_ptr.dtype.element_ty)
+        up = tl.load(w_tile + INTER, mask=w_ok, other=0.0).to(x_ptr.dtype.element_ty)
+        acc_gate += _dot(a, gate, IEEE, INTERPRETED)
+        acc_up += _dot(a, up, IEEE, INTERPRETED)
+    if HAS_SCALE:
+        s = scale_ptr + e.to(tl.int64) * stride_se + n
+        acc_gate *= tl.load(s, mask=n_ok, other=0.0)[None, :]
+        acc_up *= tl.load(s + INTER, mask=n_ok, other=0.0)[None, :]
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h
+    tl.store(h_rows + n[None, :], h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, stride_h,
+    w_ptr, stride_we, stride_wk,
+    scale_ptr, stride_se,
+    weights_ptr, out_ptr, stride_out,
+    rows_ptr, block_expert_ptr, n_pairs,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b)
+    if e < 0:
+        return
+    m = tl.arange(0, BLOCK_M)
+    pair = tl.load(rows_ptr + b * BLOCK_M + m)
+    row_ok = pair < n_pairs
+    h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < HIDDEN
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < INTER
+        a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0).to(h_ptr.dtype.element_ty)
+        acc += _dot(a, w, IEEE, INTERPRETED)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + e.to(tl.int64) * stride_se + n, mask=n_ok, other=0.0)[None, :]
+    acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    out_rows = out_ptr + pair.to(tl.int64)[:, None] * stride_out
+    tl.store(out_rows + n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Launch settings: rows per block (block_m, >= 16 for tl.dot), output columns (block_n)
+    and summed inputs (block_k) per tile, warps and pipeline stages per program."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(num_pairs: int, num_experts: int, on_gpu: bool) -> MoEConfig:
+    """Launch settings for num_pairs (token, expert) pairs over num_experts experts.
+
+    Decode (at most 32 pairs per expert on average): blocks of 16 rows, the least tl.dot
+    takes, so a batch-1 step spends no work on padding rows and a program's time is its
+    weight tile. Larger batches: 64-row blocks, each weight tile reused by more rows.
+    Under the interpreter: small tiles (its cost is per element, not per launch).
+    """
+    if not on_gpu:
+        return MoEConfig(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=1)
+    if num_pairs <= 32 * num_experts:
+        return MoEConfig(block_m=16, block_n=64, block_k=128)
+    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+
+
+def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                          gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                          config: MoEConfig | None = None, check_ids: bool = False,
+                          h: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused routed-expert kernels (module docstring): x's dtype [T, hidden]. On CUDA
+    tensors compiled, on CPU tensors only under Triton's interpreter. Graph-safe: static
+    grids (max_blocks x column tiles), no host sync unless check_ids.
+
+    h (x's dtype [T * k, I]) and pairs (float32 [T * k, hidden]): the intermediate and
+    per-pair output buffers, allocated here when None; every element is written (tests
+    pass them poisoned).
+    """
+    T, k, E, hidden, inter = check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale,
+                                          check_ids)
+    interp = interpreted()
+    if not x.is_cuda and not interp:
+        raise ValueError(f"routed_experts_triton runs on CUDA tensors or under Triton's interpreter "
+                         f"(TRITON_INTERPRET=1), got device={x.device}")
+    n = T * k
+    cfg = config or default_config(n, E, x.is_cuda and not interp)
+    if cfg.block_m < 16:
+        raise ValueError(f"config.block_m={cfg.block_m} is not allowed; tl.dot needs block_m >= 16")
+    for name, buf, shape, dtype in (("h", h, (n, inter), x.dtype), ("pairs", pairs, (n, hidden), torch.float32)):
+        if buf is not None and (buf.shape != shape or buf.dtype != dtype or not buf.is_contiguous()
+                                or buf.device != x.device):
+            raise ValueError(f"{name} must be contiguous {_name(dtype)} {shape} on {x.device}, got "
+                             f"{_name(buf.dtype)} {tuple(buf.shape)} on {buf.device}")
+    if n == 0:
+        return x.new_zeros(T, hidden)
+    x = x.contiguous()
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    al = align(topk_ids, E, cfg.block_m)
+    blocks = al.block_expert.numel()
+    h = torch.empty(n, inter, dtype=x.dtype, device=x.device) if h is None else h
+    pairs = torch.empty(n, hidden, dtype=torch.float32, device=x.device) if pairs is None else pairs
+    fp8 = gate_up_scale is not None
+    # Scales are unread without FP8 experts; any float32 pointer fills the argument.
+    gu_scale = gate_up_scale.contiguous() if fp8 else pairs
+    dn_scale = down_scale.contiguous() if fp8 else pairs
+    ieee = x.dtype == torch.float32
+    common = dict(rows_ptr=al.rows, block_expert_ptr=al.block_expert, n_pairs=n, HIDDEN=hidden, INTER=inter,
+                  HAS_SCALE=fp8, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, IEEE=ieee,
+                  INTERPRETED=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
+        x_ptr=x, stride_x=x.stride(0),
+        w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
+        scale_ptr=gu_scale, stride_se=2 * inter,
+        h_ptr=h, stride_h=h.stride(0), K_TOP=k, **common)
+    _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
+        h_ptr=h, stride_h=h.stride(0),
+        w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
+        scale_ptr=dn_scale, stride_se=hidden,
+        weights_ptr=topk_weights.reshape(-1).float().contiguous(), out_ptr=pairs, stride_out=pairs.stride(0),
+        **common)
+    return pairs.view(T, k, hidden).sum(1).to(x.dtype)
+
+
+def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                   impl: str = "auto", check_ids: bool = False) -> torch.Tensor:
+    """The routed experts' output, x's dtype [T, hidden].
+
+    x: bf16 or float32 [T, hidden]; topk_ids: int [T, k], each token's experts;
+    topk_weights: float [T, k], their routing weights; w_gate_up: [E, hidden, 2 * I] (gate
+    columns 0..I-1, up columns I..2I-1); w_down: [E, I, hidden]; both bfloat16, float32 or
+    float8_e4m3fn with gate_up_scale float32 [E, 2 * I] and down_scale float32 [E, hidden].
+    impl: "auto" runs the Triton kernels on CUDA tensors and on CPU tensors under Triton's
+    interpreter, routed_experts_torch otherwise; "triton" and "torch" force one.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not allowed; allowed: {', '.join(map(repr, IMPLS))}")
+    if impl == "triton" or (impl == "auto" and (x.is_cuda or interpreted())):
+        return routed_experts_triton(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale,
+                                     check_ids=check_ids)
+    if check_ids:
+        check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale, check_ids=True)
+    return routed_experts_torch(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale)

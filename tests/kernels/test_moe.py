@@ -1,0 +1,251 @@
+"""remnant.kernels.moe: the fused routed-expert kernels and the batched torch path against
+routed_experts_reference (float64, one token and expert at a time)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from remnant.kernels.moe import (EXPERT_DTYPES, align, dequantize_experts, max_blocks, quantize_experts,
+                                 routed_experts, routed_experts_reference, routed_experts_torch,
+                                 routed_experts_triton, torch_block_m)
+from tests.kernels.inputs import DEVICE, ON_GPU
+
+HIDDEN, INTER, E, K = 128, 64, 5, 2
+
+
+def _experts(gen: torch.Generator, e: int, hidden: int, inter: int, dtype: str):
+    """(w_gate_up, w_down, gate_up_scale, down_scale) on DEVICE in `dtype`, fresh random."""
+    gu = torch.randn(e, hidden, 2 * inter, generator=gen) / hidden**0.5
+    dn = torch.randn(e, inter, hidden, generator=gen) / inter**0.5
+    if dtype == "float8_e4m3fn":
+        (gu, gu_s), (dn, dn_s) = quantize_experts(gu), quantize_experts(dn)
+        return gu.to(DEVICE), dn.to(DEVICE), gu_s.to(DEVICE), dn_s.to(DEVICE)
+    return gu.to(DEVICE, EXPERT_DTYPES[dtype]), dn.to(DEVICE, EXPERT_DTYPES[dtype]), None, None
+
+
+def _routing(gen: torch.Generator, t: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k distinct experts per token, uniform; weights in (0.1, 1)."""
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    return ids.long().to(DEVICE), (0.1 + 0.9 * torch.rand(t, k, generator=gen)).to(DEVICE)
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    # float32: summation order only. bf16: x, h and the output each rounded to 8 bits.
+    return dict(rtol=0, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def _check(x, ids, weights, experts, impl: str = "triton") -> None:
+    """impl's output against the reference, with the triton buffers poisoned (NaN)."""
+    ref = routed_experts_reference(x, ids, weights, *experts)
+    if impl == "triton":
+        n = ids.numel()
+        h = torch.full((n, experts[1].shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+        pairs = torch.full((n, x.shape[1]), float("nan"), device=x.device)
+        got = routed_experts_triton(x, ids, weights, *experts, check_ids=True, h=h, pairs=pairs)
+    else:
+        got = routed_experts_torch(x, ids, weights, *experts)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert torch.isfinite(got).all(), "an unwritten (poisoned) element reached the output"
+    scale = ref.abs().max().clamp_min(1.0)
+    torch.testing.assert_close(got.double() / scale, ref / scale, **_tolerance(x.dtype))
+
+
+@triton.jit
+def _widen(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32), mask=offs < n)
+
+
+def test_fp8_codes_widen_exactly_in_triton():
+    """The kernels widen FP8 codes in Triton; every finite code must give torch's value
+    (checked because Triton's interpreter casts float32 -> FP8 wrongly: triton issue 8322;
+    its FP8 -> float32 differs only on the two NaN codes, which quantize_experts never makes)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = (codes & 0x7F) != 0x7F
+    f8 = codes[finite].view(torch.float8_e4m3fn).to(DEVICE)
+    out = torch.empty(f8.shape, device=DEVICE)
+    _widen[(1,)](f8, out, f8.numel(), BLOCK=256)
+    assert torch.equal(out, f8.float())
+
+
+def test_quantize_experts_per_output_column():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 40, 24, generator=gen) * torch.exp(torch.randn(3, 1, 24, generator=gen))
+    codes, scale = quantize_experts(w)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (3, 24) and scale.dtype == torch.float32
+    assert torch.equal(codes.float().abs().amax(1), torch.full((3, 24), 448.0))  # each column's amax is 448
+    back = dequantize_experts(codes, scale, torch.float32)
+    assert ((back - w).abs() <= w.abs().amax(1, keepdim=True) / 16).all()  # e4m3: 3 mantissa bits
+    with pytest.raises(ValueError, match=r"quantize_experts expects float \[E, K, N\] weights, got torch.float32 \(3, 40\)"):
+        quantize_experts(w[:, :, 0])
+
+
+def _expected_blocks(ids: torch.Tensor, e: int, block_m: int) -> list[tuple[int, list[int]]]:
+    """(expert, pairs) per non-padding block, built with plain Python."""
+    flat = ids.flatten().tolist()
+    out = []
+    for expert in range(e):
+        pairs = [p for p, x in enumerate(flat) if x == expert]
+        out += [(expert, pairs[i : i + block_m]) for i in range(0, len(pairs), block_m)]
+    return out
+
+
+@pytest.mark.parametrize("t,e,k,block_m", [(1, 5, 2, 16), (7, 5, 2, 16), (20, 3, 2, 16), (33, 8, 3, 4), (0, 4, 2, 16)])
+def test_align_blocks_each_hold_one_experts_pairs(t, e, k, block_m):
+    gen = torch.Generator().manual_seed(t)
+    ids, _ = _routing(gen, t, e, k)
+    al = align(ids, e, block_m)
+    n = t * k
+    assert al.rows.shape == (max_blocks(n, e, block_m) * block_m,) and al.rows.dtype == torch.int32
+    rows, experts = al.rows.view(-1, block_m).cpu(), al.block_expert.cpu()
+    want = _expected_blocks(ids.cpu(), e, block_m)
+    assert [int(x) for x in experts[: len(want)]] == [x for x, _ in want]
+    assert (experts[len(want) :] == -1).all()
+    for b, (_, pairs) in enumerate(want):
+        assert rows[b].tolist() == pairs + [n] * (block_m - len(pairs))
+    assert (rows[len(want) :] == n).all()
+
+
+def test_max_blocks_is_the_worst_case_and_attained():
+    # All but one expert with one pair, the rest on one expert: min(n, E) + (n - min(n, E)) // BM.
+    for n, e, bm in [(6, 32, 16), (768, 32, 16), (14, 5, 16), (40, 3, 16), (100, 7, 8)]:
+        m = min(n, e)
+        counts = [1] * (m - 1) + [n - (m - 1)]
+        assert sum(-(-c // bm) for c in counts) == max_blocks(n, e, bm) == m + (n - m) // bm
+    # And no routing exceeds it (exhaustive over a small case: 3 tokens x k=2 of E=4, BM=2).
+    for combo in itertools.product(list(itertools.combinations(range(4), 2)), repeat=3):
+        counts = [sum(x == ex for pair in combo for x in pair) for ex in range(4)]
+        assert sum(-(-c // 2) for c in counts) <= max_blocks(6, 4, 2)
+
+
+@pytest.mark.parametrize("expert_dtype", list(EXPERT_DTYPES))
+@pytest.mark.parametrize("t,x_dtype", [(1, torch.float32), (3, torch.bfloat16), (7, torch.float32),
+                                       (7, torch.bfloat16)])
+def test_kernel_matches_reference(t, x_dtype, expert_dtype):
+    gen = torch.Generator().manual_seed(100 * t + len(expert_dtype))
+    experts = _experts(gen, E, HIDDEN, INTER, expert_dtype)
+    x = torch.randn(t, HIDDEN, generator=gen).to(DEVICE, x_dtype)
+    ids, weights = _routing(gen, t, E, K)
+    _check(x, ids, weights, experts)
+
+
+@pytest.mark.parametrize("expert_dtype", list(EXPERT_DTYPES))
+def test_kernel_with_idle_experts_and_one_expert_taking_every_token(expert_dtype):
+    """Experts 0, 2 and 4 get no token, 3 and 1 get all 20 (two blocks each of 16 rows),
+    and sizes off the tiles (hidden 80, I 48) leave partial column tiles. The idle experts'
+    weights and scales are NaN: a read of them into any product would reach the output."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, inter, t = 80, 48, 20
+    experts = _experts(gen, E, hidden, inter, expert_dtype)
+    idle = torch.tensor([0, 2, 4], device=DEVICE)
+    for w in experts:
+        if w is not None:
+            w.view(torch.uint8)[idle] = 0x7F if w.dtype == torch.float8_e4m3fn else 0xFF  # NaN bytes
+    assert all(w[idle].float().isnan().all() for w in experts if w is not None)
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE)
+    ids = torch.tensor([[3, 1]] * t, device=DEVICE)
+    weights = torch.rand(t, K, generator=gen).to(DEVICE)
+    ref = routed_experts_reference(x, ids, weights, *experts)
+    h = torch.full((t * K, inter), float("nan"), device=DEVICE)
+    pairs = torch.full((t * K, hidden), float("nan"), device=DEVICE)
+    got = routed_experts_triton(x, ids, weights, *experts, check_ids=True, h=h, pairs=pairs)
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5)
+    torch.testing.assert_close(routed_experts_torch(x, ids, weights, *experts).double(), ref, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("expert_dtype", list(EXPERT_DTYPES))
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_matches_reference(x_dtype, expert_dtype):
+    gen = torch.Generator().manual_seed(3)
+    experts = _experts(gen, E, HIDDEN, INTER, expert_dtype)
+    for t in (1, 7):  # several blocks per expert: test_kernel_with_idle_experts_...
+        x = torch.randn(t, HIDDEN, generator=gen).to(DEVICE, x_dtype)
+        ids, weights = _routing(gen, t, E, K)
+        _check(x, ids, weights, experts, impl="torch")
+
+
+def test_torch_block_m_bounds_the_gathered_experts():
+    assert torch_block_m(6, 32) == 16 and torch_block_m(768, 32) == 32 and torch_block_m(8192, 4) == 2048
+    for n, e in [(6, 32), (768, 32), (8192, 4), (100_000, 7)]:
+        assert max_blocks(n, e, torch_block_m(n, e)) <= 2 * e
+
+
+def test_no_tokens():
+    gen = torch.Generator().manual_seed(0)
+    experts = _experts(gen, E, HIDDEN, INTER, "float32")
+    x = torch.zeros(0, HIDDEN, device=DEVICE)
+    ids, weights = torch.zeros(0, K, dtype=torch.long, device=DEVICE), torch.zeros(0, K, device=DEVICE)
+    for impl in ("triton", "torch"):
+        assert routed_experts(x, ids, weights, *experts, impl=impl).shape == (0, HIDDEN)
+
+
+def test_dispatch_takes_the_kernel_here():
+    """On CUDA tensors or under the interpreter (this suite without a GPU), "auto" is the
+    kernel; "torch" forces the batched torch path."""
+    gen = torch.Generator().manual_seed(5)
+    experts = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(3, HIDDEN, generator=gen).to(DEVICE)
+    ids, weights = _routing(gen, 3, E, K)
+    assert torch.equal(routed_experts(x, ids, weights, *experts), routed_experts_triton(x, ids, weights, *experts))
+    assert torch.equal(routed_experts(x, ids, weights, *experts, impl="torch"),
+                       routed_experts_torch(x, ids, weights, *experts))
+
+
+def test_errors_name_the_field_and_what_is_allowed():
+    gen = torch.Generator().manual_seed(0)
+    gu, dn, gu_s, dn_s = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(2, HIDDEN, device=DEVICE)
+    ids, w = torch.tensor([[0, 1], [2, 3]], device=DEVICE), torch.ones(2, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="impl='cuda' is not allowed; allowed: 'auto', 'triton', 'torch'"):
+        routed_experts(x, ids, w, gu, dn, gu_s, dn_s, impl="cuda")
+    with pytest.raises(ValueError, match=r"gate_up_scale must be float32 \(5, 128\) with float8_e4m3fn experts"):
+        routed_experts(x, ids, w, gu, dn)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, E=5\), got \[0, 5\]"):
+        routed_experts(x, torch.tensor([[0, 1], [2, 5]], device=DEVICE), w, gu, dn, gu_s, dn_s, check_ids=True)
+    with pytest.raises(ValueError, match="w_gate_up dtype=float16 is not allowed; allowed: bfloat16, float8_e4m3fn"):
+        routed_experts(x, ids, w, gu.half(), dn.half())
+    with pytest.raises(ValueError, match=r"w_down must be \[E=5, I=64, hidden=128\], got \(5, 128, 64\)"):
+        routed_experts(x, ids, w, gu, dn.transpose(1, 2), gu_s, dn_s)
+    with pytest.raises(ValueError, match="topk_ids has k=6 experts per token; allowed: 1..E=5"):
+        routed_experts(x, torch.zeros(2, 6, dtype=torch.long, device=DEVICE), torch.ones(2, 6, device=DEVICE),
+                       gu, dn, gu_s, dn_s)
+    with pytest.raises(ValueError, match=r"x must be \[T, hidden\] of bfloat16, float32, got torch.float16"):
+        routed_experts(x.half(), ids, w, gu, dn, gu_s, dn_s)
+    with pytest.raises(ValueError, match=r"h must be contiguous float32 \(4, 64\)"):
+        routed_experts_triton(x, ids, w, gu, dn, gu_s, dn_s, h=torch.empty(4, 65, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the compiled kernels at V4-Flash's expert shape")
+@pytest.mark.parametrize("expert_dtype", ["float8_e4m3fn", "bfloat16"])
+@pytest.mark.parametrize("t", [1, 32, 128])
+def test_kernel_at_v4_flash_size_on_gpu(t, expert_dtype):
+    """hidden 4096, I 2048, top-6 of 32 experts, bf16 activations, compiled, against the
+    float64 reference; then captured in a CUDA graph and replayed on new tokens and routes."""
+    hidden, inter, e, k = 4096, 2048, 32, 6
+    gen = torch.Generator().manual_seed(t)
+    experts = _experts(gen, e, hidden, inter, expert_dtype)
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, t, e, k)
+    ref = routed_experts_reference(x, ids, weights, *experts)
+    got = routed_experts(x, ids, weights, *experts, check_ids=True)
+    scale = ref.abs().max()
+    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=1e-2)
+
+    static_x, static_ids, static_w = x.clone(), ids.clone(), weights.clone()
+    routed_experts(static_x, static_ids, static_w, *experts)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed_experts(static_x, static_ids, static_w, *experts)
+    x2 = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    ids2, w2 = _routing(gen, t, e, k)
+    ids2[0] = torch.arange(k, device=DEVICE)  # expert 0 hit, whatever the draw
+    static_x.copy_(x2), static_ids.copy_(ids2), static_w.copy_(w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, routed_experts(x2, ids2, w2, *experts))
