@@ -35,14 +35,15 @@ class Server:
     log_path: Path
 
 
-def start_server(model_dir: Path, workdir: Path, *extra: str, timeout_s: float = 60) -> Server:
-    """Start `remnant-serve` as a real child process on a free port; wait for /health."""
+def start_server(model_dir: Path, workdir: Path, *extra: str, timeout_s: float = 60, env: dict | None = None) -> Server:
+    """Start `remnant-serve` as a real child process on a free port; wait for /health.
+    env: the server's environment (default: this process's)."""
     port_file = workdir / "port"
     log_path = workdir / "server.log"
     cmd = [sys.executable, "-m", "remnant.engine.server", "--model-dir", str(model_dir),
            "--port", "0", "--port-file", str(port_file), "--threads", "1", *extra]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -30,9 +30,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from remnant.api_key import SERVER_ENV as API_KEY_ENV
 from remnant.config import MODES
 from remnant.engine.api import describe_errors, error_body
 from remnant.engine.args import EngineArgs, RetentionArgs, add_capture_arguments, capture_from_namespace
+from remnant.engine.auth import ApiKeyMiddleware
 from remnant.engine.openai_api import router as openai_router
 from remnant.engine.served import Served, load_served
 from remnant.engine.sglang_api import router as sglang_router
@@ -41,15 +43,16 @@ log = logging.getLogger("remnant.serve")
 
 
 def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
-               engine_args: EngineArgs | None = None, capture=None) -> FastAPI:
+               engine_args: EngineArgs | None = None, capture=None, api_key: str | None = None) -> FastAPI:
     """Load the model directory and build the FastAPI app (the engine starts with the app).
-    capture: remnant.kv.capture_recorder.CaptureSettings, or None."""
-    return app_for(load_served(model_dir, mode, retention, engine_args, capture))
+    capture: remnant.kv.capture_recorder.CaptureSettings, or None. api_key: see app_for."""
+    return app_for(load_served(model_dir, mode, retention, engine_args, capture), api_key)
 
 
-def app_for(served: Served) -> FastAPI:
+def app_for(served: Served, api_key: str | None = None) -> FastAPI:
     """The app serving `served`: its engine runs while the app does; the routers
-    (remnant.engine.sglang_api, remnant.engine.openai_api) read it from app.state."""
+    (remnant.engine.sglang_api, remnant.engine.openai_api) read it from app.state. With an
+    api_key, routes need it as SGLang's --api-key does (remnant.engine.auth)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -69,6 +72,8 @@ def app_for(served: Served) -> FastAPI:
     _add_error_handlers(app)
     app.include_router(sglang_router)
     app.include_router(openai_router)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, key=api_key)
     return app
 
 
@@ -112,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
     p.add_argument("--mode", default="native", choices=MODES)
+    # The key's default comes from the environment, where ps and recorded command lines
+    # cannot see it (the hosts pass it so).
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require 'Authorization: Bearer <key>' on every route but /health* and /metrics* "
+                        f"(default: ${API_KEY_ENV}; prefer it, a flag shows in ps)")
     RetentionArgs.add_arguments(p)
     EngineArgs.add_arguments(p)
     add_capture_arguments(p)
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = EngineArgs.from_namespace(a)
         capture = capture_from_namespace(a)
         sock = _bind(a.host, a.port)  # before loading: a taken port fails fast
-        app = create_app(a.model_dir, a.mode, retention, engine_args, capture)
+        app = create_app(a.model_dir, a.mode, retention, engine_args, capture, a.api_key)
     except (ValueError, OSError) as exc:
         print(f"remnant-serve: error: {exc}", file=sys.stderr)
         return 2
@@ -141,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = a.port_file.with_suffix(".tmp")
         tmp.write_text(str(port))
         os.replace(tmp, a.port_file)
-    log.info("remnant-serve listening on http://%s:%d (pid %d)", a.host, port, os.getpid())
+    log.info("remnant-serve listening on http://%s:%d (pid %d)%s", a.host, port, os.getpid(),
+             "; API key required on every route but /health* and /metrics*" if a.api_key else "")
     server.run(sockets=[sock])
     return 0
 
