@@ -211,10 +211,21 @@ class HostConfig:
     """Common fields of every host; `kind` picks the implementation (HOSTS)."""
 
     kind: str = MISSING
+    #: The environment variable holding the server's API key (remnant.api_key), or None
+    #: for a server without one. The name is recorded, never the key.
+    api_key_env: str | None = None
 
     def validate(self) -> None:
         """ConfigError naming the first field out of its range; a kind adds its own fields."""
         at_least(self, "host.", ("log_tail_lines",), 0)
+        self.api_key()
+
+    def api_key(self) -> str | None:
+        """The key in the variable api_key_env names (None without one); ConfigError where
+        that variable holds none a run can send."""
+        from remnant.api_key import read_key
+
+        return read_key(self.api_key_env)
 
     def check_model(self, model: ModelConfig) -> None:
         """ConfigError where this host cannot serve `model` (nothing by default)."""
@@ -433,6 +444,9 @@ def validate_model(model: ModelConfig) -> None:
             f"model.compress_ratios has {len(model.compress_ratios)} values; "
             f"model.num_hidden_layers={model.num_hidden_layers} needs one per layer"
         )
+    from remnant.api_key import refuse_inline_keys
+
+    refuse_inline_keys(model.server_args, {}, "model.server_args", "")
 
 
 def recorded_config(cfg: RunConfig) -> dict:

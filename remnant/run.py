@@ -219,19 +219,20 @@ def capture_settings(cfg: RunConfig, run_dir: Path):
                            model_id=cfg.model.path or cfg.model.name)
 
 
-def ask_capture_write(base_url: str, settings) -> None:
+def ask_capture_write(base_url: str, settings, api_key: str | None = None) -> None:
     """Ask the server to write its capture now, short of the budget if need be: the marker
     file beside the capture, then /flush_cache (remnant.kv.capture_recorder.write_requested).
     SGLang stops its schedulers with SIGKILL, so nothing could write it after the run."""
     import httpx
 
+    from remnant.api_key import bearer
     from remnant.kv.capture_recorder import write_request
 
     marker = write_request(settings.path)
     marker.touch()
     try:
         # The server writes the file before it answers: up to a few GB for a real model.
-        httpx.post(f"{base_url}/flush_cache", timeout=600.0)
+        httpx.post(f"{base_url}/flush_cache", timeout=600.0, headers=bearer(api_key))
     except httpx.HTTPError as exc:
         log.warning("capture: /flush_cache failed (%s); the capture is written only if the server stops cleanly", exc)
     finally:
@@ -284,6 +285,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     Files an earlier attempt left without a run.json (a killed run) are set aside first.
     A signal raised while run.json is being written waits until it is written.
     """
+    from remnant.api_key import redact, redact_file
     from remnant.client.metrics import client_summary, failure_summary, per_turn, saturation_limits, summarize
     from remnant.client.runner import ClientStopped, LoadClient
     from remnant.hosts import HostError, ServerSpec, make_host
@@ -310,6 +312,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     plan = None
     capture = capture_settings(cfg, run_dir)
     capture_rec = map_rec = None
+    api_key = None  # known from the serve stage on: scrubbed from every record
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         stage.name = "workload"
@@ -320,10 +323,11 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
                           "the prefix cache")
         map_rec = retention_map_record(cfg)
         stage.name = "serve"
+        api_key = cfg.host.api_key()
         host = make_host(cfg.host)
         native = cfg.mode.name == "native"
         spec = ServerSpec(cfg.mode.name, None if native else cfg.retention, cfg.model, run_dir, run_dir / SERVER_LOG,
-                          run_id=run_id, capture=capture)
+                          run_id=run_id, capture=capture, api_key=api_key)
         with host.serve(spec) as endpoint:
             environment = endpoint.environment
             server_info = endpoint.server_info
@@ -341,11 +345,12 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
                 server_failure=endpoint.failure, progress=progress,
                 stall_timeout_s=cfg.workload.stall_timeout_s,
                 deadline_s=cfg.workload.deadline_s,
+                api_key=api_key,
             )
             results = client.run(plan.phases, on_phase_end=lambda r: phases.append(r))
             if capture is not None:
                 stage.name = "capture"
-                ask_capture_write(endpoint.base_url, capture)
+                ask_capture_write(endpoint.base_url, capture, api_key)
         stage.name = "metrics"
         measured = next(r for r in results if r.name == "measured")
         metrics = summarize(measured.records, duration_s=measured.duration_s)
@@ -404,6 +409,9 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     with signals_deferred():
         if reserve is not None:
             reserve.unlink(missing_ok=True)  # room for run.json, on a disk that may be full
+        for text_record in (requests_path, run_dir / SERVER_LOG):
+            # Before hashing: SGLang logs its ServerArgs, key included.
+            redact_file(text_record, api_key)
         known = {CAPTURE_FILE: capture_rec["fingerprint"]} if capture_rec else {}  # hashed when it was read
         artifacts = [artifact(p, run_dir, known.get(p.name))
                      for p in (requests_path, run_dir / SERVER_LOG, run_dir / CAPTURE_FILE) if p.is_file()]
@@ -422,6 +430,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             client=client_record if status in ("completed", "degraded") else None,
             capture=capture_rec, retention_map=map_rec,
         )
+        doc = redact(doc, api_key)  # SGLang's /server_info holds its ServerArgs, key included
         path: Path | None = run_dir / RUN_JSON
         write_error = None
         try:
@@ -547,10 +556,13 @@ def resume_check(cfg: RunConfig, run_dir: Path) -> str | None:
 
 
 def record_config_error(run_dir: Path, config: dict, message: str, run_id: str | None = None) -> Path:
-    """run.json for a sweep cell whose config breaks a rule: nothing ran, the reason is kept."""
+    """run.json for a sweep cell whose config breaks a rule: nothing ran, the reason is kept
+    (a config refused for carrying an API key is recorded without it)."""
+    from remnant.api_key import redact_inline_keys
     from remnant.records.provenance import sources
     from remnant.records.schema import write_validated
 
+    config = redact_inline_keys(config)
     now = _now()
     workload = config.get("workload") if isinstance(config.get("workload"), dict) else {}
     host = config.get("host") if isinstance(config.get("host"), dict) else {}

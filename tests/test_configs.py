@@ -226,7 +226,8 @@ def test_every_workload_is_checked_against_the_context():
 @pytest.mark.parametrize(("override", "line"), [
     ("+workload.concurency=3", "workload.concurency is not a field of workload (kind random); "
                                "did you mean workload.concurrency?"),
-    ("+host.port=1", "host.port is not a field of host (kind embedded); its fields: kind, startup_timeout_s, "),
+    ("+host.port=1", "host.port is not a field of host (kind embedded); its fields: kind, api_key_env, "
+                     "startup_timeout_s, "),
     ("++seeed=1", "seeed is not a field of the run config; did you mean seed?"),
 ])
 def test_keys_added_with_plus_are_errors_like_typos(override, line):

@@ -345,11 +345,12 @@ class StreamPool:
 
     max_connections: most connections open at once (others wait for one to be free).
     connect_timeout_s: for TCP (and TLS) setup. read_timeout_s: longest wait for data once
-        a request is sent; None: no limit.
+        a request is sent; None: no limit. headers: sent with every request (an API key's
+        Authorization).
     """
 
     def __init__(self, base_url: str, max_connections: int, connect_timeout_s: float = 10.0,
-                 read_timeout_s: float | None = 600.0):
+                 read_timeout_s: float | None = 600.0, headers: dict[str, str] | None = None):
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"base_url={base_url!r} is not an http:// or https:// URL with a host")
@@ -360,6 +361,10 @@ class StreamPool:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = host if default_port else f"{host}:{self.port}"
         self.connect_timeout_s = connect_timeout_s
+        for name, value in (headers or {}).items():
+            if any(c in f"{name}{value}" for c in "\r\n"):
+                raise ValueError(f"header {name} holds a line break; a header is one line")
+        self._extra_headers = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         self.read_timeout_s = read_timeout_s
         self._ssl = ssl.create_default_context() if u.scheme == "https" else None
         self._idle: list[_Conn] = []
@@ -391,7 +396,8 @@ class StreamPool:
 
     def _request_bytes(self, method: str, path: str, body: bytes) -> bytes:
         return (f"{method} {self.prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
-                f"Content-Type: application/json\r\nAccept: */*\r\nContent-Length: {len(body)}\r\n\r\n"
+                f"Content-Type: application/json\r\nAccept: */*\r\n{self._extra_headers}"
+                f"Content-Length: {len(body)}\r\n\r\n"
                 ).encode("latin-1") + body
 
     async def post_lines(self, path: str, body: bytes, on_line: LineCallback,

@@ -41,6 +41,7 @@ import httpx
 import orjson
 from tqdm import tqdm
 
+from remnant.api_key import bearer
 from remnant.client.frames import JSONDecodeError, frame_fields, parse_frame
 from remnant.client.http_stream import CONTINUE, END, STOP, StreamError, StreamPool
 from remnant.client.request_record import RequestRecord
@@ -151,6 +152,8 @@ class LoadClient:
         does not count (None: no watchdog). deadline_s: stop this long after t0 (None: never).
     stream: "fast" (remnant.client.http_stream and frames) or "httpx" (the reference path);
         "fast" falls back to "httpx" where a proxy applies to base_url (see `stream_path`).
+    api_key: the server's API key, sent with every request as `Authorization: Bearer`
+        (None: no key).
     """
 
     STREAMS = ("fast", "httpx")
@@ -166,6 +169,7 @@ class LoadClient:
         stall_timeout_s: float | None = None,
         deadline_s: float | None = None,
         stream: str = "fast",
+        api_key: str | None = None,
     ):
         if stream not in self.STREAMS:
             raise ValueError(f"stream={stream!r} is not allowed; allowed: {', '.join(self.STREAMS)}")
@@ -178,6 +182,7 @@ class LoadClient:
         self.progress = progress
         self.stall_timeout_s = stall_timeout_s
         self.deadline_s = deadline_s
+        self._headers = bearer(api_key)
         self.t0 = time.perf_counter()
         # Request ids stay readable and joinable across runs; the rid sent to the server is
         # made unique per client so repeated runs against one server never collide.
@@ -280,9 +285,9 @@ class LoadClient:
         self._pool = None
         if self.stream_path == "fast":
             self._pool = StreamPool(self.base_url, limits.max_connections, connect_timeout_s=10.0,
-                                    read_timeout_s=self.request_timeout_s)
+                                    read_timeout_s=self.request_timeout_s, headers=self._headers)
         with tqdm(total=total, unit="req", disable=None if self.progress is None else not self.progress, dynamic_ncols=True) as bar:
-            async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._headers) as client:
                 try:
                     for phase in phases:
                         bar.set_description(phase.name)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import httpx
 
+from remnant.api_key import bearer
 from remnant.config import ModelConfig, RetentionConfig
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ class ServerSpec:
     #: A capture run's remnant.kv.capture_recorder.CaptureSettings (its path is in run_dir),
     #: or None: the server records its CSA layers' queries and latents there.
     capture: "CaptureSettings | None" = None
+    #: The server's API key (remnant.api_key: read from host.api_key_env), or None. A host
+    #: that starts the server gives it the key through its environment; every probe sends it.
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -61,11 +65,16 @@ def wait_healthy(
     timeout_s: float,
     failure: Callable[[], str | None] = lambda: None,
     interval_s: float = 0.2,
+    api_key: str | None = None,
+    key_env: str | None = None,
 ) -> None:
-    """Poll GET /health until 200; raise HostError on timeout or when `failure()` reports."""
+    """Poll GET /health until 200; raise HostError on timeout, when `failure()` reports, or
+    at once when the server refuses the API key (SGLang answers /health without one, but a
+    server that wants one there will not start answering later). key_env: the variable
+    the key came from (host.api_key_env), for the message."""
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
-    with httpx.Client(timeout=5.0) as client:
+    with httpx.Client(timeout=5.0, headers=bearer(api_key)) as client:
         while True:
             why = failure()
             if why:
@@ -74,6 +83,7 @@ def wait_healthy(
                 r = client.get(f"{base_url}/health")
                 if r.status_code == 200:
                     return
+                _check_key_accepted(r, base_url, api_key, key_env)
                 last = f"HTTP {r.status_code}"
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}"
@@ -82,13 +92,45 @@ def wait_healthy(
             time.sleep(interval_s)
 
 
-def fetch_server_info(base_url: str) -> dict | None:
-    """GET /server_info once the server is healthy (None if it has none)."""
+def fetch_server_info(base_url: str, api_key: str | None = None, key_env: str | None = None) -> dict | None:
+    """GET /server_info once the server is healthy (None if it has none). This is the
+    readiness check of the API key too (/health needs none): HostError, in one line, where
+    the server refuses the key or wants one and none was given."""
     try:
-        r = httpx.get(f"{base_url}/server_info", timeout=10.0)
-        return r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+        r = httpx.get(f"{base_url}/server_info", timeout=10.0, headers=bearer(api_key))
+    except httpx.HTTPError:
         return None
+    _check_key_accepted(r, base_url, api_key, key_env)
+    try:
+        return r.json() if r.status_code == 200 else None
+    except ValueError:
+        return None
+
+
+def _check_key_accepted(r: httpx.Response, base_url: str, api_key: str | None, key_env: str | None) -> None:
+    """HostError where the server answered 401 or 403: it wants a key, or not this one."""
+    if r.status_code not in (401, 403):
+        return
+    text = _error_text(r)
+    said = f"GET {r.url.path} answered HTTP {r.status_code}" + (f" ({text})" if text else "")
+    if api_key is None:
+        raise HostError(f"the server at {base_url} wants an API key: {said}; put the key in an environment "
+                        "variable and name it: host.api_key_env=VAR")
+    raise HostError(f"the server at {base_url} refused the API key in host.api_key_env={key_env}: {said}; check "
+                    f"the key that {key_env} holds")
+
+
+def _error_text(r: httpx.Response) -> str:
+    """A refusal's error message, in one short line ('' where the body has none)."""
+    try:
+        doc = r.json()
+        text = doc.get("error", doc.get("detail", "")) if isinstance(doc, dict) else ""
+    except ValueError:
+        text = r.text
+    if isinstance(text, dict):
+        text = text.get("message", "")
+    text = " ".join(str(text).split())
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def log_tail(path: Path, lines: int) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from remnant.api_key import SERVER_ENV
 from remnant.config import HOSTS, HostConfig, at_least, positive_finite
 from remnant.engine.args import EngineArgs, RetentionArgs, capture_argv
 from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, wait_healthy
@@ -67,6 +68,17 @@ def _die_with_parent() -> None:
         pass  # not Linux: the finally-stop still covers normal exits and Ctrl-C
 
 
+def server_env(api_key: str | None) -> dict[str, str]:
+    """remnant-serve's environment: this process's, with the run's API key (or none: a
+    REMNANT_API_KEY set here for another server must not secure this one). The key goes
+    through the environment, not the command line, which run.json records and ps shows."""
+    env = {k: v for k, v in os.environ.items() if k != SERVER_ENV}
+    env["PYTHONUNBUFFERED"] = "1"
+    if api_key is not None:
+        env[SERVER_ENV] = api_key
+    return env
+
+
 class EmbeddedHost:
     def __init__(self, cfg: EmbeddedHostConfig):
         self.cfg = cfg
@@ -105,7 +117,7 @@ class EmbeddedHost:
             cmd += RetentionArgs.of(spec.retention).to_argv()
         cmd += capture_argv(spec.capture)
         log = open(spec.log_path, "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = server_env(spec.api_key)
         self._proc = proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_die_with_parent, env=env,
@@ -125,13 +137,14 @@ class EmbeddedHost:
             base_url = self._wait_port(port_file, failure)
             self._info.update({"base_url": base_url})
             try:
-                wait_healthy(base_url, self.cfg.startup_timeout_s, failure)
+                wait_healthy(base_url, self.cfg.startup_timeout_s, failure, api_key=spec.api_key,
+                             key_env=self.cfg.api_key_env)
             except HostError as exc:
                 if proc.poll() is None:
                     raise HostError(f"{exc}; last lines of {spec.log_path.name}:\n"
                                     + log_tail(spec.log_path, self.cfg.log_tail_lines)) from None
                 raise
-            info = fetch_server_info(base_url)
+            info = fetch_server_info(base_url, spec.api_key, self.cfg.api_key_env)
             # remnant-serve collects its environment itself, where the work runs.
             env = (info or {}).get("environment")
             yield Endpoint(base_url, environment=env, failure=failure, server_info=info)

@@ -52,6 +52,9 @@ class ExternalHost:
     @contextlib.contextmanager
     def serve(self, spec: ServerSpec) -> Iterator[Endpoint]:
         base_url = self.cfg.base_url.rstrip("/")
-        wait_healthy(base_url, self.cfg.health_timeout_s)
+        wait_healthy(base_url, self.cfg.health_timeout_s, api_key=spec.api_key,
+                     key_env=self.cfg.api_key_env)
+        # A missing or wrong key fails here: /health needs none.
+        info = fetch_server_info(base_url, spec.api_key, self.cfg.api_key_env)
         # Where an external server runs is not ours to inspect: environment stays unknown.
-        yield Endpoint(base_url, environment=None, server_info=fetch_server_info(base_url))
+        yield Endpoint(base_url, environment=None, server_info=info)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from remnant.api_key import SERVER_ENV, refuse_inline_keys
 from remnant.config import HOSTS, ConfigError, HostConfig, ModelConfig, positive_finite
 from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred, wait_healthy
 
@@ -100,6 +101,7 @@ class LocalHostConfig(HostConfig):
             raise ConfigError(f"host.shm_size={self.shm_size} is not a size like 32g, 512m")
         positive_finite(self.startup_timeout_s, "host.startup_timeout_s")
         positive_finite(self.stop_timeout_s, "host.stop_timeout_s")
+        refuse_inline_keys(self.server_args, self.env, "host.server_args", "host.env")
 
     def check_model(self, model: ModelConfig) -> None:
         """The model's checkpoint directory, and for SGLang one GPU per tensor-parallel rank."""
@@ -372,6 +374,8 @@ class LocalHost:
             "REMNANT_TP_SIZE": str(spec.model.tp_size),
             "REMNANT_RUN_ID": run_id,
             **plugin.to_env(),
+            # remnant-serve and remnant.sglang.launch read the key here (never from argv).
+            **({} if spec.api_key is None else {SERVER_ENV: spec.api_key}),
         }
 
     @contextlib.contextmanager
@@ -441,13 +445,14 @@ class LocalHost:
                         f"last lines of {spec.log_path.name}:\n" + log_tail(spec.log_path, self.cfg.log_tail_lines))
 
             try:
-                wait_healthy(base_url, self.cfg.startup_timeout_s, failure)
+                wait_healthy(base_url, self.cfg.startup_timeout_s, failure, api_key=spec.api_key,
+                             key_env=self.cfg.api_key_env)
             except HostError as exc:
                 if failure() is None:
                     raise HostError(f"{exc}; last lines of {spec.log_path.name}:\n"
                                     + log_tail(spec.log_path, self.cfg.log_tail_lines)) from None
                 raise
-            info = fetch_server_info(base_url)
+            info = fetch_server_info(base_url, spec.api_key, self.cfg.api_key_env)
             # Provenance from where the server runs: the container's own Python.
             inside = _container_provenance(container)
             self._info["sglang_version"] = inside.get("sglang_version")

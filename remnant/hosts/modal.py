@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from remnant.api_key import SERVER_ENV, refuse_inline_keys
 from remnant.config import HOSTS, MODES, ConfigError, HostConfig, at_least, positive_finite
 from remnant.hosts.base import (Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred,
                                 wait_healthy)
@@ -108,6 +109,7 @@ class ModalHostConfig(HostConfig):
         positive_finite(self.budget_gpu_hours, "host.budget_gpu_hours")
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"host.port={self.port} must be a port in 1..65535")
+        refuse_inline_keys(self.server_args, self.env, "host.server_args", "host.env")
         for function, (count, timeout) in {"serve": ("gpu_count", "serve_timeout_s"),
                                            "benchmark_kernels": ("kernels_gpu_count", "kernels_timeout_s")}.items():
             planned = self.planned_gpu_hours()[function]
@@ -167,7 +169,9 @@ class ServeRequest:
             retention_map=None if ret is None or not ret.map_path else Path(ret.map_path).read_text(),
             tp_size=cfg.gpu_count,
             server_args=[*spec.model.server_args, *cfg.server_args],
-            env={str(k): str(v) for k, v in cfg.env.items()},
+            # The key reaches the server's environment (launch_plan), never its command line.
+            env={**{str(k): str(v) for k, v in cfg.env.items()},
+                 **({} if spec.api_key is None else {SERVER_ENV: spec.api_key})},
             settings=app_settings(cfg),
         )
 
@@ -290,12 +294,14 @@ class ModalHost:
             if (endpoint.get("versions") or {}).get("sglang"):
                 self._info["sglang_version"] = endpoint["versions"]["sglang"]
             try:
-                wait_healthy(base_url, max(deadline - time.monotonic(), 1.0), failure, interval_s=_POLL_S)
+                wait_healthy(base_url, max(deadline - time.monotonic(), 1.0), failure, interval_s=_POLL_S,
+                             api_key=spec.api_key, key_env=self.cfg.api_key_env)
             except HostError as exc:
                 raise HostError(f"{exc}; last lines of {spec.log_path.name}:\n"
                                 + log_tail(spec.log_path, cfg.log_tail_lines)) from None
             environment = self._wait_file(runs, f"{token}/{ENVIRONMENT_FILE}", time.monotonic() + 60, failure)
-            yield Endpoint(base_url, environment=environment, failure=failure, server_info=fetch_server_info(base_url))
+            info = fetch_server_info(base_url, spec.api_key, self.cfg.api_key_env)
+            yield Endpoint(base_url, environment=environment, failure=failure, server_info=info)
         finally:
             if call is not None:
                 self._stop(call)

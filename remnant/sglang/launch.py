@@ -6,6 +6,9 @@ every other argument goes to SGLang unchanged, e.g.
 
     REMNANT_MODE=kernel python -m remnant.sglang.launch --model-path /models/DeepSeek-V4-Flash --tp 4
 
+REMNANT_API_KEY, where set, becomes SGLang's --api-key (hosts pass the key through the
+environment: remnant.api_key).
+
 Capture mode (native only): --remnant-capture FILE [--remnant-capture-tokens N]
 [--remnant-capture-records N] [--remnant-capture-source NAME] [--remnant-capture-model-id ID]
 (REMNANT_CAPTURE*; the model id defaults to the --model-path value) records decode queries
@@ -92,6 +95,16 @@ def enable_plugin(env: dict[str, str]) -> None:
         os.environ["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
 
 
+def keyed(server_args, environ: Mapping[str, str]) -> None:
+    """Give SGLang the API key in REMNANT_API_KEY (remnant.api_key.SERVER_ENV), unless its
+    own --api-key was given: hosts pass the key through the environment, because a
+    command line is recorded (run.json's host.command) and shown by ps."""
+    from remnant.api_key import SERVER_ENV
+
+    if environ.get(SERVER_ENV) and not server_args.api_key:
+        server_args.api_key = environ[SERVER_ENV]
+
+
 def main(argv: list[str] | None = None) -> None:
     env, sglang_args = split_args(sys.argv[1:] if argv is None else argv)
     enable_plugin(env)
@@ -107,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
     load_plugins()
     server_args = prepare_server_args(sglang_args)
+    keyed(server_args, os.environ)
     try:
         run_server(server_args)
     finally:

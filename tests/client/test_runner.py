@@ -16,6 +16,7 @@ import pytest
 from remnant.client.metrics import load_requests_jsonl
 from remnant.client.runner import LoadClient
 from remnant.workloads.base import Phase, PlannedRequest
+from tests.conftest import start_server, stop_server
 from tests.loopback import loopback_server, stream_generate
 
 
@@ -39,6 +40,22 @@ def test_phases_record_every_request(server, tmp_path):
         assert r.ttft_s == pytest.approx(r.chunk_times_s[0] - r.start_s)
     measured = [r for r in recs if r.phase == "measured"]
     assert min(r.start_s for r in measured) > max(r.end_s for r in recs if r.phase == "warmup")
+
+
+@pytest.mark.parametrize("stream", LoadClient.STREAMS)
+def test_every_request_carries_the_api_key(tiny_model_dir, tmp_path, stream):
+    key = "sk-client-test-key-42"
+    secured = start_server(tiny_model_dir, tmp_path, env={**os.environ, "REMNANT_API_KEY": key})
+    try:
+        client = LoadClient(secured.base_url, tmp_path / "r.jsonl", progress=False, stream=stream, api_key=key)
+        (res,) = client.run([_phase("measured", 3, 2)])
+        assert res.flush.ok and res.failed == 0
+        anonymous = LoadClient(secured.base_url, tmp_path / "anon.jsonl", progress=False, stream=stream)
+        (res,) = anonymous.run([_phase("measured", 1, 1)])
+    finally:
+        stop_server(secured)
+    assert res.flush.status_code == 401 and res.failed == 1
+    assert res.records[0].error.startswith("HTTP 401: Unauthorized: no API key")
 
 
 def test_concurrency_limit_is_respected(server, tmp_path):

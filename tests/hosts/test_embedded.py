@@ -13,7 +13,7 @@ import pytest
 
 from remnant.config import ModelConfig, RetentionConfig
 from remnant.hosts import HostError, ServerSpec, make_host
-from remnant.hosts.embedded import EmbeddedHostConfig
+from remnant.hosts.embedded import EmbeddedHostConfig, server_env
 
 
 def _spec(tmp_path: Path, mode: str = "native", **model) -> ServerSpec:
@@ -40,6 +40,20 @@ def test_serve_and_stop(tmp_path):
     assert _gone(pid)
     assert (tmp_path / "model" / "config.json").is_file()
     assert not (tmp_path / "server.port").exists()
+
+
+def test_the_key_reaches_the_server_through_its_environment_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMNANT_API_KEY", "sk-meant-for-another-server")  # not this run's
+    host = make_host(EmbeddedHostConfig(threads=1))
+    with host.serve(_spec(tmp_path)) as ep:
+        assert httpx.get(f"{ep.base_url}/server_info").status_code == 200  # no key: not secured
+    spec = dataclasses.replace(_spec(tmp_path), api_key="sk-embedded-test-key")
+    with host.serve(spec) as ep:
+        assert httpx.get(f"{ep.base_url}/server_info").status_code == 401
+        assert ep.server_info["remnant_mode"] == "native"  # the host's probe sent the key
+        assert "sk-embedded-test-key" not in " ".join(host.describe()["command"])
+    assert server_env("sk-x-12345678")["REMNANT_API_KEY"] == "sk-x-12345678"
+    assert "REMNANT_API_KEY" not in server_env(None)
 
 
 def test_stopped_on_error_inside(tmp_path):

@@ -106,6 +106,23 @@ def test_run_in_a_container_completes_and_removes_it(docker_engine, tmp_path):
 
 
 @pytest.mark.docker
+def test_a_secured_server_in_a_container_completes_and_no_file_holds_the_key(docker_engine, tmp_path):
+    from tests.test_api_key import KEY, KEY_ENV, files_holding
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "REMNANT_API_KEY"}
+    p = remnant_run(*LOCAL, "workload=smoke", f"host.api_key_env={KEY_ENV}", f"hydra.run.dir={run_dir}",
+                    cwd=tmp_path, env={**env, KEY_ENV: KEY})
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((run_dir / "run.json").read_text())
+    assert doc["status"] == "completed" and doc["metrics"]["completed"] == 6
+    # The server in the container got the key from its environment and wanted it.
+    assert "API key required" in (run_dir / "server.log").read_text()
+    assert files_holding(run_dir) == [] and KEY not in p.stdout + p.stderr
+    assert not _containers(docker_engine, run_dir)
+
+
+@pytest.mark.docker
 def test_a_capture_in_a_container_lands_in_the_run_directory(docker_engine, tmp_path):
     """remnant-capture on host=local: the container writes the capture through its mount of
     the run directory, and is removed after."""

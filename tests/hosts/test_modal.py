@@ -161,6 +161,19 @@ def test_request_round_trips_to_the_server_launch(tmp_path):
     assert app.Settings(model_revision="0123abc").mismatch(decoded.settings) is None
 
 
+def test_the_api_key_reaches_the_servers_environment_never_its_command_line(tmp_path):
+    spec = dataclasses.replace(_spec(tmp_path), api_key="sk-modal-test-key-1")
+    request = ServeRequest.from_json(ServeRequest.from_spec(spec, ModalHostConfig(model_revision="0123abc"),
+                                                            "tok").to_json())
+    argv, env = app.launch_plan(request, app.Settings(model_revision="0123abc"), Path("/models/x"), tmp_path / "work")
+    assert env["REMNANT_API_KEY"] == "sk-modal-test-key-1" and "sk-modal-test-key-1" not in " ".join(argv)
+    assert "sk-modal-test-key-1" not in repr(spec)
+    with pytest.raises(ConfigError, match="host.env sets REMNANT_API_KEY: a key there would be recorded"):
+        ModalHostConfig(env={"REMNANT_API_KEY": "sk-modal-test-key-1"}).validate()
+    with pytest.raises(ConfigError, match="host.server_args holds --api-key"):
+        ModalHostConfig(server_args=["--api-key", "sk-modal-test-key-1"]).validate()
+
+
 def test_request_carries_per_layer_retention_and_the_map(tmp_path):
     map_path = tmp_path / "map.json"
     map_path.write_text('{"schema": "remnant/retention-map", "layers": []}\n')

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from remnant.sglang.launch import enable_plugin, split_args
+from remnant.sglang.launch import enable_plugin, keyed, split_args
 
 
 def test_remnant_flags_become_env_and_the_rest_goes_to_sglang(tmp_path, monkeypatch):
@@ -58,3 +58,17 @@ def test_capture_with_a_packed_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="REMNANT_CAPTURE_RECORDS='many' is not an integer"):
         split_args(["--remnant-capture", str(tmp_path / "c.safetensors"), "--remnant-capture-records", "many"],
                    environ={})
+
+
+def test_the_key_in_the_environment_becomes_sglangs_api_key():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(api_key=None)
+    keyed(args, {"REMNANT_API_KEY": "sk-sglang-test-key"})
+    assert args.api_key == "sk-sglang-test-key"
+    given = SimpleNamespace(api_key="sk-from-its-own-flag")
+    keyed(given, {"REMNANT_API_KEY": "sk-sglang-test-key"})
+    assert given.api_key == "sk-from-its-own-flag"
+    unset = SimpleNamespace(api_key=None)
+    keyed(unset, {})
+    assert unset.api_key is None
