@@ -90,10 +90,24 @@ class ModelConfig:
     rope_theta: int = 10000
     compress_rope_theta: int = 40000
     seed: int = 0
+    #: Grouped low-rank output projection: o_groups groups of heads -> o_lora_rank each, then
+    #: -> hidden (V4-Flash: 1024, 8). 0: one dense output projection.
+    o_lora_rank: int = 0
+    o_groups: int = 0
+    #: Routed MoE feed-forward (V4-Flash: moe_intermediate_size 2048, top-6 routed + 1 shared);
+    #: 0 routed experts: the dense SwiGLU of intermediate_size (0: no feed-forward).
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    #: How routed experts are stored (EXPERT_DTYPES).
+    expert_dtype: str = "float8_e4m3fn"
     #: Tensor-parallel GPUs a real server shards the model over (SGLang's --tp-size).
     tp_size: int = 1
     #: Server arguments this model needs (SGLang flags; host=local appends them).
     server_args: list[str] = field(default_factory=list)
+    #: How this model differs from the one it stands for: run.json's limits carry them.
+    limits: list[str] = field(default_factory=list)
 
 
 class Kinds:
@@ -406,6 +420,10 @@ def validate_context(w: WorkloadConfig, model: ModelConfig) -> None:
             f"choose a model with a longer context")
 
 
+#: Storage of routed experts: FP8 e4m3 with a float32 scale per output column (the engine's
+#: choice: V4-Flash keeps FP4 experts), bf16, or float32 (remnant.engine.moe).
+EXPERT_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
+
 #: Layer widths of a DeepSeek-V4-shaped model are whole 64-wide tiles (V4-Flash: hidden
 #: 4096, q_lora_rank 1024, intermediate 2048, indexer heads 128 wide), as the GPU kernels
 #: and FlashMLA tile them.
@@ -428,6 +446,8 @@ def validate_model(model: ModelConfig) -> None:
                           "(0: no feed-forward, attention only)")
     for name in ("rope_theta", "compress_rope_theta"):
         positive_finite(getattr(model, name), f"model.{name}")
+    validate_output_projection(model)
+    validate_moe(model)
     if model.path is None and model.vocab_size < GENERATED_VOCAB_MIN:
         raise ConfigError(f"model.vocab_size={model.vocab_size} is too small for the generated model directory; "
                           f"its tokenizer needs >= {GENERATED_VOCAB_MIN}")
@@ -447,6 +467,34 @@ def validate_model(model: ModelConfig) -> None:
     from remnant.api_key import refuse_inline_keys
 
     refuse_inline_keys(model.server_args, {}, "model.server_args", "")
+
+
+def validate_output_projection(model: ModelConfig) -> None:
+    """o_lora_rank 0 (a dense projection) or whole tiles, with o_groups dividing the heads."""
+    at_least(model, "model.", ("o_lora_rank", "o_groups"), 0)
+    if not model.o_lora_rank:
+        return
+    if model.o_lora_rank % WIDTH_TILE:
+        raise ConfigError(f"model.o_lora_rank={model.o_lora_rank} must be a multiple of {WIDTH_TILE} "
+                          "(0: one dense output projection)")
+    if model.o_groups < 1 or model.num_attention_heads % model.o_groups:
+        raise ConfigError(f"model.o_groups={model.o_groups} must divide model.num_attention_heads="
+                          f"{model.num_attention_heads} (o_lora_rank={model.o_lora_rank} groups the heads)")
+
+
+def validate_moe(model: ModelConfig) -> None:
+    """Routed experts: none, or top-k of them with whole-tile expert widths."""
+    at_least(model, "model.", ("n_routed_experts", "num_experts_per_tok", "n_shared_experts"), 0)
+    if model.expert_dtype not in EXPERT_DTYPES:
+        raise ConfigError(f"model.expert_dtype={model.expert_dtype} is not allowed; allowed: {', '.join(EXPERT_DTYPES)}")
+    if not model.n_routed_experts:
+        return
+    if not 1 <= model.num_experts_per_tok <= model.n_routed_experts:
+        raise ConfigError(f"model.num_experts_per_tok={model.num_experts_per_tok} must be in 1.."
+                          f"{model.n_routed_experts} (model.n_routed_experts)")
+    if model.moe_intermediate_size < WIDTH_TILE or model.moe_intermediate_size % WIDTH_TILE:
+        raise ConfigError(f"model.moe_intermediate_size={model.moe_intermediate_size} must be a positive multiple "
+                          f"of {WIDTH_TILE} with routed experts")
 
 
 def recorded_config(cfg: RunConfig) -> dict:

@@ -81,7 +81,7 @@ def _new_run_id() -> str:
 
 def _base_limits(cfg: RunConfig) -> list[str]:
     limits = ["a single run: its variance is not measured (sweep seed=0,1,2 and remnant-report for a confidence interval)"]
-    return limits + cfg.host.limits() + cfg.workload.limits() + list(cfg.limits)
+    return limits + cfg.host.limits() + cfg.workload.limits() + list(cfg.model.limits) + list(cfg.limits)
 
 
 def _native_decode_limits(server_info: dict | None) -> list[str]:

@@ -161,7 +161,12 @@ def test_retention_map_path_and_policy(tmp_path):
     ("host.page_size=100", "host.page_size=100 must be a positive multiple of 128"),
     ("host.swa_ratio=1.5", r"host.swa_ratio=1.5 must be in \(0, 1\]"),
     ("host.device=tpu", "host.device=tpu is not allowed; allowed: cpu, cuda"),
-    ("host.decode_path=fast", "host.decode_path=fast is not allowed; allowed: auto, reference, kernels"),
+    ("host.decode_path=fast", "host.decode_path=fast is not allowed; allowed: auto, reference, batched, kernels"),
+    ("host.dtype=fp16", "host.dtype=fp16 is not allowed; allowed: auto, float32, bfloat16"),
+    ("host.cuda_graph_max_bs=0", "host.cuda_graph_max_bs=0 must be >= 1"),
+    ("model.n_routed_experts=4", "model.num_experts_per_tok=0 must be in 1..4"),
+    ("model.o_lora_rank=64", "model.o_groups=0 must divide model.num_attention_heads=8"),
+    ("model.expert_dtype=fp4", "model.expert_dtype=fp4 is not allowed"),
     ("host.native_decode=fast", "host.native_decode=fast is not allowed; allowed: auto, flashmla, triton"),
     ("host.native_decode=flashmla", "host.native_decode=flashmla needs host.device=cuda"),
 ])

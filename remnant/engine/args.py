@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 #: Values of EngineArgs.device, .decode_path and .native_decode (remnant.engine.model checks
 #: them again; native_decode's are remnant.kernels.flashmla.NATIVE_KERNELS and auto).
 ENGINE_DEVICES = ("cpu", "cuda")
-DECODE_PATHS = ("auto", "reference", "kernels")
+DECODE_PATHS = ("auto", "reference", "batched", "kernels")
+#: Values of EngineArgs.dtype: the compute dtype (auto: bfloat16 on cuda, float32 on cpu).
+ENGINE_DTYPES = ("auto", "float32", "bfloat16")
 NATIVE_DECODES = ("auto", "flashmla", "triton")
 
 
@@ -55,11 +57,23 @@ class EngineArgs:
     prefix_cache: bool = field(default=True, metadata={"flag": "--disable-prefix-cache"})
     #: Where the engine's weights and KV pools live: cpu or cuda (one GPU).
     device: str = field(default="cpu", metadata={"choices": ENGINE_DEVICES, "help": "where weights and KV pools live"})
-    #: How decode steps attend: reference (torch), kernels (remnant.kernels' Triton decode,
-    #: store and reconstruct), or auto (kernels on cuda, reference on cpu).
+    #: How decode steps run: reference (per sequence, torch: the ground truth), batched (one
+    #: batched step, attention in torch), kernels (one batched step, attention through
+    #: remnant.kernels: FlashMLA, the Triton and SM90 kernels), or auto (kernels on cuda,
+    #: batched on cpu). remnant.engine.decode_step has the batched step.
     decode_path: str = field(default="auto", metadata={
         "choices": DECODE_PATHS,
-        "help": "decode-step attention: torch reference or remnant.kernels (auto: kernels on cuda)"})
+        "help": "decode steps: per-sequence torch reference, batched (torch attention) or batched on "
+                "remnant.kernels (auto: kernels on cuda, batched on cpu)"})
+    #: Compute dtype of weights and activations (softmax statistics and compressor state stay
+    #: float32): auto is bfloat16 on cuda, float32 on cpu.
+    dtype: str = field(default="auto", metadata={
+        "choices": ENGINE_DTYPES, "help": "compute dtype (auto: bfloat16 on cuda, float32 on cpu)"})
+    #: Decode steps on cuda replay CUDA graphs captured per batch-size bucket
+    #: (remnant.engine.graphs); off: eager steps. Ignored on cpu.
+    cuda_graph: bool = field(default=True, metadata={"flag": "--disable-cuda-graph"})
+    #: The largest decode batch captured in a CUDA graph; larger batches run eagerly.
+    cuda_graph_max_bs: int = field(default=128, metadata={"help": "largest decode batch captured in a CUDA graph"})
     #: Which kernel decode steps on the kernels path run over native records (native and
     #: triton modes, window-only and HCA layers): flashmla (FlashMLA's V4 decode, as SGLang
     #: runs; needs sgl-flash-mla, an SM90/SM100 GPU and 64 or 128 heads), triton (Remnant's
@@ -90,7 +104,8 @@ class EngineArgs:
             # 0 would give every prefill step no tokens: the engine would spin, never answering.
             raise ConfigError(f"{prefix}chunked_prefill_size={self.chunked_prefill_size} must be >= 1 "
                               "(prompt tokens per engine step)")
-        for name in ("device", "decode_path", "native_decode"):
+        at_least(self, prefix, ("cuda_graph_max_bs",), 1)
+        for name in ("device", "decode_path", "native_decode", "dtype"):
             value, allowed = getattr(self, name), next(f for f in fields(EngineArgs) if f.name == name).metadata["choices"]
             if value not in allowed:
                 raise ConfigError(f"{prefix}{name}={value} is not allowed; allowed: {', '.join(allowed)}")

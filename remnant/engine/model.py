@@ -31,6 +31,7 @@ reference put q back in natural order and their output in kept-first order.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -39,12 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from remnant.config import MODES
-from remnant.engine.args import DECODE_PATHS, ENGINE_DEVICES, NATIVE_DECODES, kernels_need_interpreter
+from remnant.engine.args import DECODE_PATHS, ENGINE_DEVICES, ENGINE_DTYPES, NATIVE_DECODES, kernels_need_interpreter
 from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.packing import check_keep, pack, unpack
-from remnant.kernels.dispatch import store, store_kept_first
+from remnant.kernels.dispatch import store
 from remnant.kv.layout import KeptColumns, PageLayout
 from remnant.kv.paged import dequantize_kept_first, quantize_kept_first
 
@@ -73,18 +74,34 @@ class ModelArgs:
     compress_rope_theta: float
     seed: int
     rms_norm_eps: float = 1e-6
+    #: Grouped low-rank output projection (V4: o_lora_rank 1024, 8 groups): each group of
+    #: heads' outputs -> o_lora_rank, then all groups -> hidden. 0: one dense wo.
+    o_lora_rank: int = 0
+    o_groups: int = 0
+    #: Routed MoE feed-forward (remnant.engine.moe): n_routed_experts experts of
+    #: moe_intermediate_size, num_experts_per_tok per token, plus n_shared_experts; 0
+    #: routed experts: the dense SwiGLU of intermediate_size (0: none).
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    #: How routed experts are stored (remnant.engine.moe.EXPERT_DTYPES): float8_e4m3fn (a
+    #: float32 scale per output column), bfloat16 or float32.
+    expert_dtype: str = "float8_e4m3fn"
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        names = cls.__dataclass_fields__
-        missing = [n for n in names if n not in cfg and n != "rms_norm_eps"]
+        fields = cls.__dataclass_fields__
+        missing = [n for n, f in fields.items() if n not in cfg and f.default is dataclasses.MISSING]
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}")
-        return cls(**{n: cfg[n] for n in names if n in cfg})
+        return cls(**{n: cfg[n] for n in fields if n in cfg})
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """RMS norm computed in float32 (bf16 sums of squares lose the mean), result in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -95,9 +112,19 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     cos, sin = ang.cos(), ang.sin()
     if x.ndim == 3:  # [T, H, D]
         cos, sin = cos[:, None, :], sin[:, None, :]
-    nope, r = x[..., :NOPE_DIM], x[..., NOPE_DIM:]
+    nope, r = x[..., :NOPE_DIM], x[..., NOPE_DIM:].float()
     r1, r2 = r[..., :half], r[..., half:]
-    return torch.cat([nope, r1 * cos - r2 * sin, r1 * sin + r2 * cos], dim=-1)
+    # Rotated in float32 (as SGLang's rope kernels), then back to x's dtype.
+    return torch.cat([nope, (r1 * cos - r2 * sin).to(x.dtype), (r1 * sin + r2 * cos).to(x.dtype)], dim=-1)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The compute dtype: auto -> bfloat16 on CUDA (as SGLang serves V4), float32 on the CPU."""
+    if dtype not in ENGINE_DTYPES:
+        raise ValueError(f"dtype={dtype} is not allowed; allowed: {', '.join(ENGINE_DTYPES)}")
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -118,15 +145,16 @@ def resolve_native_decode(native_decode: str, device: torch.device, decode_path:
     """The kernel that decode steps run over native records (native and triton modes' CSA
     layers, every window-only and HCA layer): ("flashmla", None), FlashMLA's V4 decode as
     SGLang runs it; or ("triton", why not FlashMLA), Remnant's Triton native kernel; or
-    ("reference", why) on the torch reference path. native_decode: auto, flashmla (an
-    error where it cannot run) or triton; see remnant.kernels.flashmla.choose_native."""
+    ("reference" or "torch", why) where decode steps attend in torch (decode_path reference
+    or batched). native_decode: auto, flashmla (an error where it cannot run) or triton;
+    see remnant.kernels.flashmla.choose_native."""
     if native_decode not in NATIVE_DECODES:
         raise ValueError(f"native_decode={native_decode} is not allowed; allowed: {', '.join(NATIVE_DECODES)}")
-    if decode_path == "reference":
+    if decode_path in TORCH_DECODE_PATHS:
         if native_decode == "flashmla":
-            raise ValueError("native_decode=flashmla needs decode_path=kernels (or auto on cuda); "
-                             "decode_path=reference attends through the torch reference")
-        return "reference", "decode steps attend through the torch reference (decode_path=reference)"
+            raise ValueError(f"native_decode=flashmla needs decode_path=kernels (or auto on cuda); "
+                             f"decode_path={decode_path} attends in torch")
+        return TORCH_DECODE_PATHS[decode_path]
     from remnant.kernels.flashmla import choose_native
 
     # The engine's native records sit in SGLang's split pages (C4, C128, the SWA pool and
@@ -142,11 +170,11 @@ def resolve_packed_decode(device: torch.device, decode_path: str, heads: int, n_
     where no layer holds packed records (n_kept None)."""
     if n_kept is None:
         return None, None
-    if decode_path == "reference":
-        return "reference", "decode steps attend through the torch reference (decode_path=reference)"
+    if decode_path in TORCH_DECODE_PATHS:
+        return TORCH_DECODE_PATHS[decode_path]
     from remnant.kernels.plan import DecodeConfig, kernel_for, sm90_unavailable
 
-    config = _decode_config(heads) or DecodeConfig()
+    config = decode_config(heads) or DecodeConfig()
     kernel = kernel_for(config, True, "kept_first", "kept_first", device, n_kept, heads, dtype)
     if kernel == "sm90":
         return "sm90", None
@@ -155,16 +183,23 @@ def resolve_packed_decode(device: torch.device, decode_path: str, heads: int, n_
         f"the launch settings of a {heads}-head model ({config}) are the Triton kernel's")
 
 
+#: What decode steps run instead of a kernel on the paths that attend in torch: (name, why).
+TORCH_DECODE_PATHS = {
+    "reference": ("reference", "decode steps attend through the per-sequence torch reference (decode_path=reference)"),
+    "batched": ("torch", "decode steps attend in torch, batched (decode_path=batched, the CPU's default)"),
+}
+
+
 def resolve_decode_path(decode_path: str, device: torch.device) -> str:
-    """auto -> kernels on CUDA, reference on the CPU. Kernels on the CPU run only under
+    """auto -> kernels on CUDA, batched on the CPU. Kernels on the CPU run only under
     Triton's interpreter, which must be chosen before triton is imported."""
     if decode_path not in DECODE_PATHS:
         raise ValueError(f"decode_path={decode_path} is not allowed; allowed: {', '.join(DECODE_PATHS)}")
     if decode_path == "auto":
-        return "kernels" if device.type == "cuda" else "reference"
+        return "kernels" if device.type == "cuda" else "batched"
     if kernels_need_interpreter(decode_path, device.type):
         raise ValueError("decode_path=kernels on device=cpu needs TRITON_INTERPRET=1 (Triton's interpreter) "
-                         "in the environment before triton is imported; or use decode_path=reference")
+                         "in the environment before triton is imported; or use decode_path=batched")
     return decode_path
 
 
@@ -268,9 +303,18 @@ class FoldedWeights:
 
 
 class Layer:
-    """Weights of one decoder layer (attention + dense SwiGLU)."""
+    """Weights of one decoder layer: attention, then a routed MoE (remnant.engine.moe) or a
+    dense SwiGLU.
 
-    def __init__(self, args: ModelArgs, ratio: int, gen: torch.Generator):
+    wo is the output projection's first matrix, rows per head [H * 512, X]: X = hidden
+    (one dense wo) or o_lora_rank (V4's grouped low-rank projection: group g's heads ->
+    o_lora_rank through wo's rows of those heads, then the groups' concatenation through
+    wo_b [o_groups * o_lora_rank, hidden])."""
+
+    def __init__(self, args: ModelArgs, ratio: int, gen: torch.Generator, device: torch.device = torch.device("cpu")):
+        """Weights from `gen` (a CPU generator): every device gets the same ones, but for the
+        routed experts, which a CUDA `device` draws there, seeded from `gen` (a V4-sized MoE
+        in seconds, not minutes on the CPU)."""
         h, H = args.hidden_size, args.num_attention_heads
 
         def w(*shape: int) -> torch.Tensor:
@@ -284,11 +328,29 @@ class Layer:
         self.wkv = w(h, HEAD_DIM)
         self.kv_norm = torch.ones(HEAD_DIM)
         self.sink = torch.randn(H, generator=gen)  # attention-sink logit per head
-        self.wo = w(H * HEAD_DIM, h) / math.sqrt(H)
+        self.wo_b = None
+        if args.o_lora_rank:
+            # Scaled to a group's fan-in (H * 512 / o_groups rows), and per head as the dense wo.
+            self.wo = w(H * HEAD_DIM, args.o_lora_rank) * math.sqrt(args.o_groups / H)
+            self.wo_b = w(args.o_groups * args.o_lora_rank, h)
+        else:
+            self.wo = w(H * HEAD_DIM, h) / math.sqrt(H)
         self.ffn_norm = torch.ones(h)
-        self.w_gate = w(h, args.intermediate_size)
-        self.w_up = w(h, args.intermediate_size)
-        self.w_down = w(args.intermediate_size, h)
+        self.moe = None
+        if args.n_routed_experts:
+            from remnant.engine.moe import MoE
+
+            experts_gen = gen
+            if device.type == "cuda":
+                seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+                experts_gen = torch.Generator(device).manual_seed(seed)
+            self.moe = MoE(hidden_size=h, moe_intermediate_size=args.moe_intermediate_size,
+                           n_routed_experts=args.n_routed_experts, num_experts_per_tok=args.num_experts_per_tok,
+                           n_shared_experts=args.n_shared_experts, expert_dtype=args.expert_dtype, generator=experts_gen)
+        else:
+            self.w_gate = w(h, args.intermediate_size)
+            self.w_up = w(h, args.intermediate_size)
+            self.w_down = w(args.intermediate_size, h)
         if ratio:
             # Compressor: a softmax gate over the block's tokens, per coordinate.
             self.wc = w(h, HEAD_DIM)
@@ -299,29 +361,37 @@ class Layer:
             self.wi_k = w(h, args.index_head_dim)
             self.wi_w = w(h, args.index_n_heads)
 
-    def to(self, device: torch.device) -> "Layer":
-        """Move every weight to `device` (in place)."""
+    def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> "Layer":
+        """Move every weight to `device` in `dtype` (in place); the attention sinks stay
+        float32 (a softmax logit)."""
         for name, value in list(vars(self).items()):
             if isinstance(value, torch.Tensor):
-                setattr(self, name, value.to(device))
+                setattr(self, name, value.to(device, torch.float32 if name == "sink" else dtype))
+        if self.moe is not None:
+            self.moe.to(device, dtype)
         return self
 
 
 class Model:
     """Random seeded weights for `args` on `device`; forward helpers used by the engine.
 
-    device: cpu or cuda (see resolve_device). decode_path: how single-token chunks attend,
-    reference (torch), kernels (remnant.kernels) or auto (kernels on cuda, reference on cpu).
+    device: cpu or cuda (see resolve_device). decode_path: how single-token chunks run:
+    reference (the per-sequence torch path), batched or kernels (remnant.engine.decode_step,
+    attention in torch or through remnant.kernels), auto (kernels on cuda, batched on cpu).
     native_decode: which kernel those chunks run over native records (resolve_native_decode).
+    dtype: the compute dtype (resolve_dtype). cuda_graph: decode steps on cuda replay CUDA
+    graphs (remnant.engine.graphs) of batches up to cuda_graph_max_bs.
     """
 
     def __init__(self, args: ModelArgs, c4_formats: dict[int, C4Format] | None = None,
-                 device: str = "cpu", decode_path: str = "auto", native_decode: str = "auto"):
+                 device: str = "cpu", decode_path: str = "auto", native_decode: str = "auto",
+                 dtype: str = "auto", cuda_graph: bool = False, cuda_graph_max_bs: int = 128):
         for i, r in enumerate(args.compress_ratios):
             if r not in (0, CSA_RATIO, HCA_RATIO):
                 raise ValueError(f"compress_ratios[{i}]={r}; allowed: 0, 4, 128")
         self.args = args
         self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
         self.decode_path = resolve_decode_path(decode_path, self.device)
         #: "flashmla", "triton" or "reference", and why not FlashMLA (None when it runs).
         self.native_decode, self.native_decode_reason = resolve_native_decode(
@@ -334,17 +404,24 @@ class Model:
         self.recorder = None
         # Generated on the CPU from the seed, then moved: every device holds the same weights.
         gen = torch.Generator().manual_seed(args.seed)
-        self.embed = torch.randn(args.vocab_size, args.hidden_size, generator=gen).to(self.device)
-        self.layers = [Layer(args, r, gen).to(self.device) for r in args.compress_ratios]
-        self.norm = torch.ones(args.hidden_size, device=self.device)
+        dt = self.dtype
+        self.embed = torch.randn(args.vocab_size, args.hidden_size, generator=gen).to(self.device, dt)
+        self.layers = [Layer(args, r, gen, self.device).to(self.device, dt) for r in args.compress_ratios]
+        self.norm = torch.ones(args.hidden_size, device=self.device, dtype=dt)
         self.lm_head = (torch.randn(args.hidden_size, args.vocab_size, generator=gen) / math.sqrt(
             args.hidden_size
-        )).to(self.device)
+        )).to(self.device, dt)
         self.scale = 1.0 / math.sqrt(HEAD_DIM)
         #: All 512 columns as the kernels read native records, built once.
         self.native_columns = KeptColumns.of(None, self.device)
         # After the layers: folded weights are made from them.
         self.set_c4_formats(c4_formats if c4_formats is not None else {i: C4Format() for i in self.csa_layers})
+        #: remnant.engine.graphs.DecodeGraphs where decode steps replay CUDA graphs, else None.
+        self.graphs = None
+        if cuda_graph and self.device.type == "cuda" and self.decode_path != "reference":
+            from remnant.engine.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, cuda_graph_max_bs)
 
     def set_c4_formats(self, formats: dict[int, C4Format]) -> None:
         """One format per CSA layer (new sequences only: stored records, window rings and
@@ -355,9 +432,9 @@ class Model:
         self.c4_formats = {i: f.to(self.device) for i, f in formats.items()}
         kept = [f.columns.n_kept for f in self.c4_formats.values() if f.mode == "kernel" and f.columns.packed]
         #: The kernel of kernel mode's packed decode steps, and why not the SM90 kernel
-        #: (None, None without packed kernel-mode layers). The model computes in float32.
+        #: (None, None without packed kernel-mode layers).
         self.packed_decode, self.packed_decode_reason = resolve_packed_decode(
-            self.device, self.decode_path, self.args.num_attention_heads, kept[0] if kept else None, torch.float32)
+            self.device, self.decode_path, self.args.num_attention_heads, kept[0] if kept else None, self.dtype)
         #: Kernel-mode CSA layer -> its FoldedWeights, on the kernels decode path only: the
         #: reference path reads natural q and would gain nothing.
         self.folded_weights = {i: FoldedWeights.of(self.layers[i], f.columns) for i, f in self.c4_formats.items()
@@ -382,7 +459,10 @@ class Model:
         return rope(kv, pos, self.args.rope_theta)
 
     def ffn(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] + the layer's feed-forward block (routed MoE or dense SwiGLU)."""
         x = rms_norm(h, layer.ffn_norm, self.args.rms_norm_eps)
+        if layer.moe is not None:
+            return h + layer.moe.forward(x)
         return h + (F.silu(x @ layer.w_gate) * (x @ layer.w_up)) @ layer.w_down
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -416,10 +496,12 @@ class Model:
         masks[i]: bool [T, S_i] (True = visible). Returns [T, H, 512]: coordinates a key
         set lacks get nothing from it, in scores and in output.
         """
+        dtype, q = q.dtype, q.float()  # scores and softmax in float32
         logits, parts = [], []
         for (k, cols), m in zip(key_sets, masks):
             if k.shape[0] == 0:
                 continue
+            k = k.float()
             qk = q if cols is None else q[..., cols]
             s = torch.einsum("thd,sd->hts", qk, k) * self.scale
             logits.append(s.masked_fill(~m[None], float("-inf")))
@@ -436,12 +518,18 @@ class Model:
                 out += o
             else:
                 out[..., cols] += o
-        return out
+        return out.to(dtype)
 
     def output(self, layer: Layer, h: torch.Tensor, o: torch.Tensor, folded: FoldedWeights | None = None) -> torch.Tensor:
-        """h [T, hidden] + o [T, H, 512] (kept-first with `folded`) through wo."""
+        """h [T, hidden] + o [T, H, 512] (kept-first with `folded`) through the output
+        projection (Layer's docstring)."""
         wo = layer.wo if folded is None else folded.wo
-        return h + o.reshape(o.shape[0], -1) @ wo
+        o = o.reshape(o.shape[0], -1)
+        if layer.wo_b is None:
+            return h + o @ wo
+        groups = self.args.o_groups
+        low = torch.einsum("tgk,gkr->tgr", o.view(o.shape[0], groups, -1), wo.view(groups, -1, wo.shape[1]))
+        return h + low.reshape(o.shape[0], -1) @ layer.wo_b
 
     # Indexer (CSA layers) -------------------------------------------------------------
 
@@ -452,11 +540,21 @@ class Model:
     def index_scores(
         self, layer: Layer, x: torch.Tensor, q_lora: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
-        """Indexer scores [T, n_records]: sum_h w_h relu(q_h . k_j)."""
+        """Indexer scores float32 [T, n_records]: sum_h w_h relu(q_h . k_j); keys float [n, d]."""
         a = self.args
-        qi = (q_lora @ layer.wi_q).view(-1, a.index_n_heads, a.index_head_dim)
-        wi = x @ layer.wi_w / math.sqrt(a.index_n_heads)
-        return torch.einsum("th,thj->tj", wi, torch.relu(torch.einsum("thd,jd->thj", qi, keys)))
+        qi = (q_lora @ layer.wi_q).view(-1, a.index_n_heads, a.index_head_dim).float()
+        wi = (x @ layer.wi_w).float() / math.sqrt(a.index_n_heads)
+        return torch.einsum("th,thj->tj", wi, torch.relu(torch.einsum("thd,jd->thj", qi, keys.float())))
+
+    def index_scores_batched(self, layer: Layer, x: torch.Tensor, q_lora: torch.Tensor,
+                             keys: torch.Tensor) -> torch.Tensor:
+        """index_scores for B tokens, each over its own keys [B, n, d]: float32 [B, n]. The
+        product runs in the keys' dtype (the compute dtype), accumulated in float32."""
+        a = self.args
+        qi = (q_lora @ layer.wi_q).view(-1, a.index_n_heads, a.index_head_dim).to(keys.dtype)
+        wi = (x @ layer.wi_w).float() / math.sqrt(a.index_n_heads)
+        logits = torch.relu(torch.bmm(qi, keys.transpose(1, 2)).float())  # [B, heads, n]
+        return torch.einsum("bh,bhn->bn", wi, logits)
 
     # One engine step: extend several sequences by their new tokens ------------------
 
@@ -465,22 +563,59 @@ class Model:
 
         seqs: remnant.engine.sequence.Sequence each, whose pages, SWA block and state slot
         in `pools` (remnant.engine.pools.KVPools, on the model's device) receive the new KV;
-        updated in place. chunks: new token ids per sequence (non-empty). With
-        decode_path=kernels, the single-token chunks of the step attend together through
-        the kernels, layer by layer; the others through the torch reference. On layers
-        with folded_weights, q and o are in kept-first order for every token of the step.
+        updated in place. chunks: new token ids per sequence (non-empty). Single-token
+        chunks run as one batched decode step (remnant.engine.decode_step, replayed from a
+        CUDA graph where the model has them) unless decode_path=reference, or a capture
+        or calibration is recording; the rest through the per-sequence torch path.
         Returns float32 [B, vocab] logits at the last new token of each sequence (on the
         model's device).
         """
+        step = [i for i, c in enumerate(chunks) if len(c) == 1]
+        rest = [i for i in range(len(chunks)) if i not in set(step)]
+        if not step or not rest:
+            return self._extend_or_decode(seqs, chunks, pools)
+        # Apart on every path, so that the reference projects a decode token in a batch of the
+        # same shape as the batched step does (the same float rounding, which FP8 records
+        # would amplify): the two paths then differ only where attention does.
+        logits = torch.empty(len(seqs), self.args.vocab_size, device=self.device)
+        logits[rest] = self._extend([seqs[i] for i in rest], [chunks[i] for i in rest], pools)
+        logits[step] = self._extend_or_decode([seqs[i] for i in step], [chunks[i] for i in step], pools)
+        return logits
+
+    def _extend_or_decode(self, seqs: list, chunks: list[list[int]], pools) -> torch.Tensor:
+        """Chunks of one token each through the batched step where it runs, else _extend."""
+        batched = self.decode_path != "reference" and self.capture is None and self.recorder is None
+        if batched and all(len(c) == 1 for c in chunks):
+            return self.decode(seqs, [c[0] for c in chunks], pools)
+        return self._extend(seqs, chunks, pools)
+
+    def decode(self, seqs: list, tokens: list[int], pools) -> torch.Tensor:
+        """One batched decode step: each sequence extended by its token; float32 [B, vocab]."""
+        from remnant.engine.decode_step import DecodeBatch, decode_step
+
+        if self.graphs is not None:
+            logits = self.graphs.run(seqs, tokens, pools)
+        else:
+            batch = DecodeBatch.of(seqs, tokens, pools, self.device)
+            logits = decode_step(self, pools, batch, self.attention)
+        for seq, token in zip(seqs, tokens):
+            seq.length += 1
+            seq.token_ids.append(token)
+        return logits
+
+    @property
+    def attention(self) -> str:
+        """How the batched decode step attends: "kernels" (remnant.kernels) or "torch"."""
+        return "kernels" if self.decode_path == "kernels" else "torch"
+
+    def _extend(self, seqs: list, chunks: list[list[int]], pools) -> torch.Tensor:
+        """The per-sequence torch path: every chunk through _attend_sequence, layer by layer;
+        float32 [B, vocab] logits at each chunk's last token."""
         sizes = [len(c) for c in chunks]
         starts = [0, *itertools.accumulate(sizes)]
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(q.length, q.length + n, dtype=torch.long) for q, n in zip(seqs, sizes)])
         pos = pos.to(self.device)
-        kernels = self.decode_path == "kernels"
-        direct = [i for i, n in enumerate(sizes) if kernels and n == 1]
-        # The same ring slots in every layer (lengths move after the last layer).
-        window_locs = self._window_locations([seqs[i] for i in direct], pools) if direct else None
         h = self.embed[ids]
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, self.args.rms_norm_eps)
@@ -492,21 +627,13 @@ class Model:
             ik = self.index_keys(layer, x) if layer.ratio == CSA_RATIO else None
             parts = (x, q, q_lora, kv, pos, c, g, ik)
             steps = [_Step(*(None if t is None else t[a:b] for t in parts)) for a, b in zip(starts, starts[1:])]
-            outs: list[torch.Tensor | None] = [None] * len(seqs)
-            for i, (seq, st) in enumerate(zip(seqs, steps)):
-                if i not in direct:
-                    outs[i] = self._attend_sequence(li, layer, seq, pools, st)
-            if direct:
-                o = self._decode_with_kernels(li, layer, [seqs[i] for i in direct], pools, [steps[i] for i in direct],
-                                              window_locs)
-                for i, oi in zip(direct, o.split(1)):
-                    outs[i] = oi
-            h = self.ffn(layer, self.output(layer, h, torch.cat(outs), folded))
+            o = torch.cat([self._attend_sequence(li, layer, seq, pools, st) for seq, st in zip(seqs, steps)])
+            h = self.ffn(layer, self.output(layer, h, o.to(h.dtype), folded))
         for seq, chunk in zip(seqs, chunks):
             seq.length += len(chunk)
             seq.token_ids.extend(chunk)
         last = torch.tensor(starts[1:], device=self.device) - 1
-        return self.logits(h[last])
+        return self.logits(h[last]).float()
 
     def _attend_sequence(self, li: int, layer: Layer, seq, pools, st: "_Step") -> torch.Tensor:
         """The torch reference: one sequence's chunk of T tokens attends; returns [T, H, 512]
@@ -517,7 +644,7 @@ class Model:
         # tokens join from memory, quantized as the ring stores them (the kernels read a
         # decode token's own record from its ring slot), then the last `window` of them go
         # into the ring.
-        ring = self._ring_format(li)
+        ring = self.ring_format(li)
         kv = ring.ring_records(st.kv)
         prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length, device=self.device)
         prev = pools.swa.read(li, pools.swa_slots(seq.swa_block, prev_pos))
@@ -528,7 +655,7 @@ class Model:
         pools.swa.write(li, pools.swa_slots(seq.swa_block, st.pos[tail]), kv[tail])
         key_sets, masks = [(keys, None)], [win_mask]
 
-        selected = self._select_records(li, layer, seq, pools, st, kernels=False)
+        selected = self._select_records(li, layer, seq, pools, st)
         if selected is not None:
             used, mask = selected
             # Only the selected records are read back from their stored bytes.
@@ -549,8 +676,8 @@ class Model:
         folded = self.folded_weights.get(li)
         return q if folded is None else q[..., folded.inverse]
 
-    def _select_records(self, li: int, layer: Layer, seq, pools, st: "_Step",
-                        kernels: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _select_records(self, li: int, layer: Layer, seq, pools,
+                        st: "_Step") -> tuple[torch.Tensor, torch.Tensor] | None:
         """Close the blocks this chunk completes into records, then choose what each new
         token reads: on CSA layers the indexer's top-k of its visible records, on HCA layers
         every visible record.
@@ -561,7 +688,7 @@ class Model:
         """
         if not layer.ratio:
             return None
-        n = self._compress_new_blocks(li, layer, seq, pools, st, kernels)
+        n = self._compress_new_blocks(li, layer, seq, pools, st)
         if self.capture is not None and layer.ratio == CSA_RATIO:
             self.capture[li].append(self._natural_q(li, st.q).detach().clone())  # policies read natural q
         if self.recorder is not None and layer.ratio == CSA_RATIO and st.q.shape[0] == 1 \
@@ -574,7 +701,7 @@ class Model:
         visible = rec_end[None, :] <= st.pos[:, None]  # [T, n]
         if layer.ratio == CSA_RATIO:
             pages = seq.page_tensor(self.device)
-            index_keys = _dequantize_index(pools.indexer[li].read(pages, torch.arange(n, device=self.device)))
+            index_keys = dequantize_index_keys(pools.indexer[li].read(pages, torch.arange(n, device=self.device)))
             scores = self.index_scores(layer, st.x, st.q_lora, index_keys)
             scores = scores.masked_fill(~visible, float("-inf"))
             top = scores.topk(min(self.args.index_topk, n), dim=-1).indices
@@ -584,7 +711,7 @@ class Model:
         used = chosen.any(0).nonzero().squeeze(1)
         return (used, chosen[:, used]) if used.numel() else None
 
-    def _compress_new_blocks(self, li: int, layer: Layer, seq, pools, st: "_Step", kernels: bool) -> int:
+    def _compress_new_blocks(self, li: int, layer: Layer, seq, pools, st: "_Step") -> int:
         """Close the blocks this chunk completes into records; returns the record count."""
         r = layer.ratio
         length = seq.length
@@ -604,10 +731,10 @@ class Model:
             latents = self.compress(layer, pc[: full * r].view(full, r, -1), pg[: full * r].view(full, r, -1), index)
             if self.recorder is not None and r == CSA_RATIO and self.recorder.wants(li, "latents"):
                 self.recorder.add_latents(li, latents)
-            self._write_records(li, layer, pools, pages, index, latents, kernels)
+            self._write_records(li, layer, pools, pages, index, latents)
             if r == CSA_RATIO:
                 keys = pik[: full * r].view(full, r, -1).mean(1)
-                pools.indexer[li].write(pages, index, _quantize_index(keys))
+                pools.indexer[li].write(pages, index, quantize_index_keys(keys))
         left = pc.shape[0] - full * r
         rows = pools.state_rows(r, seq.slot, left)
         state[rows, 0, :HEAD_DIM] = pc[full * r :]
@@ -617,110 +744,20 @@ class Model:
         return first + full
 
     def _write_records(self, li: int, layer: Layer, pools, pages: torch.Tensor, index: torch.Tensor,
-                       latents: torch.Tensor, kernels: bool) -> None:
+                       latents: torch.Tensor) -> None:
         """Store the records of blocks `index` [k] from their latents float32 [k, 512]: CSA
-        records in the layer's C4 format (packed at the KV write), HCA records native. On
-        the kernels path remnant.kernels.dispatch.store quantizes (and packs) straight into the
-        pages: the Triton store on CUDA (see the module docstring for the CPU)."""
+        records in the layer's C4 format (packed at the KV write), HCA records native,
+        through remnant.kernels.dispatch.store (the Triton store on CUDA, its torch
+        reference elsewhere: the module docstring says why not the interpreter's)."""
         csa = layer.ratio == CSA_RATIO
         target = _record_pages(li, layer, pools)
-        if kernels:
-            keep = self.c4_formats[li].columns if csa else None
-            store(latents, target.buf, target.layout, target.locations(pages, index), keep)
-            return
-        records = quantize(latents)
-        target.write(pages, index, self.c4_formats[li].write(records) if csa else records)
+        keep = self.c4_formats[li].columns if csa else None
+        store(latents.float(), target.buf, target.layout, target.locations(pages, index), keep)
 
-    # Decode steps through remnant.kernels ---------------------------------------------
-
-    def _decode_with_kernels(self, li: int, layer: Layer, seqs: list, pools, steps: list["_Step"],
-                             window_locs: torch.Tensor) -> torch.Tensor:
-        """B single-token chunks attend through remnant.kernels.decode; returns [B, H, 512]
-        in q's column order (kept-first on layers with folded_weights). window_locs: their
-        window's ring slots (_window_locations).
-
-        Each new token's window record is first stored into its ring (remnant.kernels.dispatch.store):
-        the kernel reads the token's own record there (the reference joins it from memory
-        and writes the same ring slot). Compressed records are read where they are stored:
-        native C4 or C128 records as they are, packed ones directly (kernel mode) or after
-        the triton mode's reconstruct into native scratch records.
-        """
-        from remnant.kernels.decode import decode
-
-        ring, ring_layout = pools.swa.pages(li), pools.swa.layout
-        fmt = self._ring_format(li)
-        new = torch.cat([st.kv for st in steps])
-        if fmt.window_kept_first:
-            store_kept_first(new, ring, ring_layout, window_locs[:, -1], fmt.columns)
-        else:
-            store(new, ring, ring_layout, window_locs[:, -1])
-        selected = [self._select_records(li, layer, seq, pools, st, kernels=True) for seq, st in zip(seqs, steps)]
-        if not layer.ratio:
-            # Window-only layer: an empty record set (the ring stands in for its pages, which
-            # the kernel never reads).
-            c4, c4_layout, columns = ring, ring_layout, self.native_columns
-            c4_locs = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
-        else:
-            # (Before a sequence's first record its selection is empty: the layer's own pages
-            # and columns still go, so a kernel-mode ring is read by the packed kernel.)
-            c4, c4_layout, c4_locs, columns = self._decode_records(li, layer, seqs, pools, selected)
-        q = torch.cat([st.q for st in steps])  # kept-first on layers with folded_weights
-        if (self.native_decode == "flashmla" and not columns.packed and not fmt.window_kept_first
-                and li not in self.folded_weights):
-            # Native records in natural order, as SGLang's native and triton modes attend.
-            from remnant.kernels.flashmla import decode as flashmla_decode
-
-            return flashmla_decode(q, c4, c4_layout, c4_locs, ring, ring_layout, window_locs, layer.sink, self.scale)
-        return decode(q, c4, c4_layout, c4_locs, ring, ring_layout, window_locs, layer.sink, columns,
-                      self.scale, columns="kept_first" if li in self.folded_weights else "natural",
-                      window_columns="kept_first" if fmt.window_kept_first else "natural",
-                      config=_decode_config(q.shape[1]))
-
-    def _window_locations(self, seqs: list, pools) -> torch.Tensor:
-        """Ring slots of each new token's window, int64 [B, window]: positions L-window+1..L
-        in order (the new token, at L = seq.length, last), -1 before position 0."""
-        w = self.args.window_size
-        lengths = torch.tensor([s.length for s in seqs], device=self.device)
-        blocks = torch.tensor([s.swa_block for s in seqs], device=self.device)
-        positions = lengths[:, None] - (w - 1) + torch.arange(w, device=self.device)
-        return torch.where(positions >= 0, pools.swa_slots(blocks[:, None], positions), -1)
-
-    def _ring_format(self, li: int) -> C4Format:
+    def ring_format(self, li: int) -> C4Format:
         """The format whose ring order layer li's window ring has (kernel-mode CSA layers:
         kept-first; every other layer: natural)."""
         return self.c4_formats.get(li, NATIVE_RING)
-
-    def _decode_records(self, li: int, layer: Layer, seqs: list, pools,
-                        selected: list) -> tuple[torch.Tensor, PageLayout, torch.Tensor, KeptColumns]:
-        """The selected records as the decode kernel takes them: (pages, layout, locations
-        int64 [B, K] padded with -1, K = 0 before any record, kept columns)."""
-        target = _record_pages(li, layer, pools)
-        empty = torch.empty(0, dtype=torch.long, device=self.device)
-        locs = [empty if s is None else target.locations(seq.page_tensor(self.device), s[0])
-                for seq, s in zip(seqs, selected)]
-        c4_locs = torch.nn.utils.rnn.pad_sequence(locs, batch_first=True, padding_value=-1)
-        fmt = self.c4_formats[li] if layer.ratio == CSA_RATIO else None
-        if fmt is None or fmt.mode == "native":
-            return target.buf, target.layout, c4_locs, self.native_columns
-        if fmt.mode == "kernel":
-            return target.buf, target.layout, c4_locs, fmt.columns
-        # triton: the selected packed records become native records in scratch rows, which
-        # the native decode (the stock attention) reads.
-        from remnant.kernels.reconstruct import reconstruct
-
-        valid = c4_locs >= 0
-        count = sum(s[0].numel() for s in selected if s is not None)  # no device sync
-        # Native pages as SGLang stages them for FlashMLA (remnant.sglang.buffers.stage_selected).
-        scratch_layout = PageLayout.sglang(SCRATCH_PER_PAGE)
-        # (At least one page: with no record selected yet the kernel reads none, but an empty
-        # CUDA tensor has a null pointer, which Triton's launcher refuses.)
-        scratch = torch.empty(max(-(-count // SCRATCH_PER_PAGE), 1), scratch_layout.page_stride, dtype=torch.uint8,
-                              device=self.device)
-        rows = torch.arange(count, device=self.device)
-        reconstruct(target.buf, target.layout, c4_locs[valid], fmt.columns, scratch, scratch_layout, rows)
-        scratch_locs = torch.full_like(c4_locs, -1)
-        scratch_locs[valid] = rows
-        return scratch, scratch_layout, scratch_locs, self.native_columns
 
 
 def _record_pages(li: int, layer: Layer, pools):
@@ -728,7 +765,7 @@ def _record_pages(li: int, layer: Layer, pools):
     return pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
 
 
-def _decode_config(heads: int) -> "DecodeConfig | None":
+def decode_config(heads: int) -> "DecodeConfig | None":
     """Launch settings of remnant.kernels.decode: its plan's own (None), tuned for V4's 64
     heads; for 16 heads or fewer (the tiny model has 8), blocks of 16 heads (tl.dot's
     minimum) on 4 warps, as tests/kernels/test_decode.py also runs it compiled."""
@@ -751,7 +788,7 @@ class _Step:
     ik: torch.Tensor | None  # [T, index_head_dim] indexer key parts
 
 
-def _quantize_index(keys: torch.Tensor) -> torch.Tensor:
+def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
     """Indexer keys float [k, d] -> FP8 codes + one fp32 scale per 128 coords, uint8 [k, d + 4d/128]."""
     k, d = keys.shape
     blocks = keys.view(k, d // 128, 128)
@@ -760,7 +797,7 @@ def _quantize_index(keys: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes, scale.contiguous().view(torch.uint8).reshape(k, -1)], dim=1)
 
 
-def _dequantize_index(stored: torch.Tensor) -> torch.Tensor:
+def dequantize_index_keys(stored: torch.Tensor) -> torch.Tensor:
     k, width = stored.shape
     d = width * 128 // 132
     codes = stored[:, :d].contiguous().view(torch.float8_e4m3fn).float().view(k, d // 128, 128)

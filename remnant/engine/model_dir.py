@@ -53,6 +53,13 @@ _ARCH_FIELDS = (
     "rope_theta",
     "compress_rope_theta",
     "seed",
+    "o_lora_rank",
+    "o_groups",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_shared_experts",
+    "expert_dtype",
 )
 
 

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-#: expert_dtype values, the dtype the routed experts are stored in (remnant.kernels.moe's
-#: EXPERT_DTYPES): FP8 is the engine's choice (V4-Flash keeps its experts in FP4; bf16 experts
-#: would be most of a step's bytes and hide what an attention mode changes).
-EXPERT_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
+# expert_dtype values (remnant.kernels.moe maps them to torch dtypes): FP8 is the engine's
+# choice (V4-Flash keeps its experts in FP4; bf16 experts would be most of a step's bytes and
+# hide what an attention mode changes).
+from remnant.config import EXPERT_DTYPES
+
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -88,7 +89,9 @@ class MoE:
     w_gate_up [E, hidden, 2 * I] and w_down [E, I, hidden] in expert_dtype, with
     gate_up_scale float32 [E, 2 * I] and down_scale float32 [E, hidden] for FP8 experts
     (None otherwise). Gate columns come first in each gate_up matrix, then up.
-    Constructed: float32 on the CPU, from `generator` (torch.Generator; None: seed 0).
+    Constructed: float32 on the generator's device, from `generator` (torch.Generator;
+    None: seed 0 on the CPU). A CUDA generator draws a V4-sized MoE in seconds where the
+    CPU's would take minutes (its numbers differ from the CPU's for the same seed).
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, n_routed_experts: int,
@@ -102,7 +105,7 @@ class MoE:
         shared = n_shared_experts * inter
 
         def w(*shape: int, fan_in: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen) / math.sqrt(fan_in)
+            return torch.randn(*shape, generator=gen, device=gen.device) / math.sqrt(fan_in)
 
         # Drawn in this order, always: the same generator state gives the same weights.
         self.router = w(h, E, fan_in=h)
@@ -113,7 +116,7 @@ class MoE:
         self.gate_up_scale: torch.Tensor | None = None
         self.down_scale: torch.Tensor | None = None
         self.dtype = torch.float32
-        self.device = torch.device("cpu")
+        self.device = gen.device
 
     @classmethod
     def from_args(cls, args: MoEArgs, generator: torch.Generator | None = None) -> "MoE":

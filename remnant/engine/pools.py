@@ -8,6 +8,13 @@ pool: each running request owns a block of `window` record slots (a ring; one pa
 split layout), and the prefix cache keeps window checkpoints there too. Compressor state (the open block's tokens) sits
 in per-request state rows. Sizes come from remnant.engine.capacity, so the bytes
 allocated here are the bytes accounted there, plus the padding of split pages.
+
+Each pool has one more page, window block and state slot than it hands out (pad_page,
+pad_block, pad_slot), outside every free list, as SGLang keeps a reserved slot for padded
+decode batches: the batched decode step (remnant.engine.decode_step) sends there the
+writes that must not land (a block not yet complete, a CUDA graph's padding rows), so its
+shapes never depend on the data. They hold no token: capacity is unchanged, and
+allocated_bytes counts them apart as "padding".
 """
 
 from __future__ import annotations
@@ -144,26 +151,32 @@ class KVPools:
         self.page_size = g.page_size
         self.num_pages = sizes.full_tokens // g.page_size
         self.pages = FreeList(self.num_pages, "page")
+        self.pad_page = self.num_pages
         per4, per128 = g.page_size // 4, g.page_size // 128
         csa = [i for i, r in enumerate(g.compress_ratios) if r == 4]
         dev = self.device
-        self.c4 = {li: SplitPages(self.num_pages, per4, rb, device=dev) for li, rb in zip(csa, g.c4_record_bytes)}
-        self.indexer = {li: SplitPages(self.num_pages, per4, g.indexer_key_bytes(), INDEX_SCALE_BYTES, device=dev)
+        pages = self.num_pages + 1
+        self.c4 = {li: SplitPages(pages, per4, rb, device=dev) for li, rb in zip(csa, g.c4_record_bytes)}
+        self.indexer = {li: SplitPages(pages, per4, g.indexer_key_bytes(), INDEX_SCALE_BYTES, device=dev)
                         for li in csa}
-        self.c128 = {i: SplitPages(self.num_pages, per128, NATIVE_RECORD_BYTES, row_bytes=576, device=dev)
+        self.c128 = {i: SplitPages(pages, per128, NATIVE_RECORD_BYTES, row_bytes=576, device=dev)
                      for i, r in enumerate(g.compress_ratios) if r == 128}
         # SWA: blocks of `window` slots, a page each; a running request rings through one, a
         # prefix-cache checkpoint holds one.
         self.window = g.window_size
         self.swa_blocks = FreeList(sizes.swa_tokens // g.window_size, "swa block")
-        self.swa = SwaPool(len(g.compress_ratios), self.swa_blocks.n, g.window_size, device=dev)
+        self.pad_block = self.swa_blocks.n
+        self.swa = SwaPool(len(g.compress_ratios), self.swa_blocks.n + 1, g.window_size, device=dev)
         # Compressor state, fp32 rows of (content, gate): C4_RING rows per request slot in
         # every CSA layer (sized from the SWA pool, as SGLang sizes c4_state_pool_size) and
         # C128_RING rows per slot in every HCA layer (the fixed c128_state rows); the
         # indexer keys' open block rides in the C4 indexer state rows.
         self.slots = FreeList(min(self.swa_blocks.n, g.max_running_requests), "request slot")
-        rows4 = sizes.c4_state_slots
-        rows128 = g.c128_state_fixed_bytes() // (2 * HEAD_DIM * 4 * max(g.n_c128, 1))
+        self.pad_slot = self.slots.n
+        # The accounted rows, then the padding slot's past the last slot either may use.
+        self._state_rows = (sizes.c4_state_slots, g.c128_state_fixed_bytes() // (2 * HEAD_DIM * 4 * max(g.n_c128, 1)))
+        rows4 = max(sizes.c4_state_slots, (self.pad_slot + 1) * C4_RING)
+        rows128 = max(self._state_rows[1], (self.pad_slot + 1) * C128_RING)
         # A C4 state row holds (content, gate) for two overlapping blocks (2 x 2 x 512 fp32,
         # as SGLang sizes it); the engine's compressor uses the first block's half.
         self.c4_state = {li: torch.zeros(rows4, 2, 2 * HEAD_DIM, device=dev) for li in csa}
@@ -181,16 +194,22 @@ class KVPools:
         return block * self.window + positions % self.window
 
     def allocated_bytes(self) -> dict[str, int]:
-        """Bytes of the buffers actually allocated, per component (page padding included)."""
-        return {
-            "swa": self.swa.numel(),
-            "c4": sum(p.buf.numel() for p in self.c4.values()),
-            "c128": sum(p.buf.numel() for p in self.c128.values()),
-            "c4_indexer": sum(p.buf.numel() for p in self.indexer.values()),
-            "c4_state": sum(t.numel() * 4 for t in self.c4_state.values()),
-            "c4_indexer_state": sum(t.numel() * 4 for t in self.c4_index_state.values()),
-            "c128_state": sum(t.numel() * 4 for t in self.c128_state.values()),
+        """Bytes of the buffers actually allocated, per component (page padding included),
+        the padding page, block and slot apart ("padding": they hold no token)."""
+        rows4, rows128 = self._state_rows
+        held = {
+            "swa": self.swa.buf[:, : self.pad_block].numel(),
+            "c4": sum(p.buf[: self.num_pages].numel() for p in self.c4.values()),
+            "c128": sum(p.buf[: self.num_pages].numel() for p in self.c128.values()),
+            "c4_indexer": sum(p.buf[: self.num_pages].numel() for p in self.indexer.values()),
+            "c4_state": sum(t[:rows4].numel() * 4 for t in self.c4_state.values()),
+            "c4_indexer_state": sum(t[:rows4].numel() * 4 for t in self.c4_index_state.values()),
+            "c128_state": sum(t[:rows128].numel() * 4 for t in self.c128_state.values()),
         }
+        every = (self.swa.numel() + sum(p.buf.numel() for d in (self.c4, self.c128, self.indexer) for p in d.values())
+                 + sum(t.numel() * 4 for d in (self.c4_state, self.c4_index_state, self.c128_state)
+                       for t in d.values()))
+        return {**held, "padding": every - sum(held.values())}
 
     def accounted_bytes(self) -> dict[str, int]:
         return pool_bytes(self.geometry, self.sizes)

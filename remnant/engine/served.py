@@ -124,7 +124,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     args = ModelArgs.from_hf_config(hf)
     t0 = time.perf_counter()
     model = Model(args, device=engine_args.device, decode_path=engine_args.decode_path,
-                  native_decode=engine_args.native_decode)
+                  native_decode=engine_args.native_decode, dtype=engine_args.dtype,
+                  cuda_graph=engine_args.cuda_graph, cuda_graph_max_bs=engine_args.cuda_graph_max_bs)
     served_name = hf.get("remnant", {}).get("preset") or model_dir.name
     rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
                            retention.map_path, retention.policy)
@@ -168,7 +169,7 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         "model_path": str(model_dir),
         "tokenizer_path": str(model_dir),
         "served_model_name": served_name,
-        "dtype": "float32",
+        "dtype": str(model.dtype).removeprefix("torch."),
         "kv_cache_dtype": "fp8_e4m3",
         "chunked_prefill_size": engine_args.chunked_prefill_size,
         "max_running_requests": pools.slots.n,
@@ -178,6 +179,10 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         "remnant_mode": mode,
         "device": model.device.type,  # as SGLang's ServerArgs.device: "cuda" or "cpu"
         "remnant_decode_path": model.decode_path,
+        # Decode steps in CUDA graphs: buckets, captures and their time, kept current (null
+        # where steps run eagerly: cpu, --disable-cuda-graph, decode_path=reference).
+        "cuda_graph": None if model.graphs is None else model.graphs.stats,
+        "disable_cuda_graph": model.graphs is None,
         # Which kernel decode steps ran over native records, and why not FlashMLA.
         "remnant_native_decode": {"kernel": model.native_decode, "reason": model.native_decode_reason,
                                   "flashmla_version": _flashmla_version(model.native_decode)},

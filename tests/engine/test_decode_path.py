@@ -21,6 +21,7 @@ from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
 from remnant.kv.codec import dequantize
+from tests.engine.rings import assert_same_ring
 from remnant.kv.formats import NOPE_DIM
 from remnant.kv.paged import decode_native_reference, decode_packed_reference, dequantize_kept_first
 
@@ -95,9 +96,9 @@ def _check_same_greedy(reference: Model, kernels: Model, prompts, steps) -> None
     got, got_logits, got_pools = _greedy(kernels, prompts, steps)
     assert got == want
     torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
-    # Layer 0 sees the same inputs on both paths, so its window ring must hold the same
-    # bytes in the same slots: decode tokens' records stored before the kernel read them.
-    assert torch.equal(got_pools.swa[0], want_pools.swa[0])
+    # Layer 0 sees the same tokens on both paths, so its window ring must hold the same
+    # records in the same slots: decode tokens' records stored before the kernel read them.
+    assert_same_ring(got_pools.swa[0], want_pools.swa[0])
 
 
 @needs_interpreter
@@ -322,10 +323,9 @@ def test_triton_serves_native_records_where_flashmla_cannot_and_says_why(args):
         Model(args, device="cuda", decode_path="kernels", native_decode="flashmla")
 
 
-def test_native_decode_on_the_reference_path_is_the_reference(args):
-    model = Model(args)
-    assert (model.native_decode, model.native_decode_reason) == (
-        "reference", "decode steps attend through the torch reference (decode_path=reference)")
+def test_native_decode_on_the_torch_paths_names_them(args):
+    assert (Model(args, decode_path="reference").native_decode, Model(args).native_decode) == ("reference", "torch")
+    assert "decode_path=batched, the CPU's default" in Model(args).native_decode_reason
     with pytest.raises(ValueError, match="native_decode=flashmla needs decode_path=kernels"):
         Model(args, native_decode="flashmla")
 
@@ -367,8 +367,8 @@ def test_engine_answers_as_the_reference(args, device):
     assert _served(Model(args, device=device, decode_path="kernels"), prompts, 4) == want
 
 
-def test_auto_takes_the_reference_on_cpu(args):
-    assert Model(args).decode_path == "reference"
+def test_auto_takes_the_batched_step_on_cpu(args):
+    assert Model(args).decode_path == "batched"
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the error without a GPU")
@@ -379,7 +379,7 @@ def test_cuda_without_a_gpu_is_one_clear_line(args):
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"device": "tpu"}, "device=tpu is not allowed; allowed: cpu, cuda"),
-    ({"decode_path": "fast"}, "decode_path=fast is not allowed; allowed: auto, reference, kernels"),
+    ({"decode_path": "fast"}, "decode_path=fast is not allowed; allowed: auto, reference, batched, kernels"),
     ({"native_decode": "fast"}, "native_decode=fast is not allowed; allowed: auto, flashmla, triton"),
 ])
 def test_bad_settings_name_the_field(args, kwargs, message):

@@ -128,7 +128,7 @@ def test_expected_distinct_experts():
 
 
 def test_errors_name_the_field_and_what_is_allowed():
-    with pytest.raises(ValueError, match="expert_dtype='fp4' is not allowed; allowed: 'bfloat16', 'float8_e4m3fn'"):
+    with pytest.raises(ValueError, match="expert_dtype='fp4' is not allowed; allowed: 'float8_e4m3fn', 'bfloat16', 'float32'"):
         _moe(expert_dtype="fp4")
     with pytest.raises(ValueError, match="num_experts_per_tok=6 is not allowed; allowed: 1..n_routed_experts=5"):
         _moe(num_experts_per_tok=6)

@@ -1,0 +1,310 @@
+"""The batched decode step: one new token for each of B sequences through every layer, as
+tensors, with no per-sequence Python loop and no host synchronisation.
+
+Per layer, as SGLang's DeepSeek-V4 decode runs it: queries, the window store (the new
+token's record into its sequence's ring), the compressors (C4 and C128 state rows, a
+record written when the token completes its block), the indexer (scores over every C4
+index key the page table reaches, masked to the visible ones, and a top-k on the GPU),
+then attention per mode, the output projection and the feed-forward block. Everything
+whose size depends on the data is a mask over a size fixed by the batch's shapes (B rows,
+P pages per sequence), so a step of given shapes is one CUDA graph (remnant.engine.graphs):
+
+- a write that must not happen (a block not yet complete, a padding row) goes to the
+  pools' padding page, block or state slot (KVPools.pad_*), as SGLang's padded decode
+  batches write to its reserved slot 0;
+- records nobody may read are -1 in the location lists the attention takes.
+
+Attention runs through `remnant.kernels` (attention="kernels": FlashMLA or Remnant's
+Triton native kernel over native records, reconstruct + FlashMLA in triton mode, the
+packed decode in kernel mode, as `Model.native_decode` and `Model.packed_decode` name) or
+through `attend_batched` below (attention="torch": the same softmax over gathered records,
+the CPU default). The per-sequence reference path (Model.forward with
+decode_path=reference) is the ground truth both are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from remnant.engine.capacity import C4_RING, C128_RING
+from remnant.engine.model import (CSA_RATIO, SCRATCH_PER_PAGE, decode_config, dequantize_index_keys,
+                                  quantize_index_keys, rms_norm)
+from remnant.kernels.dispatch import reconstruct, store, store_kept_first
+from remnant.kv import HEAD_DIM
+from remnant.kv.codec import dequantize
+from remnant.kv.layout import PageLayout
+
+
+@dataclass
+class DecodeBatch:
+    """What a decode step reads besides the pools, on the model's device.
+
+    Rows past `real` are padding rows: position 0 in the pools' padding block and slot, a
+    page table of padding pages, so all they write lands in the padding and they see no
+    record (CUDA graphs replay a fixed batch size)."""
+
+    ids: torch.Tensor  # int64 [B] the new tokens
+    pos: torch.Tensor  # int64 [B] their positions (each sequence's length before the step)
+    page_table: torch.Tensor  # int64 [B, P] full pages of each sequence, padded with pools.pad_page
+    swa_block: torch.Tensor  # int64 [B] each sequence's window ring
+    slot: torch.Tensor  # int64 [B] each sequence's compressor state slot
+    real: int  # rows that are sequences
+
+    @classmethod
+    def of(cls, seqs: list, tokens: list[int], pools, device: torch.device, rows: int | None = None,
+           pages: int | None = None) -> "DecodeBatch":
+        """The batch of `seqs` (remnant.engine.sequence.Sequence) each extended by its token,
+        padded to `rows` rows and `pages` page-table columns (None: no padding). Built on
+        the host and copied once (no sync inside the step)."""
+        rows = len(seqs) if rows is None else rows
+        pages = max((len(s.pages) for s in seqs), default=1) if pages is None else pages
+        if rows < len(seqs) or any(len(s.pages) > pages for s in seqs):
+            raise ValueError(f"a batch of {len(seqs)} sequences of up to {max(len(s.pages) for s in seqs)} pages "
+                             f"does not fit {rows} rows of {pages} pages")
+        pad = rows - len(seqs)
+        table = torch.full((rows, pages), pools.pad_page, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.long)
+        host = torch.tensor([list(tokens) + [0] * pad,
+                             [s.length for s in seqs] + [0] * pad,
+                             [s.swa_block for s in seqs] + [pools.pad_block] * pad,
+                             [s.slot for s in seqs] + [pools.pad_slot] * pad], dtype=torch.long)
+        if device.type == "cuda":  # pinned, so the copies queue behind the stream's work without a sync
+            host, table = host.pin_memory(), table.pin_memory()
+        host, table = host.to(device, non_blocking=True), table.to(device, non_blocking=True)
+        return cls(host[0], host[1], table, host[2], host[3], len(seqs))
+
+    @property
+    def size(self) -> int:
+        return self.ids.shape[0]
+
+    def copy_into(self, other: "DecodeBatch") -> None:
+        """Write this batch into `other`'s tensors of the same shapes (a captured graph's
+        inputs)."""
+        for name in ("ids", "pos", "page_table", "swa_block", "slot"):
+            getattr(other, name).copy_(getattr(self, name))
+        other.real = self.real
+
+
+def read_records(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor) -> torch.Tensor:
+    """Records at locations `locs` (any shape, every entry valid) as uint8 [*locs.shape,
+    record_bytes], read through a view of the split pages: no index tensor per byte, no
+    range check (a check would read the locations back to the host)."""
+    per = layout.per_page
+    data = pages[:, : per * layout.data_bytes].unflatten(1, (per, layout.data_bytes))
+    tail_at = per * layout.data_bytes
+    tail = pages[:, tail_at : tail_at + per * layout.tail_bytes].unflatten(1, (per, layout.tail_bytes))
+    page, slot = locs // per, locs % per
+    return torch.cat([data[page, slot], tail[page, slot]], dim=-1)
+
+
+def write_records(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor, records: torch.Tensor) -> None:
+    """records uint8 [k, record_bytes] to locations `locs` [k] (read_records' inverse)."""
+    per = layout.per_page
+    data = pages[:, : per * layout.data_bytes].unflatten(1, (per, layout.data_bytes))
+    tail_at = per * layout.data_bytes
+    tail = pages[:, tail_at : tail_at + per * layout.tail_bytes].unflatten(1, (per, layout.tail_bytes))
+    page, slot = locs // per, locs % per
+    data[page, slot] = records[:, : layout.data_bytes]
+    tail[page, slot] = records[:, layout.data_bytes :]
+
+
+def record_locations(page_table: torch.Tensor, index: torch.Tensor, per_page: int) -> torch.Tensor:
+    """Pool locations of sequence record indices `index` [B, k] (or [B]) through each row's
+    page table [B, P]: page * per_page + slot."""
+    flat = index if index.ndim == 2 else index[:, None]
+    pages = page_table.gather(1, flat // per_page)
+    locs = pages * per_page + flat % per_page
+    return locs if index.ndim == 2 else locs[:, 0]
+
+
+def window_locations(batch: DecodeBatch, window: int) -> torch.Tensor:
+    """Ring slots of each token's window, int64 [B, window]: positions pos-window+1..pos in
+    order (the new token last), -1 before position 0."""
+    positions = batch.pos[:, None] - (window - 1) + torch.arange(window, device=batch.pos.device)
+    return torch.where(positions >= 0, batch.swa_block[:, None] * window + positions % window, -1)
+
+
+def attend_batched(q: torch.Tensor, sink: torch.Tensor, key_sets: list, scale: float) -> torch.Tensor:
+    """Softmax attention of B tokens' q [B, H, 512] over key sets with V = K and a per-head
+    sink, in float32. key_sets[i]: (keys float [B, S_i, D_i], cols [D_i] or None (all 512 in
+    order), visible bool [B, S_i]). Returns float32 [B, H, 512]; coordinates a key set lacks
+    get nothing from it (remnant.engine.model.Model.attend, batched)."""
+    q = q.float()
+    logits = []
+    for keys, cols, visible in key_sets:
+        qk = q if cols is None else q[..., cols]
+        s = torch.einsum("bhd,bsd->bhs", qk, keys.float()) * scale
+        logits.append(s.masked_fill(~visible[:, None, :], float("-inf")))
+    B, H = q.shape[0], q.shape[1]
+    sink_logit = sink.float()[None, :, None].expand(B, H, 1)
+    p = torch.softmax(torch.cat([sink_logit, *logits], dim=-1), dim=-1)[..., 1:]  # the sink gives no value
+    out = torch.zeros(B, H, HEAD_DIM, dtype=torch.float32, device=q.device)
+    start = 0
+    for keys, cols, _ in key_sets:
+        part = torch.einsum("bhs,bsd->bhd", p[..., start : start + keys.shape[1]], keys.float())
+        start += keys.shape[1]
+        if cols is None:
+            out += part
+        else:
+            out[..., cols] += part
+    return out
+
+
+def decode_step(model, pools, batch: DecodeBatch, attention: str) -> torch.Tensor:
+    """One decode token per row of `batch` through every layer of `model`
+    (remnant.engine.model.Model), writing their KV into `pools`; attention "kernels" or
+    "torch" (the module docstring). Returns float32 [B, vocab] logits. Sequences' lengths
+    are the caller's to advance."""
+    a = model.args
+    window_locs = window_locations(batch, a.window_size)
+    h = model.embed[batch.ids]
+    for li, layer in enumerate(model.layers):
+        h = _layer(model, li, layer, pools, batch, h, window_locs, attention)
+    return model.logits(h).float()
+
+
+def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, window_locs: torch.Tensor,
+           attention: str) -> torch.Tensor:
+    """One layer of the step: h [B, hidden] -> h [B, hidden]."""
+    x = rms_norm(h, layer.attn_norm, model.args.rms_norm_eps)
+    folded = model.folded_weights.get(li)
+    q, q_lora = model.queries(layer, x, batch.pos, folded)
+    kv = model.window_latents(layer, x, batch.pos).float()
+    ring = model.ring_format(li)
+    ring_pages, ring_layout = pools.swa.pages(li), pools.swa.layout
+    if ring.window_kept_first:
+        store_kept_first(kv, ring_pages, ring_layout, window_locs[:, -1], ring.columns)
+    else:
+        store(kv, ring_pages, ring_layout, window_locs[:, -1])
+    locs = None
+    if layer.ratio:
+        _compress(model, li, layer, pools, batch, x)
+        locs = _select(model, li, layer, pools, batch, x, q_lora)
+    if attention == "kernels":
+        o = _attend_kernels(model, li, layer, pools, q, window_locs, locs)
+    else:
+        o = _attend_torch(model, li, layer, pools, q, window_locs, locs)
+    return model.ffn(layer, model.output(layer, h, o.to(h.dtype), folded))
+
+
+def _compress(model, li: int, layer, pools, batch: DecodeBatch, x: torch.Tensor) -> None:
+    """The token joins its compressor's open block (fp32 state rows, as SGLang keeps them);
+    where it completes the block, the block becomes a record (and, on CSA layers, an index
+    key) at record index pos // ratio; elsewhere those writes go to the padding page."""
+    r = layer.ratio
+    csa = r == CSA_RATIO
+    ring = C4_RING if csa else C128_RING
+    state = pools.c4_state[li] if csa else pools.c128_state[li]
+    row = batch.slot * ring + batch.pos % r
+    state[row, 0, :HEAD_DIM] = (x @ layer.wc).float()
+    state[row, 1, :HEAD_DIM] = (x @ layer.wg).float()
+    block = batch.slot[:, None] * ring + torch.arange(r, device=x.device)  # [B, r]
+    index = batch.pos // r
+    latents = model.compress(layer, state[block, 0, :HEAD_DIM], state[block, 1, :HEAD_DIM], index).float()
+    complete = batch.pos % r == r - 1
+    target = pools.c4[li] if csa else pools.c128[li]
+    per = target.layout.per_page
+    pad = pools.pad_page * per
+    locs = torch.where(complete, record_locations(batch.page_table, index, per), pad)
+    store(latents, target.buf, target.layout, locs, model.c4_formats[li].columns if csa else None)
+    if csa:
+        d = model.args.index_head_dim
+        index_state = pools.c4_index_state[li]
+        index_state[row, 0, :d] = model.index_keys(layer, x).float()
+        keys = index_state[block, 0, :d].mean(1)
+        indexer = pools.indexer[li]
+        write_records(indexer.buf, indexer.layout, locs, quantize_index_keys(keys))
+
+
+def _select(model, li: int, layer, pools, batch: DecodeBatch, x: torch.Tensor, q_lora: torch.Tensor) -> torch.Tensor:
+    """Locations int64 [B, K] of the records each token reads (-1: none): on CSA layers the
+    indexer's top-k over every visible C4 index key, on HCA layers every visible C128 record.
+    Record j is visible once its block is complete: j * ratio + ratio - 1 <= pos."""
+    
+    r = layer.ratio
+    csa = r == CSA_RATIO
+    target = pools.c4[li] if csa else pools.c128[li]
+    per = target.layout.per_page
+    B, P = batch.page_table.shape
+    j = torch.arange(P * per, device=batch.pos.device)
+    all_locs = (batch.page_table[:, j // per] * per + j % per)  # [B, P * per]
+    visible = j[None, :] < ((batch.pos + 1) // r)[:, None]
+    if not csa:
+        return torch.where(visible, all_locs, -1)
+    indexer = pools.indexer[li]
+    keys = dequantize_index_keys(read_records(indexer.buf, indexer.layout, all_locs).flatten(0, 1))
+    scores = model.index_scores_batched(layer, x, q_lora, keys.view(B, P * per, -1).to(model.dtype))
+    scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.topk(min(model.args.index_topk, P * per), dim=-1)
+    chosen = all_locs.gather(1, top.indices)
+    return torch.where(top.values > float("-inf"), chosen, -1)
+
+
+def _attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
+                  locs: torch.Tensor | None) -> torch.Tensor:
+    """attend_batched over the gathered window and selected records; float32 [B, H, 512] in
+    natural column order (the torch path folds no weights)."""
+    B, W = window_locs.shape
+    ring = model.ring_format(li)
+    window = read_records(pools.swa.pages(li), pools.swa.layout, window_locs.clamp_min(0))
+    key_sets = [(ring.ring_keys(window.flatten(0, 1)).view(B, W, HEAD_DIM), None, window_locs >= 0)]
+    if locs is not None and locs.shape[1]:
+        target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
+        stored = read_records(target.buf, target.layout, locs.clamp_min(0)).flatten(0, 1)
+        if layer.ratio == CSA_RATIO:
+            keys, cols = model.c4_formats[li].read(stored)
+        else:
+            keys, cols = dequantize(stored), None
+        key_sets.append((keys.view(B, locs.shape[1], -1), cols, locs >= 0))
+    return attend_batched(q, layer.sink, key_sets, model.scale)
+
+
+def _attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
+                    locs: torch.Tensor | None) -> torch.Tensor:
+    """Attention through remnant.kernels: [B, H, 512] in q's column order (kept-first on
+    layers with folded_weights)."""
+    from remnant.kernels.decode import decode
+
+    ring_pages, ring_layout = pools.swa.pages(li), pools.swa.layout
+    fmt = model.ring_format(li)
+    if locs is None:
+        # Window-only layer: an empty record set (the ring stands in for its pages, which the
+        # kernel never reads).
+        c4, c4_layout, columns = ring_pages, ring_layout, model.native_columns
+        locs = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+    else:
+        c4, c4_layout, locs, columns = _records_for_kernels(model, li, layer, pools, locs)
+    folded = li in model.folded_weights
+    if model.native_decode == "flashmla" and not columns.packed and not fmt.window_kept_first and not folded:
+        from remnant.kernels.flashmla import decode as flashmla_decode
+
+        return flashmla_decode(q, c4, c4_layout, locs, ring_pages, ring_layout, window_locs, layer.sink, model.scale)
+    return decode(q, c4, c4_layout, locs, ring_pages, ring_layout, window_locs, layer.sink, columns, model.scale,
+                  columns="kept_first" if folded else "natural",
+                  window_columns="kept_first" if fmt.window_kept_first else "natural",
+                  config=decode_config(q.shape[1]))
+
+
+def _records_for_kernels(model, li: int, layer, pools, locs: torch.Tensor):
+    """The selected records as the decode kernels take them: (pages, layout, locations [B, K]
+    with -1, kept columns). Triton mode rebuilds every selected slot's record into native
+    scratch records first (B x K of them, whether selected or not: a size fixed by the
+    shapes; unselected slots read record 0 and are never attended)."""
+    csa = layer.ratio == CSA_RATIO
+    target = pools.c4[li] if csa else pools.c128[li]
+    fmt = model.c4_formats[li] if csa else None
+    if fmt is None or fmt.mode == "native":
+        return target.buf, target.layout, locs, model.native_columns
+    if fmt.mode == "kernel":
+        return target.buf, target.layout, locs, fmt.columns
+    count = locs.numel()
+    scratch_layout = PageLayout.sglang(SCRATCH_PER_PAGE)
+    scratch = torch.empty(max(-(-count // SCRATCH_PER_PAGE), 1), scratch_layout.page_stride, dtype=torch.uint8,
+                          device=locs.device)
+    rows = torch.arange(count, device=locs.device)
+    reconstruct(target.buf, target.layout, locs.clamp_min(0).flatten(), fmt.columns, scratch, scratch_layout, rows)
+    scratch_locs = torch.where(locs >= 0, rows.view_as(locs), -1)
+    return scratch, scratch_layout, scratch_locs, model.native_columns

@@ -1,0 +1,18 @@
+"""A check shared by the decode-path tests: two window rings hold the same records."""
+
+from __future__ import annotations
+
+import torch
+
+from remnant.kv.codec import dequantize
+
+
+def assert_same_ring(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Rings uint8 [slots, 584] (SwaPool[layer]) hold records in the same slots, with the same
+    values up to one rounding step: a decode step computes its token's latent in a batch of
+    other shapes than the reference's (BLAS blocks differ), so a bf16 RoPE value may move
+    by one ulp and an FP8 code by one step (2^-3 relative, or 2^-9 of its tile's scale)."""
+    assert torch.equal((got != 0).any(1), (want != 0).any(1)), "records in other slots"
+    a, b = dequantize(got), dequantize(want)
+    scale = torch.maximum(a.abs(), b.abs()).amax(1, keepdim=True)
+    assert bool(((a - b).abs() <= 2.0**-3 * torch.maximum(a.abs(), b.abs()) + 2.0**-9 * scale).all())
