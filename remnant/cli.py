@@ -298,6 +298,8 @@ Sweeps: -m (--multirun) runs one cell per combination, each in its own directory
   completed with the same config and request stream is skipped; any other is run again,
   its earlier records set aside (force=true runs every cell). Ctrl-C or SIGTERM stops the
   sweep after the running cell is recorded; a second one stops at once.
+  On SLURM, one job per cell: hydra/launcher=remnant_slurm (GPUs) or remnant_slurm_cpu
+  (pip install hydra-submitit-launcher; docs/configs.md).
 
 Outputs: a run writes outputs/DATE/TIME-MODE-WORKLOAD/ (hydra.run.dir=DIR elsewhere); a
   sweep multirun/DATE/TIME/N-MODE[-RETENTION]-WORKLOAD-sSEED/ (hydra.sweep.dir=DIR). Each
@@ -364,9 +366,11 @@ def capture_main() -> None:
 # ---------------------------------------------------------------------------------------
 # Sweeps: where they write, their end, and stopping them
 
-#: The running sweep's directory (set when it starts; None for a single run), and
-#: whether it existed before the sweep.
-_SWEEP: dict = {"dir": None, "existed": False}
+#: The running sweep's directory (set when it starts; None for a single run), whether it
+#: existed before the sweep, how many of its cells ran in this process (none where a
+#: launcher ran them as SLURM jobs), the JobWatcher of its SLURM jobs (remnant.slurm), and
+#: the record each cell writes (run.json, frontier.json).
+_SWEEP: dict = {"dir": None, "existed": False, "cells_here": 0, "slurm": None, "record": "run.json"}
 
 
 class SweepAborted(BaseException):
@@ -403,6 +407,8 @@ def _print_table(rows: list[tuple[str, ...]], header: tuple[str, ...], tail: str
 
 def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
     """One line per cell: status and headline metrics; then how many completed."""
+    from remnant.run import leftovers
+
     rows = []
     for name, doc in _sweep_records(sweep, "run.json"):
         if doc is None:
@@ -413,6 +419,12 @@ def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
         rows.append((name, doc.get("status", "?"),
                      "-" if m.get("output_throughput") is None else f"{m['output_throughput']:.1f}",
                      "-" if ttft is None else f"{ttft:.1f}"))
+    # A cell killed before it wrote run.json (a SLURM job killed or out of memory) is a row
+    # too: the same command runs it again.
+    recorded = {r[0] for r in rows}
+    rows += [(d.name, "killed", "-", "-") for d in sorted(sweep.iterdir() if sweep.is_dir() else [])
+             if d.is_dir() and d.name not in recorded and leftovers(d)]
+    rows.sort(key=lambda r: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", r[0])])
     _print_table(rows, ("cell", "status", "out tok/s", "TTFT p50 ms"),
                  f"cells completed; remnant-report {sweep} for tables and plots")
     if stopped:
@@ -421,16 +433,40 @@ def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
 
 
 class SweepSummary(Callback):
-    """Notes where a sweep (`-m`) writes, and ends it with one line per cell (`summary`)."""
+    """Notes where a sweep (`-m`) writes, and ends it with one line per cell (`summary`).
+    With submitit's SLURM launcher it first checks what each job asks of the cluster, and
+    watches the jobs (remnant.slurm)."""
 
     summary = staticmethod(print_sweep_summary)
+    #: The record each cell writes, whose path goes to stdout.
+    record = "run.json"
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
-        _SWEEP.update(dir=sweep, existed=sweep.exists())
+        _SWEEP.update(dir=sweep, existed=sweep.exists(), cells_here=0, slurm=None)
+        launcher = config.hydra.get("launcher")
+        if launcher is not None and launcher.get("_target_") == _SLURM_LAUNCHER:
+            from remnant import slurm
+
+            params = OmegaConf.to_container(launcher, resolve=True)
+            problem = slurm.request_problem(params)
+            if problem:
+                raise ConfigRejected(problem)
+            _SWEEP["slurm"] = slurm.watch(str(params["submitit_folder"]))
+        _SWEEP["record"] = self.record
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        _print_records_from_elsewhere()
         self.summary(Path(str(config.hydra.sweep.dir)))
+
+
+def _print_records_from_elsewhere() -> None:
+    """Where the cells ran in other processes (SLURM jobs), they printed their records'
+    paths into their own logs: print each cell's here, as a sweep in this process does."""
+    sweep = _SWEEP["dir"]
+    if sweep is not None and _SWEEP["cells_here"] == 0:
+        for path in sorted(sweep.glob(f"*/{_SWEEP['record']}")):
+            print(path, flush=True)
 
 
 class ConfigCheck(Callback):
@@ -491,6 +527,7 @@ def _run(cfg: DictConfig) -> None:
         set_aside,
     )
 
+    _cell_starts()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -560,10 +597,19 @@ def _run(cfg: DictConfig) -> None:
         sys.exit(1)
     print(outcome.path, flush=True)
     if outcome.status == "interrupted":
-        # Stops a sweep too: the launcher lets a KeyboardInterrupt through, run_main reports it.
-        raise Interrupted(outcome.signum)
+        _stop_after_interrupted_cell(multirun, outcome.signum)
     if outcome.status != "completed" and not multirun:
         sys.exit(1)
+
+
+def _stop_after_interrupted_cell(multirun: bool, signum: int) -> None:
+    """A cell recorded as interrupted stops its sweep: the launcher lets a KeyboardInterrupt
+    through, and _entry reports it. In a launcher's job (SLURM: the sweep was started by
+    another process) there is no sweep here to stop: end the job with the signal's exit
+    status, without a traceback in its log."""
+    if multirun and _SWEEP["dir"] is None:
+        sys.exit(exit_status(signum))
+    raise Interrupted(signum)
 
 
 def summary_line(m: dict) -> str:
@@ -583,6 +629,15 @@ def _install_signal_handlers() -> None:
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, raise_interrupted)
     signal.signal(signal.SIGTERM, raise_interrupted)
+
+
+def _cell_starts() -> None:
+    """Each cell's task function starts here. In a SLURM job (submitit's launcher) _entry
+    did not run, and submitit ignores SIGTERM: take SIGTERM back, so a cancelled job
+    (scancel, a time limit) records its cell as interrupted, as Ctrl-C does here."""
+    _SWEEP["cells_here"] += 1
+    if signal.getsignal(signal.SIGTERM) is not raise_interrupted:
+        _install_signal_handlers()
 
 
 def _entry(prog: str, help_text_of, register, body, summary, what: str) -> None:
@@ -607,6 +662,9 @@ def _entry(prog: str, help_text_of, register, body, summary, what: str) -> None:
         _fail(config_error_line(exc), 2, prog)
     except KeyboardInterrupt as exc:
         signum = signum_of(exc)
+        if _SWEEP["slurm"] is not None:
+            _cancel_slurm_jobs(prog, what)
+            _print_records_from_elsewhere()
         if _SWEEP["dir"] is not None:
             summary(_SWEEP["dir"], stopped=describe_signal(signum))
         else:
@@ -619,6 +677,59 @@ def _entry(prog: str, help_text_of, register, body, summary, what: str) -> None:
         sys.exit(exc.code)
     except OSError as exc:
         _fail(_disk_error(exc), 1, prog)
+    except Exception as exc:
+        if _SWEEP["slurm"] is None:
+            raise
+        _slurm_error(exc, prog, summary)
+
+
+#: hydra.launcher._target_ of Hydra's submitit launcher for SLURM (remnant.slurm's).
+_SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+
+
+def _cancel_slurm_jobs(prog: str, what: str) -> None:
+    """Ctrl-C or SIGTERM of a SLURM sweep's submitting process: cancel its jobs, which
+    record their cells as interrupted, and wait for them (a second signal stops waiting)."""
+    from remnant import slurm
+
+    print(f"{prog}: cancelling the sweep's SLURM jobs; each records its {what} as interrupted "
+          "(Ctrl-C again stops waiting for them)", file=sys.stderr)
+    cancelled = slurm.cancel(_SWEEP["slurm"])
+    if cancelled:
+        print(f"{prog}: scancel {' '.join(cancelled)}", file=sys.stderr)
+
+
+def _slurm_error(exc: Exception, prog: str, summary) -> None:
+    """An error of a SLURM sweep as one line: sbatch refused the jobs (exit 2, nothing
+    ran), or a job ended without finishing its cell (exit 1, once the sweep's other jobs
+    have ended, with the sweep's table)."""
+    from remnant import slurm
+
+    refused = slurm.submission_error(exc)
+    if refused:
+        _fail(refused, 2, prog)
+    line = slurm.job_error(exc)
+    if line is None:
+        raise exc
+    print(f"{prog}: error: {line}", file=sys.stderr)
+    watcher = _SWEEP["slurm"]
+    try:
+        slurm.wait_ended(watcher)
+    except KeyboardInterrupt as stop:
+        _print_records_from_elsewhere()
+        summary(_SWEEP["dir"], stopped=describe_signal(signum_of(stop)))
+        sys.exit(exit_status(signum_of(stop)))
+    # Hydra's launcher stops at the first job that ended without its result; say which
+    # others did too.
+    for job_id, state in watcher.ended_without_completing():
+        if f"job {job_id} " not in line:
+            print(f"{prog}: error: SLURM job {job_id} ended {state}; its logs: {watcher.logs(job_id)}/",
+                  file=sys.stderr)
+    _print_records_from_elsewhere()
+    summary(_SWEEP["dir"])
+    print(f"{prog}: the same command with hydra.sweep.dir={_SWEEP['dir']} runs again what did not complete",
+          file=sys.stderr)
+    sys.exit(1)
 
 
 def run_main() -> None:
@@ -692,12 +803,14 @@ class FrontierSweepSummary(SweepSummary):
     """SweepSummary for a sweep of searches: one line per search."""
 
     summary = staticmethod(print_frontier_summary)
+    record = "frontier.json"
 
 
 @hydra.main(version_base=None, config_path="pkg://remnant.conf", config_name="frontier_config")
 def _frontier(cfg: DictConfig) -> None:
     from remnant.frontier import run_frontier
 
+    _cell_starts()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
@@ -736,7 +849,7 @@ def _frontier(cfg: DictConfig) -> None:
         sys.exit(1)
     print(outcome.path, flush=True)
     if outcome.status == "interrupted":
-        raise Interrupted(outcome.signum)
+        _stop_after_interrupted_cell(multirun, outcome.signum)
     if outcome.status != "completed" and not multirun:
         sys.exit(1)
 

@@ -117,18 +117,3 @@ def test_report_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     p = _run("remnant-report", str(tmp_path / "empty"), cwd=tmp_path)
     assert p.returncode == 2 and "no run.json under" in p.stderr
-
-
-def test_slurm_launcher_composes():
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    from remnant.cli import register_configs
-
-    GlobalHydra.instance().clear()
-    register_configs()
-    with initialize_config_module(config_module="remnant.conf", version_base=None):
-        cfg = compose(config_name="config", overrides=["hydra/launcher=remnant_slurm"], return_hydra_config=True)
-    launcher = cfg.hydra.launcher
-    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
-    assert (launcher.gpus_per_node, launcher.tasks_per_node) == (4, 1)
