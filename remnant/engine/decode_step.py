@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
-from remnant.engine.model import (CSA_RATIO, SCRATCH_PER_PAGE, decode_config, dequantize_index_keys,
-                                  quantize_index_keys, rms_norm)
+from remnant.engine.ops import (CSA_RATIO, SCRATCH_PER_PAGE, decode_config, dequantize_index_keys,
+                                quantize_index_keys, rms_norm)
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
 from remnant.kv import HEAD_DIM
 from remnant.kv.codec import dequantize

@@ -48,10 +48,9 @@ from remnant.kv.packing import check_keep, pack, unpack
 from remnant.kernels.dispatch import store
 from remnant.kv.layout import KeptColumns, PageLayout
 from remnant.kv.paged import dequantize_kept_first, quantize_kept_first
+from remnant.engine.ops import (CSA_RATIO, HCA_RATIO, decode_config, dequantize_index_keys, quantize_index_keys,
+                                rms_norm, rope)
 
-CSA_RATIO = 4
-HCA_RATIO = 128
-SCRATCH_PER_PAGE = 64  # triton mode's reconstructed records: SGLang's C4 pages at page size 256
 
 
 @dataclass
@@ -96,26 +95,6 @@ class ModelArgs:
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}")
         return cls(**{n: cfg[n] for n in fields if n in cfg})
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm computed in float32 (bf16 sums of squares lose the mean), result in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate the last ROPE_DIM coordinates of x [T, 512] or [T, H, 512] by positions [T]."""
-    half = ROPE_DIM // 2
-    inv = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    ang = positions.float()[:, None] * inv[None, :]  # [T, half]
-    cos, sin = ang.cos(), ang.sin()
-    if x.ndim == 3:  # [T, H, D]
-        cos, sin = cos[:, None, :], sin[:, None, :]
-    nope, r = x[..., :NOPE_DIM], x[..., NOPE_DIM:].float()
-    r1, r2 = r[..., :half], r[..., half:]
-    # Rotated in float32 (as SGLang's rope kernels), then back to x's dtype.
-    return torch.cat([nope, (r1 * cos - r2 * sin).to(x.dtype), (r1 * sin + r2 * cos).to(x.dtype)], dim=-1)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -765,15 +744,6 @@ def _record_pages(li: int, layer: Layer, pools):
     return pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
 
 
-def decode_config(heads: int) -> "DecodeConfig | None":
-    """Launch settings of remnant.kernels.decode: its plan's own (None), tuned for V4's 64
-    heads; for 16 heads or fewer (the tiny model has 8), blocks of 16 heads (tl.dot's
-    minimum) on 4 warps, as tests/kernels/test_decode.py also runs it compiled."""
-    from remnant.kernels.plan import DecodeConfig
-
-    return DecodeConfig(h_block=16, num_warps=4) if heads <= 16 else None
-
-
 @dataclass
 class _Step:
     """One sequence's slice of a batched step, per layer (T new tokens)."""
@@ -786,20 +756,3 @@ class _Step:
     c: torch.Tensor | None  # [T, 512] compressor content
     g: torch.Tensor | None  # [T, 512] compressor gate logits
     ik: torch.Tensor | None  # [T, index_head_dim] indexer key parts
-
-
-def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
-    """Indexer keys float [k, d] -> FP8 codes + one fp32 scale per 128 coords, uint8 [k, d + 4d/128]."""
-    k, d = keys.shape
-    blocks = keys.view(k, d // 128, 128)
-    scale = (blocks.abs().amax(-1) / 448.0).clamp_min(1e-12)
-    codes = (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(k, d)
-    return torch.cat([codes, scale.contiguous().view(torch.uint8).reshape(k, -1)], dim=1)
-
-
-def dequantize_index_keys(stored: torch.Tensor) -> torch.Tensor:
-    k, width = stored.shape
-    d = width * 128 // 132
-    codes = stored[:, :d].contiguous().view(torch.float8_e4m3fn).float().view(k, d // 128, 128)
-    scale = stored[:, d:].contiguous().view(torch.float32).view(k, d // 128, 1)
-    return (codes * scale).reshape(k, d)

@@ -1,0 +1,222 @@
+"""The engine's decode step per mode beside its roofline.
+
+    python -m remnant.engine.bench --model dsv4_flash_h200 --device cuda --out engine-bench.json
+    python -m remnant.engine.bench --model tiny --batches 1,4 --contexts 256 --out tiny.json   # CPU
+
+For each mode, batch and context: a model as remnant-serve builds it (decode_path auto,
+CUDA graphs on cuda; packed modes keep the `prefix` policy's columns, which do not change
+what a step reads), pools holding `batch` sequences of `context` tokens filled with valid
+records (quantized random latents: no prefill, so 32k contexts take seconds), and the
+decode step timed over `--steps` steps (each sequence's length put back after each, so
+every step reads the same context). Beside each time: the roofline of remnant.engine.
+roofline (bytes over the copy bandwidth and FLOPs over the matmul peak, both measured here
+in the same run) and, on CUDA, the GPU's idle share inside a step (torch profiler: wall
+time of a step not covered by any kernel). Writes one JSON document and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+MODES = ("native", "triton", "kernel")
+
+
+def measure_device(device: torch.device) -> dict:
+    """Copy bandwidth (bytes read + written per second) and matmul peak (FLOP/s), measured."""
+    big = device.type == "cuda"
+    n = (1 << 30) if big else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    size, dtype = (8192, torch.bfloat16) if big else (1024, torch.float32)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    copy_s = _best(lambda: dst.copy_(src), device)
+    mm_s = _best(lambda: a @ b, device)
+    return {"copy_bytes_per_s": 2 * n / copy_s, "matmul_flops_per_s": 2 * size**3 / mm_s,
+            "how": f"best of 5: copy of {n} bytes, {dtype} [{size}]^3 matmul"}
+
+
+def _best(fn, device: torch.device, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fill_pools(model, pools, seed: int = 0) -> None:
+    """Every page, window block and index key of `pools` holds a valid record of `model`'s
+    formats (one page of quantized random latents, copied to every page)."""
+    from remnant.engine.decode_step import write_records
+    from remnant.engine.ops import quantize_index_keys
+    from remnant.kv.codec import quantize
+
+    gen = torch.Generator().manual_seed(seed)
+    for li, pages in [*pools.c4.items(), *pools.c128.items()]:
+        per = pages.layout.per_page
+        records = quantize(torch.randn(per, 512, generator=gen))
+        if li in pools.c4:
+            records = model.c4_formats[li].write(records)
+        write_records(pages.buf, pages.layout, torch.arange(per, device=pages.buf.device), records.to(pages.buf.device))
+        pages.buf[1:] = pages.buf[0]
+    for li, pages in pools.indexer.items():
+        per = pages.layout.per_page
+        keys = quantize_index_keys(torch.randn(per, model.args.index_head_dim, generator=gen))
+        write_records(pages.buf, pages.layout, torch.arange(per, device=pages.buf.device), keys.to(pages.buf.device))
+        pages.buf[1:] = pages.buf[0]
+    window = pools.swa.layout.per_page
+    for li in range(pools.swa.buf.shape[0]):
+        fmt = model.ring_format(li)
+        records = fmt.ring_records(torch.randn(window, 512, generator=gen).to(model.device))
+        write_records(pools.swa.buf[li], pools.swa.layout, torch.arange(window, device=model.device), records)
+        pools.swa.buf[li, 1:] = pools.swa.buf[li, 0]
+
+
+def time_step(model, pools, seqs: list, steps: int) -> tuple[float, float | None]:
+    """Seconds per decode step of `seqs` (median of `steps`), and on CUDA the GPU's idle
+    share of a step (None elsewhere)."""
+    tokens = [1] * len(seqs)
+    lengths = [s.length for s in seqs]
+
+    def step():
+        model.decode(seqs, tokens, pools)
+        for s, n in zip(seqs, lengths):
+            s.length = n
+            del s.token_ids[n:]
+
+    with torch.inference_mode():
+        for _ in range(2):  # captures the graph, compiles the kernels
+            step()
+        times = []
+        for _ in range(steps):
+            _sync(model.device)
+            t0 = time.perf_counter()
+            step()
+            _sync(model.device)
+            times.append(time.perf_counter() - t0)
+        idle = gpu_idle_share(step, model.device) if model.device.type == "cuda" else None
+    times.sort()
+    return times[len(times) // 2], idle
+
+
+def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
+    """1 - (time covered by GPU kernels) / (wall time) over `steps` steps, torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return max(0.0, 1.0 - busy / 1e6 / wall)
+
+
+def run(model_name: str, device: str, modes: list[str], batches: list[int], contexts: list[int],
+        steps: int, cuda_graph: bool = True) -> dict:
+    """The benchmark document (see the module docstring)."""
+    import dataclasses
+
+    from remnant.config import ModelConfig
+    from remnant.engine.capacity_report import load_model_preset
+    from remnant.engine.model import Model, ModelArgs
+    from remnant.engine.pools import new_sequence, scratch_pools
+    from remnant.engine.retention_setup import setup_retention
+    from remnant.engine.roofline import step_cost
+    from remnant.records.provenance import environment, sources
+
+    preset = load_model_preset(model_name)
+    args = ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig(**preset)))
+    rows = []
+    dev = torch.device(device)
+    peaks = measure_device(dev if device == "cpu" else torch.device("cuda", torch.cuda.current_device()))
+    for mode in modes:
+        model = Model(args, device=device, cuda_graph=cuda_graph)
+        setup_retention(model, mode, model_name, 256 if mode != "native" else None, None, None, "prefix")
+        dtype = str(model.dtype).removeprefix("torch.")
+        for context in contexts:
+            for batch in batches:
+                pools = scratch_pools(model, context + 1, sequences=batch)
+                fill_pools(model, pools)
+                seqs = [new_sequence(pools, context + 1) for _ in range(batch)]
+                for s in seqs:
+                    s.length = context
+                    s.token_ids = [0] * context
+                seconds, idle = time_step(model, pools, seqs, steps)
+                cost = step_cost(args, batch, context, mode, 256, dtype)
+                roof = cost.seconds(peaks["copy_bytes_per_s"], peaks["matmul_flops_per_s"])
+                rows.append({"mode": mode, "batch": batch, "context": context, "step_ms": seconds * 1e3,
+                             "roofline_ms": roof * 1e3, "step_over_roofline": seconds / roof,
+                             "gpu_idle_share": idle, "bytes": cost.bytes, "flops": cost.flops, "parts": cost.parts,
+                             "native_decode": model.native_decode, "packed_decode": model.packed_decode,
+                             "cuda_graph": model.graphs is not None})
+                del pools, seqs
+                print(_line(rows[-1]), file=sys.stderr, flush=True)
+    return {"schema": "remnant/engine-bench", "schema_version": 1,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "model": model_name, "device": device, "dtype": dtype, "steps": steps, "peaks": peaks,
+            "environment": environment(), "sources": sources(), "rows": rows,
+            "limits": ["random weights; records filled with quantized random latents, not a prefill",
+                       "packed modes keep the prefix policy's columns (a step reads the same bytes for any map)",
+                       "MoE bytes assume uniform routing (expected distinct experts)"]}
+
+
+def _line(row: dict) -> str:
+    idle = "-" if row["gpu_idle_share"] is None else f"{100 * row['gpu_idle_share']:.0f}%"
+    return (f"{row['mode']:>7} b{row['batch']:<4} ctx {row['context']:>6}: {row['step_ms']:8.2f} ms  roofline "
+            f"{row['roofline_ms']:8.2f} ms  x{row['step_over_roofline']:.2f}  idle {idle}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="The engine's decode step per mode beside its roofline.")
+    p.add_argument("--model", default="dsv4_flash_h200", help="conf/model preset")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--contexts", default="4096,32768")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false")
+    p.add_argument("--out", type=Path, required=True, help="JSON to write")
+    a = p.parse_args(argv)
+    modes = a.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        p.error(f"--modes {','.join(bad)} is not allowed; allowed: {', '.join(MODES)}")
+    doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
+              [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph)
+    a.out.write_text(json.dumps(doc, indent=2) + "\n")
+    for row in doc["rows"]:
+        print(_line(row))
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

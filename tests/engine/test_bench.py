@@ -1,0 +1,47 @@
+"""remnant.engine.bench and remnant.engine.roofline on the CPU (the GPU run is the curated one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from remnant.config import ModelConfig
+from remnant.engine.bench import main
+from remnant.engine.capacity_report import load_model_preset
+from remnant.engine.model import ModelArgs
+from remnant.engine.roofline import step_cost
+
+
+def _args(name: str) -> ModelArgs:
+    return ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig(**load_model_preset(name))))
+
+
+def test_roofline_of_the_h200_model_by_hand():
+    a = _args("dsv4_flash_h200")
+    one = step_cost(a, 1, 32768, "native")
+    # Batch 1 touches 6 routed + 1 shared expert per layer: ~7 x 25 MB x 43 in FP8/bf16, far
+    # below the 34.6 GB of all 32 experts; batch 128 touches nearly all of them.
+    assert 7e9 < one.parts["weights_ffn_bytes"] < 1.2e10
+    assert step_cost(a, 128, 32768).parts["weights_ffn_bytes"] > 3.4e10
+    # KV of one token at 32k: 43 windows of 128 native records, 21 layers of 8192 index keys
+    # (132 B) and 512 C4 records, 20 layers of 256 C128 records.
+    kv = 43 * 128 * 584 + 21 * (8192 * 132 + 512 * 584) + 20 * 256 * 584
+    assert one.kv_bytes == pytest.approx(kv)
+    packed = step_cost(a, 1, 32768, "kernel")
+    assert one.kv_bytes - packed.kv_bytes == pytest.approx(21 * 512 * (584 - 328))
+    assert step_cost(a, 1, 32768, "triton").kv_bytes > one.kv_bytes  # reconstruction written and read
+    assert one.seconds(4.2e12, 7.9e14) == pytest.approx(one.bytes / 4.2e12)
+
+
+def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["--model", "tiny", "--device", "cpu", "--batches", "1,3", "--contexts", "260",
+                 "--steps", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["mode"], r["batch"]) for r in doc["rows"]] == [(m, b) for m in ("native", "triton", "kernel")
+                                                              for b in (1, 3)]
+    for row in doc["rows"]:
+        assert row["step_ms"] > 0 and row["roofline_ms"] > 0 and row["gpu_idle_share"] is None
+    assert doc["peaks"]["copy_bytes_per_s"] > 0 and "roofline" in capsys.readouterr().out
