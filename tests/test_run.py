@@ -37,8 +37,8 @@ def test_a_gpu_run_says_which_kernel_ran_kernel_modes_packed_decode():
 
 
 def test_the_server_reports_which_kernel_decodes_native_records(tiny_model_dir, tmp_path, monkeypatch):
-    for name, extra, want in (("reference", (), ("reference", "decode steps attend through the torch reference "
-                                                                "(decode_path=reference)")),
+    for name, extra, want in (("batched", (), ("torch", "decode steps attend in torch, batched "
+                                                            "(decode_path=batched, the CPU's default)")),
                               ("kernels", ("--decode-path", "kernels"),
                                ("triton", "FlashMLA runs on CUDA GPUs, not on device=cpu"))):
         (tmp_path / name).mkdir()
