@@ -182,6 +182,9 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
     locs = None
     if layer.ratio:
         _compress(model, li, layer, pools, batch, x)
+        recorder = model.recorder
+        if recorder is not None and layer.ratio == CSA_RATIO and recorder.wants(li, "queries"):
+            recorder.add_queries(li, model.natural_q(li, q[: batch.real]))  # policies read natural q
         locs = _select(model, li, layer, pools, batch, x, q_lora)
     if attention == "kernels":
         o = _attend_kernels(model, li, layer, pools, q, window_locs, locs)
@@ -210,6 +213,10 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, x: torch.Tensor)
     pad = pools.pad_page * per
     locs = torch.where(complete, record_locations(batch.page_table, index, per), pad)
     store(latents, target.buf, target.layout, locs, model.c4_formats[li].columns if csa else None)
+    recorder = model.recorder
+    if recorder is not None and csa and recorder.wants(li, "latents"):
+        # A capture runs eagerly (never in a graph): selecting the completed rows syncs.
+        recorder.add_latents(li, latents[: batch.real][complete[: batch.real]])
     if csa:
         d = model.args.index_head_dim
         index_state = pools.c4_index_state[li]

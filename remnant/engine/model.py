@@ -544,8 +544,9 @@ class Model:
         in `pools` (remnant.engine.pools.KVPools, on the model's device) receive the new KV;
         updated in place. chunks: new token ids per sequence (non-empty). Single-token
         chunks run as one batched decode step (remnant.engine.decode_step, replayed from a
-        CUDA graph where the model has them) unless decode_path=reference, or a capture
-        or calibration is recording; the rest through the per-sequence torch path.
+        CUDA graph where the model has them, eagerly while a capture records) unless
+        decode_path=reference or a calibration collects queries; the rest through the
+        per-sequence torch path.
         Returns float32 [B, vocab] logits at the last new token of each sequence (on the
         model's device).
         """
@@ -563,7 +564,7 @@ class Model:
 
     def _extend_or_decode(self, seqs: list, chunks: list[list[int]], pools) -> torch.Tensor:
         """Chunks of one token each through the batched step where it runs, else _extend."""
-        batched = self.decode_path != "reference" and self.capture is None and self.recorder is None
+        batched = self.decode_path != "reference" and self.capture is None
         if batched and all(len(c) == 1 for c in chunks):
             return self.decode(seqs, [c[0] for c in chunks], pools)
         return self._extend(seqs, chunks, pools)
@@ -572,7 +573,7 @@ class Model:
         """One batched decode step: each sequence extended by its token; float32 [B, vocab]."""
         from remnant.engine.decode_step import DecodeBatch, decode_step
 
-        if self.graphs is not None:
+        if self.graphs is not None and self.recorder is None:  # a capture's host copies stay out of graphs
             logits = self.graphs.run(seqs, tokens, pools)
         else:
             batch = DecodeBatch.of(seqs, tokens, pools, self.device)
@@ -645,11 +646,11 @@ class Model:
                 key_sets.append((dequantize(stored), None))
             masks.append(mask)
         # The reference attends in natural column order (key sets are natural records).
-        o = self.attend(layer, self._natural_q(li, st.q), key_sets, masks)
+        o = self.attend(layer, self.natural_q(li, st.q), key_sets, masks)
         folded = self.folded_weights.get(li)
         return o if folded is None else o[..., folded.order]
 
-    def _natural_q(self, li: int, q: torch.Tensor) -> torch.Tensor:
+    def natural_q(self, li: int, q: torch.Tensor) -> torch.Tensor:
         """q [..., 512] of layer li in the model's natural column order (it is kept-first on
         layers with folded_weights)."""
         folded = self.folded_weights.get(li)
@@ -669,11 +670,11 @@ class Model:
             return None
         n = self._compress_new_blocks(li, layer, seq, pools, st)
         if self.capture is not None and layer.ratio == CSA_RATIO:
-            self.capture[li].append(self._natural_q(li, st.q).detach().clone())  # policies read natural q
+            self.capture[li].append(self.natural_q(li, st.q).detach().clone())  # policies read natural q
         if self.recorder is not None and layer.ratio == CSA_RATIO and st.q.shape[0] == 1 \
                 and self.recorder.wants(li, "queries"):
             # Decode steps are one-token chunks (so is a prompt's rare last chunk of one token).
-            self.recorder.add_queries(li, self._natural_q(li, st.q))
+            self.recorder.add_queries(li, self.natural_q(li, st.q))
         if not n:
             return None
         rec_end = (torch.arange(n, device=self.device) + 1) * layer.ratio - 1
