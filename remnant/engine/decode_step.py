@@ -30,7 +30,7 @@ import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
 from remnant.engine.ops import (CSA_RATIO, SCRATCH_PER_PAGE, decode_config, dequantize_index_keys,
-                                quantize_index_keys, rms_norm)
+                                quantize_index_keys, rms_norm, index_top_k)
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
 from remnant.kv import HEAD_DIM
 from remnant.kv.codec import dequantize
@@ -245,9 +245,8 @@ def _select(model, li: int, layer, pools, batch: DecodeBatch, x: torch.Tensor, q
     keys = dequantize_index_keys(read_records(indexer.buf, indexer.layout, all_locs).flatten(0, 1))
     scores = model.index_scores_batched(layer, x, q_lora, keys.view(B, P * per, -1).to(model.dtype))
     scores = scores.masked_fill(~visible, float("-inf"))
-    top = scores.topk(min(model.args.index_topk, P * per), dim=-1)
-    chosen = all_locs.gather(1, top.indices)
-    return torch.where(top.values > float("-inf"), chosen, -1)
+    values, indices = index_top_k(scores, min(model.args.index_topk, P * per))
+    return torch.where(values > float("-inf"), all_locs.gather(1, indices), -1)
 
 
 def _attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,

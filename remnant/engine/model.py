@@ -49,7 +49,7 @@ from remnant.kernels.dispatch import store
 from remnant.kv.layout import KeptColumns, PageLayout
 from remnant.kv.paged import dequantize_kept_first, quantize_kept_first
 from remnant.engine.ops import (CSA_RATIO, HCA_RATIO, decode_config, dequantize_index_keys, quantize_index_keys,
-                                rms_norm, rope)
+                                rms_norm, rope, index_top_k)
 
 
 
@@ -684,7 +684,7 @@ class Model:
             index_keys = dequantize_index_keys(pools.indexer[li].read(pages, torch.arange(n, device=self.device)))
             scores = self.index_scores(layer, st.x, st.q_lora, index_keys)
             scores = scores.masked_fill(~visible, float("-inf"))
-            top = scores.topk(min(self.args.index_topk, n), dim=-1).indices
+            top = index_top_k(scores, min(self.args.index_topk, n))[1]
             chosen = torch.zeros_like(visible).scatter_(1, top, True) & visible
         else:
             chosen = visible

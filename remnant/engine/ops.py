@@ -65,3 +65,15 @@ def dequantize_index_keys(stored: torch.Tensor) -> torch.Tensor:
     codes = stored[:, :d].contiguous().view(torch.float8_e4m3fn).float().view(k, d // 128, 128)
     scale = stored[:, d:].contiguous().view(torch.float32).view(k, d // 128, 1)
     return (codes * scale).reshape(k, d)
+
+
+def index_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest scores of each row [..., n] and their indices, ties to the lower index.
+
+    The indexer's scores tie often (relu gives records whose every head scores below zero
+    exactly 0), and torch.topk breaks ties by its own blocking, which depends on n: the
+    per-sequence path (n visible records) and the batched step (n padded to the page table,
+    and to a CUDA graph's bucket) would then read other records for the same token. A
+    stable sort picks the same ones whatever the padding."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
