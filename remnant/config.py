@@ -63,8 +63,28 @@ class RetentionConfig:
         return list(self.per_layer) if self.per_layer else [self.retention]
 
 
+@dataclass(kw_only=True)
+class BlockShapes:
+    """A DeepSeek-V4 layer's parts beyond attention, with config.json names; optional (a
+    model without them has a dense output projection and a dense SwiGLU or none). One
+    home for the config (ModelConfig) and the engine's weights (remnant.engine.model.ModelArgs)."""
+
+    #: Grouped low-rank output projection: o_groups groups of heads -> o_lora_rank each, then
+    #: -> hidden (V4-Flash: 1024, 8). 0: one dense output projection.
+    o_lora_rank: int = 0
+    o_groups: int = 0
+    #: Routed MoE feed-forward (V4-Flash: moe_intermediate_size 2048, top-6 routed + 1 shared);
+    #: 0 routed experts: the dense SwiGLU of intermediate_size (0: no feed-forward).
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    #: How routed experts are stored (EXPERT_DTYPES, below).
+    expert_dtype: str = "float8_e4m3fn"
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(BlockShapes):
     """A DeepSeek-V4-shaped model for the embedded engine, or a real checkpoint's path.
 
     The architecture fields use DeepSeek-V4's config.json names. `path` names an existing
@@ -90,18 +110,6 @@ class ModelConfig:
     rope_theta: int = 10000
     compress_rope_theta: int = 40000
     seed: int = 0
-    #: Grouped low-rank output projection: o_groups groups of heads -> o_lora_rank each, then
-    #: -> hidden (V4-Flash: 1024, 8). 0: one dense output projection.
-    o_lora_rank: int = 0
-    o_groups: int = 0
-    #: Routed MoE feed-forward (V4-Flash: moe_intermediate_size 2048, top-6 routed + 1 shared);
-    #: 0 routed experts: the dense SwiGLU of intermediate_size (0: no feed-forward).
-    n_routed_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    n_shared_experts: int = 0
-    #: How routed experts are stored (EXPERT_DTYPES).
-    expert_dtype: str = "float8_e4m3fn"
     #: Tensor-parallel GPUs a real server shards the model over (SGLang's --tp-size).
     tp_size: int = 1
     #: Server arguments this model needs (SGLang flags; host=local appends them).

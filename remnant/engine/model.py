@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from remnant.config import MODES
+from remnant.config import MODES, BlockShapes
 from remnant.engine.args import DECODE_PATHS, ENGINE_DEVICES, ENGINE_DTYPES, NATIVE_DECODES, kernels_need_interpreter
 from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
@@ -54,8 +54,9 @@ from remnant.engine.ops import (CSA_RATIO, HCA_RATIO, decode_config, dequantize_
 
 
 @dataclass
-class ModelArgs:
-    """Architecture, with DeepSeek-V4 config.json names (see remnant.config.ModelConfig)."""
+class ModelArgs(BlockShapes):
+    """Architecture, with DeepSeek-V4 config.json names (see remnant.config.ModelConfig); the
+    output projection and feed-forward shapes come from BlockShapes."""
 
     vocab_size: int
     hidden_size: int
@@ -73,20 +74,6 @@ class ModelArgs:
     compress_rope_theta: float
     seed: int
     rms_norm_eps: float = 1e-6
-    #: Grouped low-rank output projection (V4: o_lora_rank 1024, 8 groups): each group of
-    #: heads' outputs -> o_lora_rank, then all groups -> hidden. 0: one dense wo.
-    o_lora_rank: int = 0
-    o_groups: int = 0
-    #: Routed MoE feed-forward (remnant.engine.moe): n_routed_experts experts of
-    #: moe_intermediate_size, num_experts_per_tok per token, plus n_shared_experts; 0
-    #: routed experts: the dense SwiGLU of intermediate_size (0: none).
-    n_routed_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    n_shared_experts: int = 0
-    #: How routed experts are stored (remnant.engine.moe.EXPERT_DTYPES): float8_e4m3fn (a
-    #: float32 scale per output column), bfloat16 or float32.
-    expert_dtype: str = "float8_e4m3fn"
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
