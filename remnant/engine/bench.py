@@ -63,7 +63,6 @@ def _sync(device: torch.device) -> None:
 def fill_pools(model, pools, seed: int = 0) -> None:
     """Every page, window block and index key of `pools` holds a valid record of `model`'s
     formats (one page of quantized random latents, copied to every page)."""
-    from remnant.engine.decode_step import write_records
     from remnant.engine.ops import quantize_index_keys
     from remnant.kv.codec import quantize
 
@@ -73,18 +72,18 @@ def fill_pools(model, pools, seed: int = 0) -> None:
         records = quantize(torch.randn(per, 512, generator=gen))
         if li in pools.c4:
             records = model.c4_formats[li].write(records)
-        write_records(pages.buf, pages.layout, torch.arange(per, device=pages.buf.device), records.to(pages.buf.device))
+        pages.layout.write(pages.buf, torch.arange(per, device=pages.buf.device), records.to(pages.buf.device))
         pages.buf[1:] = pages.buf[0]
     for li, pages in pools.indexer.items():
         per = pages.layout.per_page
         keys = quantize_index_keys(torch.randn(per, model.args.index_head_dim, generator=gen))
-        write_records(pages.buf, pages.layout, torch.arange(per, device=pages.buf.device), keys.to(pages.buf.device))
+        pages.layout.write(pages.buf, torch.arange(per, device=pages.buf.device), keys.to(pages.buf.device))
         pages.buf[1:] = pages.buf[0]
     window = pools.swa.layout.per_page
     for li in range(pools.swa.buf.shape[0]):
         fmt = model.ring_format(li)
         records = fmt.ring_records(torch.randn(window, 512, generator=gen).to(model.device))
-        write_records(pools.swa.buf[li], pools.swa.layout, torch.arange(window, device=model.device), records)
+        pools.swa.layout.write(pools.swa.buf[li], torch.arange(window, device=model.device), records)
         pools.swa.buf[li, 1:] = pools.swa.buf[li, 0]
 
 

@@ -76,48 +76,12 @@ class DecodeBatch:
         host, table = host.to(device, non_blocking=True), table.to(device, non_blocking=True)
         return cls(host[0], host[1], table, host[2], host[3], len(seqs))
 
-    @property
-    def size(self) -> int:
-        return self.ids.shape[0]
-
     def copy_into(self, other: "DecodeBatch") -> None:
         """Write this batch into `other`'s tensors of the same shapes (a captured graph's
         inputs)."""
         for name in ("ids", "pos", "page_table", "swa_block", "slot"):
             getattr(other, name).copy_(getattr(self, name))
         other.real = self.real
-
-
-def read_records(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor) -> torch.Tensor:
-    """Records at locations `locs` (any shape, every entry valid) as uint8 [*locs.shape,
-    record_bytes], read through a view of the split pages: no index tensor per byte, no
-    range check (a check would read the locations back to the host)."""
-    per = layout.per_page
-    data = pages[:, : per * layout.data_bytes].unflatten(1, (per, layout.data_bytes))
-    tail_at = per * layout.data_bytes
-    tail = pages[:, tail_at : tail_at + per * layout.tail_bytes].unflatten(1, (per, layout.tail_bytes))
-    page, slot = locs // per, locs % per
-    return torch.cat([data[page, slot], tail[page, slot]], dim=-1)
-
-
-def write_records(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor, records: torch.Tensor) -> None:
-    """records uint8 [k, record_bytes] to locations `locs` [k] (read_records' inverse)."""
-    per = layout.per_page
-    data = pages[:, : per * layout.data_bytes].unflatten(1, (per, layout.data_bytes))
-    tail_at = per * layout.data_bytes
-    tail = pages[:, tail_at : tail_at + per * layout.tail_bytes].unflatten(1, (per, layout.tail_bytes))
-    page, slot = locs // per, locs % per
-    data[page, slot] = records[:, : layout.data_bytes]
-    tail[page, slot] = records[:, layout.data_bytes :]
-
-
-def record_locations(page_table: torch.Tensor, index: torch.Tensor, per_page: int) -> torch.Tensor:
-    """Pool locations of sequence record indices `index` [B, k] (or [B]) through each row's
-    page table [B, P]: page * per_page + slot."""
-    flat = index if index.ndim == 2 else index[:, None]
-    pages = page_table.gather(1, flat // per_page)
-    locs = pages * per_page + flat % per_page
-    return locs if index.ndim == 2 else locs[:, 0]
 
 
 def window_locations(batch: DecodeBatch, window: int) -> torch.Tensor:
@@ -160,14 +124,26 @@ def decode_step(model, pools, batch: DecodeBatch, attention: str) -> torch.Tenso
     are the caller's to advance."""
     a = model.args
     window_locs = window_locations(batch, a.window_size)
+    # Where each sequence's compressed records sit and which it may see: the same for every
+    # layer of a ratio, so found once per step.
+    reach = {r: reachable_records(batch, r, pools.page_size // r) for r in set(a.compress_ratios) if r}
     h = model.embed[batch.ids]
     for li, layer in enumerate(model.layers):
-        h = _layer(model, li, layer, pools, batch, h, window_locs, attention)
+        h = _layer(model, li, layer, pools, batch, h, window_locs, reach.get(layer.ratio), attention)
     return model.logits(h).float()
 
 
+def reachable_records(batch: DecodeBatch, ratio: int, per_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every record slot of ratio `ratio` each row's page table reaches: (locations int64
+    [B, P * per_page], visible bool [B, P * per_page]). Record j is visible once its block
+    is complete: j * ratio + ratio - 1 <= pos."""
+    j = torch.arange(batch.page_table.shape[1] * per_page, device=batch.pos.device)
+    locs = batch.page_table[:, j // per_page] * per_page + j % per_page
+    return locs, j[None, :] < ((batch.pos + 1) // ratio)[:, None]
+
+
 def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, window_locs: torch.Tensor,
-           attention: str) -> torch.Tensor:
+           reach: tuple[torch.Tensor, torch.Tensor] | None, attention: str) -> torch.Tensor:
     """One layer of the step: h [B, hidden] -> h [B, hidden]."""
     x = rms_norm(h, layer.attn_norm, model.args.rms_norm_eps)
     folded = model.folded_weights.get(li)
@@ -185,7 +161,7 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
         recorder = model.recorder
         if recorder is not None and layer.ratio == CSA_RATIO and recorder.wants(li, "queries"):
             recorder.add_queries(li, model.natural_q(li, q[: batch.real]))  # policies read natural q
-        locs = _select(model, li, layer, pools, batch, x, q_lora)
+        locs = _select(model, li, layer, pools, x, q_lora, *reach)
     if attention == "kernels":
         o = _attend_kernels(model, li, layer, pools, q, window_locs, locs)
     else:
@@ -211,7 +187,8 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, x: torch.Tensor)
     target = pools.c4[li] if csa else pools.c128[li]
     per = target.layout.per_page
     pad = pools.pad_page * per
-    locs = torch.where(complete, record_locations(batch.page_table, index, per), pad)
+    page = batch.page_table.gather(1, (index // per)[:, None])[:, 0]
+    locs = torch.where(complete, page * per + index % per, pad)
     store(latents, target.buf, target.layout, locs, model.c4_formats[li].columns if csa else None)
     recorder = model.recorder
     if recorder is not None and csa and recorder.wants(li, "latents"):
@@ -223,29 +200,21 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, x: torch.Tensor)
         index_state[row, 0, :d] = model.index_keys(layer, x).float()
         keys = index_state[block, 0, :d].mean(1)
         indexer = pools.indexer[li]
-        write_records(indexer.buf, indexer.layout, locs, quantize_index_keys(keys))
+        indexer.layout.write(indexer.buf, locs, quantize_index_keys(keys))
 
 
-def _select(model, li: int, layer, pools, batch: DecodeBatch, x: torch.Tensor, q_lora: torch.Tensor) -> torch.Tensor:
-    """Locations int64 [B, K] of the records each token reads (-1: none): on CSA layers the
-    indexer's top-k over every visible C4 index key, on HCA layers every visible C128 record.
-    Record j is visible once its block is complete: j * ratio + ratio - 1 <= pos."""
-    
-    r = layer.ratio
-    csa = r == CSA_RATIO
-    target = pools.c4[li] if csa else pools.c128[li]
-    per = target.layout.per_page
-    B, P = batch.page_table.shape
-    j = torch.arange(P * per, device=batch.pos.device)
-    all_locs = (batch.page_table[:, j // per] * per + j % per)  # [B, P * per]
-    visible = j[None, :] < ((batch.pos + 1) // r)[:, None]
-    if not csa:
+def _select(model, li: int, layer, pools, x: torch.Tensor, q_lora: torch.Tensor, all_locs: torch.Tensor,
+            visible: torch.Tensor) -> torch.Tensor:
+    """Locations int64 [B, K] of the records each token reads (-1: none), of those the page
+    table reaches (reachable_records): on CSA layers the indexer's top-k over every visible
+    C4 index key, on HCA layers every visible C128 record."""
+    if layer.ratio != CSA_RATIO:
         return torch.where(visible, all_locs, -1)
     indexer = pools.indexer[li]
-    keys = dequantize_index_keys(read_records(indexer.buf, indexer.layout, all_locs).flatten(0, 1))
-    scores = model.index_scores_batched(layer, x, q_lora, keys.view(B, P * per, -1).to(model.dtype))
+    keys = dequantize_index_keys(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
+    scores = model.index_scores_batched(layer, x, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))
     scores = scores.masked_fill(~visible, float("-inf"))
-    values, indices = index_top_k(scores, min(model.args.index_topk, P * per))
+    values, indices = index_top_k(scores, min(model.args.index_topk, all_locs.shape[1]))
     return torch.where(values > float("-inf"), all_locs.gather(1, indices), -1)
 
 
@@ -255,11 +224,11 @@ def _attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: to
     natural column order (the torch path folds no weights)."""
     B, W = window_locs.shape
     ring = model.ring_format(li)
-    window = read_records(pools.swa.pages(li), pools.swa.layout, window_locs.clamp_min(0))
+    window = pools.swa.layout.read(pools.swa.pages(li), window_locs.clamp_min(0))
     key_sets = [(ring.ring_keys(window.flatten(0, 1)).view(B, W, HEAD_DIM), None, window_locs >= 0)]
     if locs is not None and locs.shape[1]:
         target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
-        stored = read_records(target.buf, target.layout, locs.clamp_min(0)).flatten(0, 1)
+        stored = target.layout.read(target.buf, locs.clamp_min(0)).flatten(0, 1)
         if layer.ratio == CSA_RATIO:
             keys, cols = model.c4_formats[li].read(stored)
         else:

@@ -81,22 +81,13 @@ class SplitPages:
         index = index.to(self.buf.device)
         return page_table.to(self.buf.device)[index // per_page] * per_page + index % per_page
 
-    def _offsets(self, page_table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.layout.byte_offsets(self.locations(page_table, index))
-
     def write(self, page_table: torch.Tensor, index: torch.Tensor, records: torch.Tensor) -> None:
         """records uint8 [k, record_bytes] to sequence record indices `index` [k]."""
-        data, tail = self._offsets(page_table, index)
-        flat = self.buf.view(-1)
-        split = self.layout.data_bytes
-        flat[data] = records[:, :split]
-        flat[tail] = records[:, split:]
+        self.layout.write(self.buf, self.locations(page_table, index), records)
 
     def read(self, page_table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """uint8 [k, record_bytes] of sequence record indices `index` [k]."""
-        data, tail = self._offsets(page_table, index)
-        flat = self.buf.view(-1)
-        return torch.cat([flat[data], flat[tail]], dim=1)
+        return self.layout.read(self.buf, self.locations(page_table, index))
 
 
 class SwaPool:
@@ -116,17 +107,11 @@ class SwaPool:
 
     def read(self, li: int, slots: torch.Tensor) -> torch.Tensor:
         """uint8 [k, 584] records at `slots` [k] of layer li."""
-        data, tail = self.layout.byte_offsets(slots.to(self.buf.device))
-        flat = self.buf[li].view(-1)
-        return torch.cat([flat[data], flat[tail]], dim=1)
+        return self.layout.read(self.buf[li], slots)
 
     def write(self, li: int, slots: torch.Tensor, records: torch.Tensor) -> None:
         """records uint8 [k, 584] to `slots` [k] of layer li."""
-        data, tail = self.layout.byte_offsets(slots.to(self.buf.device))
-        flat = self.buf[li].view(-1)
-        split = self.layout.data_bytes
-        flat[data] = records[:, :split]
-        flat[tail] = records[:, split:]
+        self.layout.write(self.buf[li], slots, records)
 
     def copy_block(self, dst: int, src: int) -> None:
         """Block `src`'s records (every layer) to block `dst`: a ring checkpoint or its resumption."""

@@ -69,16 +69,29 @@ class PageLayout:
     def capacity(self, pages: torch.Tensor) -> int:
         return pages.shape[0] * self.per_page
 
-    def byte_offsets(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Byte offsets [k, data_bytes] and [k, 8] of records at `locs` [k] in the flat buffer."""
-        locs = locs.long()
+    def _views(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of pages [P, page_stride]: data parts [P, per_page, data_bytes] and tails
+        [P, per_page, tail_bytes]."""
+        at = self.per_page * self.data_bytes
+        return (pages[:, :at].unflatten(1, (self.per_page, self.data_bytes)),
+                pages[:, at : at + self.per_page * self.tail_bytes].unflatten(1, (self.per_page, self.tail_bytes)))
+
+    def read(self, pages: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
+        """Records at locations `locs` (any shape, each in range) as uint8 [*locs.shape,
+        record_bytes]: indexed through views of the pages, with no index tensor per byte and
+        no range check (a check would read the locations back to the host)."""
+        data, tail = self._views(pages)
+        locs = locs.to(pages.device)
         page, slot = locs // self.per_page, locs % self.per_page
-        base = page * self.page_stride
-        data = (base + slot * self.data_bytes)[:, None] + torch.arange(self.data_bytes, device=locs.device)
-        tail = (base + self.per_page * self.data_bytes + slot * self.tail_bytes)[:, None] + torch.arange(
-            self.tail_bytes, device=locs.device
-        )
-        return data, tail
+        return torch.cat([data[page, slot], tail[page, slot]], dim=-1)
+
+    def write(self, pages: torch.Tensor, locs: torch.Tensor, records: torch.Tensor) -> None:
+        """records uint8 [k, record_bytes] to locations `locs` [k] (read's inverse; unchecked)."""
+        data, tail = self._views(pages)
+        locs = locs.to(pages.device)
+        page, slot = locs // self.per_page, locs % self.per_page
+        data[page, slot] = records[:, : self.data_bytes]
+        tail[page, slot] = records[:, self.data_bytes :]
 
 
 def _padded(values: torch.Tensor, device: torch.device) -> torch.Tensor:

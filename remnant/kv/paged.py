@@ -54,19 +54,14 @@ def write(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor, records: 
     layout.check(pages)
     if not pages.is_cuda:
         _check_locs(locs, layout, pages, "locs")
-    data, tail = layout.byte_offsets(locs.to(pages.device))
-    flat = pages.view(-1)
-    flat[data] = records[:, : layout.data_bytes]
-    flat[tail] = records[:, layout.data_bytes :]
+    layout.write(pages, locs, records)
 
 
 def gather(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor) -> torch.Tensor:
     """Records at `locs` [k] as uint8 [k, record_bytes]."""
     layout.check(pages)
     _check_locs(locs, layout, pages, "locs")
-    data, tail = layout.byte_offsets(locs.to(pages.device))
-    flat = pages.view(-1)
-    return torch.cat([flat[data], flat[tail]], dim=1)
+    return layout.read(pages, locs)
 
 
 def store_reference(

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from remnant.config import ModelConfig
-from remnant.engine.decode_step import DecodeBatch, decode_step, read_records, write_records
+from remnant.engine.decode_step import DecodeBatch, decode_step
 from remnant.engine.engine import Engine, Request, SamplingParams
 from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
@@ -178,7 +178,7 @@ def test_padding_rows_and_pages_write_only_the_padding(args):
                 model.forward([s], [p], pools)
             before = {k: v.clone() for k, v in _pool_tensors(pools).items()}
             batch = DecodeBatch.of(seqs, [7, 9], pools, model.device, rows, pages)
-            assert batch.size == len(seqs) if rows is None else batch.size == rows
+            assert batch.ids.shape[0] == (rows or len(seqs))
             logits = decode_step(model, pools, batch, "torch")[:2]
         changed = {k: v != before[k] for k, v in _pool_tensors(pools).items()}
         runs.append((logits, changed))
@@ -212,14 +212,14 @@ def test_a_block_completed_by_a_decode_token_is_written(args):
         assert_same_ring(rec, want.c128[li].read(page, torch.arange(2)))
 
 
-def test_records_round_trip_through_the_page_view():
+def test_records_round_trip_through_the_page_views():
     layout = PageLayout.sglang(64, 256)
     pages = torch.zeros(3, layout.page_stride, dtype=torch.uint8)
     records = torch.randint(0, 256, (5, layout.record_bytes), dtype=torch.uint8)
     locs = torch.tensor([0, 63, 64, 130, 191])
-    write_records(pages, layout, locs, records)
-    assert torch.equal(read_records(pages, layout, locs), records)
-    assert torch.equal(read_records(pages, layout, locs.view(1, 5)), records[None])
+    layout.write(pages, locs, records)
+    assert torch.equal(layout.read(pages, locs), records)
+    assert torch.equal(layout.read(pages, locs.view(1, 5)), records[None])
     from remnant.kv.paged import gather
 
     assert torch.equal(gather(pages, layout, locs), records)
