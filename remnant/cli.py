@@ -276,7 +276,7 @@ def help_text() -> str:
     width = max(len(g) for g, _ in rows)
     groups = "\n".join(textwrap.fill(o, 90, initial_indent=f"  {g:<{width}}  ", subsequent_indent=" " * (width + 4))
                        for g, o in rows)
-    return f"""usage: remnant-run [-m] [GROUP=OPTION ...] [FIELD=VALUE ...]
+    return f"""usage: remnant-run [-m] [--exit-zero] [GROUP=OPTION ...] [FIELD=VALUE ...]
 
 Run one benchmark: compose a mode, a retention, a workload, a host and a model from
 config groups, start the server, drive it over HTTP and write run.json (validated against
@@ -306,9 +306,10 @@ Outputs: a run writes outputs/DATE/TIME-MODE-WORKLOAD/ (hydra.run.dir=DIR elsewh
   holds run.json, requests.jsonl (one line per request, as it ends), server.log and
   .hydra/ (the composed config).
 
-Exit status: 0 completed (a sweep: every cell ran or was recorded); 1 failed or degraded
-  (more failed requests than workload.max_failed_share); 2 a configuration mistake;
-  130 / 143 stopped by Ctrl-C / SIGTERM.
+Exit status: 0 completed (a sweep: every cell completed); 1 failed or degraded (more
+  failed requests than workload.max_failed_share; a sweep: any cell failed, was degraded,
+  killed or refused its config, each named on stderr); 2 a configuration mistake;
+  130 / 143 stopped by Ctrl-C / SIGTERM. --exit-zero: a sweep exits 0 whatever its cells did.
 
 Other commands:
   remnant-check PATH...       validate run.json and other records; flags run directories
@@ -370,7 +371,11 @@ def capture_main() -> None:
 #: existed before the sweep, how many of its cells ran in this process (none where a
 #: launcher ran them as SLURM jobs), the JobWatcher of its SLURM jobs (remnant.slurm), and
 #: the record each cell writes (run.json, frontier.json).
-_SWEEP: dict = {"dir": None, "existed": False, "cells_here": 0, "slurm": None, "record": "run.json"}
+_SWEEP: dict = {"dir": None, "existed": False, "cells_here": 0, "slurm": None, "record": "run.json",
+                "not_completed": []}
+#: remnant-run's and remnant-frontier's own flag (taken out before Hydra reads the command
+#: line): a sweep exits 0 even where cells did not complete, as before exit status 1 was.
+EXIT_ZERO_FLAG = "--exit-zero"
 
 
 class SweepAborted(BaseException):
@@ -393,20 +398,22 @@ def _sweep_records(sweep: Path, file_name: str):
             yield path.parent.name, None
 
 
-def _print_table(rows: list[tuple[str, ...]], header: tuple[str, ...], tail: str) -> None:
+def _print_table(rows: list[tuple[str, ...]], header: tuple[str, ...], tail: str) -> list[tuple[str, str]]:
     """A sweep's closing table on stderr: name, status, then right-aligned columns; then
-    how many of the rows completed."""
+    how many of the rows completed. Returns (name, status) of the rows that did not."""
     if not rows:
-        return
+        return []
     widths = [max(len(r[i]) for r in [*rows, header]) for i in range(len(header))]
     for row in (header, *rows):
         cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])] + [v.rjust(w) for v, w in zip(row[2:], widths[2:])]
         print(("\n" if row is header else "") + "  ".join(cells).rstrip(), file=sys.stderr)
     print(f"{sum(r[1] == 'completed' for r in rows)} of {len(rows)} {tail}", file=sys.stderr)
+    return [(r[0], r[1]) for r in rows if r[1] != "completed"]
 
 
-def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
-    """One line per cell: status and headline metrics; then how many completed."""
+def print_sweep_summary(sweep: Path, stopped: str | None = None) -> list[tuple[str, str]]:
+    """One line per cell: status and headline metrics; then how many completed. Returns
+    (cell, status) of the cells that did not complete."""
     from remnant.run import leftovers
 
     rows = []
@@ -425,11 +432,12 @@ def print_sweep_summary(sweep: Path, stopped: str | None = None) -> None:
     rows += [(d.name, "killed", "-", "-") for d in sorted(sweep.iterdir() if sweep.is_dir() else [])
              if d.is_dir() and d.name not in recorded and leftovers(d)]
     rows.sort(key=lambda r: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", r[0])])
-    _print_table(rows, ("cell", "status", "out tok/s", "TTFT p50 ms"),
-                 f"cells completed; remnant-report {sweep} for tables and plots")
+    missed = _print_table(rows, ("cell", "status", "out tok/s", "TTFT p50 ms"),
+                          f"cells completed; remnant-report {sweep} for tables and plots")
     if stopped:
         print(f"remnant-run: sweep stopped by {stopped}; the same command with hydra.sweep.dir={sweep} "
               "runs the cells left", file=sys.stderr)
+    return missed
 
 
 class SweepSummary(Callback):
@@ -443,7 +451,7 @@ class SweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
-        _SWEEP.update(dir=sweep, existed=sweep.exists(), cells_here=0, slurm=None)
+        _SWEEP.update(dir=sweep, existed=sweep.exists(), cells_here=0, slurm=None, not_completed=[])
         launcher = config.hydra.get("launcher")
         if launcher is not None and launcher.get("_target_") == _SLURM_LAUNCHER:
             from remnant import slurm
@@ -457,7 +465,7 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         _print_records_from_elsewhere()
-        self.summary(Path(str(config.hydra.sweep.dir)))
+        _SWEEP["not_completed"] = self.summary(Path(str(config.hydra.sweep.dir)))
 
 
 def _print_records_from_elsewhere() -> None:
@@ -649,12 +657,15 @@ def _entry(prog: str, help_text_of, register, body, summary, what: str) -> None:
         print(help_text_of())
         return
     register()
+    exit_zero = EXIT_ZERO_FLAG in sys.argv[1:]
+    sys.argv[1:] = [a for a in sys.argv[1:] if a != EXIT_ZERO_FLAG]
     # Hydra's errors reach this function instead of being printed (with a traceback, or
     # a hint that does not fit typed configs) and ending in exit status 1.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     _install_signal_handlers()
     try:
         body()
+        _exit_if_cells_missed(prog, what, exit_zero)
     except ConfigRejected as exc:
         _fail(str(exc), 2, prog)
     except CONFIG_ERRORS as exc:
@@ -681,6 +692,23 @@ def _entry(prog: str, help_text_of, register, body, summary, what: str) -> None:
         if _SWEEP["slurm"] is None:
             raise
         _slurm_error(exc, prog, summary)
+
+
+def _exit_if_cells_missed(prog: str, what: str, exit_zero: bool) -> None:
+    """A sweep that ran to its end with cells failed, degraded or killed exits 1, naming
+    them, so a script or CI sees it; --exit-zero keeps 0 (the summary table still shows them)."""
+    missed = _SWEEP["not_completed"]
+    if not missed:
+        return
+    shown = ", ".join(f"{name} ({status})" for name, status in missed[:5])
+    more = f" and {len(missed) - 5} more" if len(missed) > 5 else ""
+    if exit_zero:
+        print(f"{prog}: {len(missed)} {what}(s) did not complete: {shown}{more}; exit 0 ({EXIT_ZERO_FLAG})",
+              file=sys.stderr)
+        return
+    print(f"{prog}: error: {len(missed)} {what}(s) did not complete: {shown}{more} "
+          f"({EXIT_ZERO_FLAG} exits 0 all the same)", file=sys.stderr)
+    sys.exit(1)
 
 
 #: hydra.launcher._target_ of Hydra's submitit launcher for SLURM (remnant.slurm's).
@@ -781,8 +809,9 @@ class FrontierConfigCheck(Callback):
             raise ConfigRejected(config_error_line(exc, task)) from None
 
 
-def print_frontier_summary(sweep: Path, stopped: str | None = None) -> None:
-    """One line per search of a sweep: status, steps and the frontier."""
+def print_frontier_summary(sweep: Path, stopped: str | None = None) -> list[tuple[str, str]]:
+    """One line per search of a sweep: status, steps and the frontier. Returns (search,
+    status) of the searches that did not complete."""
     rows = []
     for name, doc in _sweep_records(sweep, "frontier.json"):
         if doc is None:
@@ -792,11 +821,12 @@ def print_frontier_summary(sweep: Path, stopped: str | None = None) -> None:
         load = front.get("load")
         shown = "none" if load is None else f"{'>=' if front.get('at_least') else ''}{load:g}"
         rows.append((name, doc.get("status", "?"), str(len(doc.get("steps") or [])), shown))
-    _print_table(rows, ("search", "status", "steps", "frontier"),
-                 f"searches completed; remnant-report {sweep} plots goodput against load")
+    missed = _print_table(rows, ("search", "status", "steps", "frontier"),
+                          f"searches completed; remnant-report {sweep} plots goodput against load")
     if stopped:
         print(f"remnant-frontier: stopped by {stopped}; the same command with hydra.sweep.dir={sweep} "
               "resumes, reusing the steps written", file=sys.stderr)
+    return missed
 
 
 class FrontierSweepSummary(SweepSummary):
@@ -857,22 +887,26 @@ def _frontier(cfg: DictConfig) -> None:
 def frontier_help_text() -> str:
     """`remnant-frontier --help`."""
     rows = [f"  {g:<9} {', '.join(_options(g))}" for g in FRONTIER_GROUPS]
-    return f"""usage: remnant-frontier [-m] [GROUP=OPTION ...] [FIELD=VALUE ...]
+    return f"""usage: remnant-frontier [-m] [--exit-zero] [GROUP=OPTION ...] [FIELD=VALUE ...]
 
-Find the highest load (workload.concurrency) whose TTFT p99 and TPOT p99 meet an SLO, for
-one mode and workload: double the load from search.start until a step misses the SLO or
-reaches search.max, then bisect down to search.resolution. Each step is a run directory as
-remnant-run writes it (c0001/, c0002/, ...); frontier.json beside them lists the steps,
+Find the highest load whose TTFT p99 and TPOT p99 meet an SLO, for one mode and workload:
+double the load from search.start until a step misses the SLO or reaches search.max, then
+bisect down to search.resolution. The load is workload.concurrency (closed loop, the
+default) or workload.request_rate (search.load=request_rate: open loop, requests/s, with
+workload.concurrency capping those in flight). Each step is a run directory as
+remnant-run writes it (c0001/, c0002/, ... or r0.5/, r1/, ...); frontier.json beside them lists the steps,
 their metrics, pass or miss, and the frontier (schema remnant/frontier). stdout carries
 only the path of each frontier.json.
 
 Takes every group and field of remnant-run (remnant-run --help), plus:
 {chr(10).join(rows)}
   slo.ttft_p99_ms=MS slo.tpot_p99_ms=MS     the SLO (at least one; null is unchecked)
+  search.load=concurrency|request_rate
   search.start=1 search.max=64 search.resolution=1 search.max_steps=12
 
 Examples:
   remnant-frontier workload=smoke slo=cpu_smoke search.max=8
+  remnant-frontier workload=sharegpt slo=interactive search.load=request_rate search.start=0.5 search.max=16 search.resolution=0.25
   remnant-frontier -m frontier=modes_smoke hydra.sweep.dir=multirun/frontier-modes
   remnant-report multirun/frontier-modes --out report/   goodput against load, each mode's frontier
 
@@ -882,7 +916,9 @@ anew against the SLO given; force=true runs every step again. Ctrl-C or SIGTERM 
 the running step is recorded; frontier.json then says interrupted.
 
 Exit status: 0 the search ran to its end (a sweep: every search did); 1 a step failed to
-run, or records could not be written; 2 a configuration mistake; 130 / 143 Ctrl-C / SIGTERM.
+run, or records could not be written (a sweep: any search that did not run to its end,
+named on stderr; --exit-zero exits 0 all the same); 2 a configuration mistake; 130 / 143
+Ctrl-C / SIGTERM.
 """
 
 

@@ -1,12 +1,13 @@
 """The capacity frontier at an SLO: the highest load whose latencies meet it.
 
-For one mode and workload, `run_frontier` finds the highest `workload.concurrency` whose
-measured TTFT p99 and TPOT p99 meet `slo.ttft_p99_ms` and `slo.tpot_p99_ms`, by a bounded
+For one mode and workload, `run_frontier` finds the highest load (`workload.concurrency`,
+closed loop, or `workload.request_rate`, open loop: `search.load`) whose measured TTFT p99
+and TPOT p99 meet `slo.ttft_p99_ms` and `slo.tpot_p99_ms`, by a bounded
 search: double the load from `search.start` until a step misses the SLO or
 `search.max` is reached, then bisect between the last passing and the first missing load
 down to `search.resolution`. Each step is a full run directory written by
 `remnant.run.execute_run` (run.json, requests.jsonl, server.log), named by its load
-(`c0004/`), so a search run again in the same directory reuses every step whose run.json
+(`c0004/`, `r2.5/`), so a search run again in the same directory reuses every step whose run.json
 is completed with the same config and request stream, as a resumed sweep does
 (`remnant.run.resume_check`), and only judges it anew: a changed SLO costs no run.
 
@@ -16,8 +17,7 @@ of the steps so far. The search assumes latency grows with load (bisection needs
 monotone pass/fail); frontier.json keeps every step, so a non-monotone result is visible.
 
 This module takes plain dataclasses; Hydra stays in remnant.cli (`remnant-frontier`).
-The load axis is a table (LOADS): open-loop `workload.request_rate` joins it as another
-axis with its own bisection resolution, without changing the search.
+The load axes are a table (LOADS); a new axis is a row there, the search is the same.
 """
 
 from __future__ import annotations
@@ -73,18 +73,23 @@ class SloConfig:
 @dataclass(frozen=True)
 class LoadAxis:
     """A workload field the search varies. integer: levels are whole numbers (bisection
-    floors its midpoints); minimum: the smallest level the field takes."""
+    floors its midpoints); minimum: the smallest level the field takes (0 with integer
+    false: any level above 0); unit: what search.start, max and resolution count."""
 
     field: str
     prefix: str
     integer: bool = True
     minimum: float = 1
+    unit: str = "requests in flight"
 
 
-#: The load axes a search can vary. Open-loop arrivals (workload.request_rate, requests/s)
-#: join as {"request_rate": LoadAxis("request_rate", "r", integer=False, minimum=...)},
-#: with search.resolution read as requests/s.
-LOADS: dict[str, LoadAxis] = {"concurrency": LoadAxis("concurrency", "c")}
+#: The load axes a search can vary: closed loop (concurrency: each user sends as its last
+#: request ends) and open loop (request_rate: arrivals per second, as SGLang's
+#: bench_serving --request-rate; workload.concurrency still caps the requests in flight).
+LOADS: dict[str, LoadAxis] = {
+    "concurrency": LoadAxis("concurrency", "c"),
+    "request_rate": LoadAxis("request_rate", "r", integer=False, minimum=0, unit="requests/s"),
+}
 
 
 @dataclass
@@ -112,8 +117,9 @@ class SearchConfig:
             if not math.isfinite(value) or (axis.integer and value != int(value)):
                 kind = "a whole number" if axis.integer else "a finite number"
                 raise ConfigError(f"search.{name}={value} is not allowed; with search.load={self.load} it must be {kind}")
-        if self.start < axis.minimum:
-            raise ConfigError(f"search.start={self.start:g} is not allowed; workload.{axis.field} must be >= {axis.minimum:g}")
+        if self.start < axis.minimum or (self.start == 0 and axis.minimum == 0):
+            floor = "> 0" if axis.minimum == 0 else f">= {axis.minimum:g}"
+            raise ConfigError(f"search.start={self.start:g} is not allowed; workload.{axis.field} must be {floor}")
         if self.max < self.start:
             raise ConfigError(f"search.max={self.max:g} is less than search.start={self.start:g}; it must be >= start")
         if self.resolution <= 0:
@@ -152,7 +158,8 @@ def validate_frontier(cfg: FrontierConfig) -> None:
     rate = getattr(w, "request_rate", None)
     if axis.field == "concurrency" and rate is not None:
         raise ConfigError(f"workload.request_rate={rate:g} sends open loop, where concurrency only caps the requests "
-                          "in flight; a search over concurrency is closed loop: give workload.request_rate=null")
+                          "in flight; a search over concurrency is closed loop: give workload.request_rate=null, "
+                          "or search the rate (search.load=request_rate)")
     sessions = getattr(w, "num_sessions", None)
     if axis.field == "concurrency" and isinstance(sessions, int) and cfg.search.max > sessions:
         raise ConfigError(f"search.max={cfg.search.max:g} is more than workload.num_sessions={sessions}: active users "
@@ -384,6 +391,11 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
             "bisection assumes latency grows with load: a step that passes above one that missed is kept in steps, "
             "not searched around",
         ] + base.host.limits() + base.workload.limits() + list(base.limits)
+        if axis.field == "request_rate":
+            # Past the cap, arrivals queue in the client, not the server: the rate the server
+            # saw is lower than the step's level, and its TTFT counts the client's wait.
+            limits.append(f"open loop with workload.concurrency={base.workload.concurrency} capping the requests in "
+                          "flight: at rates the cap holds back, requests wait in the client and TTFT counts the wait")
         # A step whose client was the bottleneck measured the client (run.json says so where
         # remnant.client found it saturated): the search's reader must see it too.
         limits += [f"step {name}: {limit}" for name, limit in client_limits]

@@ -234,16 +234,26 @@ def test_external_host_unreachable_fails_cleanly(tmp_path):
 
 
 def test_sweep_records_a_cell_that_breaks_a_rule(tmp_path):
-    p = remnant_run("-m", "mode=native,kernel", "retention=r192", "workload=smoke",
-                    f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
-    assert p.returncode == 0, p.stderr
+    args = ("-m", "mode=native,kernel", "retention=r192", "workload=smoke", f"hydra.sweep.dir={tmp_path}/sweep")
+    p = remnant_run(*args, cwd=tmp_path)
+    # The sweep runs every cell, then exits 1 naming the one that did not complete, so a
+    # script or CI sees it.
+    assert p.returncode == 1, p.stderr
     docs = {json.loads(f.read_text())["config"]["mode"]["name"]: json.loads(f.read_text())
             for f in (tmp_path / "sweep").glob("*/run.json")}
     assert docs["native"]["status"] == "completed"
     assert docs["kernel"]["status"] == "failed" and docs["kernel"]["error"]["stage"] == "config"
     assert "kernel supports retention=256" in docs["kernel"]["error"]["message"]
     assert "retention=192 is not allowed with mode=kernel" in p.stderr
+    assert p.stderr.rstrip().splitlines()[-1] == (
+        "remnant-run: error: 1 cell(s) did not complete: 1-kernel-r192-smoke-s0 (failed) (--exit-zero exits 0 all "
+        "the same)")
+    assert len(p.stdout.split()) == 2  # both records' paths, as ever
     assert check(tmp_path / "sweep").returncode == 0
+    # --exit-zero keeps the old status; the completed cell is skipped, the failed one tried again.
+    p = remnant_run("--exit-zero", *args, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "1 cell(s) did not complete: 1-kernel-r192-smoke-s0 (failed); exit 0 (--exit-zero)" in p.stderr
 
 
 def test_packed_capacity_holds_a_working_set_native_cannot(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -187,13 +188,17 @@ def test_preset_composes_each_of_its_cells():
     (["workload=smoke", "slo.ttft_p99_ms=-1"], "slo.ttft_p99_ms=-1.0 is not allowed; it must be a number of "
                                                "milliseconds > 0, or null"),
     (["workload=smoke", "slo=interactive", "search.load=tokens"],
-     "search.load=tokens is not a load axis; allowed: concurrency"),
+     "search.load=tokens is not a load axis; allowed: concurrency, request_rate"),
     (["workload=smoke", "slo=interactive", "search.start=1.5"],
      "search.start=1.5 is not allowed; with search.load=concurrency it must be a whole number"),
     (["workload=smoke", "slo=interactive", "search.start=8", "search.max=4"],
      "search.max=4 is less than search.start=8; it must be >= start"),
     (["workload=smoke", "slo=interactive", "search.start=0"], "search.start=0 is not allowed; workload.concurrency "
                                                               "must be >= 1"),
+    (["workload=smoke", "slo=interactive", "search.load=request_rate", "search.start=0"],
+     "search.start=0 is not allowed; workload.request_rate must be > 0"),
+    (["workload=smoke", "slo=interactive", "search.load=request_rate", "search.start=-2"],
+     "search.start=-2 is not allowed; workload.request_rate must be > 0"),
     (["experiment=longswe_c24_smoke", "slo=interactive", "search.max=8"],
      "search.max=8 is more than workload.num_sessions=6"),
     (["experiment=ctx128k_out8k_ceiling_smoke", "slo=interactive"], "workload.at_ceiling=true sets the concurrency"),
@@ -203,6 +208,28 @@ def test_preset_composes_each_of_its_cells():
 def test_config_mistakes_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(".", r"\.").replace("+", r"\+")):
         _compose(overrides)
+
+
+def test_rate_axis_bisects_real_numbers_to_the_resolution():
+    """Open loop: levels are requests/s, midpoints are not floored, and bisection stops
+    when the bracket is no wider than search.resolution."""
+    probe, asked = threshold(3.3)
+    result = bounded_search(SearchConfig(load="request_rate", start=0.5, max=16, resolution=0.25), probe)
+    # 0.5 1 2 pass, 4 misses; bisect [2, 4]: 3 passes, 3.5 misses, 3.25 passes -> [3.25, 3.5].
+    assert asked == [0.5, 1.0, 2.0, 4.0, 3.0, 3.5, 3.25]
+    assert (result.frontier, result.bracket, result.stopped) == (3.25, (3.25, 3.5), "resolved")
+    assert all(isinstance(x, float) for x in asked)
+
+
+def test_rate_search_composes_with_a_closed_loop_workload_and_sets_only_the_rate():
+    cfg = _compose(["workload=smoke", "slo=interactive", "search.load=request_rate", "search.start=0.5"])
+    base = cfg.run_config()
+    assert base.workload.request_rate is None  # each step sets it
+    step = with_load(base, cfg.search.axis(), 1.5)
+    assert step.workload.request_rate == 1.5 and step.workload.concurrency == base.workload.concurrency
+    assert dataclasses.replace(step.workload, request_rate=None) == base.workload
+    assert step_dir(Path("s"), cfg.search.axis(), 1.5) == Path("s/r1.5")
+    assert step_dir(Path("s"), cfg.search.axis(), 2.0) == Path("s/r2")
 
 
 def test_steps_vary_only_the_load(tmp_path):

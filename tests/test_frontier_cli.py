@@ -86,6 +86,25 @@ def test_search_to_its_end_then_resume_reuses_steps(tmp_path):
     assert len(list((out / "c0001").glob("run.completed-*.json"))) == 1
 
 
+def test_open_loop_search_varies_the_request_rate(tmp_path):
+    out = tmp_path / "rate"
+    p = frontier("workload=smoke", "slo.ttft_p99_ms=1e9", "search.load=request_rate", "search.start=4",
+                 "search.max=8", "workload.arrival=constant", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    doc = _doc(out / "frontier.json")
+    assert doc["load"] == "request_rate" and doc["search"]["start"] == 4.0
+    assert [(s["load"], s["run_dir"], s["passed"]) for s in doc["steps"]] == [(4.0, "r4", True), (8.0, "r8", True)]
+    assert doc["frontier"] == {"load": 8.0, "bracket": [8.0, None], "stopped": "max_passed", "at_least": True}
+    assert any("workload.concurrency=2 capping the requests in flight" in limit for limit in doc["limits"])
+    for step in doc["steps"]:
+        run = _doc(out / step["run_dir"] / "run.json")
+        assert run["config"]["workload"]["request_rate"] == step["load"]
+        # The client recorded when each request was due: arrivals at the step's rate.
+        assert run["client"]["request_rate"] == step["load"]
+        assert "request_rate: " + f"{step['load']}" in (out / step["run_dir"] / ".hydra" / "config.yaml").read_text()
+    assert check(out).returncode == 0
+
+
 def test_config_mistake_exits_2_and_leaves_no_directory(tmp_path):
     out = tmp_path / "search"
     p = frontier("workload=smoke", "search.max=4", f"hydra.run.dir={out}", cwd=tmp_path)
