@@ -28,8 +28,7 @@ _DESCRIBE = {"remnant/fidelity": "fidelity report", "remnant/capacity": "capacit
 
 
 def curate(sweep: Path, name: str, description: str, benchmarks: Path) -> Path:
-    from remnant.report.main import summary_markdown
-    from remnant.report.main import COLUMNS
+    from remnant.report.model import COLUMNS, summary_rows
     from remnant.report.runs import find_runs, load_runs
     from remnant.report.stats import summary
 
@@ -65,7 +64,7 @@ def curate(sweep: Path, name: str, description: str, benchmarks: Path) -> Path:
         "created_at": datetime.now(timezone.utc).isoformat(), "sources": sources(),
         "what_ran": {"modes": sorted(modes), "workloads": sorted(workloads), "hosts": sorted(hosts),
                      "runs": len(members), "environment": env},
-        "limits": sorted(limits), "members": members, "summary": summary_markdown(table),
+        "limits": sorted(limits), "members": members, "summary": summary_rows(table).markdown(),
     }
     path = write_validated(target / "collection.json", collection)
     write_index(benchmarks)

@@ -15,6 +15,7 @@ import pandas as pd
 
 from remnant.records.schema import validate
 from remnant.report.stats import mean_ci
+from remnant.report.table import Table
 
 FRONTIER_JSON = "frontier.json"
 
@@ -84,11 +85,11 @@ def frontier_table(searches: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def frontier_markdown(table: pd.DataFrame) -> str:
-    if table.empty:
-        return "No frontier searches."
+def frontier_rows(table: pd.DataFrame) -> Table:
+    """frontier_table's rows as the report shows them: the mean frontier with its interval
+    and unit (">=" where a search was capped at search.max), and each seed's."""
     head = ["workload", "SLO", "mode", "retention", "searches", "frontier (mean ± 95 % CI)", "per seed"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for _, r in table.iterrows():
         if r["mean"] is None or pd.isna(r["mean"]):
             shown = "none met the SLO"
@@ -97,9 +98,12 @@ def frontier_markdown(table: pd.DataFrame) -> str:
             if r["ci"] is not None and not pd.isna(r["ci"]):
                 shown += f" ± {r['ci']:.1f}"
             shown += f" {r['load_axis']}"
-        lines.append(f"| {r['workload']} | {r['slo']} | {r['mode']} | {r['retention']} | {r['searches']} | "
-                     f"{shown} | {r['per_seed']} |")
-    return "\n".join(lines)
+        rows.append([r["workload"], r["slo"], r["mode"], r["retention"], str(r["searches"]), shown, r["per_seed"]])
+    return Table(head, rows, empty="No frontier searches.")
+
+
+def frontier_markdown(table: pd.DataFrame) -> str:
+    return frontier_rows(table).markdown()
 
 
 def goodput_plot(steps: pd.DataFrame, searches: pd.DataFrame, out: Path) -> Path | None:

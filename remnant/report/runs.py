@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -18,6 +19,50 @@ METRIC_COLUMNS = {
 }
 
 
+def server_devices(doc: dict) -> tuple[int, str | None]:
+    """(devices, assumption): the GPUs the run's server used, and None where the record
+    says so, else the sentence that names what was assumed.
+
+    SGLang's /server_info carries its ServerArgs: a server spans tp_size x pp_size GPUs,
+    times dp_size replicas unless DP attention splits the same GPUs. The embedded engine
+    serves on one device: a GPU, or the CPU, counted as one device. Otherwise the config's
+    model.tp_size (what host=local and host=modal start the server with), else 1.
+    """
+    info = doc.get("server_info") or {}
+    if info.get("engine") == "remnant-embedded":
+        if info.get("device") == "cpu":
+            return 1, "the embedded engine on CPU counted as 1 device"
+        return 1, None
+    if isinstance(info.get("tp_size"), int) and info["tp_size"] >= 1:
+        n = info["tp_size"] * int(info.get("pp_size") or 1)
+        if not info.get("enable_dp_attention"):
+            n *= int(info.get("dp_size") or 1)
+        return n, None
+    tp = ((doc.get("config") or {}).get("model") or {}).get("tp_size")
+    if isinstance(tp, int) and tp >= 1:
+        return tp, f"the server did not report tp_size: model.tp_size={tp} from the config"
+    return 1, "neither the server nor the config gives a GPU count: 1 assumed"
+
+
+def cell_key(config: dict) -> str:
+    """The run's config without its seeds, hashed: runs of one sweep cell share it, so
+    seeds of a cell are repeats and cells differ in what the sweep varied."""
+    cfg = json.loads(json.dumps(config))
+    cfg.pop("seed", None)
+    cfg.pop("force", None)
+    (cfg.get("workload") or {}).pop("seed", None)
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def load_label(concurrency, request_rate) -> str:
+    """The load a run offered, as the report shows it: "2 req/s" open loop, "c=8" closed."""
+    if request_rate is not None and not pd.isna(request_rate):
+        return f"{request_rate:g} req/s"
+    if concurrency is not None and not pd.isna(concurrency):
+        return f"c={concurrency:g}"
+    return "-"
+
+
 def find_runs(paths: list[Path]) -> list[Path]:
     """run.json files under the given files or directories, sorted."""
     found = []
@@ -31,7 +76,8 @@ def find_runs(paths: list[Path]) -> list[Path]:
 
 
 def load_runs(paths: list[Path]) -> pd.DataFrame:
-    """One row per run: identity (mode, retention, workload, seed, fingerprint), status, metrics."""
+    """One row per run: identity (mode, retention, workload, load, seed, fingerprint, sweep cell),
+    status and error, metrics, the devices its server used (server_devices)."""
     rows = []
     for path in find_runs(paths):
         doc = json.loads(path.read_text())
@@ -41,17 +87,24 @@ def load_runs(paths: list[Path]) -> pd.DataFrame:
         m = doc.get("metrics") or {}
         info = doc.get("server_info") or {}
         cap = info.get("capacity") or {}
+        devices, devices_assumed = server_devices(doc)
+        error = doc.get("error") or {}
         row = {
             "path": str(path),
             "run_dir": str(path.parent),
             "run_id": doc["run_id"],
             "status": doc["status"],
+            "error": f"{error['stage']}: {error['message']}" if error else None,
+            "cell": cell_key(cfg),
             "mode": cfg["mode"]["name"],
             "retention": "-" if cfg["mode"]["name"] == "native" else ret.get("name", "?"),
             "workload": doc["workload"]["name"],
             "seed": doc["workload"]["seed"],
             "fingerprint": doc["workload"]["fingerprint"],
             "concurrency": (cfg.get("workload") or {}).get("concurrency"),
+            "request_rate": (cfg.get("workload") or {}).get("request_rate"),
+            "load": load_label((cfg.get("workload") or {}).get("concurrency"),
+                               (cfg.get("workload") or {}).get("request_rate")),
             "host": doc["host"].get("kind"),
             "output_throughput": m.get("output_throughput"),
             "request_throughput": m.get("request_throughput"),
@@ -59,6 +112,8 @@ def load_runs(paths: list[Path]) -> pd.DataFrame:
             "completed": m.get("completed"),
             "failed": m.get("failed"),
             "max_total_num_tokens": cap.get("max_total_num_tokens"),
+            "devices": devices,
+            "devices_assumed": devices_assumed,
             "limits": doc["limits"],
         }
         for column, (dist, stat) in METRIC_COLUMNS.items():
