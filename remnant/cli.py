@@ -502,9 +502,11 @@ def _remove_empty_sweep_dir() -> None:
         sweep.rmdir()
 
 
-def _disk_error(exc: OSError, what: str = "the run directory") -> str:
-    where = exc.filename or what
-    return f"cannot write {where}: {exc.strerror or exc}; run.json could not be written"
+def _disk_error(exc: OSError, what: str | Path = "the run directory") -> str:
+    """A disk error before run.json was written, as one line naming the file (else `what`)."""
+    from remnant.records.files import error_line
+
+    return f"{error_line(exc, what)}; run.json could not be written"
 
 
 # ---------------------------------------------------------------------------------------
@@ -515,12 +517,15 @@ def write_hydra_dir(run_dir: Path, cfg: DictConfig) -> None:
     """.hydra/ as Hydra writes it (config.yaml, hydra.yaml, overrides.yaml), but only for a
     cell that runs: a skipped cell's files are left as they are (conf/config.yaml sets
     hydra.output_subdir to null, so Hydra itself writes nothing)."""
+    from remnant.records.files import write_text, writing
+
     out = run_dir / ".hydra"
-    out.mkdir(parents=True, exist_ok=True)
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
     hc = HydraConfig.get()
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg), encoding="utf-8")
-    (out / "hydra.yaml").write_text(OmegaConf.to_yaml(HydraConfig.instance().cfg), encoding="utf-8")
-    (out / "overrides.yaml").write_text(OmegaConf.to_yaml(hc.overrides.task), encoding="utf-8")
+    write_text(out / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text(out / "hydra.yaml", OmegaConf.to_yaml(HydraConfig.instance().cfg))
+    write_text(out / "overrides.yaml", OmegaConf.to_yaml(hc.overrides.task))
 
 
 @hydra.main(version_base=None, config_path="pkg://remnant.conf", config_name="config")
@@ -554,7 +559,7 @@ def _run(cfg: DictConfig) -> None:
             path = record_config_error(run_dir, _plain(cfg), message)
         except OSError as err:
             if multirun:
-                raise SweepAborted(_disk_error(err)) from None
+                raise SweepAborted(_disk_error(err, run_dir)) from None
             raise ConfigProblem(message) from None
         print(f"remnant-run: error: {message}", file=sys.stderr)
         print(path, flush=True)
@@ -582,7 +587,7 @@ def _run(cfg: DictConfig) -> None:
         write_hydra_dir(run_dir, cfg)
         outcome = execute_run(run_cfg, run_dir)
     except OSError as exc:
-        message = _disk_error(exc)
+        message = _disk_error(exc, run_dir)
         if multirun:
             raise SweepAborted(message) from None
         _fail(message, 1)
@@ -591,17 +596,25 @@ def _run(cfg: DictConfig) -> None:
         if (run_dir / RUN_JSON).exists():
             print(run_dir / RUN_JSON, flush=True)
         raise
+    ended, rest = None, []
     if outcome.error:
         first, *rest = outcome.error["message"].splitlines() or [""]
-        print(f"remnant-run: run {outcome.status} at {outcome.error['stage']}: {first}", file=sys.stderr)
+        ended = f"run {outcome.status} at {outcome.error['stage']}: {first}"
+    if ended and outcome.path is not None:
+        print(f"remnant-run: {ended}", file=sys.stderr)
         for line in rest:
             print(f"    {line}", file=sys.stderr)
     if outcome.metrics:
         print(summary_line(outcome.metrics), file=sys.stderr)
     if outcome.path is None:
-        print(f"remnant-run: error: {outcome.write_error}", file=sys.stderr)
+        # No run.json says how the run ended: one line does, and why run.json is missing
+        # (a sweep's stop prints it).
+        message = f"{ended}; {outcome.write_error}" if ended else outcome.write_error
         if multirun:
-            raise SweepAborted(outcome.write_error)
+            raise SweepAborted(message)
+        print(f"remnant-run: error: {message}", file=sys.stderr)
+        for line in rest:
+            print(f"    {line}", file=sys.stderr)
         sys.exit(1)
     print(outcome.path, flush=True)
     if outcome.status == "interrupted":
@@ -687,7 +700,7 @@ def _entry(prog: str, help_text_of, register, body, summary, what: str) -> None:
             summary(_SWEEP["dir"], stopped=f"an error no later {what} can avoid")
         sys.exit(exc.code)
     except OSError as exc:
-        _fail(_disk_error(exc), 1, prog)
+        _fail(_disk_error(exc, _SWEEP["dir"] or "the run directory"), 1, prog)
     except Exception as exc:
         if _SWEEP["slurm"] is None:
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -596,3 +597,31 @@ def test_an_unwritable_run_directory_is_one_line(tmp_path):
     assert p.returncode == 1, p.stderr
     assert p.stderr.strip() == (f"remnant-run: error: cannot write {ro}/run: Read-only file system; "
                                 "run.json could not be written")
+
+
+def test_a_16_kb_run_directory_fails_in_one_line_naming_the_file(tmp_path):
+    """A 16 KB tmpfs as the run directory fills while the model directory is written (no
+    room even for the space a run holds for run.json): one line names the file and says
+    run.json could not be written either; no traceback, exit status 1."""
+    from tests.tmpfs import tmpfs
+
+    with tmpfs(tmp_path / "disk", "16k") as disk:
+        run_dir = disk / "run"
+        p = remnant_run("workload=smoke", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr and p.stdout == ""
+    (line,) = p.stderr.splitlines()
+    m = re.fullmatch(r"remnant-run: error: run failed at serve: cannot write (\S+): No space left on device; "
+                     r"run.json could not be written to (\S+): No space left on device", line)
+    assert m, line
+    assert Path(m.group(1)).parent == run_dir / "model" and m.group(2) == str(run_dir / "run.json")
+
+
+def test_a_sweep_directory_on_a_full_disk_is_one_line(tmp_path):
+    from tests.tmpfs import fill, tmpfs
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        fill(disk)
+        p = remnant_run("-m", "workload=smoke", f"hydra.sweep.dir={disk}/sweep", cwd=tmp_path, timeout=60)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (f"remnant-run: error: cannot write {disk}/sweep: No space left on "
+                                                 "device; run.json could not be written")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -151,3 +153,27 @@ def test_saturation_limits_name_each_threshold_passed():
     (late,) = saturation_limits(summary(0.5, 10.0))  # one request 20 ms late: p99 18.2 ms
     assert late.startswith("the load client fell behind: dispatch delay p99 18.2 ms")
     assert summary(0.95, 10.0)["saturated"] is True and len(saturation_limits(summary(0.95, 10.0))) == 2
+
+
+def test_a_disk_that_fills_while_the_model_is_written_still_gets_run_json(tmp_path):
+    """A real tmpfs with room for the space a run holds for run.json and one 4 KB page
+    more: the model directory does not fit. The run fails at serve naming the file, and
+    run.json, written into the space held for it, says the same."""
+    from remnant.config import ModelConfig, RunConfig
+    from remnant.hosts.embedded import EmbeddedHostConfig
+    from remnant.records.schema import validate
+    from remnant.run import RESERVE_BYTES, execute_run
+    from remnant.workloads.random import RandomWorkloadConfig
+    from tests.tmpfs import tmpfs
+
+    with tmpfs(tmp_path / "disk", f"{RESERVE_BYTES // 1024 + 4}k") as disk:
+        run_dir = disk / "run"
+        cfg = RunConfig(workload=RandomWorkloadConfig(name="smoke", input_len=16, output_len=2),
+                        host=EmbeddedHostConfig(), model=ModelConfig())
+        outcome = execute_run(cfg, run_dir, progress=False)
+        assert outcome.path == run_dir / "run.json" and outcome.write_error is None
+        doc = json.loads(outcome.path.read_text())
+    validate(doc)
+    assert (doc["status"], doc["error"]["stage"], doc["error"]["type"]) == ("failed", "serve", "WriteError")
+    m = re.fullmatch(r"cannot write (\S+): No space left on device", doc["error"]["message"])
+    assert m and Path(m.group(1)).parent == run_dir / "model", doc["error"]["message"]

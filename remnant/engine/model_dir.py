@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -112,11 +113,18 @@ def hf_config(model: dict) -> dict:
 
 
 def write_model_dir(model: dict, out: Path) -> Path:
-    """Write config.json and tokenizer files for `model` into `out` (created)."""
+    """Write config.json and tokenizer files for `model` into `out` (created). A write that
+    fails raises remnant.records.files.WriteError naming the file (`cannot write
+    out/tokenizer.json: No space left on device`)."""
+    from remnant.records.files import write_text, writing
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
-    build_tokenizer().save(str(out / "tokenizer.json"))
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "config.json", json.dumps(hf_config(model), indent=2) + "\n")
+    # Through Python, not Tokenizer.save: its error on a full disk is a bare Exception
+    # naming no file. The text is the same (save writes it pretty).
+    write_text(out / "tokenizer.json", build_tokenizer().to_str(pretty=True))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -126,10 +134,8 @@ def write_model_dir(model: dict, out: Path) -> Path:
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": BOS, "eos_token": EOS}, indent=2) + "\n"
-    )
+    write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2) + "\n")
+    write_text(out / "special_tokens_map.json", json.dumps({"bos_token": BOS, "eos_token": EOS}, indent=2) + "\n")
     return out
 
 
@@ -143,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="weight seed")
     args = p.parse_args(argv)
     model = dataclasses.asdict(ModelConfig(seed=args.seed))
-    print(write_model_dir(model, args.out))
+    try:
+        print(write_model_dir(model, args.out))
+    except OSError as exc:
+        print(f"model_dir: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -148,9 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, log_level=a.log_level, access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     if a.port_file:
-        tmp = a.port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        os.replace(tmp, a.port_file)
+        from remnant.records.files import WriteError, atomic_write
+
+        try:
+            atomic_write(a.port_file, str(port).encode())
+        except WriteError as exc:
+            print(f"remnant-serve: error: {exc}", file=sys.stderr)
+            return 1
     log.info("remnant-serve listening on http://%s:%d (pid %d)%s", a.host, port, os.getpid(),
              "; API key required on every route but /health* and /metrics*" if a.api_key else "")
     server.run(sockets=[sock])

@@ -141,6 +141,25 @@ def log_tail(path: Path, lines: int) -> str:
     return "\n".join(text[-lines:]) or "(server log is empty)"
 
 
+def lost_log(path: Path) -> str | None:
+    """For a server that exited and left its log empty: the line that says the log cannot
+    be written (a full disk), so its own error, which went there, is lost. Found by
+    appending a line of our own, which stays where it can be written (then None); None
+    too where the log holds something."""
+    from remnant.records.files import WriteError, writing
+
+    try:
+        if not path.is_file() or path.stat().st_size > 0:
+            return None
+        with writing(path), open(path, "a", encoding="utf-8") as f:
+            f.write("remnant-run: the server exited and left this log empty\n")
+    except WriteError as exc:
+        return str(exc)
+    except OSError:
+        return None
+    return None
+
+
 @contextmanager
 def signals_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM while cleaning up, so a second Ctrl-C cannot leave a

@@ -21,7 +21,8 @@ from typing import Iterator
 from remnant.api_key import SERVER_ENV
 from remnant.config import HOSTS, HostConfig, at_least, positive_finite
 from remnant.engine.args import EngineArgs, RetentionArgs, capture_argv
-from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, wait_healthy
+from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, lost_log, wait_healthy
+from remnant.records.files import writing
 
 _STOP_GRACE_S = 10.0
 
@@ -116,7 +117,8 @@ class EmbeddedHost:
         if spec.retention is not None:
             cmd += RetentionArgs.of(spec.retention).to_argv()
         cmd += capture_argv(spec.capture)
-        log = open(spec.log_path, "ab")
+        with writing(spec.log_path):
+            log = open(spec.log_path, "ab")
         env = server_env(spec.api_key)
         self._proc = proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -128,6 +130,9 @@ class EmbeddedHost:
             code = proc.poll()
             if code is None:
                 return None
+            lost = lost_log(spec.log_path)
+            if lost:
+                return f"remnant-serve exited with code {code}, its error lost: {lost}"
             return (
                 f"remnant-serve exited with code {code}; last lines of {spec.log_path.name}:\n"
                 + log_tail(spec.log_path, self.cfg.log_tail_lines)

@@ -36,6 +36,7 @@ from typing import Iterator
 from remnant.api_key import SERVER_ENV, refuse_inline_keys
 from remnant.config import HOSTS, ConfigError, HostConfig, ModelConfig, positive_finite
 from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred, wait_healthy
+from remnant.records.files import writing
 
 #: Values of LocalHostConfig.server: what the image serves.
 LOCAL_SERVERS = ("sglang", "embedded")
@@ -392,7 +393,8 @@ class LocalHost:
         client = docker_client()
         container = None
         streamer: threading.Thread | None = None
-        log = open(spec.log_path, "ab")
+        with writing(spec.log_path):
+            log = open(spec.log_path, "ab")
         try:
             image = self.ensure_image(client, log)
             self._reserve(spec, run_id, log)

@@ -31,6 +31,7 @@ from remnant.api_key import SERVER_ENV, refuse_inline_keys
 from remnant.config import HOSTS, MODES, ConfigError, HostConfig, at_least, positive_finite
 from remnant.hosts.base import (Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred,
                                 wait_healthy)
+from remnant.records.files import writing
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,8 @@ class ModalHost:
         request = ServeRequest.from_spec(spec, cfg, token)
         self._info["token"] = token
         deadline = time.monotonic() + cfg.startup_timeout_s
-        logfile = open(spec.log_path, "a", encoding="utf-8", errors="replace")
+        with writing(spec.log_path):
+            logfile = open(spec.log_path, "a", encoding="utf-8", errors="replace")
         call = pump = None
         try:
             if cfg.deploy:

@@ -110,7 +110,7 @@ def goodput_plot(steps: pd.DataFrame, searches: pd.DataFrame, out: Path) -> Path
     """Goodput (requests/s meeting the SLO) against load, one panel per workload and SLO,
     one line per mode (the mean over seeds at each load probed); filled markers passed the
     SLO, hollow ones missed; a dotted line at each mode's mean frontier."""
-    from remnant.report.plots import _plt
+    from remnant.report.plots import _plt, save_figure
 
     done = steps[steps["goodput"].notna()] if not steps.empty else steps
     if done.empty:
@@ -145,6 +145,5 @@ def goodput_plot(steps: pd.DataFrame, searches: pd.DataFrame, out: Path) -> Path
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
     return out

@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from remnant.records.files import write_text
 from remnant.report import frontier, markdown, model, pareto, plots
 from remnant.report import html as html_page
 
@@ -35,11 +36,10 @@ def build(paths: list[Path], out: Path, html: bool = False) -> tuple[list[Path],
         pareto.pareto_plot(runs, out / "pareto.png"),
         frontier.goodput_plot(steps, searches, out / "goodput_vs_load.png") if not searches.empty else None,
     ) if p is not None]
-    written = [out / "report.md"]
-    written[0].write_text(markdown.render(report))
+    # records.files.write_text: a full disk names the file, not only --out.
+    written = [write_text(out / "report.md", markdown.render(report))]
     if html:
-        written.append(out / "report.html")
-        written[1].write_text(html_page.render(report))
+        written.append(write_text(out / "report.html", html_page.render(report)))
     return written, report.summary.markdown()
 
 

@@ -66,7 +66,7 @@ def pareto_plot(runs: pd.DataFrame, out: Path) -> Path | None:
     """Output tok/s per user against per GPU, one panel per workload, one series per mode
     and retention, each cell a point labelled by its load, the Pareto-optimal cells of a
     series joined. None where the runs hold fewer than two cells: one point has no trade-off."""
-    from remnant.report.plots import _plt
+    from remnant.report.plots import _plt, save_figure
 
     pts = points(runs)
     if pts["cell"].nunique() < 2:
@@ -96,6 +96,5 @@ def pareto_plot(runs: pd.DataFrame, out: Path) -> Path | None:
         # Said on the figure itself: a PNG attached alone must not claim GPUs it did not count.
         fig.text(0.01, 0.01, "GPUs: " + "; ".join(assumed), fontsize=7, ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.04 if assumed else 0, 1, 1))
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
     return out

@@ -17,6 +17,21 @@ def _plt():
     return plt
 
 
+def save_figure(fig, out: Path) -> None:
+    """Write `fig` to `out` as a PNG and close it. A write that fails (a full disk) raises
+    remnant.records.files.WriteError naming `out`, and leaves no partial file."""
+    from remnant.records.files import writing
+
+    try:
+        with writing(out):
+            fig.savefig(out, dpi=110)
+    except OSError:
+        Path(out).unlink(missing_ok=True)
+        raise
+    finally:
+        _plt().close(fig)
+
+
 def _measured(run_dir: str) -> pd.DataFrame:
     rows = [json.loads(line) for line in Path(run_dir, "requests.jsonl").read_text().splitlines() if line.strip()]
     df = pd.DataFrame(rows)
@@ -48,8 +63,7 @@ def latency_distributions(runs: pd.DataFrame, out: Path) -> Path | None:
         ax.tick_params(axis="x", labelsize=7)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
 
 
@@ -68,8 +82,7 @@ def _lines_by_mode(df: pd.DataFrame, x: str, y: str, xlabel: str, ylabel: str, o
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
 
 
@@ -91,8 +104,7 @@ def _bars_by_mode(df: pd.DataFrame, y: str, ylabel: str, title: str, out: Path,
         ax.set_ylim(*ylim)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
 
 
@@ -144,6 +156,5 @@ def capacity_by_mode(runs: pd.DataFrame, out: Path) -> Path | None:
     for i, v in enumerate(g.values):
         ax.text(i, v, f"{int(v):,}", ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -109,6 +110,23 @@ def test_paired_comparison_refused_for_different_streams(tmp_path):
              cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "refused: request streams differ" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_full_disk_is_one_line_naming_the_file(sweep, tmp_path):
+    """remnant-report into a directory on a full disk (a real tmpfs, filled): one line
+    naming the file it could not write, exit status 1, and that file not left half-written."""
+    from tests.tmpfs import fill, tmpfs
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        fill(disk)
+        out = disk / "report"
+        p = _run("remnant-report", str(sweep / "sweep"), "--out", str(out), cwd=tmp_path)
+        left = [f.name for f in out.iterdir()] if out.is_dir() else []
+    assert p.returncode == 1 and "Traceback" not in p.stderr and p.stdout == ""
+    (line,) = p.stderr.splitlines()
+    m = re.fullmatch(r"remnant-report: error: cannot write (\S+): No space left on device", line)
+    assert m and Path(m.group(1)).parent == out, line
+    assert Path(m.group(1)).name not in left
 
 
 def test_report_errors(tmp_path):
