@@ -163,9 +163,9 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
             recorder.add_queries(li, model.natural_q(li, q[: batch.real]))  # policies read natural q
         locs = _select(model, li, layer, pools, x, q_lora, *reach)
     if attention == "kernels":
-        o = _attend_kernels(model, li, layer, pools, q, window_locs, locs)
+        o = attend_kernels(model, li, layer, pools, q, window_locs, locs)
     else:
-        o = _attend_torch(model, li, layer, pools, q, window_locs, locs)
+        o = attend_torch(model, li, layer, pools, q, window_locs, locs)
     return model.ffn(layer, model.output(layer, h, o.to(h.dtype), folded))
 
 
@@ -218,14 +218,22 @@ def _select(model, li: int, layer, pools, x: torch.Tensor, q_lora: torch.Tensor,
     return torch.where(values > float("-inf"), all_locs.gather(1, indices), -1)
 
 
-def _attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
-                  locs: torch.Tensor | None) -> torch.Tensor:
+def _ring(pools, li: int, ring: tuple | None) -> tuple:
+    """(pages, layout) of the window records the attention reads: layer li's ring, or the
+    scratch ring a prefill step fills (remnant.engine.prefill_step)."""
+    return (pools.swa.pages(li), pools.swa.layout) if ring is None else ring
+
+
+def attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
+                 locs: torch.Tensor | None, ring: tuple | None = None) -> torch.Tensor:
     """attend_batched over the gathered window and selected records; float32 [B, H, 512] in
-    natural column order (the torch path folds no weights)."""
+    natural column order (the torch path folds no weights). ring: (pages, layout) the
+    window locations point into (None: layer li's ring)."""
     B, W = window_locs.shape
-    ring = model.ring_format(li)
-    window = pools.swa.layout.read(pools.swa.pages(li), window_locs.clamp_min(0))
-    key_sets = [(ring.ring_keys(window.flatten(0, 1)).view(B, W, HEAD_DIM), None, window_locs >= 0)]
+    fmt = model.ring_format(li)
+    ring_pages, ring_layout = _ring(pools, li, ring)
+    window = ring_layout.read(ring_pages, window_locs.clamp_min(0))
+    key_sets = [(fmt.ring_keys(window.flatten(0, 1)).view(B, W, HEAD_DIM), None, window_locs >= 0)]
     if locs is not None and locs.shape[1]:
         target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
         stored = target.layout.read(target.buf, locs.clamp_min(0)).flatten(0, 1)
@@ -237,13 +245,13 @@ def _attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: to
     return attend_batched(q, layer.sink, key_sets, model.scale)
 
 
-def _attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
-                    locs: torch.Tensor | None) -> torch.Tensor:
+def attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
+                   locs: torch.Tensor | None, ring: tuple | None = None) -> torch.Tensor:
     """Attention through remnant.kernels: [B, H, 512] in q's column order (kept-first on
-    layers with folded_weights)."""
+    layers with folded_weights). ring: as attend_torch."""
     from remnant.kernels.decode import decode
 
-    ring_pages, ring_layout = pools.swa.pages(li), pools.swa.layout
+    ring_pages, ring_layout = _ring(pools, li, ring)
     fmt = model.ring_format(li)
     if locs is None:
         # Window-only layer: an empty record set (the ring stands in for its pages, which the

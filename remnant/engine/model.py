@@ -359,6 +359,10 @@ class Model:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.decode_path = resolve_decode_path(decode_path, self.device)
+        #: Prefill chunks run as one batched step (remnant.engine.prefill_step) on every path
+        #: but the reference. False sends them through the per-sequence reference (_extend):
+        #: tests of the decode step set it, so that both sides decode from the same KV.
+        self.batched_prefill = self.decode_path != "reference"
         #: "flashmla", "triton" or "reference", and why not FlashMLA (None when it runs).
         self.native_decode, self.native_decode_reason = resolve_native_decode(
             native_decode, self.device, self.decode_path, args.num_attention_heads)
@@ -531,30 +535,35 @@ class Model:
         in `pools` (remnant.engine.pools.KVPools, on the model's device) receive the new KV;
         updated in place. chunks: new token ids per sequence (non-empty). Single-token
         chunks run as one batched decode step (remnant.engine.decode_step, replayed from a
-        CUDA graph where the model has them, eagerly while a capture records) unless
-        decode_path=reference or a calibration collects queries; the rest through the
-        per-sequence torch path.
+        CUDA graph where the model has them, eagerly while a capture records), the longer
+        ones as one batched prefill step (remnant.engine.prefill_step), unless
+        decode_path=reference or a calibration collects queries: then every chunk goes
+        through the per-sequence torch reference (_extend).
         Returns float32 [B, vocab] logits at the last new token of each sequence (on the
         model's device).
         """
         step = [i for i, c in enumerate(chunks) if len(c) == 1]
         rest = [i for i in range(len(chunks)) if i not in set(step)]
         if not step or not rest:
-            return self._extend_or_decode(seqs, chunks, pools)
+            return self._batched_or_reference(seqs, chunks, pools)
         # Apart on every path, so that the reference projects a decode token in a batch of the
         # same shape as the batched step does (the same float rounding, which FP8 records
         # would amplify): the two paths then differ only where attention does.
         logits = torch.empty(len(seqs), self.args.vocab_size, device=self.device)
-        logits[rest] = self._extend([seqs[i] for i in rest], [chunks[i] for i in rest], pools)
-        logits[step] = self._extend_or_decode([seqs[i] for i in step], [chunks[i] for i in step], pools)
+        logits[rest] = self._batched_or_reference([seqs[i] for i in rest], [chunks[i] for i in rest], pools)
+        logits[step] = self._batched_or_reference([seqs[i] for i in step], [chunks[i] for i in step], pools)
         return logits
 
-    def _extend_or_decode(self, seqs: list, chunks: list[list[int]], pools) -> torch.Tensor:
-        """Chunks of one token each through the batched step where it runs, else _extend."""
-        batched = self.decode_path != "reference" and self.capture is None
-        if batched and all(len(c) == 1 for c in chunks):
+    def _batched_or_reference(self, seqs: list, chunks: list[list[int]], pools) -> torch.Tensor:
+        """Chunks all of one token (a decode step) or all prefill chunks through their
+        batched step where it runs, else through _extend."""
+        if self.decode_path == "reference" or self.capture is not None:
+            return self._extend(seqs, chunks, pools)
+        if all(len(c) == 1 for c in chunks):
             return self.decode(seqs, [c[0] for c in chunks], pools)
-        return self._extend(seqs, chunks, pools)
+        if not self.batched_prefill:
+            return self._extend(seqs, chunks, pools)
+        return self.prefill(seqs, chunks, pools)
 
     def decode(self, seqs: list, tokens: list[int], pools) -> torch.Tensor:
         """One batched decode step: each sequence extended by its token; float32 [B, vocab]."""
@@ -568,6 +577,19 @@ class Model:
         for seq, token in zip(seqs, tokens):
             seq.length += 1
             seq.token_ids.append(token)
+        return logits
+
+    def prefill(self, seqs: list, chunks: list[list[int]], pools) -> torch.Tensor:
+        """One batched prefill step: each sequence extended by its chunk; float32 [N, vocab]
+        at each chunk's last token."""
+        from remnant.engine.prefill_step import PrefillPlan, prefill_step
+
+        ratios = {r for r in self.args.compress_ratios if r}
+        plan = PrefillPlan.of(seqs, chunks, pools, self.args.window_size, ratios, self.device)
+        logits = prefill_step(self, pools, plan, self.attention)
+        for seq, chunk in zip(seqs, chunks):
+            seq.length += len(chunk)
+            seq.token_ids.extend(chunk)
         return logits
 
     @property

@@ -188,10 +188,47 @@ def test_kernels_path_reads_the_reference_key_sets(args, mode, retention, monkey
 
     monkeypatch.setattr(remnant.kernels.decode, "decode", _float64_decode)
     reference, kernels = _models(args, "cpu", mode, retention)
+    # Both prefill through the reference, so that the decode steps start from the same KV
+    # (the batched prefill's FP8 roundings would move the logits by more than this bound).
+    kernels.batched_prefill = False
     prompts, steps = LONG
     want, want_logits, _ = _greedy(reference, prompts, steps)
     _, got_logits, _ = _greedy(kernels, prompts, steps, forced=want)
     torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("mode", "retention"), MODES)
+def test_kernels_path_prefill_reads_the_reference_key_sets(args, mode, retention, monkeypatch):
+    # The batched prefill step on the kernels path (remnant.engine.prefill_step: each prompt
+    # token a row of the decode kernel, its window in a scratch ring), with the kernel
+    # swapped for its float64 reference: whole prompts, then chunks that start mid-block
+    # and mid-window. Its logits are the reference's to FP8 rounding (tests/engine/
+    # test_prefill_step.py says why a relative bound; measured at most 6e-5).
+    import remnant.kernels.decode
+
+    monkeypatch.setattr(remnant.kernels.decode, "decode", _float64_decode)
+    reference, kernels = _models(args, "cpu", mode, retention)
+    prompts = LONG[0]
+    for schedule in ([[600, 300, 7]], [[37, 0, 3], [200, 130, 1], [0, 5, 3], [363, 165, 0]]):
+        out = []
+        for model in (reference, kernels):
+            pools = scratch_pools(model, 600, sequences=3)
+            seqs = [new_sequence(pools, len(p)) for p in prompts]
+            done, rows = [0, 0, 0], []
+            with torch.inference_mode():
+                for sizes in schedule:
+                    live = [i for i, n in enumerate(sizes) if n]
+                    rows.append(model.forward([seqs[i] for i in live],
+                                              [prompts[i][done[i]: done[i] + sizes[i]] for i in live], pools))
+                    for i in live:
+                        done[i] += sizes[i]
+            out.append((torch.cat(rows), pools))
+        (want, want_pools), (got, got_pools) = out
+        rel = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
+        assert rel <= 5e-4, rel
+        for li in range(want_pools.swa.buf.shape[0]):
+            assert_same_ring(got_pools.swa[li], want_pools.swa[li])
 
 
 def test_kernel_mode_folds_the_kept_first_order_into_the_projections(args):

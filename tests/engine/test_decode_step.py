@@ -48,10 +48,13 @@ def _ids(n: int, seed: int) -> list[int]:
 
 
 def _pair(args: ModelArgs, mode: str, retention: dict, dtype: str = "float32") -> tuple[Model, Model]:
-    """The reference model and the batched one, with the same keep lists."""
+    """The reference model and the batched one, with the same keep lists. Both prefill
+    through the reference, so that their decode steps start from the same KV (the batched
+    prefill step has its own tests: test_prefill_step.py)."""
     reference = Model(args, decode_path="reference")
     rmap = setup_retention(reference, mode, "tiny", **retention)
     batched = Model(args, decode_path="batched", dtype=dtype)
+    batched.batched_prefill = False
     if rmap is not None:
         batched.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in batched.csa_layers})
     return reference, batched
@@ -148,6 +151,7 @@ def test_moe_model_with_grouped_output_projection(args):
                               num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
                               expert_dtype="float32")
     reference, batched = Model(moe, decode_path="reference"), Model(moe, decode_path="batched")
+    batched.batched_prefill = False
     assert batched.layers[0].moe is not None and batched.layers[0].wo_b.shape == (2 * 128, moe.hidden_size)
     want, want_logits, _ = _run(reference, PROMPTS[1:], 6)
     _, got_logits, _ = _run(batched, PROMPTS[1:], 6, forced=want)

@@ -1,0 +1,287 @@
+"""The batched prefill step: chunks of several prompt tokens for N sequences through every
+layer at once, attending through the same sparse attention as a decode step.
+
+A prefill token attends as a decode token does: to the window (its own and the previous
+window - 1 positions) and to records (on CSA layers the indexer's top-k of the C4 records
+visible to it, on HCA layers every visible C128 record). So each of the T new tokens is a
+row of the decode step's attention (remnant.engine.decode_step: FlashMLA, the Triton or
+SM90 packed kernels per mode, or the torch softmax), as vLLM runs sparse prefill through
+its FP8 decode kernel. One thing differs: a chunk may be longer than the window, so its
+tokens' window records cannot all sit in the sequence's ring at once. They go, with the
+previous window - 1 records read from the ring, into a scratch ring (native pages in
+SGLang's layout, in the ring's own record form), which the attention reads in the ring's
+place; then the chunk's last `window` records go into the ring.
+
+Everything whose size depends on the sequences (window spans, blocks completed, records
+visible) is known on the host from their lengths and page tables: the plan (PrefillPlan)
+is built there and copied once, so the step has no host synchronisation. The indexer
+scores each sequence's tokens against that sequence's index keys (a matrix product per
+sequence, in tiles of tokens so that 128k-token prompts fit); everything else runs over
+all T tokens together.
+
+The per-sequence reference (Model._extend with decode_path=reference) is the ground truth
+this step is tested against (tests/engine/test_prefill_step.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from remnant.engine.capacity import C4_RING, C128_RING
+from remnant.engine.decode_step import attend_kernels, attend_torch
+from remnant.engine.ops import (CSA_RATIO, SCRATCH_PER_PAGE, dequantize_index_keys, index_top_k,
+                                quantize_index_keys, rms_norm)
+from remnant.kernels.dispatch import store
+from remnant.kv import HEAD_DIM
+from remnant.kv.layout import PageLayout
+
+#: Elements of the largest float32 intermediate a tile may make (the indexer's [tokens,
+#: heads, records] relu products, the torch attention's gathered keys): 2^26 x 4 bytes =
+#: 256 MiB, so that a 128k-token prompt's chunk fits beside the weights and pools.
+TILE_ELEMENTS = 1 << 26
+
+
+@dataclass
+class RatioPlan:
+    """Where a chunk's compressor work goes for one compression ratio r (host-built, on the
+    device). Blocks are listed sequence by sequence, in block order.
+
+    gather: int64 [blocks, r] rows of cat(state[state_rows], new tokens) making each block
+    completed by the chunk; block_index: int64 [blocks] each block's record index in its
+    sequence; record_locs: int64 [blocks] where its record goes; tail_tokens, tail_rows:
+    new tokens left in an open block and the state rows they go to; visible_locs: int64
+    [N, n] every record of each sequence visible by the end of the chunk (-1 padding);
+    counts: records per sequence (host ints)."""
+
+    state_rows: torch.Tensor
+    gather: torch.Tensor
+    block_index: torch.Tensor
+    record_locs: torch.Tensor
+    tail_tokens: torch.Tensor
+    tail_rows: torch.Tensor
+    visible_locs: torch.Tensor
+    counts: list[int]
+
+    def to(self, device: torch.device) -> "RatioPlan":
+        return RatioPlan(**{f.name: getattr(self, f.name) if f.name == "counts" else getattr(self, f.name).to(device)
+                            for f in fields(self)})
+
+
+@dataclass
+class PrefillPlan:
+    """What a prefill step reads besides the pools, built on the host from the sequences'
+    lengths and pages, on the model's device.
+
+    Tokens are flat, sequence by sequence (`starts`, `sizes` host ints). The scratch ring
+    holds, per sequence, the records of positions first..length + size - 1 (first =
+    max(0, length - (window - 1))): `prev_slots` are the ring slots read into scratch rows
+    `prev_rows`, the new tokens' records go to `new_rows`; `window_locs` [T, window] are
+    scratch rows of each token's window (-1 before position 0); `tail_tokens` and
+    `tail_slots` put each chunk's last `window` records into its ring."""
+
+    ids: torch.Tensor  # int64 [T]
+    pos: torch.Tensor  # int64 [T]
+    row: torch.Tensor  # int64 [T] sequence of each token
+    starts: list[int]
+    sizes: list[int]
+    lengths: list[int]
+    scratch_records: int
+    prev_slots: torch.Tensor
+    prev_rows: torch.Tensor
+    new_rows: torch.Tensor
+    window_locs: torch.Tensor
+    tail_tokens: torch.Tensor
+    tail_slots: torch.Tensor
+    ratios: dict[int, RatioPlan]
+
+    @classmethod
+    def of(cls, seqs: list, chunks: list[list[int]], pools, window: int, ratios: set[int],
+           device: torch.device) -> "PrefillPlan":
+        sizes = [len(c) for c in chunks]
+        lengths = [s.length for s in seqs]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        pos = torch.cat([torch.arange(L, L + n) for L, n in zip(lengths, sizes)])
+        row = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])
+        prev_slots, prev_rows, new_rows, window_locs, tail_tokens, tail_slots = [], [], [], [], [], []
+        base = 0
+        for s, L, n, start in zip(seqs, lengths, sizes, starts):
+            first = max(0, L - (window - 1))
+            prev = torch.arange(first, L)
+            prev_slots.append(pools.swa_slots(s.swa_block, prev))
+            prev_rows.append(base + prev - first)
+            new_rows.append(base + torch.arange(L, L + n) - first)
+            p = torch.arange(L, L + n)[:, None] - (window - 1) + torch.arange(window)  # [n, window]
+            window_locs.append(torch.where(p >= 0, base + p - first, -1))
+            tail = torch.arange(max(L, L + n - window), L + n)
+            tail_tokens.append(start + tail - L)
+            tail_slots.append(pools.swa_slots(s.swa_block, tail))
+            base += L + n - first
+        per_ratio = {r: _ratio_plan(seqs, lengths, sizes, starts, pools, r) for r in ratios}
+
+        def put(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(tensors).long().to(device)
+
+        return cls(torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device),
+                   pos.to(device), row.to(device), starts, sizes, lengths, base,
+                   put(prev_slots), put(prev_rows), put(new_rows), put(window_locs), put(tail_tokens),
+                   put(tail_slots), {r: plan.to(device) for r, plan in per_ratio.items()})
+
+
+def _ratio_plan(seqs: list, lengths: list[int], sizes: list[int], starts: list[int], pools, r: int) -> RatioPlan:
+    """The compressor's and the records' plan for ratio r (RatioPlan), on the host."""
+    ring = C4_RING if r == CSA_RATIO else C128_RING
+    target = pools.c4 if r == CSA_RATIO else pools.c128
+    per = next(iter(target.values())).layout.per_page
+    state_rows, gather, block_index, record_locs, tail_tokens, tail_rows, visible, counts = [], [], [], [], [], [], [], []
+    n_state = sum(L % r for L in lengths)  # rows of the gather table before the new tokens
+    state_at = 0
+    for s, L, n, start in zip(seqs, lengths, sizes, starts):
+        open_ = L % r
+        state_rows.append(s.slot * ring + torch.arange(open_))
+        full = (open_ + n) // r
+        first = L // r
+        # Position p of a block comes from the state (p < L: the open block's earlier tokens,
+        # whose row is p % r) or from new token start + p - L.
+        p = (first + torch.arange(full))[:, None] * r + torch.arange(r)  # [full, r]
+        gather.append(torch.where(p < L, state_at + p % r, n_state + start + p - L))
+        state_at += open_
+        index = torch.arange(first, first + full)
+        pages = torch.tensor(s.pages, dtype=torch.long)
+        record_locs.append(pages[index // per] * per + index % per)
+        block_index.append(index)
+        tail = torch.arange(max(L, (first + full) * r), L + n)
+        tail_tokens.append(start + tail - L)
+        tail_rows.append(s.slot * ring + tail % r)
+        count = (L + n) // r
+        counts.append(count)
+        j = torch.arange(count)
+        visible.append(pages[j // per] * per + j % per)
+    width = max(counts, default=0)
+    visible_locs = torch.full((len(seqs), width), -1, dtype=torch.long)
+    for i, locs in enumerate(visible):
+        visible_locs[i, : locs.numel()] = locs
+
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts).long()
+
+    return RatioPlan(cat(state_rows), cat(gather).view(-1, r), cat(block_index), cat(record_locs), cat(tail_tokens),
+                     cat(tail_rows), visible_locs, counts)
+
+
+def prefill_step(model, pools, plan: PrefillPlan, attention: str) -> torch.Tensor:
+    """The chunks of `plan` through every layer of `model` (remnant.engine.model.Model),
+    writing their KV into `pools`; attention "kernels" or "torch" (as decode_step).
+    Returns float32 [N, vocab] logits at each chunk's last token. Sequences' lengths are
+    the caller's to advance."""
+    h = model.embed[plan.ids]
+    scratch_layout = PageLayout.sglang(SCRATCH_PER_PAGE)
+    pages = max(-(-plan.scratch_records // SCRATCH_PER_PAGE), 1)
+    scratch = torch.zeros(pages, scratch_layout.page_stride, dtype=torch.uint8, device=h.device)
+    for li, layer in enumerate(model.layers):
+        h = _layer(model, li, layer, pools, plan, h, (scratch, scratch_layout), attention)
+    last = torch.tensor([a + n - 1 for a, n in zip(plan.starts, plan.sizes)], device=h.device)
+    return model.logits(h[last]).float()
+
+
+def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scratch: tuple, attention: str):
+    """One layer of the step: h [T, hidden] -> h [T, hidden]."""
+    x = rms_norm(h, layer.attn_norm, model.args.rms_norm_eps)
+    folded = model.folded_weights.get(li)
+    q, q_lora = model.queries(layer, x, plan.pos, folded)
+    # The window: the previous records from the ring and the chunk's own, in the ring's
+    # record form, into the scratch ring; then the chunk's last `window` into the ring.
+    records = model.ring_format(li).ring_records(model.window_latents(layer, x, plan.pos).float())
+    pages, layout = scratch
+    layout.write(pages, plan.prev_rows, pools.swa.read(li, plan.prev_slots))
+    layout.write(pages, plan.new_rows, records)
+    pools.swa.write(li, plan.tail_slots, records[plan.tail_tokens])
+    locs = None
+    if layer.ratio:
+        rp = plan.ratios[layer.ratio]
+        _compress(model, li, layer, pools, rp, x)
+        if layer.ratio == CSA_RATIO:
+            locs = _select(model, li, layer, pools, plan, rp, x, q_lora)
+        else:
+            visible = _visible(plan, rp, layer.ratio)
+            locs = torch.where(visible, rp.visible_locs[plan.row], -1)
+    if attention == "kernels":
+        o = attend_kernels(model, li, layer, pools, q, plan.window_locs, locs, ring=scratch)
+    else:
+        o = _attend_torch_tiled(model, li, layer, pools, q, plan.window_locs, locs, scratch)
+    return model.ffn(layer, model.output(layer, h, o.to(h.dtype), folded))
+
+
+def _compress(model, li: int, layer, pools, rp: RatioPlan, x: torch.Tensor) -> None:
+    """Blocks the chunk completes become records (and, on CSA layers, index keys), as the
+    reference's _compress_new_blocks makes them; tokens left in open blocks go to the
+    fp32 state rows."""
+    r = layer.ratio
+    csa = r == CSA_RATIO
+    state = pools.c4_state[li] if csa else pools.c128_state[li]
+    c, g = (x @ layer.wc).float(), (x @ layer.wg).float()
+    if rp.gather.shape[0]:
+        pc = torch.cat([state[rp.state_rows, 0, :HEAD_DIM], c])[rp.gather]
+        pg = torch.cat([state[rp.state_rows, 1, :HEAD_DIM], g])[rp.gather]
+        latents = model.compress(layer, pc, pg, rp.block_index).float()
+        if model.recorder is not None and csa and model.recorder.wants(li, "latents"):
+            model.recorder.add_latents(li, latents)
+        target = pools.c4[li] if csa else pools.c128[li]
+        store(latents, target.buf, target.layout, rp.record_locs, model.c4_formats[li].columns if csa else None)
+    ik = None
+    if csa:
+        d = model.args.index_head_dim
+        index_state = pools.c4_index_state[li]
+        ik = model.index_keys(layer, x).float()
+        if rp.gather.shape[0]:
+            keys = torch.cat([index_state[rp.state_rows, 0, :d], ik])[rp.gather].mean(1)
+            indexer = pools.indexer[li]
+            indexer.layout.write(indexer.buf, rp.record_locs, quantize_index_keys(keys))
+        index_state[rp.tail_rows, 0, :d] = ik[rp.tail_tokens]
+    state[rp.tail_rows, 0, :HEAD_DIM] = c[rp.tail_tokens]
+    state[rp.tail_rows, 1, :HEAD_DIM] = g[rp.tail_tokens]
+
+
+def _visible(plan: PrefillPlan, rp: RatioPlan, ratio: int) -> torch.Tensor:
+    """bool [T, n]: record j of a token's sequence is visible once its block is complete
+    (so only records the sequence has: j < (pos + 1) // ratio <= its count)."""
+    j = torch.arange(rp.visible_locs.shape[1], device=plan.pos.device)
+    return j[None, :] < ((plan.pos + 1) // ratio)[:, None]
+
+
+def _select(model, li: int, layer, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Tensor,
+            q_lora: torch.Tensor) -> torch.Tensor:
+    """Locations int64 [T, K] of the C4 records each token reads (-1: none): the indexer's
+    top-k over the records visible to it, scored against its own sequence's index keys."""
+    k = min(model.args.index_topk, rp.visible_locs.shape[1])
+    out = torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
+    indexer = pools.indexer[li]
+    heads = model.args.index_n_heads
+    for i, (a, n, count) in enumerate(zip(plan.starts, plan.sizes, rp.counts)):
+        if not count:
+            continue
+        locs = rp.visible_locs[i, :count]
+        keys = dequantize_index_keys(indexer.layout.read(indexer.buf, locs))
+        tile = max(1, TILE_ELEMENTS // (heads * count))
+        for t in range(a, a + n, tile):
+            e = min(t + tile, a + n)
+            scores = model.index_scores(layer, x[t:e], q_lora[t:e], keys)
+            visible = torch.arange(count, device=x.device)[None, :] < ((plan.pos[t:e] + 1) // CSA_RATIO)[:, None]
+            values, top = index_top_k(scores.masked_fill(~visible, float("-inf")), min(k, count))
+            out[t:e, : top.shape[1]] = torch.where(values > float("-inf"), locs[top], -1)
+    return out
+
+
+def _attend_torch_tiled(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
+                        locs: torch.Tensor | None, scratch: tuple) -> torch.Tensor:
+    """decode_step's torch attention over tiles of tokens (its gathered keys are [tokens,
+    keys, 512] float32); float32 [T, H, 512]."""
+    width = window_locs.shape[1] + (0 if locs is None else locs.shape[1])
+    tile = max(1, TILE_ELEMENTS // (width * HEAD_DIM))
+    parts = []
+    for t in range(0, q.shape[0], tile):
+        sl = slice(t, t + tile)
+        parts.append(attend_torch(model, li, layer, pools, q[sl], window_locs[sl],
+                                  None if locs is None else locs[sl], ring=scratch))
+    return torch.cat(parts)
