@@ -1,7 +1,8 @@
-"""The engine's decode step per mode beside its roofline.
+"""The engine's decode step per mode beside its roofline, and its prefill speed.
 
     python -m remnant.engine.bench --model dsv4_flash_h200 --device cuda --out engine-bench.json
-    python -m remnant.engine.bench --model tiny --batches 1,4 --contexts 256 --out tiny.json   # CPU
+    python -m remnant.engine.bench --model tiny --batches 1,4 --contexts 256 --prefill-contexts 512 \
+        --out tiny.json   # CPU
 
 For each mode, batch and context: a model as remnant-serve builds it (decode_path auto,
 CUDA graphs on cuda; packed modes keep the `prefix` policy's columns, which do not change
@@ -11,7 +12,10 @@ decode step timed over `--steps` steps (each sequence's length put back after ea
 every step reads the same context). Beside each time: the roofline of remnant.engine.
 roofline (bytes over the copy bandwidth and FLOPs over the matmul peak, both measured here
 in the same run) and, on CUDA, the GPU's idle share inside a step (torch profiler: wall
-time of a step not covered by any kernel). Writes one JSON document and prints a table.
+time of a step not covered by any kernel). Prefill: per mode and prompt length
+(`--prefill-contexts`), one prompt of random tokens prefilled in chunks of `--chunk` tokens
+(SGLang's chunked prefill; remnant.engine.prefill_step), timed whole: tokens/s. Writes one
+JSON document and prints a table.
 """
 
 from __future__ import annotations
@@ -114,6 +118,40 @@ def time_step(model, pools, seqs: list, steps: int) -> tuple[float, float | None
     return times[len(times) // 2], idle
 
 
+def time_prefill(model, pools, seq, prompt: list[int], chunk: int) -> float:
+    """Seconds to prefill `prompt` into `seq` (empty) in chunks of `chunk` tokens, one
+    model step per chunk, as the engine schedules a lone long prompt."""
+    with torch.inference_mode():
+        _sync(model.device)
+        t0 = time.perf_counter()
+        for start in range(0, len(prompt), chunk):
+            model.forward([seq], [prompt[start: start + chunk]], pools)
+        _sync(model.device)
+        return time.perf_counter() - t0
+
+
+def prefill_rows(model, mode: str, contexts: list[int], chunk: int) -> list[dict]:
+    """Prefill tokens/s of one prompt per context length (a short warm-up prompt first:
+    kernels compile there, not in the timing)."""
+    from remnant.engine.pools import new_sequence, scratch_pools
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for i, context in enumerate([min(contexts), *contexts]):
+        pools = scratch_pools(model, context, sequences=1)
+        seq = new_sequence(pools, context)
+        prompt = torch.randint(0, model.args.vocab_size, (context,), generator=gen).tolist()
+        seconds = time_prefill(model, pools, seq, prompt, chunk)
+        del pools, seq
+        if i == 0:
+            continue
+        rows.append({"mode": mode, "context": context, "chunk": chunk, "prefill_s": seconds,
+                     "tokens_per_s": context / seconds})
+        print(f"{mode:>7} prefill {context:>6} tokens in chunks of {chunk}: {seconds:8.2f} s  "
+              f"{context / seconds:10.0f} tok/s", file=sys.stderr, flush=True)
+    return rows
+
+
 def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
     """1 - (time covered by GPU kernels) / (wall time) over `steps` steps, torch profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -139,7 +177,7 @@ def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
 
 
 def run(model_name: str, device: str, modes: list[str], batches: list[int], contexts: list[int],
-        steps: int, cuda_graph: bool = True) -> dict:
+        steps: int, cuda_graph: bool = True, prefill_contexts: list[int] | None = None, chunk: int = 8192) -> dict:
     """The benchmark document (see the module docstring)."""
     import dataclasses
 
@@ -153,7 +191,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
 
     preset = load_model_preset(model_name)
     args = ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig(**preset)))
-    rows = []
+    rows, prefill = [], []
     dev = torch.device(device)
     peaks = measure_device(dev if device == "cpu" else torch.device("cuda", torch.cuda.current_device()))
     for mode in modes:
@@ -178,10 +216,12 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                              "cuda_graph": model.graphs is not None})
                 del pools, seqs
                 print(_line(rows[-1]), file=sys.stderr, flush=True)
+        if prefill_contexts:
+            prefill += prefill_rows(model, mode, prefill_contexts, chunk)
     return {"schema": "remnant/engine-bench", "schema_version": 1,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "model": model_name, "device": device, "dtype": dtype, "steps": steps, "peaks": peaks,
-            "environment": environment(), "sources": sources(), "rows": rows,
+            "environment": environment(), "sources": sources(), "rows": rows, "prefill": prefill,
             "limits": ["random weights; records filled with quantized random latents, not a prefill",
                        "packed modes keep the prefix policy's columns (a step reads the same bytes for any map)",
                        "MoE bytes assume uniform routing (expected distinct experts)"]}
@@ -201,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--contexts", default="4096,32768")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill-contexts", default="4096,32768,131072",
+                   help="prompt lengths whose prefill is timed (empty: none)")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (host.chunked_prefill_size)")
     p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false")
     p.add_argument("--out", type=Path, required=True, help="JSON to write")
     a = p.parse_args(argv)
@@ -209,10 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--modes {','.join(bad)} is not allowed; allowed: {', '.join(MODES)}")
     doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
-              [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph)
+              [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
+              [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk)
     a.out.write_text(json.dumps(doc, indent=2) + "\n")
     for row in doc["rows"]:
         print(_line(row))
+    for row in doc["prefill"]:
+        print(f"{row['mode']:>7} prefill {row['context']:>6}: {row['tokens_per_s']:10.0f} tok/s")
     print(a.out)
     return 0
 

@@ -93,14 +93,15 @@ def window_locations(batch: DecodeBatch, window: int) -> torch.Tensor:
 
 def attend_batched(q: torch.Tensor, sink: torch.Tensor, key_sets: list, scale: float) -> torch.Tensor:
     """Softmax attention of B tokens' q [B, H, 512] over key sets with V = K and a per-head
-    sink, in float32. key_sets[i]: (keys float [B, S_i, D_i], cols [D_i] or None (all 512 in
-    order), visible bool [B, S_i]). Returns float32 [B, H, 512]; coordinates a key set lacks
-    get nothing from it (remnant.engine.model.Model.attend, batched)."""
+    sink, in float32. key_sets[i]: (keys float [B, S_i, D_i] (each token's own) or [S_i,
+    D_i] (shared by the B tokens), cols [D_i] or None (all 512 in order), visible bool [B,
+    S_i]). Returns float32 [B, H, 512]; coordinates a key set lacks get nothing from it
+    (remnant.engine.model.Model.attend, batched)."""
     q = q.float()
     logits = []
     for keys, cols, visible in key_sets:
         qk = q if cols is None else q[..., cols]
-        s = torch.einsum("bhd,bsd->bhs", qk, keys.float()) * scale
+        s = torch.einsum("bhd,bsd->bhs" if keys.dim() == 3 else "bhd,sd->bhs", qk, keys.float()) * scale
         logits.append(s.masked_fill(~visible[:, None, :], float("-inf")))
     B, H = q.shape[0], q.shape[1]
     sink_logit = sink.float()[None, :, None].expand(B, H, 1)
@@ -108,8 +109,10 @@ def attend_batched(q: torch.Tensor, sink: torch.Tensor, key_sets: list, scale: f
     out = torch.zeros(B, H, HEAD_DIM, dtype=torch.float32, device=q.device)
     start = 0
     for keys, cols, _ in key_sets:
-        part = torch.einsum("bhs,bsd->bhd", p[..., start : start + keys.shape[1]], keys.float())
-        start += keys.shape[1]
+        size = keys.shape[-2]
+        part = torch.einsum("bhs,bsd->bhd" if keys.dim() == 3 else "bhs,sd->bhd", p[..., start : start + size],
+                            keys.float())
+        start += size
         if cols is None:
             out += part
         else:

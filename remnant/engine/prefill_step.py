@@ -25,16 +25,18 @@ this step is tested against (tests/engine/test_prefill_step.py).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, fields
 
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
-from remnant.engine.decode_step import attend_kernels, attend_torch
+from remnant.engine.decode_step import attend_batched, attend_kernels
 from remnant.engine.ops import (CSA_RATIO, SCRATCH_PER_PAGE, dequantize_index_keys, index_top_k,
                                 quantize_index_keys, rms_norm)
 from remnant.kernels.dispatch import store
 from remnant.kv import HEAD_DIM
+from remnant.kv.codec import dequantize
 from remnant.kv.layout import PageLayout
 
 #: Elements of the largest float32 intermediate a tile may make (the indexer's [tokens,
@@ -87,6 +89,9 @@ class PrefillPlan:
     starts: list[int]
     sizes: list[int]
     lengths: list[int]
+    window: int
+    bases: list[int]  # each sequence's first scratch row...
+    firsts: list[int]  # ...holds the record of this position
     scratch_records: int
     prev_slots: torch.Tensor
     prev_rows: torch.Tensor
@@ -105,9 +110,12 @@ class PrefillPlan:
         pos = torch.cat([torch.arange(L, L + n) for L, n in zip(lengths, sizes)])
         row = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])
         prev_slots, prev_rows, new_rows, window_locs, tail_tokens, tail_slots = [], [], [], [], [], []
+        bases, firsts = [], []
         base = 0
         for s, L, n, start in zip(seqs, lengths, sizes, starts):
             first = max(0, L - (window - 1))
+            bases.append(base)
+            firsts.append(first)
             prev = torch.arange(first, L)
             prev_slots.append(pools.swa_slots(s.swa_block, prev))
             prev_rows.append(base + prev - first)
@@ -124,9 +132,21 @@ class PrefillPlan:
             return torch.cat(tensors).long().to(device)
 
         return cls(torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device),
-                   pos.to(device), row.to(device), starts, sizes, lengths, base,
+                   pos.to(device), row.to(device), starts, sizes, lengths, window, bases, firsts, base,
                    put(prev_slots), put(prev_rows), put(new_rows), put(window_locs), put(tail_tokens),
                    put(tail_slots), {r: plan.to(device) for r, plan in per_ratio.items()})
+
+
+    def span(self, t: int, e: int) -> tuple[int, int]:
+        """Scratch rows [lo, hi) holding the windows of tokens t..e-1 (from the host's
+        lengths: rows follow tokens, and a token's window ends at its own row)."""
+        def rows(token: int) -> tuple[int, int]:
+            i = bisect.bisect_right(self.starts, token) - 1
+            p = self.lengths[i] + token - self.starts[i]
+            return (self.bases[i] + max(0, p - self.window + 1) - self.firsts[i],
+                    self.bases[i] + p - self.firsts[i])
+
+        return rows(t)[0], rows(e - 1)[1] + 1
 
 
 def _ratio_plan(seqs: list, lengths: list[int], sizes: list[int], starts: list[int], pools, r: int) -> RatioPlan:
@@ -197,19 +217,19 @@ def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scr
     layout.write(pages, plan.prev_rows, pools.swa.read(li, plan.prev_slots))
     layout.write(pages, plan.new_rows, records)
     pools.swa.write(li, plan.tail_slots, records[plan.tail_tokens])
-    locs = None
+    chosen, rp = None, None
     if layer.ratio:
         rp = plan.ratios[layer.ratio]
         _compress(model, li, layer, pools, rp, x)
         if layer.ratio == CSA_RATIO:
-            locs = _select(model, li, layer, pools, plan, rp, x, q_lora)
+            chosen = _select(model, li, pools, plan, rp, x, q_lora, layer)
         else:
-            visible = _visible(plan, rp, layer.ratio)
-            locs = torch.where(visible, rp.visible_locs[plan.row], -1)
+            chosen = _visible(plan, rp, layer.ratio)
     if attention == "kernels":
+        locs = None if chosen is None else torch.where(chosen >= 0, rp.visible_locs[plan.row[:, None], chosen.clamp_min(0)], -1)
         o = attend_kernels(model, li, layer, pools, q, plan.window_locs, locs, ring=scratch)
     else:
-        o = _attend_torch_tiled(model, li, layer, pools, q, plan.window_locs, locs, scratch)
+        o = _attend_torch(model, li, layer, pools, plan, q, chosen, rp, scratch)
     return model.ffn(layer, model.output(layer, h, o.to(h.dtype), folded))
 
 
@@ -244,16 +264,18 @@ def _compress(model, li: int, layer, pools, rp: RatioPlan, x: torch.Tensor) -> N
 
 
 def _visible(plan: PrefillPlan, rp: RatioPlan, ratio: int) -> torch.Tensor:
-    """bool [T, n]: record j of a token's sequence is visible once its block is complete
-    (so only records the sequence has: j < (pos + 1) // ratio <= its count)."""
+    """Record indices int64 [T, n] each token reads on an HCA layer: every record of its
+    sequence whose block is complete (j < (pos + 1) // ratio <= the sequence's count), -1
+    past them."""
     j = torch.arange(rp.visible_locs.shape[1], device=plan.pos.device)
-    return j[None, :] < ((plan.pos + 1) // ratio)[:, None]
+    return torch.where(j[None, :] < ((plan.pos + 1) // ratio)[:, None], j, -1)
 
 
-def _select(model, li: int, layer, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Tensor,
-            q_lora: torch.Tensor) -> torch.Tensor:
-    """Locations int64 [T, K] of the C4 records each token reads (-1: none): the indexer's
-    top-k over the records visible to it, scored against its own sequence's index keys."""
+def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Tensor, q_lora: torch.Tensor,
+            layer) -> torch.Tensor:
+    """Record indices int64 [T, K] (in each token's sequence) of the C4 records it reads
+    (-1: none): the indexer's top-k over the records visible to it, scored against its
+    own sequence's index keys."""
     k = min(model.args.index_topk, rp.visible_locs.shape[1])
     out = torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
     indexer = pools.indexer[li]
@@ -269,19 +291,43 @@ def _select(model, li: int, layer, pools, plan: PrefillPlan, rp: RatioPlan, x: t
             scores = model.index_scores(layer, x[t:e], q_lora[t:e], keys)
             visible = torch.arange(count, device=x.device)[None, :] < ((plan.pos[t:e] + 1) // CSA_RATIO)[:, None]
             values, top = index_top_k(scores.masked_fill(~visible, float("-inf")), min(k, count))
-            out[t:e, : top.shape[1]] = torch.where(values > float("-inf"), locs[top], -1)
+            out[t:e, : top.shape[1]] = torch.where(values > float("-inf"), top, -1)
     return out
 
 
-def _attend_torch_tiled(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
-                        locs: torch.Tensor | None, scratch: tuple) -> torch.Tensor:
-    """decode_step's torch attention over tiles of tokens (its gathered keys are [tokens,
-    keys, 512] float32); float32 [T, H, 512]."""
-    width = window_locs.shape[1] + (0 if locs is None else locs.shape[1])
+def _attend_torch(model, li: int, layer, pools, plan: PrefillPlan, q: torch.Tensor, chosen: torch.Tensor | None,
+                  rp: RatioPlan | None, scratch: tuple) -> torch.Tensor:
+    """decode_step.attend_batched over each token's window and chosen records, in tiles of
+    tokens; float32 [T, H, 512] in natural column order. Unlike a decode step's, a prefill
+    step's tokens read the same keys many times over: the scratch ring and the sequences'
+    records are dequantized once, into tables. A tile's windows lie in one span of the
+    scratch ring (a token's window is the rows up to its own, and rows follow tokens), so
+    the tile attends to that span, masked (a matrix product, no gather); its records are
+    gathered per token."""
+    fmt = model.ring_format(li)
+    pages, layout = scratch
+    window = fmt.ring_keys(layout.read(pages, torch.arange(plan.scratch_records, device=q.device)))
+    records, cols, width = None, None, plan.window_locs.shape[1]
+    if chosen is not None:
+        n = rp.visible_locs.shape[1]
+        target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
+        stored = target.layout.read(target.buf, rp.visible_locs.clamp_min(0).flatten())
+        records, cols = model.c4_formats[li].read(stored) if layer.ratio == CSA_RATIO else (dequantize(stored), None)
+        rows = plan.row[:, None] * n + chosen.clamp_min(0)  # [T, K] rows of the record table
+        width += chosen.shape[1]
     tile = max(1, TILE_ELEMENTS // (width * HEAD_DIM))
+    own = plan.window_locs[:, -1]  # each token's own record: the last row of its window
+    first = own - (plan.window_locs >= 0).sum(1) + 1
     parts = []
     for t in range(0, q.shape[0], tile):
         sl = slice(t, t + tile)
-        parts.append(attend_torch(model, li, layer, pools, q[sl], window_locs[sl],
-                                  None if locs is None else locs[sl], ring=scratch))
+        e = min(t + tile, q.shape[0])
+        # Host-known bounds of the span: the plan's rows, from its lengths (no sync).
+        lo, hi = plan.span(t, e)
+        span = torch.arange(lo, hi, device=q.device)
+        visible = (span[None, :] >= first[sl, None]) & (span[None, :] <= own[sl, None])
+        key_sets = [(window[lo:hi], None, visible)]
+        if records is not None:
+            key_sets.append((records[rows[sl]], cols, chosen[sl] >= 0))
+        parts.append(attend_batched(q[sl], layer.sink, key_sets, model.scale))
     return torch.cat(parts)

@@ -38,10 +38,13 @@ def test_roofline_of_the_h200_model_by_hand():
 def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["--model", "tiny", "--device", "cpu", "--batches", "1,3", "--contexts", "260",
-                 "--steps", "2", "--out", str(out)]) == 0
+                 "--steps", "2", "--prefill-contexts", "300", "--chunk", "128", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [(r["mode"], r["batch"]) for r in doc["rows"]] == [(m, b) for m in ("native", "triton", "kernel")
                                                               for b in (1, 3)]
     for row in doc["rows"]:
         assert row["step_ms"] > 0 and row["roofline_ms"] > 0 and row["gpu_idle_share"] is None
     assert doc["peaks"]["copy_bytes_per_s"] > 0 and "roofline" in capsys.readouterr().out
+    assert [(r["mode"], r["context"], r["chunk"]) for r in doc["prefill"]] == [
+        (m, 300, 128) for m in ("native", "triton", "kernel")]
+    assert all(r["tokens_per_s"] == pytest.approx(300 / r["prefill_s"]) for r in doc["prefill"])

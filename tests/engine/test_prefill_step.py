@@ -126,13 +126,14 @@ def test_batched_prefill_is_the_reference(args, mode, retention, schedule):
 
 
 def test_tiles_change_nothing(args, monkeypatch):
-    # Tiles of a few tokens (the indexer's and the attention's) give the untiled step's
-    # logits and pools.
+    # Tiles of a few tokens (the indexer's and the attention's, whose window spans then
+    # start and end inside sequences) give the untiled step's logits and pools, to the
+    # rounding of softmax sums of other lengths.
     _, batched = _pair(args, "native", {})
     want, want_pools, seqs = _prefill(batched, PROMPTS, CHUNKED)
     monkeypatch.setattr(prefill_step, "TILE_ELEMENTS", 4 * 1024 * 512)
     got, got_pools, _ = _prefill(batched, PROMPTS, CHUNKED)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert _rel(got, want) <= REL
     _assert_same_pools(got_pools, want_pools, "native", seqs)
 
 
