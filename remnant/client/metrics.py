@@ -1,6 +1,6 @@
 """Serving metrics from request records, defined as sglang.bench_serving defines them.
 
-Definitions (DESIGN.md section 7), so numbers compare with bench_serving:
+Definitions, so numbers compare with bench_serving's:
 
 - TTFT: send to the first chunk that carried a token (`RequestRecord.ttft_s`).
 - ITL per token: for consecutive token-carrying chunks, the gap between their arrivals

@@ -1,4 +1,4 @@
-"""Request schemas of remnant-serve's HTTP edge (DESIGN section 6): one per endpoint.
+"""Request schemas of remnant-serve's HTTP edge (docs/engine.md): one per endpoint.
 
 Every request body passes two checks before the engine sees it, as in SGLang 0.5.18:
 

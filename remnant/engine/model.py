@@ -170,7 +170,7 @@ def resolve_decode_path(decode_path: str, device: torch.device) -> str:
 
 
 class C4Format:
-    """How one CSA layer stores and reads its C4 records (DESIGN section 4).
+    """How one CSA layer stores and reads its C4 records (docs/kv.md).
 
     native: 584-byte records, read whole. triton: packed R + 72-byte records (packed at
     the KV write), reconstructed to native for attention. kernel: packed records read

@@ -1,4 +1,4 @@
-"""`remnant-serve`: the embedded reference engine behind SGLang's HTTP API (DESIGN section 6).
+"""`remnant-serve`: the embedded reference engine behind SGLang's HTTP API (docs/engine.md).
 
 Routes and shapes follow SGLang 0.5.18's http_server (GenerateReqInput in, the tokenizer
 manager's out dicts out) and its OpenAI-compatible endpoints, so a client written for

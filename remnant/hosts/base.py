@@ -1,4 +1,4 @@
-"""The Host protocol (DESIGN section 5): start a server, wait for it, hand out an endpoint,
+"""The Host protocol (docs/hosts.md): start a server, wait for it, hand out an endpoint,
 always stop it. Hosts never interpret metrics; the client never starts or stops servers."""
 
 from __future__ import annotations

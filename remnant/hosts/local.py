@@ -1,4 +1,4 @@
-"""Local host: the server in a Docker container on this Linux host (DESIGN section 5).
+"""Local host: the server in a Docker container on this Linux host (docs/hosts.md).
 
 The image comes from runners/docker/Dockerfile, built with the repository as context and
 tagged `remnant-server:<server>-<hash>`, the hash covering every file the build reads and

@@ -1,4 +1,4 @@
-"""Reference decode attention for one CSA layer of DeepSeek-V4 (DESIGN section 4).
+"""Reference decode attention for one CSA layer of DeepSeek-V4 (docs/kv.md).
 
 One decode token: H query heads (64 in V4-Flash) attend, through one softmax with a
 per-head attention sink, to the sliding-window tokens (native records) and the top-k C4

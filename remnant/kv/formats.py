@@ -1,4 +1,4 @@
-"""Byte layout of C4 attention records (DESIGN section 3).
+"""Byte layout of C4 attention records (docs/kv.md).
 
 A record holds one 512-coordinate latent: NoPE 0..447 as FP8 e4m3 codes with one UE8M0
 scale per 64-coordinate tile, RoPE 448..511 as bf16.

@@ -1,4 +1,4 @@
-"""Pack native records into R + 72-byte records and back (DESIGN section 3).
+"""Pack native records into R + 72-byte records and back (docs/kv.md).
 
 Pack copies codes: kept NoPE coordinates keep their native FP8 codes and tile scales, so
 pack is lossless for them and deterministic. Unpack (the triton mode's reconstruct) puts

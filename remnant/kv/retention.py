@@ -1,4 +1,4 @@
-"""Retention maps and retention profiles (DESIGN section 3).
+"""Retention maps and retention profiles (docs/kv.md).
 
 A retention map names, per CSA layer, the sorted NoPE coordinates kept at that layer's
 retention R (N = R - 64 of 0..447; RoPE 448..511 is always kept). It is a JSON record,

@@ -1,4 +1,4 @@
-"""Long-context workload: input_len random tokens in, output_len out (DESIGN section 7).
+"""Long-context workload: input_len random tokens in, output_len out (docs/workloads.md).
 
 At a fixed concurrency C (matched across modes: C24 in the research runs), or at the
 allocator ceiling: the most requests of input_len + output_len tokens that the server's

@@ -1,4 +1,4 @@
-"""Random workload: random token-id prompts (DESIGN section 7).
+"""Random workload: random token-id prompts (docs/workloads.md).
 
 C warm-up requests, then 3C measured requests (C = concurrency, which limits requests in
 flight, not total work); the prefix cache is flushed before each phase. Lengths are drawn

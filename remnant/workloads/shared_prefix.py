@@ -1,4 +1,4 @@
-"""Shared-prefix workload: G prefix groups with unique suffixes (DESIGN section 7).
+"""Shared-prefix workload: G prefix groups with unique suffixes (docs/workloads.md).
 
 Warm-up: the cache is flushed, then one request per group fills it. Measured: every group
 sends `requests_per_group` requests in a seeded shuffle, with no flush, so each request

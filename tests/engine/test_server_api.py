@@ -1,4 +1,4 @@
-"""remnant-serve's HTTP API against SGLang 0.5.18's request and response shapes (DESIGN section 6).
+"""remnant-serve's HTTP API against SGLang 0.5.18's request and response shapes (docs/engine.md).
 
 Every test drives the real `remnant-serve` child process (the session `server` fixture)
 over loopback with httpx; nothing is mocked. The SGLang references name files under
@@ -56,8 +56,9 @@ SGLANG_PLAIN_META_KEYS = {
     "e2e_latency",
     "response_sent_to_client_ts",
 }
-# The keys every remnant meta_info must carry (the subset DESIGN section 6 names, plus the
-# always-present scalars of SGLang's dict).
+# The keys every remnant meta_info must carry (id, prompt_tokens, completion_tokens,
+# cached_tokens, finish_reason, which clients read, plus the always-present scalars of
+# SGLang's dict).
 REQUIRED_META_KEYS = SGLANG_PLAIN_META_KEYS - {
     "cached_tokens_details", "dp_rank", "e2e_latency", "response_sent_to_client_ts"}
 

@@ -1,4 +1,4 @@
-"""Reference decode attention: the three paths agree as DESIGN section 4 requires."""
+"""Reference decode attention: the three paths agree, as docs/architecture.md's modes require."""
 
 from __future__ import annotations
 
