@@ -419,3 +419,4 @@ def test_readme_command_composes_from_the_environment(tmp_path, monkeypatch):
     assert cfg.host.base_image == "lmsysorg/sglang:v0.5.18"
     assert cfg.model.path == str(tmp_path) and cfg.model.tp_size == 4
     assert "--trust-remote-code" in cfg.model.server_args
+    assert "--enable-metrics" in cfg.model.server_args  # else SGLang answers /metrics with 404
