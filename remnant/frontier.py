@@ -252,15 +252,19 @@ def bounded_search(search: SearchConfig, probe: Callable[[float], bool | None]) 
 # Judging a step
 
 
-def judge(metrics: dict | None, status: str, slo: SloConfig) -> tuple[bool | None, str]:
-    """(verdict, reason) for one step's run.json metrics and status.
+def judge(metrics: dict | None, status: str, slo: SloConfig, client_stop: dict | None = None) -> tuple[bool | None, str]:
+    """(verdict, reason) for one step's run.json metrics, status and client_stop.
 
     completed: pass when every SLO bound holds; degraded (more failed requests than the
-    workload allows) misses, as requests that never finish miss any latency bound; any
-    other status (failed, interrupted) gives no verdict.
+    workload allows) misses, as requests that never finish miss any latency bound; so does
+    a run the client stopped as over-saturated (workload.oversaturation: the server's
+    queue grew without bound, so its latencies would too); any other status (failed,
+    interrupted) gives no verdict.
     """
     if status == "degraded":
         return False, "degraded: more measured requests failed than workload.max_failed_share allows"
+    if status == "failed" and (client_stop or {}).get("reason") == "oversaturated":
+        return False, "over-saturated: the client stopped the run as the server fell behind (run.json client_stop)"
     if status != "completed" or not metrics:
         return None, f"the run {status}"
     parts, ok = [], True
@@ -448,7 +452,7 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
             if outcome.status == "interrupted":
                 state["signum"] = outcome.signum
         doc = json.loads((run_dir / RUN_JSON).read_text())
-        verdict, reason = judge(doc.get("metrics"), doc["status"], cfg.slo)
+        verdict, reason = judge(doc.get("metrics"), doc["status"], cfg.slo, doc.get("client_stop"))
         client_limits.extend((run_dir.name, limit) for limit in doc.get("limits") or []
                              if limit.startswith(CLIENT_LIMIT))
         steps.append({

@@ -125,6 +125,10 @@ def test_slo_judges_each_bound_and_says_why():
         False, "TTFT p99 1.0 ms <= 500, TPOT p99 has no sample")
     assert judge(None, "degraded", slo)[0] is False
     assert judge(None, "failed", slo) == (None, "the run failed")
+    # Stopped as over-saturated: a miss (the load is past what the server sustains), where a
+    # stall or deadline stop gives no verdict.
+    assert judge(None, "failed", slo, {"reason": "oversaturated"})[0] is False
+    assert judge(None, "failed", slo, {"reason": "stall"}) == (None, "the run failed")
 
 
 def test_goodput_counts_requests_that_meet_every_bound(tmp_path):
