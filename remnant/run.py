@@ -41,7 +41,7 @@ HYDRA_DIR = ".hydra"
 #: What one attempt leaves in its run directory, set aside before the next attempt.
 ATTEMPT_FILES = (RUN_JSON, REQUESTS_JSONL, SERVER_LOG, HYDRA_DIR, CAPTURE_FILE)
 #: run.json's schema version this code writes.
-RUN_SCHEMA_VERSION = 4
+RUN_SCHEMA_VERSION = 5
 #: Space held on the run's disk from its start until run.json is written, so a disk that
 #: fills during the run still takes run.json (a run.json is some 10-20 KB).
 RESERVE = ".run.json.reserve"
@@ -204,6 +204,8 @@ def run_document(*, run_id: str, status: str, error: dict | None, started_at: st
         "artifacts": artifacts or [],
         "capture": capture,
         "retention_map": retention_map,
+        # v5's summary of the server's /metrics: none is scraped yet (its scraper is to come).
+        "server_metrics": None,
         "limits": limits,
     }
 
@@ -293,6 +295,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     from remnant.records.provenance import artifact, sources
     from remnant.records.schema import RecordError, write_validated
     from remnant.workloads import plan_workload
+    from remnant.workloads.dataset_file import skipped_records
 
     run_dir = Path(run_dir)
     if (run_dir / RUN_JSON).exists():
@@ -317,6 +320,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     try:
         stage.name = "workload"
         plan = plan_workload(cfg.workload, cfg.model)
+        limits += skipped_records(plan.dataset)  # and says so, once, on the log
         reuse = plan.params.get("reuse_factor")
         if reuse and reuse > 1:
             limits.append(f"the dataset's usable conversations were reused {reuse:.2f}x: repeated prompts hit "

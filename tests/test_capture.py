@@ -34,7 +34,7 @@ def test_capture_then_build_map_then_a_packed_run_with_it(tmp_path):
              f"hydra.run.dir={cap_dir}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     doc = json.loads((cap_dir / "run.json").read_text())
-    assert doc["status"] == "completed" and doc["schema_version"] == 4
+    assert doc["status"] == "completed" and doc["schema_version"] == 5
     cap = doc["capture"]
     path = cap_dir / "capture.safetensors"
     assert cap["path"] == "capture.safetensors" and cap["fingerprint"] == sha256_file(path)

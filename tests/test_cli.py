@@ -61,7 +61,7 @@ def test_smoke_run_end_to_end(tmp_path):
     assert {a["path"] for a in doc["artifacts"]} == {"requests.jsonl", "server.log"}
     assert not _pid_alive(doc["host"]["pid"])
     assert "measured: 6 ok" in p.stderr
-    assert doc["schema_version"] == 4 and doc["failures"] is None and doc["client_stop"] is None
+    assert doc["schema_version"] == 5 and doc["failures"] is None and doc["client_stop"] is None
     assert doc["capture"] is None and doc["retention_map"] is None
     # Hydra's config is kept; no empty cli.log, no port of a server that is gone.
     assert "output_len: 8" in (run_dir / ".hydra" / "config.yaml").read_text()

@@ -135,6 +135,12 @@ def _describe(error) -> tuple[str, str]:
         if key is not None:
             parts.append(key)
             reason = "required key is missing"
+    elif error.validator == "dependentRequired" and isinstance(instance, dict):
+        # "'skipped' is a dependency of 'records'": the key that is missing, as for required.
+        m = re.fullmatch(r"'(.+)' is a dependency of '(.+)'", reason)
+        if m:
+            parts.append(m.group(1))
+            reason = f"required key is missing (it comes with {m.group(2)!r})"
     elif error.validator == "additionalProperties" and isinstance(instance, dict):
         extra = [k for k in instance if k not in schema.get("properties", {})]
         if extra:

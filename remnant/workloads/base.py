@@ -64,7 +64,9 @@ class WorkloadPlan:
     seed: int
     phases: list[Phase]
     params: dict = field(default_factory=dict)
-    dataset: dict | None = None  # {"path", "sha256"} when read from a file
+    #: When read from a file: path, sha256, and its records: usable, skipped and the first
+    #: skipped with why (remnant.workloads.dataset_file.Tally.dataset).
+    dataset: dict | None = None
 
     def fingerprint(self) -> str:
         """sha256 of the exact request stream: equal fingerprints mean identical requests."""

@@ -8,7 +8,6 @@ num_sessions are measured; both phases start from a flushed cache.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,9 +17,10 @@ from remnant.workloads.random import SYNTHETIC_PROMPTS
 from remnant.workloads.sessions import (
     MOONCAKE_BLOCK,
     Session,
-    import_mooncake,
     load_sessions,
     prompt_tokens,
+    read_trace,
+    sessions_from_trace,
     synthetic_sessions,
 )
 
@@ -76,14 +76,11 @@ def _source(cfg: LongSWEWorkloadConfig) -> tuple[list[Session], dict | None, int
     if cfg.sessions_path and cfg.trace_path:
         raise ValueError("workload.sessions_path and workload.trace_path are both set; give one")
     if cfg.sessions_path:
-        sessions, doc = load_sessions(Path(cfg.sessions_path))
-        path = Path(cfg.sessions_path)
-        return sessions, {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}, \
-            doc.get("block_size", MOONCAKE_BLOCK)
+        sessions, doc, tally = load_sessions(Path(cfg.sessions_path))
+        return sessions, tally.dataset(), doc.get("block_size", MOONCAKE_BLOCK)
     if cfg.trace_path:
-        path = Path(cfg.trace_path)
-        sessions = import_mooncake(path)
-        return sessions, {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}, MOONCAKE_BLOCK
+        requests, tally = read_trace(Path(cfg.trace_path))
+        return sessions_from_trace(requests), tally.dataset(), MOONCAKE_BLOCK
     total = cfg.warmup_sessions + cfg.num_sessions
     return synthetic_sessions(total, cfg.seed, tuple(cfg.synthetic_turns), tuple(cfg.synthetic_initial_tokens),
                               tuple(cfg.synthetic_turn_tokens), tuple(cfg.synthetic_output_tokens)), None, MOONCAKE_BLOCK

@@ -6,6 +6,10 @@ Tokens are synthesized deterministically: from hash_ids (512-token blocks, Moonc
 traces: equal ids give equal tokens, across sessions too) or, without them, from a stream
 seeded by the session id. Mooncake-style traces import into this format; a generator makes
 synthetic LongSWE-like sessions for tests.
+
+Files are read as they come (remnant.workloads.dataset_file): gzip or not; a session that
+breaks the schema, or a trace line that cannot be used, is skipped with the reason and
+counted, and a file with none usable is refused.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from remnant.workloads.dataset_file import Record, Tally, jsonl_records, read_file
 from remnant.workloads.json_error import describe_json_error
 
 MOONCAKE_BLOCK = 512
@@ -47,31 +53,70 @@ def to_document(sessions: list[Session], source: str, block_size: int | None = N
     return doc
 
 
-def load_sessions(path: Path) -> tuple[list[Session], dict]:
-    """Sessions of a remnant/sessions file (validated); ValueError names the file and field."""
-    from remnant.records.schema import validate
-
+def load_sessions(path: Path) -> tuple[list[Session], dict, Tally]:
+    """The usable sessions of a remnant/sessions file (JSON, gzip or not), the document,
+    and the file's Tally: a session that breaks the schema, or repeats an earlier
+    session's id, is skipped with the reason. ValueError (RecordError) names the file and
+    field where the document itself is not one (its header, or no list of sessions), or
+    where no session is usable."""
+    path = Path(path)
+    text, sha = read_file(path, "workload.sessions_path")
     try:
-        doc = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"workload.sessions_path={path}: no such file") from None
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({describe_json_error(exc)})") from None
-    validate(doc, str(path))
-    first_at: dict[str, int] = {}
+    bad = _bad_sessions(doc, str(path))
+    tally = Tally(path, sha, noun="session", records=len(doc["sessions"]))
+    sessions, first_at = [], {}
     for i, s in enumerate(doc["sessions"]):
-        if s["id"] in first_at:
+        record = Record(i, None, s)
+        if i in bad:
+            tally.skip(record, bad[i])
+        elif s["id"] in first_at:
             # Request ids are built from session ids: two sessions of one id would collide.
-            raise ValueError(f"{path}: session id {s['id']!r} appears twice (sessions[{first_at[s['id']]}] and "
-                             f"sessions[{i}]); session ids must be unique")
-        first_at[s["id"]] = i
-    sessions = [Session(s["id"], [Turn(**t) for t in s["turns"]]) for s in doc["sessions"]]
-    return sessions, doc
+            tally.skip(record, f"session id {s['id']!r} is taken by sessions[{first_at[s['id']]}]; "
+                               "session ids must be unique")
+        else:
+            first_at[s["id"]] = i
+            sessions.append(Session(s["id"], [Turn(**t) for t in s["turns"]]))
+    tally.refuse_if_unusable()
+    return sessions, doc, tally
+
+
+def _bad_sessions(doc: object, source: str) -> dict[int, str]:
+    """Why each session of a sessions document that breaks the schema does, by index.
+    RecordError where the document itself does (its header, or no list of sessions).
+    The rest are checked again until they pass: a value that is not JSON (NaN) is
+    reported before the schema is applied."""
+    from remnant.records.schema import RecordError, validate
+
+    bad: dict[int, str] = {}
+    while True:
+        listed = isinstance(doc, dict) and isinstance(doc.get("sessions"), list)
+        kept = [i for i in range(len(doc["sessions"])) if i not in bad] if listed else []
+        try:
+            validate({**doc, "sessions": [doc["sessions"][i] for i in kept]} if bad else doc, source)
+            return bad
+        except RecordError as exc:
+            for name, reason in exc.errors:
+                m = re.fullmatch(r"sessions\[(\d+)\]\.?(.*)", name)
+                if m is None or not listed:
+                    raise  # the document itself, not one of its sessions
+                bad.setdefault(kept[int(m.group(1))], f"{m.group(2) or 'the session'}: {reason}")
+        if len(bad) == len(doc["sessions"]):
+            return bad  # none left to check
 
 
 def import_mooncake(path: Path) -> list[Session]:
-    """Sessions from a Mooncake trace (JSONL of timestamp ms, input_length, output_length,
-    hash_ids). Timestamps become timestamp_s, relative to the first request.
+    """Sessions from a Mooncake trace file (see sessions_from_trace); lines that cannot be
+    used are skipped (read_trace)."""
+    return sessions_from_trace(read_trace(Path(path))[0])
+
+
+def sessions_from_trace(records: list[dict]) -> list[Session]:
+    """Sessions from a Mooncake trace's requests (each a dict of timestamp ms,
+    input_length, output_length and hash_ids, as read_trace gives them). Timestamps become
+    timestamp_s, relative to the first request.
 
     A request continues the session whose latest turn's full blocks are the longest prefix
     of its own hash_ids, when that turn is shorter, started earlier, and its last full
@@ -88,9 +133,6 @@ def import_mooncake(path: Path) -> list[Session]:
     hash_ids. Where one conversation branches, its turns before the branch stay one
     session (the blocks before the branch are not shared: their requests form a chain)
     and each branch starts its own."""
-    records = list(_trace_records(path))
-    if not records:
-        raise ValueError(f"{path}: no requests")
     shared = _shared_blocks(records)
     sessions: list[Session] = []
     # Open sessions by the full blocks of their latest turn (the last, partial block gets a
@@ -124,36 +166,41 @@ def import_mooncake(path: Path) -> list[Session]:
     return sessions
 
 
-def _trace_records(path: Path):
-    """The trace's requests, each checked; ValueError names the line and the field."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        raise ValueError(f"workload.trace_path={path}: no such file") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not valid JSON ({describe_json_error(exc)})") from None
-        if not isinstance(rec, dict):
-            raise ValueError(f"{path}:{n}: expected an object with input_length, output_length and hash_ids, "
-                             f"got {type(rec).__name__}")
-        for key in ("input_length", "output_length", "hash_ids"):
-            if key not in rec:
-                raise ValueError(f"{path}:{n}: field '{key}' missing")
-        ids = rec["hash_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                for i in ids):
-            raise ValueError(f"{path}:{n}: field 'hash_ids' must be a list of non-negative integers")
-        for key in ("input_length", "output_length"):
-            if not isinstance(rec[key], int) or isinstance(rec[key], bool) or rec[key] < 1:
-                raise ValueError(f"{path}:{n}: field '{key}' must be a positive integer")
-        ts = rec.get("timestamp")
-        if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts)):
-            raise ValueError(f"{path}:{n}: field 'timestamp' must be a number (ms)")
-        yield rec
+def read_trace(path: Path) -> tuple[list[dict], Tally]:
+    """The usable requests of a Mooncake trace (JSONL, gzip or not), and the file's Tally:
+    a line that is not JSON, or whose fields are missing or malformed, is skipped with the
+    reason. ValueError names the file where it cannot be read or no line is usable."""
+    text, sha = read_file(path, "workload.trace_path")
+    records = list(jsonl_records(text))
+    tally = Tally(path, sha, noun="request", records=len(records))
+    usable = []
+    for record in records:
+        why = record.error or _trace_problem(record.value)
+        if why is None:
+            usable.append(record.value)
+        else:
+            tally.skip(record, why)
+    tally.refuse_if_unusable()
+    return usable, tally
+
+
+def _trace_problem(rec: object) -> str | None:
+    """Why one line of a Mooncake trace cannot be used; None where it can."""
+    if not isinstance(rec, dict):
+        return f"expected an object with input_length, output_length and hash_ids, got {type(rec).__name__}"
+    for key in ("input_length", "output_length", "hash_ids"):
+        if key not in rec:
+            return f"field '{key}' missing"
+    ids = rec["hash_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return "field 'hash_ids' must be a list of non-negative integers"
+    for key in ("input_length", "output_length"):
+        if not isinstance(rec[key], int) or isinstance(rec[key], bool) or rec[key] < 1:
+            return f"field '{key}' must be a positive integer"
+    ts = rec.get("timestamp")
+    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts)):
+        return "field 'timestamp' must be a number (ms)"
+    return None
 
 
 def _shared_blocks(records: list[dict]) -> set[int]:

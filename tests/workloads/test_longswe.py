@@ -12,7 +12,13 @@ from remnant.config import ModelConfig
 from remnant.workloads.longswe import LongSWEWorkloadConfig
 from remnant.records.schema import RecordError, validate
 from remnant.workloads import plan_workload
-from remnant.workloads.sessions import import_mooncake, load_sessions, synthetic_sessions, to_document
+from remnant.workloads.sessions import (
+    import_mooncake,
+    load_sessions,
+    read_trace,
+    synthetic_sessions,
+    to_document,
+)
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
 
@@ -47,13 +53,47 @@ def test_session_file_round_trip_and_schema(tmp_path):
     validate(doc)
     path = tmp_path / "sessions.json"
     path.write_text(json.dumps(doc))
-    sessions, _ = load_sessions(path)
+    sessions, _, tally = load_sessions(path)
     assert [len(s.turns) for s in sessions] == [len(s["turns"]) for s in doc["sessions"]]
+    assert (tally.records, tally.usable, tally.skipped) == (3, 3, 0)
+    # A header that breaks the schema refuses the file; a session that does is skipped.
     bad = json.loads(json.dumps(doc))
-    bad["sessions"][1]["turns"][0]["output_tokens"] = 0
+    bad["schema_version"] = 7
     path.write_text(json.dumps(bad))
-    with pytest.raises(RecordError, match=r"sessions\[1\].turns\[0\].output_tokens"):
+    with pytest.raises(RecordError, match=r"schema_version: 7 is not a supported version"):
         load_sessions(path)
+
+
+def test_unusable_sessions_are_skipped_counted_and_named(tmp_path):
+    """A gzip session file (named .json) with a session that breaks the schema, one with no
+    turns, one with a NaN think time (not JSON) and one whose id is taken: each skipped
+    with the reason, the others replayed."""
+    import gzip
+
+    doc = to_document(synthetic_sessions(6, seed=2), source="test")
+    ids = [s["id"] for s in doc["sessions"]]
+    doc["sessions"][1]["turns"][0]["output_tokens"] = 0
+    doc["sessions"][2]["turns"] = []
+    doc["sessions"][3]["turns"][0]["think_time_s"] = float("nan")
+    doc["sessions"][5]["id"] = ids[0]
+    path = tmp_path / "sessions.json"
+    path.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    sessions, _, tally = load_sessions(path)
+    assert [s.id for s in sessions] == [ids[0], ids[4]]
+    assert [(s.record, s.id, s.reason) for s in tally.first] == [
+        (1, ids[1], "turns[0].output_tokens: 0 is less than the minimum of 1"),
+        (2, ids[2], "turns: [] should be non-empty"),
+        (3, ids[3], "turns[0].think_time_s: nan is not valid JSON; use null for a missing value"),
+        (5, ids[0], f"session id {ids[0]!r} is taken by sessions[0]; session ids must be unique")]
+    cfg = LongSWEWorkloadConfig(sessions_path=str(path), num_sessions=2, warmup_sessions=0, token_scale=0.01)
+    ds = plan_workload(cfg, ModelConfig()).dataset
+    assert (ds["records"], ds["usable"], ds["skipped"]) == (6, 2, 4)
+    doc["sessions"] = [doc["sessions"][i] for i in (1, 2)]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError) as err:
+        load_sessions(path)
+    assert str(err.value) == (f"{path}: no usable session (2 skipped; record 0 (id {ids[1]}): turns[0].output_tokens: "
+                              f"0 is less than the minimum of 1; record 1 (id {ids[2]}): turns: [] should be non-empty)")
 
 
 def test_mooncake_import_of_the_real_trace(trace):
@@ -202,16 +242,6 @@ def test_mooncake_a_turn_must_start_after_the_one_it_extends(tmp_path):
     assert [[t.input_tokens for t in s.turns] for s in sessions] == [[1100], [1700, 2300]]
 
 
-def test_sessions_with_one_id_twice_are_refused(tmp_path):
-    doc = to_document(synthetic_sessions(3, seed=4), source="test")
-    doc["sessions"][2]["id"] = doc["sessions"][0]["id"]
-    path = tmp_path / "dup.json"
-    path.write_text(json.dumps(doc))
-    sid = doc["sessions"][0]["id"]
-    with pytest.raises(ValueError) as err:
-        load_sessions(path)
-    assert str(err.value) == (f"{path}: session id '{sid}' appears twice (sessions[0] and sessions[2]); "
-                              "session ids must be unique")
 
 
 def test_replayed_times_start_at_each_phase(tmp_path):
@@ -228,21 +258,45 @@ def test_replayed_times_start_at_each_phase(tmp_path):
     assert [r.not_before_s for r in plan.phases[1].sessions[0]] == [0.0, 1.0]
 
 
-@pytest.mark.parametrize(("line", "message"), [
-    ("{not json", r"bad.jsonl:2: not valid JSON"),
-    ('{"timestamp": 1, "input_length": 10, "output_length": 2}', r"bad.jsonl:2: field 'hash_ids' missing"),
+@pytest.mark.parametrize(("line", "reason"), [
+    ("{not json", "not valid JSON (Expecting property name enclosed in double quotes at line 1 column 2)"),
+    ('[1, 2]', "expected an object with input_length, output_length and hash_ids, got list"),
+    ('{"timestamp": 1, "input_length": 10, "output_length": 2}', "field 'hash_ids' missing"),
     ('{"timestamp": 1, "input_length": 10, "output_length": 2, "hash_ids": [-1]}',
-     r"bad.jsonl:2: field 'hash_ids' must be a list of non-negative integers"),
+     "field 'hash_ids' must be a list of non-negative integers"),
     ('{"timestamp": "soon", "input_length": 10, "output_length": 2, "hash_ids": [1]}',
-     r"bad.jsonl:2: field 'timestamp' must be a number"),
+     "field 'timestamp' must be a number (ms)"),
     ('{"timestamp": 1, "input_length": 0, "output_length": 2, "hash_ids": [1]}',
-     r"bad.jsonl:2: field 'input_length' must be a positive integer"),
+     "field 'input_length' must be a positive integer"),
 ])
-def test_malformed_trace_lines(tmp_path, line, message):
+def test_malformed_trace_lines_are_skipped_with_the_reason(tmp_path, line, reason):
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n'
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n' + line + "\n")
-    with pytest.raises(ValueError, match=message):
+    path.write_text(good + "\n" + line + "\n" + good.replace("[0]", "[5]"))
+    requests, tally = read_trace(path)
+    assert [r["hash_ids"] for r in requests] == [[0], [5]]
+    assert (tally.records, tally.skipped) == (3, 1)
+    (skip,) = tally.first
+    assert (skip.record, skip.line, skip.reason) == (1, 3, reason)  # the blank line 2 is no record
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError) as err:
         import_mooncake(path)
+    assert str(err.value) == f"{path}: no usable request (1 skipped; line 1: {reason})"
+
+
+def test_a_gzip_trace_plans_as_the_plain_one(tmp_path):
+    import gzip
+
+    rows = [{"timestamp": 10 * i, "input_length": 600, "output_length": 4, "hash_ids": [i, 100 + i]}
+            for i in range(4)]
+    plain = _write_trace(tmp_path / "t.jsonl", rows)
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    cfg = dict(num_sessions=3, warmup_sessions=1, token_scale=0.1)
+    a = plan_workload(LongSWEWorkloadConfig(trace_path=str(plain), **cfg), ModelConfig())
+    b = plan_workload(LongSWEWorkloadConfig(trace_path=str(packed), **cfg), ModelConfig())
+    assert a.fingerprint() == b.fingerprint() and a.dataset["sha256"] != b.dataset["sha256"]
+    assert (b.dataset["records"], b.dataset["usable"], b.dataset["skipped"]) == (4, 4, 0)
 
 
 def test_not_enough_sessions_and_two_sources(tmp_path, trace):
