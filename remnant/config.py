@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModeConfig:
-    """How C4 records are stored and attended (DESIGN section 4)."""
+    """How C4 records are stored and attended (docs/architecture.md, The modes)."""
 
     name: str = "native"
 
@@ -154,6 +154,36 @@ class Kinds:
 
 
 @dataclass
+class OversaturationConfig:
+    """The over-saturation stop (docs/workloads.md, "Over-saturation stop"): off unless
+    enabled. Over the trailing `window_s` of a phase it stops the run when the requests
+    waiting (the server's queue, from its /metrics, plus arrivals the client holds for a
+    free slot) rise at `queue_slope` req/s or more, each quarter of the window above the
+    one before; or when, with the client's load held, the output tokens/s the client
+    received fall below `goodput_drop` of the phase's best window."""
+
+    enabled: bool = False
+    #: The trailing window each check reads; a phase runs this long before its first check.
+    window_s: float = 30.0
+    #: Least-squares slope of the waiting requests over the window, in requests per second.
+    queue_slope: float = 0.5
+    #: Output tokens/s over the window below this share of the phase's best window; 0: no
+    #: goodput rule.
+    goodput_drop: float = 0.5
+
+    def validate(self) -> None:
+        positive_finite(self.window_s, "workload.oversaturation.window_s")
+        positive_finite(self.queue_slope, "workload.oversaturation.queue_slope")
+        if not (isinstance(self.goodput_drop, (int, float)) and 0 <= self.goodput_drop < 1):
+            raise ConfigError(f"workload.oversaturation.goodput_drop={self.goodput_drop} must be a share in [0, 1) "
+                              "(0: no goodput rule)")
+
+
+#: Shortest workload.server_metrics_interval_s (remnant.client.server_metrics.MIN_INTERVAL_S).
+SERVER_METRICS_MIN_INTERVAL_S = 0.05
+
+
+@dataclass
 class WorkloadConfig:
     """Common fields of every workload; `kind` picks the implementation (WORKLOADS)."""
 
@@ -184,6 +214,11 @@ class WorkloadConfig:
     saturation_cpu_share: float = 0.9
     #: ...or when its dispatch delay (sent after it meant to) had a p99 above this.
     saturation_dispatch_p99_ms: float = 10.0
+    #: Scrape the server's Prometheus /metrics this often (s) while the client drives it,
+    #: into server_metrics.jsonl and run.json's server_metrics; 0: no scrape.
+    server_metrics_interval_s: float = 1.0
+    #: Stop a run that drives the server past saturation (off by default).
+    oversaturation: OversaturationConfig = field(default_factory=OversaturationConfig)
 
     def validate(self) -> None:
         """ConfigError naming the first field out of its range; a kind adds its own fields."""
@@ -198,6 +233,12 @@ class WorkloadConfig:
         positive_finite(self.stall_timeout_s, "workload.stall_timeout_s")
         if self.deadline_s is not None:
             positive_finite(self.deadline_s, "workload.deadline_s")
+        interval = self.server_metrics_interval_s
+        if not (isinstance(interval, (int, float)) and math.isfinite(interval)
+                and (interval == 0 or interval >= SERVER_METRICS_MIN_INTERVAL_S)):
+            raise ConfigError(f"workload.server_metrics_interval_s={interval} must be 0 (no scrape) or a finite "
+                              f"number >= {SERVER_METRICS_MIN_INTERVAL_S}")
+        self.oversaturation.validate()
         if not (math.isfinite(self.max_failed_share) and 0 <= self.max_failed_share <= 1):
             raise ConfigError(f"workload.max_failed_share={self.max_failed_share} must be a share in [0, 1]")
         at_least(self, "workload.", ("seed",), 0)
@@ -335,7 +376,7 @@ def csa_layer_count(model: ModelConfig) -> int:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Enforce each group's bounds, the mode/retention rules of DESIGN section 4 and the
+    """Enforce each group's bounds, the mode/retention rules (docs/architecture.md, The modes) and the
     rules that read more than one group; raise ConfigError naming the first field that
     breaks one."""
     mode = cfg.mode.name
@@ -380,7 +421,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 def check_packed_rules(mode: str, values: list[int], hicache: bool, name: str) -> None:
-    """DESIGN section 4's rules for the packed modes, shared by run configs and the SGLang
+    """The packed modes' rules (docs/architecture.md, The modes), shared by run configs and the SGLang
     plugin: kernel supports R=256 only; any layer with R != 256 requires HiCache off.
 
     values: R per CSA layer (or one uniform R); name: how the retention is called in errors.

@@ -1,4 +1,4 @@
-"""One run: serve, drive, measure, record (DESIGN section 1).
+"""One run: serve, drive, measure, record (docs/architecture.md).
 
 `execute_run` takes a validated RunConfig and a run directory, and leaves a schema-valid
 run.json there whatever happens: completed, degraded (more measured requests failed than
@@ -35,11 +35,13 @@ RUN_JSON = "run.json"
 #: A capture run's capture file, in its run directory.
 CAPTURE_FILE = "capture.safetensors"
 REQUESTS_JSONL = "requests.jsonl"
+#: The server's /metrics as the client scraped them (remnant.client.server_metrics).
+SERVER_METRICS_JSONL = "server_metrics.jsonl"
 SERVER_LOG = "server.log"
 SERVER_PORT = "server.port"
 HYDRA_DIR = ".hydra"
 #: What one attempt leaves in its run directory, set aside before the next attempt.
-ATTEMPT_FILES = (RUN_JSON, REQUESTS_JSONL, SERVER_LOG, HYDRA_DIR, CAPTURE_FILE)
+ATTEMPT_FILES = (RUN_JSON, REQUESTS_JSONL, SERVER_METRICS_JSONL, SERVER_LOG, HYDRA_DIR, CAPTURE_FILE)
 #: run.json's schema version this code writes.
 RUN_SCHEMA_VERSION = 5
 #: Space held on the run's disk from its start until run.json is written, so a disk that
@@ -175,12 +177,13 @@ def run_document(*, run_id: str, status: str, error: dict | None, started_at: st
                  environment: dict | None = None, server_info: dict | None = None, phases: list | None = None,
                  metrics: dict | None = None, failures: dict | None = None, client_stop: dict | None = None,
                  client: dict | None = None, artifacts: list | None = None, capture: dict | None = None,
-                 retention_map: dict | None = None) -> dict:
+                 retention_map: dict | None = None, server_metrics: dict | None = None) -> dict:
     """run.json (schema remnant/run, RUN_SCHEMA_VERSION): every run writes this document,
     one that ran and one whose config broke a rule alike. phases: dicts, as recorded;
     client: remnant.client.metrics.client_summary of the measured phase, None where none ran;
     capture: capture_record of a capture run; retention_map: retention_map_record of the
-    map a packed run served with."""
+    map a packed run served with; server_metrics: the summary of the server's /metrics
+    scraped while the client drove it (remnant.client.server_metrics), None where none was."""
     return {
         "schema": "remnant/run",
         "schema_version": RUN_SCHEMA_VERSION,
@@ -204,8 +207,7 @@ def run_document(*, run_id: str, status: str, error: dict | None, started_at: st
         "artifacts": artifacts or [],
         "capture": capture,
         "retention_map": retention_map,
-        # v5's summary of the server's /metrics: none is scraped yet (its scraper is to come).
-        "server_metrics": None,
+        "server_metrics": server_metrics,
         "limits": limits,
     }
 
@@ -289,6 +291,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     """
     from remnant.api_key import redact, redact_file
     from remnant.client.metrics import client_summary, failure_summary, per_turn, saturation_limits, summarize
+    from remnant.client.oversaturation import stop_limit
     from remnant.client.runner import ClientStopped, LoadClient
     from remnant.hosts import HostError, ServerSpec, make_host
     from remnant.hosts.base import signals_deferred
@@ -301,7 +304,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     if (run_dir / RUN_JSON).exists():
         raise FileExistsError(f"{run_dir / RUN_JSON} exists: a run directory holds one run")
     run_dir.mkdir(parents=True, exist_ok=True)
-    set_aside(run_dir, "killed", names=(REQUESTS_JSONL, SERVER_LOG, CAPTURE_FILE))
+    set_aside(run_dir, "killed", names=(REQUESTS_JSONL, SERVER_METRICS_JSONL, SERVER_LOG, CAPTURE_FILE))
     reserve = _reserve(run_dir)
     run_id = run_id or _new_run_id()
     requests_path = run_dir / REQUESTS_JSONL
@@ -310,6 +313,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     status, error, signum = "completed", None, None
     host = None
     server_info = environment = metrics = failures = client_stop = client_record = None
+    scraper = server_metrics = None  # the client's scraper of the server's /metrics, its summary
     phases: list = []
     limits = _base_limits(cfg)
     plan = None
@@ -350,7 +354,11 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
                 stall_timeout_s=cfg.workload.stall_timeout_s,
                 deadline_s=cfg.workload.deadline_s,
                 api_key=api_key,
+                server_metrics_interval_s=cfg.workload.server_metrics_interval_s,
+                server_metrics_path=run_dir / SERVER_METRICS_JSONL,
+                oversaturation=cfg.workload.oversaturation,
             )
+            scraper = client.scraper  # started and stopped by client.run
             results = client.run(plan.phases, on_phase_end=lambda r: phases.append(r))
             if capture is not None:
                 stage.name = "capture"
@@ -391,6 +399,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         status = "failed"
         client_stop = exc.stop
         error = {"stage": "client", "type": exc.stop["reason"].capitalize(), "message": str(exc)}
+        limits += stop_limit(exc.stop)
         if exc.phase is not None:
             phases.append(exc.phase)
             if exc.phase.name == "measured":
@@ -408,6 +417,9 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         error = {"stage": stage.name, "type": type(exc).__name__, "message": f"unexpected error: {exc!r}"}
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if scraper is not None:
+        server_metrics, scrape_limits = scraper.record(phases)
+        limits += scrape_limits
 
     # A second signal waits for run.json: what the run did is written before it stops.
     with signals_deferred():
@@ -418,7 +430,8 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             redact_file(text_record, api_key)
         known = {CAPTURE_FILE: capture_rec["fingerprint"]} if capture_rec else {}  # hashed when it was read
         artifacts = [artifact(p, run_dir, known.get(p.name))
-                     for p in (requests_path, run_dir / SERVER_LOG, run_dir / CAPTURE_FILE) if p.is_file()]
+                     for p in (requests_path, run_dir / SERVER_METRICS_JSONL, run_dir / SERVER_LOG,
+                               run_dir / CAPTURE_FILE) if p.is_file()]
         host_info = host.describe() if host is not None else {"kind": cfg.host.kind}
         # A container host knows the image that ran and the SGLang inside it; sources() cannot.
         run_sources = {**sources(), "image_digest": host_info.get("image_id")}
@@ -432,7 +445,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
             phases=[p.to_dict() for p in phases], metrics=metrics if status in ("completed", "degraded") else None,
             failures=failures, client_stop=client_stop, artifacts=artifacts, limits=limits,
             client=client_record if status in ("completed", "degraded") else None,
-            capture=capture_rec, retention_map=map_rec,
+            capture=capture_rec, retention_map=map_rec, server_metrics=server_metrics,
         )
         doc = redact(doc, api_key)  # SGLang's /server_info holds its ServerArgs, key included
         path: Path | None = run_dir / RUN_JSON
@@ -448,7 +461,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
                 doc.update(status="failed", metrics=None, config={"unrecorded": str(exc)},
                            error={"stage": "record", "type": "RecordError", "message": str(exc)},
                            server_info=None, workload={**workload_rec, "params": {}}, failures=None,
-                           client_stop=None, client=None)
+                           client_stop=None, client=None, server_metrics=None)
                 write_validated(path, doc)
         except OSError as exc:
             write_error, path = _write_error(run_dir / RUN_JSON, exc), None

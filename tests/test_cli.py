@@ -58,7 +58,8 @@ def test_smoke_run_end_to_end(tmp_path):
     assert len(lines) == 8 and all(json.loads(line)["success"] for line in lines)
     assert doc["server_info"]["engine"] == "remnant-embedded"
     assert doc["environment"]["cpu_count"] >= 1
-    assert {a["path"] for a in doc["artifacts"]} == {"requests.jsonl", "server.log"}
+    assert {a["path"] for a in doc["artifacts"]} == {"requests.jsonl", "server_metrics.jsonl", "server.log"}
+    assert doc["server_metrics"]["interval_s"] == 1.0 and doc["server_metrics"]["scrapes"] >= 1
     assert not _pid_alive(doc["host"]["pid"])
     assert "measured: 6 ok" in p.stderr
     assert doc["schema_version"] == 5 and doc["failures"] is None and doc["client_stop"] is None
@@ -528,7 +529,7 @@ def test_resume_skips_only_an_unchanged_cell_and_reruns_a_changed_one(tmp_path):
     assert "output_len: 4" in (cell / ".hydra" / "config.yaml").read_text()
     # The earlier attempt is set aside whole, not overwritten.
     aside = {p.name.split(".completed-")[0] for p in cell.iterdir() if ".completed-" in p.name}
-    assert aside == {"run", "requests", "server", ".hydra"}
+    assert aside == {"run", "requests", "server_metrics", "server", ".hydra"}
     old = next(cell.glob("run.completed-*.json"))
     assert json.loads(old.read_text())["config"]["workload"]["output_len"] == 8
     assert check(sweep).returncode == 0

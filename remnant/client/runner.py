@@ -10,8 +10,10 @@ so a crash, Ctrl-C or a full disk loses nothing that finished.
 
 A watchdog stops the client early: when requests have been in flight for `stall_timeout_s`
 with no answer from the server (no token, no response; a request that times out is no
-answer), or when the run passes `deadline_s`. It stops sending, records the requests in flight as failed, and raises
-ClientStopped with the times.
+answer), when the run passes `deadline_s`, or, where `oversaturation` is enabled, when the
+server is driven past saturation (remnant.client.oversaturation: its queue, as the
+server's /metrics give it, and the client's backlog grow, or goodput collapses). It stops
+sending, records the requests in flight as failed, and raises ClientStopped with the times.
 
 Streams are read by `remnant.client.http_stream` (a minimal HTTP/1.1 reader that hands
 each line to the request's record as its bytes arrive) and frames by
@@ -32,6 +34,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from bisect import bisect_right
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -44,7 +47,10 @@ from tqdm import tqdm
 from remnant.api_key import bearer
 from remnant.client.frames import JSONDecodeError, frame_fields, parse_frame
 from remnant.client.http_stream import CONTINUE, END, STOP, StreamError, StreamPool
+from remnant.client.oversaturation import Detector, Point, describe, point_step_s
 from remnant.client.request_record import RequestRecord
+from remnant.client.server_metrics import QUEUE, RUNNING, ServerMetricsScraper
+from remnant.config import OversaturationConfig
 from remnant.records.files import append_line
 from remnant.signals import Interrupted
 from remnant.workloads.base import Phase, PlannedRequest
@@ -58,11 +64,14 @@ class ServerGone(RuntimeError):
 
 
 class ClientStopped(RuntimeError):
-    """The watchdog stopped the client: the server stalled or the run passed its deadline.
+    """The watchdog stopped the client: the server stalled, the run passed its deadline, or
+    the server was over-saturated.
 
-    stop: run.json's client_stop: reason ("stall" | "deadline"), limit_s, at_s,
+    stop: run.json's client_stop: reason ("stall" | "deadline" | "oversaturated"), limit_s
+        (the stall timeout, the deadline, the over-saturation window), at_s,
         last_progress_s (when the server last answered), in_flight, phase (times in s since
-        the client started).
+        the client started); and, for "oversaturated", `oversaturation`: the rule that held
+        and what it measured (remnant.client.oversaturation.Detector).
     phase: what the phase in progress had done when it stopped (its records included).
     """
 
@@ -75,6 +84,10 @@ def stop_message(stop: dict) -> str:
     """One line on why the client stopped, with its times."""
     last = "it never answered" if stop["last_progress_s"] is None else \
         f"it last answered at {stop['last_progress_s']:.1f}s"
+    if stop["reason"] == "oversaturated":
+        return (f"the server was over-saturated in the {stop['phase']} phase: {describe(stop['oversaturation'])}; "
+                f"the client stopped at {stop['at_s']:.1f}s with {stop['in_flight']} requests in flight "
+                "(workload.oversaturation; times since the client started)")
     if stop["reason"] == "stall":
         return (f"the server stalled: no token or response for {stop['limit_s']:g}s with requests in flight "
                 f"(workload.stall_timeout_s; {stop['in_flight']} in flight at the stop); {last}, the client "
@@ -154,6 +167,11 @@ class LoadClient:
         "fast" falls back to "httpx" where a proxy applies to base_url (see `stream_path`).
     api_key: the server's API key, sent with every request as `Authorization: Bearer`
         (None: no key).
+    server_metrics_interval_s, server_metrics_path: scrape the server's /metrics this often
+        into this file while the phases run (remnant.client.server_metrics; `scraper`, its
+        samples on this client's clock; 0 or no path: no scrape). The watchdog reads the
+        latest sample where it is no older than three intervals and the scrape timeout.
+    oversaturation: the over-saturation stop's rule (None, or enabled=False: no stop).
     """
 
     STREAMS = ("fast", "httpx")
@@ -170,6 +188,9 @@ class LoadClient:
         deadline_s: float | None = None,
         stream: str = "fast",
         api_key: str | None = None,
+        server_metrics_interval_s: float = 0.0,
+        server_metrics_path: Path | None = None,
+        oversaturation: OversaturationConfig | None = None,
     ):
         if stream not in self.STREAMS:
             raise ValueError(f"stream={stream!r} is not allowed; allowed: {', '.join(self.STREAMS)}")
@@ -183,7 +204,12 @@ class LoadClient:
         self.stall_timeout_s = stall_timeout_s
         self.deadline_s = deadline_s
         self._headers = bearer(api_key)
+        self.oversaturation = oversaturation if oversaturation is not None and oversaturation.enabled else None
         self.t0 = time.perf_counter()
+        self.scraper: ServerMetricsScraper | None = None
+        if server_metrics_interval_s and server_metrics_path is not None:
+            self.scraper = ServerMetricsScraper(self.base_url, server_metrics_path, server_metrics_interval_s,
+                                                self.t0, api_key)
         # Request ids stay readable and joinable across runs; the rid sent to the server is
         # made unique per client so repeated runs against one server never collide.
         self._rid_prefix = uuid.uuid4().hex[:8]
@@ -197,6 +223,12 @@ class LoadClient:
         self._stop: dict | None = None
         self._phase: dict | None = None
         self._pool: StreamPool | None = None
+        # The over-saturation stop's view of the phase: output tokens received, open-loop
+        # requests sent (arrivals that got a slot), the phase's detector and next point.
+        self._tokens = 0
+        self._sent_scheduled = 0
+        self._detector: Detector | None = None
+        self._next_point_s = 0.0
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -264,6 +296,10 @@ class LoadClient:
         return results
 
     async def run_async(self, phases: list[Phase], on_phase_end=lambda _: None) -> list[PhaseResult]:
+        """The phases, with the server's /metrics scraped on its own thread meanwhile
+        (stopped however they end, the file complete when this returns)."""
+        if self.scraper is not None:
+            self.scraper.start()
         work = asyncio.ensure_future(self._run_phases(phases, on_phase_end))
         watchdog = asyncio.create_task(self._watch(work))
         try:
@@ -276,6 +312,8 @@ class LoadClient:
         finally:
             watchdog.cancel()
             work.cancel()
+            if self.scraper is not None:
+                self.scraper.stop()  # waits for the scrape in flight, if any (its timeout at most)
 
     async def _run_phases(self, phases: list[Phase], on_phase_end) -> list[PhaseResult]:
         total = sum(len(p.requests) for p in phases)
@@ -300,23 +338,54 @@ class LoadClient:
         return results
 
     async def _watch(self, work: asyncio.Future) -> None:
-        """Stop `work` when the server stalls or the deadline passes (see the class doc)."""
+        """Stop `work` when the server stalls, the deadline passes or the server is
+        over-saturated (see the class doc)."""
         step = 0.25 if self.stall_timeout_s is None else min(0.25, self.stall_timeout_s / 8)
+        if self.oversaturation is not None:
+            step = min(step, point_step_s(self.oversaturation))
         while not work.done():
             await asyncio.sleep(step)
             now = self.now()
-            reason = limit = None
+            reason = limit = measured = None
             if self.deadline_s is not None and now >= self.deadline_s:
                 reason, limit = "deadline", self.deadline_s
             elif (self.stall_timeout_s is not None and self._in_flight
                   and self._quiet_s + now - self._mark_s >= self.stall_timeout_s):
                 reason, limit = "stall", self.stall_timeout_s
+            elif self.oversaturation is not None and (measured := self._oversaturation_point(now)) is not None:
+                reason, limit = "oversaturated", self.oversaturation.window_s
             if reason is not None:
                 self._stop = {"reason": reason, "limit_s": float(limit), "at_s": now,
                               "last_progress_s": self._progress_s, "in_flight": self._in_flight,
                               "phase": (self._phase or {}).get("name")}
+                if measured is not None:
+                    self._stop["oversaturation"] = measured
                 work.cancel()
                 return
+
+    def _oversaturation_point(self, now: float) -> dict | None:
+        """Take a point of the phase in progress for the over-saturation rule (at most one
+        per point_step_s, none before the phase's flush is done) and check it."""
+        phase = self._phase
+        if phase is None or "concurrency" not in phase:
+            return None
+        rule = self.oversaturation
+        if self._detector is None or self._detector.phase_start_s != phase["started"]:
+            self._detector = Detector(rule, phase["started"])
+            self._next_point_s = now
+        if now < self._next_point_s:
+            return None
+        self._next_point_s = now + point_step_s(rule)
+        sample = self.scraper.latest() if self.scraper is not None else None
+        if sample is not None and now - sample["t"] > 3 * self.scraper.interval_s + self.scraper.timeout_s:
+            sample = None  # the scraper has not answered lately: the server's queue is not known
+        arrivals = phase["arrivals"]
+        due = 0 if arrivals is None else bisect_right(arrivals, now - phase["started"])
+        backlog = max(0, due - self._sent_scheduled)
+        held = backlog > 0 or self._in_flight >= phase["concurrency"]
+        return self._detector.add(Point(now, None if sample is None else sample.get(QUEUE), backlog,
+                                        None if sample is None else sample.get(RUNNING), self._in_flight,
+                                        self._tokens, held))
 
     def _progress(self) -> None:
         """The server answered: a token, or a response's status."""
@@ -369,7 +438,8 @@ class LoadClient:
         flush = await self.flush(client) if phase.flush_before else None
         started = self.now()
         loop_cpu0, process_cpu0 = time.thread_time(), time.process_time()
-        self._phase.update(flush=flush, started=started)
+        self._tokens = self._sent_scheduled = 0
+        self._phase.update(flush=flush, started=started, concurrency=phase.concurrency, arrivals=phase.arrivals_s)
         # Closed loop: each of the C slots holds the time it became free; a request is due
         # then, so dispatch delay shows how late the client really sent it.
         free_since: asyncio.Queue[float] = asyncio.Queue()
@@ -388,6 +458,8 @@ class LoadClient:
                                 expected_output_tokens=req.max_new_tokens, session=req.session, turn=req.turn,
                                 scheduled_s=scheduled)
             self._in_flight_change(+1)
+            if scheduled is not None:
+                self._sent_scheduled += 1
             try:
                 if self._pool is not None:
                     await self._send_fast(req, rec)
@@ -395,9 +467,11 @@ class LoadClient:
                     await self._send(client, req, rec)
             except asyncio.CancelledError:
                 if self._stop is not None:  # stopped by the watchdog: keep what it had
-                    rec.error = (f"stopped: no answer from the server for {self._stop['limit_s']:g}s (stall)"
-                                 if self._stop["reason"] == "stall" else
-                                 f"stopped: workload.deadline_s={self._stop['limit_s']:g} passed")
+                    rec.error = {
+                        "stall": f"stopped: no answer from the server for {self._stop['limit_s']:g}s (stall)",
+                        "deadline": f"stopped: workload.deadline_s={self._stop['limit_s']:g} passed",
+                        "oversaturated": "stopped: the server was over-saturated (workload.oversaturation)",
+                    }[self._stop["reason"]]
                     keep(rec)
                 raise
             except Exception as exc:  # noqa: BLE001 - one odd answer must not sink the phase
@@ -604,8 +678,9 @@ class _Frames:
                 rec.ttft_s = t - rec.start_s
             rec.chunk_times_s.append(t)
             rec.chunk_tokens.append(n - self.seen)
-            self.seen = n
             client = self.client
+            client._tokens += n - self.seen
+            self.seen = n
             client._progress_s = client._mark_s = t  # as LoadClient._progress(), at the arrival
             client._quiet_s = 0.0
         rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from remnant.records.files import write_text
-from remnant.report import frontier, markdown, model, pareto, plots
+from remnant.report import frontier, markdown, model, pareto, plots, server_metrics
 from remnant.report import html as html_page
 
 
@@ -34,6 +34,7 @@ def build(paths: list[Path], out: Path, html: bool = False) -> tuple[list[Path],
         plots.cache_hits(runs, out),
         plots.capacity_by_mode(runs, out / "capacity_by_mode.png"),
         pareto.pareto_plot(runs, out / "pareto.png"),
+        server_metrics.server_metrics_plot(runs, out / "server_metrics.png"),
         frontier.goodput_plot(steps, searches, out / "goodput_vs_load.png") if not searches.empty else None,
     ) if p is not None]
     # records.files.write_text: a full disk names the file, not only --out.
