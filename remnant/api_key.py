@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from remnant.config import ConfigError
+from remnant.config_errors import ConfigError
 
 #: The variable remnant-serve (and remnant.sglang.launch) reads its key from.
 SERVER_ENV = "REMNANT_API_KEY"

@@ -41,13 +41,14 @@ from remnant.config import (
     HOSTS,
     CaptureConfig,
     WORKLOADS,
-    ConfigError,
     ModeConfig,
     ModelConfig,
     RetentionConfig,
     RunConfig,
     validate,
 )
+from remnant.config_errors import ConfigError
+from remnant.kv.modes import MODE_NAMES, mode_of
 from remnant.signals import Interrupted, describe as describe_signal, exit_status, raise_interrupted, signum_of
 
 #: Config groups a user picks from, in the order --help lists them.
@@ -76,8 +77,14 @@ def register_resolvers() -> None:
     """Sweep cells are named by what varies the run: native ignores retention, so its cells
     carry none (conf/config.yaml, hydra.sweep.subdir). Registered at import too, for a
     launcher that resolves the cell's directory in another process (submitit)."""
-    OmegaConf.register_new_resolver(
-        "remnant_retention", lambda mode, retention: "" if mode == "native" else f"-{retention}", replace=True)
+    OmegaConf.register_new_resolver("remnant_retention", retention_suffix, replace=True)
+
+
+def retention_suffix(mode: str, retention: str) -> str:
+    """A sweep cell's retention part: none for a mode that keeps no retention. A name that
+    is no mode keeps it: validation, not the cell's name, reports that mistake."""
+    keeps = mode_of(mode).keeps_retention if mode in MODE_NAMES else True
+    return f"-{retention}" if keeps else ""
 
 
 register_resolvers()

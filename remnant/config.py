@@ -20,14 +20,15 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from remnant.kv.formats import KERNEL_RETENTION, RETENTION_VALUES
+from remnant.config_errors import ConfigError, at_least, positive_finite
+from remnant.kv.formats import CSA_RATIO, HCA_RATIO, RETENTION_VALUES
+from remnant.kv.modes import check_packed_rules, mode_of
 from remnant.kv.retention import POLICIES, profile_values
 
 if TYPE_CHECKING:
     from remnant.hosts.base import Host
     from remnant.workloads.base import WorkloadPlan
 
-MODES = ("native", "triton", "kernel")
 #: Open-loop arrival processes (workload.arrival): exponential gaps (Poisson arrivals, as
 #: sglang.bench_serving draws them) or equal gaps.
 ARRIVALS = ("poisson", "constant")
@@ -36,13 +37,9 @@ ARRIVALS = ("poisson", "constant")
 MISSING = "???"
 
 
-class ConfigError(ValueError):
-    """A run configuration a user can fix: the message names field, value and what is allowed."""
-
-
 @dataclass
 class ModeConfig:
-    """How C4 records are stored and attended (docs/architecture.md, The modes)."""
+    """How C4 records are stored and attended: `name` is a mode of remnant.kv.modes."""
 
     name: str = "native"
 
@@ -357,7 +354,7 @@ def validate_capture(cfg: RunConfig) -> None:
     """ConfigError where a capture run cannot run: a packed mode, a host that cannot
     capture, a budget below one token or record."""
     cap = cfg.capture
-    if cfg.mode.name != "native":
+    if mode_of(cfg.mode.name).packed:
         raise ConfigError(f"capture=on needs mode=native, got mode={cfg.mode.name}: a capture records the native "
                           "model's latents, which the packed modes no longer hold")
     refusal = cfg.host.capture_refusal()
@@ -368,20 +365,19 @@ def validate_capture(cfg: RunConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"capture.{name}={value} must be an integer >= 1")
     if csa_layer_count(cfg.model) == 0:
-        raise ConfigError(f"capture=on: model={cfg.model.name} has no CSA layer (compress_ratios has no 4) to capture")
+        raise ConfigError(f"capture=on: model={cfg.model.name} has no CSA layer (compress_ratios has no {CSA_RATIO}) "
+                          "to capture")
 
 
 def csa_layer_count(model: ModelConfig) -> int:
-    return sum(1 for r in model.compress_ratios if r == 4)
+    return sum(1 for r in model.compress_ratios if r == CSA_RATIO)
 
 
 def validate(cfg: RunConfig) -> None:
     """Enforce each group's bounds, the mode/retention rules (docs/architecture.md, The modes) and the
     rules that read more than one group; raise ConfigError naming the first field that
     breaks one."""
-    mode = cfg.mode.name
-    if mode not in MODES:
-        raise ConfigError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
+    mode = mode_of(cfg.mode.name)
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} must be >= 0 (numpy's generators take non-negative seeds)")
     validate_model(cfg.model)
@@ -391,7 +387,7 @@ def validate(cfg: RunConfig) -> None:
     cfg.host.check_model(cfg.model)
     if cfg.capture is not None:
         validate_capture(cfg)
-    if mode == "native":
+    if not mode.keeps_retention:
         return  # native ignores retention
     ret = cfg.retention
     if cfg.host.serves_sglang() and ret.map_path is None and ret.policy != "prefix":
@@ -417,45 +413,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"retention.policy={ret.policy} is not a policy; allowed: {', '.join(POLICIES)}")
     elif ret.retention not in RETENTION_VALUES:
         raise ConfigError(f"retention={ret.retention} is not allowed; allowed: {', '.join(map(str, RETENTION_VALUES))}")
-    check_packed_rules(mode, ret.values(), cfg.hicache, ret.name)
-
-
-def check_packed_rules(mode: str, values: list[int], hicache: bool, name: str) -> None:
-    """The packed modes' rules (docs/architecture.md, The modes), shared by run configs and the SGLang
-    plugin: kernel supports R=256 only; any layer with R != 256 requires HiCache off.
-
-    values: R per CSA layer (or one uniform R); name: how the retention is called in errors.
-    """
-    if mode == "kernel" and any(v != KERNEL_RETENTION for v in values):
-        bad = next(v for v in values if v != KERNEL_RETENTION)
-        raise ConfigError(
-            f"retention={bad} is not allowed with mode=kernel; kernel supports retention={KERNEL_RETENTION}"
-        )
-    if hicache and any(v != KERNEL_RETENTION for v in values):
-        raise ConfigError(
-            f"hicache=true is not allowed with retention={name}; "
-            f"retention other than {KERNEL_RETENTION} requires hicache=false"
-        )
-
-
-def positive_finite(value: float, field: str) -> None:
-    """ConfigError unless `value` is a finite number > 0; `field` names it (host.x)."""
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ConfigError(f"{field}={value} must be a finite number > 0")
-
-
-def at_least(obj: object, prefix: str, names: tuple[str, ...], minimum: int) -> None:
-    """Integer fields of `obj` that must be >= minimum (None, where a field allows it, passes)."""
-    for name in names:
-        value = getattr(obj, name, None)
-        if value is not None and value < minimum:
-            raise ConfigError(f"{prefix}{name}={value} must be >= {minimum}")
-
-
-def range_pair(value: list[int], field: str) -> None:
-    """A [low, high] range of token counts or turns."""
-    if len(value) != 2 or not 1 <= value[0] <= value[1]:
-        raise ConfigError(f"{field}={list(value)} must be [low, high] with 1 <= low <= high")
+    check_packed_rules(mode.name, ret.values(), cfg.hicache, ret.name)
 
 
 def validate_context(w: WorkloadConfig, model: ModelConfig) -> None:
@@ -504,10 +462,9 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.prompt_vocab_size={model.prompt_vocab_size} must be <= "
                           f"model.vocab_size={model.vocab_size}")
     for i, ratio in enumerate(model.compress_ratios):
-        if ratio not in (0, 4, 128):
-            raise ConfigError(
-                f"model.compress_ratios[{i}]={ratio} is not allowed; allowed: 0 (window only), 4 (CSA), 128 (HCA)"
-            )
+        if ratio not in (0, CSA_RATIO, HCA_RATIO):
+            raise ConfigError(f"model.compress_ratios[{i}]={ratio} is not allowed; allowed: 0 (window only), "
+                              f"{CSA_RATIO} (CSA), {HCA_RATIO} (HCA)")
     if len(model.compress_ratios) != model.num_hidden_layers:
         raise ConfigError(
             f"model.compress_ratios has {len(model.compress_ratios)} values; "
@@ -551,6 +508,6 @@ def recorded_config(cfg: RunConfig) -> dict:
     import dataclasses
 
     d = dataclasses.asdict(cfg)
-    if cfg.mode.name == "native":
+    if not mode_of(cfg.mode.name).keeps_retention:
         d["retention"] = None
     return d

@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from remnant.config import ConfigError, RunConfig
+from remnant.config import RunConfig
+from remnant.config_errors import ConfigError
+from remnant.kv.modes import mode_of
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +410,7 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
         return {
             "schema": "remnant/frontier", "schema_version": FRONTIER_SCHEMA_VERSION,
             "status": state["status"], "error": state["error"], "started_at": started_at, "ended_at": _now(),
-            "mode": base.mode.name, "retention": None if base.mode.name == "native" else base.retention.name,
+            "mode": base.mode.name, "retention": base.retention.name if mode_of(base.mode.name).keeps_retention else None,
             "workload": base.workload.name, "seed": base.seed, "load": cfg.search.load,
             "slo": dataclasses.asdict(cfg.slo), "search": search_record,
             "sources": sources(), "steps": steps, "frontier": frontier, "limits": limits,

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from remnant.config import RunConfig, recorded_config
+from remnant.kv.modes import mode_of
 from remnant.signals import describe as describe_signal
 from remnant.signals import raise_interrupted, signum_of
 
@@ -272,7 +273,7 @@ def capture_record(settings, run_dir: Path) -> tuple[dict, list[str]]:
 def retention_map_record(cfg: RunConfig) -> dict | None:
     """run.json's `retention_map`: the map a packed run served with, with the fingerprint of
     the captures it was built from (None in native mode or without a map file)."""
-    if cfg.mode.name == "native" or not cfg.retention.map_path:
+    if not mode_of(cfg.mode.name).keeps_retention or not cfg.retention.map_path:
         return None
     from remnant.kv.retention import RetentionMap
     from remnant.records.provenance import sha256_file
@@ -333,8 +334,8 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         stage.name = "serve"
         api_key = cfg.host.api_key()
         host = make_host(cfg.host)
-        native = cfg.mode.name == "native"
-        spec = ServerSpec(cfg.mode.name, None if native else cfg.retention, cfg.model, run_dir, run_dir / SERVER_LOG,
+        retention = cfg.retention if mode_of(cfg.mode.name).keeps_retention else None
+        spec = ServerSpec(cfg.mode.name, retention, cfg.model, run_dir, run_dir / SERVER_LOG,
                           run_id=run_id, capture=capture, api_key=api_key)
         with host.serve(spec) as endpoint:
             environment = endpoint.environment

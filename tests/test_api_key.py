@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from remnant.api_key import REDACTED, read_key, redact, redact_file, redact_inline_keys, refuse_inline_keys
-from remnant.config import ConfigError
+from remnant.config_errors import ConfigError
 from remnant.run import record_config_error
 from tests.conftest import start_server, stop_server
 from tests.loopback import loopback_server, stream_generate

@@ -12,7 +12,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import MissingMandatoryValue
 
 from remnant.cli import ConfigProblem, config_error_line, register_configs, to_run_config
-from remnant.config import ConfigError, RunConfig
+from remnant.config import RunConfig
+from remnant.config_errors import ConfigError
 from remnant.workloads.random import RandomWorkloadConfig
 
 CONF = resources.files("remnant.conf")

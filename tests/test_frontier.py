@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from remnant.cli import register_configs, register_frontier_configs, to_frontier_config
-from remnant.config import ConfigError
+from remnant.config_errors import ConfigError
 from remnant.frontier import (
     FrontierConfig,
     SearchConfig,

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from remnant.config import ConfigError, RetentionConfig, at_least, positive_finite
+from remnant.config import RetentionConfig
+from remnant.config_errors import ConfigError, at_least, positive_finite
 
 if TYPE_CHECKING:
     from remnant.kv.capture_recorder import CaptureSettings
 
 #: Values of EngineArgs.device, .decode_path and .native_decode (remnant.engine.model checks
-#: them again; native_decode's are remnant.kernels.flashmla.NATIVE_KERNELS and auto).
+#: them again; native_decode's are auto and two of remnant.kernels.decode.KERNELS).
 ENGINE_DEVICES = ("cpu", "cuda")
 DECODE_PATHS = ("auto", "reference", "batched", "kernels")
 #: Values of EngineArgs.dtype: the compute dtype (auto: bfloat16 on cuda, float32 on cpu).

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-MODES = ("native", "triton", "kernel")
+from remnant.kv.formats import KERNEL_RETENTION
+from remnant.kv.modes import MODE_NAMES, mode_of
 
 
 def measure_device(device: torch.device) -> dict:
@@ -196,7 +197,9 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
     peaks = measure_device(dev if device == "cpu" else torch.device("cuda", torch.cuda.current_device()))
     for mode in modes:
         model = Model(args, device=device, cuda_graph=cuda_graph)
-        setup_retention(model, mode, model_name, 256 if mode != "native" else None, None, None, "prefix")
+        # Every packed mode at the one retention they all serve.
+        retention = KERNEL_RETENTION if mode_of(mode).keeps_retention else None
+        setup_retention(model, mode, model_name, retention, None, None, "prefix")
         dtype = str(model.dtype).removeprefix("torch.")
         for context in contexts:
             for batch in batches:
@@ -207,7 +210,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                     s.length = context
                     s.token_ids = [0] * context
                 seconds, idle = time_step(model, pools, seqs, steps)
-                cost = step_cost(args, batch, context, mode, 256, dtype)
+                cost = step_cost(args, batch, context, mode, KERNEL_RETENTION, dtype)
                 roof = cost.seconds(peaks["copy_bytes_per_s"], peaks["matmul_flops_per_s"])
                 rows.append({"mode": mode, "batch": batch, "context": context, "step_ms": seconds * 1e3,
                              "roofline_ms": roof * 1e3, "step_over_roofline": seconds / roof,
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="The engine's decode step per mode beside its roofline.")
     p.add_argument("--model", default="dsv4_flash_h200", help="conf/model preset")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODE_NAMES))
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--contexts", default="4096,32768")
     p.add_argument("--steps", type=int, default=20)
@@ -248,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON to write")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODE_NAMES]
     if bad:
-        p.error(f"--modes {','.join(bad)} is not allowed; allowed: {', '.join(MODES)}")
+        p.error(f"--modes {','.join(bad)} is not allowed; allowed: {', '.join(MODE_NAMES)}")
     doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
               [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
               [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk)

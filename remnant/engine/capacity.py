@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
+from remnant.kv.formats import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 
 # SGLang 0.5.18 defaults for DeepSeek-V4 (arg_groups/overrides.py, deepseek_v4_memory_pool.py).
 DSV4_PAGE_SIZE = 256
@@ -58,11 +58,11 @@ class PoolGeometry:
     max_running_requests: int = 64
 
     def __post_init__(self) -> None:
-        n_c4 = sum(1 for r in self.compress_ratios if r == 4)
+        n_c4 = self.n_c4
         if len(self.c4_record_bytes) != n_c4:
             raise ValueError(f"c4_record_bytes has {len(self.c4_record_bytes)} values; the model has {n_c4} CSA layers")
-        if self.page_size % 128:
-            raise ValueError(f"page_size={self.page_size} must be a multiple of 128 for compressed attention")
+        if self.page_size % HCA_RATIO:  # a page holds whole C128 records
+            raise ValueError(f"page_size={self.page_size} must be a multiple of {HCA_RATIO} for compressed attention")
         if self.index_head_dim % INDEXER_QUANT_BLOCK:
             raise ValueError(f"index_head_dim={self.index_head_dim} must be a multiple of {INDEXER_QUANT_BLOCK}")
         if not 0 < self.swa_ratio <= 1:
@@ -74,11 +74,11 @@ class PoolGeometry:
 
     @property
     def n_c4(self) -> int:
-        return sum(1 for r in self.compress_ratios if r == 4)
+        return sum(1 for r in self.compress_ratios if r == CSA_RATIO)
 
     @property
     def n_c128(self) -> int:
-        return sum(1 for r in self.compress_ratios if r == 128)
+        return sum(1 for r in self.compress_ratios if r == HCA_RATIO)
 
     def indexer_key_bytes(self) -> int:
         """One C4 indexer key: FP8 codes plus one fp32 scale per 128 coordinates (132 B)."""
@@ -91,9 +91,9 @@ class PoolGeometry:
         idx_state4 = 2 * 2 * self.index_head_dim * STATE_DTYPE_BYTES
         return {
             "swa": r * NATIVE_RECORD_BYTES * self.n_layers,
-            "c4": sum(self.c4_record_bytes) / 4,
-            "c128": NATIVE_RECORD_BYTES * self.n_c128 / 128,
-            "c4_indexer": self.indexer_key_bytes() * self.n_c4 / 4,
+            "c4": sum(self.c4_record_bytes) / CSA_RATIO,
+            "c128": NATIVE_RECORD_BYTES * self.n_c128 / HCA_RATIO,
+            "c4_indexer": self.indexer_key_bytes() * self.n_c4 / CSA_RATIO,
             "c4_state": r * ring_frac * state4 * self.n_c4,
             "c4_indexer_state": r * ring_frac * idx_state4 * self.n_c4,
         }
@@ -139,8 +139,8 @@ def size_pools(geometry: PoolGeometry, budget_bytes: int) -> PoolSizes:
         budget_bytes=budget_bytes,
         full_tokens=full,
         swa_tokens=swa,
-        c4_records=full // 4,
-        c128_records=full // 128,
+        c4_records=full // CSA_RATIO,
+        c128_records=full // HCA_RATIO,
         c4_state_slots=swa // geometry.window_size * C4_RING,
         bytes_per_full_token=per_token,
         fixed_bytes=fixed,

@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from remnant.engine.capacity import PoolGeometry, pool_bytes, request_capacity, size_pools
-from remnant.kv.formats import NATIVE_RECORD_BYTES, packed_record_bytes
+from remnant.kv.formats import CSA_RATIO, HCA_RATIO, NATIVE_RECORD_BYTES, packed_record_bytes
 
 
 def load_model_preset(name: str | None = None, path: Path | None = None) -> dict:
@@ -50,7 +50,7 @@ def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[i
            page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 64) -> dict:
     """The remnant/capacity v1 document. retention: R per CSA layer for the packed side."""
     ratios = model["compress_ratios"]
-    n_csa = sum(1 for r in ratios if r == 4)
+    n_csa = sum(1 for r in ratios if r == CSA_RATIO)
     if len(retention) == 1:
         retention = retention * n_csa
     if len(retention) != n_csa:
@@ -94,7 +94,7 @@ def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[i
         "sources": sources(),
         "model": {"name": model["name"], "compress_ratios": ratios, "window_size": model["window_size"],
                   "index_head_dim": model["index_head_dim"], "csa_layers": n_csa,
-                  "hca_layers": sum(1 for r in ratios if r == 128)},
+                  "hca_layers": sum(1 for r in ratios if r == HCA_RATIO)},
         "settings": {"budget_bytes": budget_bytes, "page_size": page_size, "swa_ratio": swa_ratio,
                      "max_running_requests": max_running_requests, "retention": retention},
         "formula": {

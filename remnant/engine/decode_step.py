@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
-from remnant.engine.ops import (CSA_RATIO, SCRATCH_PER_PAGE, decode_config, dequantize_index_keys,
+from remnant.engine.ops import (SCRATCH_PER_PAGE, decode_config, dequantize_index_keys,
                                 quantize_index_keys, rms_norm, index_top_k)
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
-from remnant.kv import HEAD_DIM
+from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.codec import dequantize
 from remnant.kv.layout import PageLayout
 

@@ -39,17 +39,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from remnant.config import MODES, BlockShapes
+from remnant.config import BlockShapes
 from remnant.engine.args import DECODE_PATHS, ENGINE_DEVICES, ENGINE_DTYPES, NATIVE_DECODES, kernels_need_interpreter
-from remnant.kv import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
+from remnant.kv import CSA_RATIO, HCA_RATIO, HEAD_DIM, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.packing import check_keep, pack, unpack
 from remnant.kernels.dispatch import store
 from remnant.kv.layout import KeptColumns, PageLayout
+from remnant.kv.modes import mode_of
 from remnant.kv.paged import dequantize_kept_first, quantize_kept_first
-from remnant.engine.ops import (CSA_RATIO, HCA_RATIO, decode_config, dequantize_index_keys, quantize_index_keys,
-                                rms_norm, rope, index_top_k)
+from remnant.engine.ops import (decode_config, dequantize_index_keys, quantize_index_keys, rms_norm, rope,
+                                index_top_k)
 
 
 
@@ -181,13 +182,14 @@ class C4Format:
 
     def __init__(self, mode: str = "native", keep: torch.Tensor | None = None,
                  device: torch.device | str = "cpu"):
-        if mode not in MODES:
-            raise ValueError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
-        if (mode == "native") != (keep is None):
-            raise ValueError(f"mode={mode} {'takes no' if mode == 'native' else 'needs a'} retention keep list")
+        rules = mode_of(mode)
+        if rules.keeps_retention == (keep is None):
+            raise ValueError(f"mode={mode} {'needs a' if rules.keeps_retention else 'takes no'} retention keep list")
         if keep is not None:
             check_keep(keep)
-        self.mode, self.keep, self.device = mode, keep, torch.device(device)
+        #: The mode's name (as the batched decode step compares it) and what it does.
+        self.mode, self.rules = mode, rules
+        self.keep, self.device = keep, torch.device(device)
         self.cols = None if keep is None else torch.cat([keep.cpu(), torch.arange(NOPE_DIM, HEAD_DIM)]).to(device)
         #: The kept columns as the kernels read them, on `device`, built once (None: native).
         self.columns = None if keep is None else KeptColumns.of(keep, self.device)
@@ -202,7 +204,7 @@ class C4Format:
 
     @property
     def record_bytes(self) -> int:
-        return NATIVE_RECORD_BYTES if self.keep is None else self.keep.numel() + 136
+        return self.rules.record_bytes(self.retention)
 
     def write(self, native: torch.Tensor) -> torch.Tensor:
         """Native records uint8 [n, 584] -> as stored, uint8 [n, record_bytes]."""
@@ -210,9 +212,9 @@ class C4Format:
 
     def read(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stored records -> (keys float32 [n, D], output columns [D] or None for all 512)."""
-        if self.mode == "native":
+        if not self.rules.packed:
             return dequantize(stored), None
-        if self.mode == "triton":
+        if self.rules.reconstructs:
             return dequantize(unpack(stored, self.keep)), None
         return packed_keys(stored, self.keep), self.cols
 
@@ -225,7 +227,7 @@ class C4Format:
         NOTES.md). The torch reference writes and reads the ring in the same form. With
         all 448 coordinates kept the two forms are one (the order is the natural one), and
         the ring is native: the native decode kernel reads that layer."""
-        return self.mode == "kernel" and self.columns is not None and self.columns.packed
+        return self.rules.direct_decode and self.columns is not None and self.columns.packed
 
     def ring_records(self, latents: torch.Tensor) -> torch.Tensor:
         """Window latents float [n, 512] -> uint8 [n, 584] as this layer's ring stores them."""
@@ -400,7 +402,8 @@ class Model:
         if sorted(formats) != self.csa_layers:
             raise ValueError(f"C4 formats given for layers {sorted(formats)}; the model's CSA layers are {self.csa_layers}")
         self.c4_formats = {i: f.to(self.device) for i, f in formats.items()}
-        kept = [f.columns.n_kept for f in self.c4_formats.values() if f.mode == "kernel" and f.columns.packed]
+        kept = [f.columns.n_kept for f in self.c4_formats.values()
+                if f.rules.direct_decode and f.columns.packed]
         #: The kernel of kernel mode's packed decode steps, and why not the SM90 kernel
         #: (None, None without packed kernel-mode layers).
         self.packed_decode, self.packed_decode_reason = resolve_packed_decode(
@@ -408,7 +411,7 @@ class Model:
         #: Kernel-mode CSA layer -> its FoldedWeights, on the kernels decode path only: the
         #: reference path reads natural q and would gain nothing.
         self.folded_weights = {i: FoldedWeights.of(self.layers[i], f.columns) for i, f in self.c4_formats.items()
-                               if f.mode == "kernel" and self.decode_path == "kernels"}
+                               if f.rules.direct_decode and self.decode_path == "kernels"}
 
     # Per-token projections, batched over any token set ------------------------------
 

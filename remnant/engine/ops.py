@@ -1,7 +1,8 @@
 """Pieces the engine's two decode paths share: the model's model-free operations (RMS norm,
-RoPE, the indexer keys' FP8 codec), its ratios and the decode kernels' launch settings for
-its head count. A leaf of remnant.engine: remnant.engine.model (the per-sequence path) and
-remnant.engine.decode_step (the batched step) both build on it.
+RoPE, the indexer keys' FP8 codec) and the decode kernels' launch settings for its head
+count (the layers' ratios are remnant.kv.formats' CSA_RATIO and HCA_RATIO). A leaf of
+remnant.engine: remnant.engine.model (the per-sequence path) and remnant.engine.decode_step
+(the batched step) both build on it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ import torch
 from remnant.kv import NOPE_DIM, ROPE_DIM
 
 if TYPE_CHECKING:
-    from remnant.kernels.plan import DecodeConfig
+    from remnant.kernels.decode import DecodeConfig
 
-CSA_RATIO = 4
-HCA_RATIO = 128
 SCRATCH_PER_PAGE = 64  # triton mode's reconstructed records: SGLang's C4 pages at page size 256
 
 
@@ -44,7 +43,7 @@ def decode_config(heads: int) -> "DecodeConfig | None":
     """Launch settings of remnant.kernels.decode: its plan's own (None), tuned for V4's 64
     heads; for 16 heads or fewer (the tiny model has 8), blocks of 16 heads (tl.dot's
     minimum) on 4 warps, as tests/kernels/test_decode.py also runs it compiled."""
-    from remnant.kernels.plan import DecodeConfig
+    from remnant.kernels.decode import DecodeConfig
 
     return DecodeConfig(h_block=16, num_warps=4) if heads <= 16 else None
 

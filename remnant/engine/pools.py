@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING, PoolGeometry, PoolSizes, pool_bytes
-from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
+from remnant.kv.formats import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
 from remnant.kv.layout import PageLayout
 
 INDEX_SCALE_BYTES = 4
@@ -137,15 +137,15 @@ class KVPools:
         self.num_pages = sizes.full_tokens // g.page_size
         self.pages = FreeList(self.num_pages, "page")
         self.pad_page = self.num_pages
-        per4, per128 = g.page_size // 4, g.page_size // 128
-        csa = [i for i, r in enumerate(g.compress_ratios) if r == 4]
+        per4, per128 = g.page_size // CSA_RATIO, g.page_size // HCA_RATIO
+        csa = [i for i, r in enumerate(g.compress_ratios) if r == CSA_RATIO]
         dev = self.device
         pages = self.num_pages + 1
         self.c4 = {li: SplitPages(pages, per4, rb, device=dev) for li, rb in zip(csa, g.c4_record_bytes)}
         self.indexer = {li: SplitPages(pages, per4, g.indexer_key_bytes(), INDEX_SCALE_BYTES, device=dev)
                         for li in csa}
         self.c128 = {i: SplitPages(pages, per128, NATIVE_RECORD_BYTES, row_bytes=576, device=dev)
-                     for i, r in enumerate(g.compress_ratios) if r == 128}
+                     for i, r in enumerate(g.compress_ratios) if r == HCA_RATIO}
         # SWA: blocks of `window` slots, a page each; a running request rings through one, a
         # prefix-cache checkpoint holds one.
         self.window = g.window_size
@@ -170,7 +170,7 @@ class KVPools:
 
     def state_rows(self, ratio: int, slot: int, count: int) -> torch.Tensor:
         """Rows of request slot `slot`'s compressor state for the first `count` open tokens."""
-        ring = C4_RING if ratio == 4 else C128_RING
+        ring = C4_RING if ratio == CSA_RATIO else C128_RING
         return torch.arange(slot * ring, slot * ring + count, device=self.device)
 
     def swa_slots(self, block: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

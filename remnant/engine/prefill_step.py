@@ -32,10 +32,10 @@ import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
 from remnant.engine.decode_step import attend_batched, attend_kernels
-from remnant.engine.ops import (CSA_RATIO, SCRATCH_PER_PAGE, dequantize_index_keys, index_top_k,
+from remnant.engine.ops import (SCRATCH_PER_PAGE, dequantize_index_keys, index_top_k,
                                 quantize_index_keys, rms_norm)
 from remnant.kernels.dispatch import store
-from remnant.kv import HEAD_DIM
+from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.codec import dequantize
 from remnant.kv.layout import PageLayout
 

@@ -17,7 +17,8 @@ from remnant.config import RetentionConfig
 from remnant.engine.model import C4Format, Model
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.kv.captures import Captures, LayerCapture
-from remnant.kv.formats import KERNEL_RETENTION
+from remnant.kv.formats import CSA_RATIO
+from remnant.kv.modes import mode_of
 from remnant.kv.retention import RetentionMap, profile_values
 
 CALIBRATION_TOKENS = 512
@@ -38,7 +39,8 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
             model.forward([seq], [ids.tolist()], pools)
         # Policies run on the CPU, whatever the model's device.
         queries = {i: torch.cat(model.capture[i]).cpu() for i in model.csa_layers}
-        records = {i: pools.c4[i].read(seq.page_tensor(model.device), torch.arange(tokens // 4)).cpu() for i in model.csa_layers}
+        records = {i: pools.c4[i].read(seq.page_tensor(model.device), torch.arange(tokens // CSA_RATIO)).cpu()
+                   for i in model.csa_layers}
     finally:
         model.capture = None
         model.set_c4_formats(saved)
@@ -57,7 +59,8 @@ def setup_retention(model: Model, mode: str, model_id: str, retention: int | Non
                     per_layer: list[int] | None = None, map_path: str | None = None,
                     policy: str = RetentionConfig.policy) -> RetentionMap | None:
     """Set the model's C4 formats for `mode`; returns the retention map used (None: native)."""
-    if mode == "native":
+    rules = mode_of(mode)
+    if not rules.keeps_retention:
         model.set_c4_formats({i: C4Format() for i in model.csa_layers})
         return None
     if map_path:
@@ -74,10 +77,6 @@ def setup_retention(model: Model, mode: str, model_id: str, retention: int | Non
 
         values = profile_values(None if per_layer else retention, per_layer or None, len(model.csa_layers))
         rmap = build_map(calibration_captures(model, model_id), policy, values)
-    if mode == "kernel":
-        bad = [rmap.retention(i) for i in model.csa_layers if rmap.retention(i) != KERNEL_RETENTION]
-        if bad:
-            raise ValueError(f"retention={bad[0]} is not allowed with mode=kernel; kernel supports "
-                             f"retention={KERNEL_RETENTION}")
+    rules.check_retention(rmap.retention(i) for i in model.csa_layers)
     model.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in model.csa_layers})
     return rmap

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remnant.kv.formats import NATIVE_RECORD_BYTES, packed_record_bytes
+from remnant.kv.formats import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES
+from remnant.kv.modes import mode_of
 
 INDEX_KEY_BYTES_PER_DIM = 132 / 128  # FP8 codes + an fp32 scale per 128 coordinates
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
-HEAD_DIM = 512
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def step_cost(args, batch: int, context: int, mode: str = "native", retention: i
     indexer = a.q_lora_rank * a.index_n_heads * a.index_head_dim + h * a.index_head_dim + h * a.index_n_heads
     weight_bytes = flops_weights = 0.0
     for ratio in a.compress_ratios:
-        params = q + out + (compressor if ratio else 0) + (indexer if ratio == 4 else 0)
+        params = q + out + (compressor if ratio else 0) + (indexer if ratio == CSA_RATIO else 0)
         weight_bytes += params * wb
         flops_weights += 2 * batch * params
     moe_bytes = dense_params = 0.0
@@ -77,21 +77,22 @@ def step_cost(args, batch: int, context: int, mode: str = "native", retention: i
     flops_weights += 2 * batch * head
 
     window = min(context, a.window_size)
-    c4 = context // 4
+    c4 = context // CSA_RATIO
     top = min(a.index_topk, c4)
-    c128 = context // 128
-    record = NATIVE_RECORD_BYTES if mode == "native" else packed_record_bytes(retention)
+    c128 = context // HCA_RATIO
+    rules = mode_of(mode)
+    record = rules.record_bytes(retention)
     per_token = {"window": 0.0, "index_keys": 0.0, "c4_records": 0.0, "c128_records": 0.0}
     attn_flops = 0.0
     for ratio in a.compress_ratios:
         per_token["window"] += window * NATIVE_RECORD_BYTES
         keys = window
-        if ratio == 4:
+        if ratio == CSA_RATIO:
             per_token["index_keys"] += c4 * a.index_head_dim * INDEX_KEY_BYTES_PER_DIM
-            per_token["c4_records"] += top * (record + (2 * NATIVE_RECORD_BYTES if mode == "triton" else 0))
+            per_token["c4_records"] += top * (record + (2 * NATIVE_RECORD_BYTES if rules.reconstructs else 0))
             attn_flops += 2 * a.index_n_heads * a.index_head_dim * c4
             keys += top
-        elif ratio == 128:
+        elif ratio == HCA_RATIO:
             per_token["c128_records"] += c128 * NATIVE_RECORD_BYTES
             keys += c128
         attn_flops += 2 * 2 * H * HEAD_DIM * keys  # scores and outputs, V = K

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import remnant
-from remnant.config import MODES
 from remnant.engine.api import ModelLimits
 from remnant.engine.args import EngineArgs, RetentionArgs
 from remnant.engine.engine import Engine
 from remnant.engine.frontend import Frontend
+from remnant.kv.modes import mode_of
 
 
 @dataclass
@@ -113,9 +113,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     from remnant.engine.retention_setup import setup_retention
     from remnant.records.provenance import environment
 
-    if mode not in MODES:
-        raise ValueError(f"mode={mode} is not a mode; allowed: {', '.join(MODES)}")
-    if capture is not None and mode != "native":
+    rules = mode_of(mode)  # a ValueError for a name that is no mode, before anything loads
+    if capture is not None and rules.packed:
         raise ValueError(f"--capture needs --mode native, got {mode}: a capture records the native model's latents")
     retention = retention or RetentionArgs()
     engine_args = engine_args or EngineArgs()
@@ -233,6 +232,6 @@ def capture_recorder(model, capture, served_name: str, model_dir: Path):
 def _flashmla_version(kernel: str) -> str | None:
     if kernel != "flashmla":
         return None
-    from remnant.kernels.flashmla import version
+    from remnant.kernels.decode.flashmla import version
 
     return version()

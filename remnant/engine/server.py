@@ -31,13 +31,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from remnant.api_key import SERVER_ENV as API_KEY_ENV
-from remnant.config import MODES
 from remnant.engine.api import describe_errors, error_body
 from remnant.engine.args import EngineArgs, RetentionArgs, add_capture_arguments, capture_from_namespace
 from remnant.engine.auth import ApiKeyMiddleware
 from remnant.engine.openai_api import router as openai_router
 from remnant.engine.served import Served, load_served
 from remnant.engine.sglang_api import router as sglang_router
+from remnant.kv.modes import MODE_NAMES
 
 log = logging.getLogger("remnant.serve")
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
-    p.add_argument("--mode", default="native", choices=MODES)
+    p.add_argument("--mode", default="native", choices=MODE_NAMES)
     # The key's default comes from the environment, where ps and recorded command lines
     # cannot see it (the hosts pass it so).
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Iterator
 from urllib.parse import urlsplit
 
-from remnant.config import HOSTS, MISSING, ConfigError, HostConfig, positive_finite
+from remnant.config import HOSTS, MISSING, HostConfig
+from remnant.config_errors import ConfigError, positive_finite
 from remnant.hosts.base import Endpoint, ServerSpec, fetch_server_info, wait_healthy
 
 

@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Iterator
 
 from remnant.api_key import SERVER_ENV, refuse_inline_keys
-from remnant.config import HOSTS, MODES, ConfigError, HostConfig, at_least, positive_finite
+from remnant.config import HOSTS, HostConfig
+from remnant.config_errors import ConfigError, at_least, positive_finite
 from remnant.hosts.base import (Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred,
                                 wait_healthy)
+from remnant.kv.modes import mode_of
 from remnant.records.files import writing
 
 log = logging.getLogger(__name__)
@@ -193,8 +195,7 @@ class ServeRequest:
             raise ValueError(f"serve request fields differ: missing {sorted(names - set(doc))}, "
                              f"unknown {sorted(set(doc) - names)}")
         req = cls(**doc)
-        if req.mode not in MODES:
-            raise ValueError(f"mode={req.mode} is not a mode; allowed: {', '.join(MODES)}")
+        mode_of(req.mode)  # a ValueError naming the modes there are
         if req.retention is not None and not (
                 isinstance(req.retention, list) and req.retention and all(isinstance(v, int) for v in req.retention)):
             raise ValueError(f"retention={req.retention} is not a list of integers")

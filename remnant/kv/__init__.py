@@ -1,10 +1,12 @@
 """Record formats, retention, reference codecs and reference attention of Remnant's KV.
 
-`remnant.kv.formats` is plain Python (config validation imports it); everything else
-imports torch, so it loads on first use.
+`remnant.kv.formats` and `remnant.kv.modes` are plain Python (config validation imports
+them); everything else imports torch, so it loads on first use.
 """
 
 from remnant.kv.formats import (
+    CSA_RATIO,
+    HCA_RATIO,
     HEAD_DIM,
     KERNEL_RETENTION,
     NATIVE_RECORD_BYTES,
@@ -36,6 +38,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CSA_RATIO",
+    "HCA_RATIO",
     "HEAD_DIM",
     "KERNEL_RETENTION",
     "NATIVE_RECORD_BYTES",

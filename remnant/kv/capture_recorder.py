@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from remnant.config import CaptureConfig, ConfigError
+from remnant.config import CaptureConfig
+from remnant.config_errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

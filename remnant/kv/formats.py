@@ -16,6 +16,12 @@ Plain Python only: config validation imports this module without torch.
 
 from __future__ import annotations
 
+#: Token positions per compressed record: a CSA layer keeps one C4 record per CSA_RATIO
+#: positions (the records Remnant packs), an HCA layer one C128 record per HCA_RATIO
+#: (DeepSeek-V4's compress_ratios; 0: a window-only layer).
+CSA_RATIO = 4
+HCA_RATIO = 128
+
 HEAD_DIM = 512
 NOPE_DIM = 448
 ROPE_DIM = HEAD_DIM - NOPE_DIM

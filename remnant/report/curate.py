@@ -18,6 +18,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from remnant.kv.modes import mode_of
 from remnant.records.provenance import sha256_file, sources
 from remnant.records.schema import validate, write_validated
 
@@ -50,7 +51,8 @@ def curate(sweep: Path, name: str, description: str, benchmarks: Path) -> Path:
         members.append({
             "path": f"runs/{cell}/run.json", "sha256": sha256_file(dest / "run.json"), "run_id": doc["run_id"],
             "status": doc["status"], "mode": cfg["mode"]["name"],
-            "retention": "-" if cfg["mode"]["name"] == "native" else (cfg.get("retention") or {}).get("name", "?"),
+            "retention": ((cfg.get("retention") or {}).get("name", "?") if mode_of(cfg["mode"]["name"]).keeps_retention
+                          else "-"),
             "workload": doc["workload"]["name"], "seed": doc["workload"]["seed"],
         })
         limits.update(doc["limits"])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from remnant.kv.modes import mode_of
 from remnant.records.schema import validate
 
 METRIC_COLUMNS = {
@@ -97,7 +98,7 @@ def load_runs(paths: list[Path]) -> pd.DataFrame:
             "error": f"{error['stage']}: {error['message']}" if error else None,
             "cell": cell_key(cfg),
             "mode": cfg["mode"]["name"],
-            "retention": "-" if cfg["mode"]["name"] == "native" else ret.get("name", "?"),
+            "retention": ret.get("name", "?") if mode_of(cfg["mode"]["name"]).keeps_retention else "-",
             "workload": doc["workload"]["name"],
             "seed": doc["workload"]["seed"],
             "fingerprint": doc["workload"]["fingerprint"],

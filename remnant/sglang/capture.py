@@ -42,8 +42,9 @@ import dataclasses
 import logging
 import threading
 
-from remnant.config import ConfigError
+from remnant.config_errors import ConfigError
 from remnant.kv.capture_recorder import ENV_CAPTURE, CaptureRecorder, CaptureSettings, write_requested
+from remnant.kv.formats import CSA_RATIO
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ def real_rows(q, forward_batch) -> int:
 def attention_capture(original, backend, q, k, v, layer, forward_batch, compress_ratio, *args, **kwargs):
     """DeepseekV4AttnBackend.forward: record the decode query of a CSA layer, then the stock
     forward, whose result is returned unchanged."""
-    if compress_ratio == 4 and forward_batch.forward_mode.is_decode():
+    if compress_ratio == CSA_RATIO and forward_batch.forward_mode.is_decode():
         rec = recorder(backend)
         if rec is not None and rec.wants(layer.layer_id, "queries"):
             # Under attention TP, DeepSeek-V4 pads each rank's heads to 64 with unwritten
@@ -203,7 +204,7 @@ def c4_layer_of(pool, kv_cache) -> int | None:
     if entry is None:
         found = {}
         for i, item in enumerate(getattr(pool, "layer_mapping", None) or []):
-            if item is not None and item.compress_ratio == 4 and item.compress_kv_pool is not None:
+            if item is not None and item.compress_ratio == CSA_RATIO and item.compress_kv_pool is not None:
                 found[pool.get_extra_key_buffer(i).data_ptr()] = i
         entry = _c4_buffers[id(pool)] = (pool, found)
     return entry[1].get(kv_cache.data_ptr())
@@ -213,7 +214,7 @@ def compress_capture(original, backend, **kwargs):
     """CompressorBackendMixin._forward_compress_all_in_one: name the CSA layer for
     store_capture, then the stock call (see the module doc)."""
     layer = rec = None
-    if not kwargs.get("is_indexer") and kwargs.get("compress_ratio") == 4:
+    if not kwargs.get("is_indexer") and kwargs.get("compress_ratio") == CSA_RATIO:
         rec = recorder(backend)
         if rec is not None:
             # (A bf16_store call writes no paged C4 buffer either: the warning below names it.)

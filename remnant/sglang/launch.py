@@ -30,9 +30,9 @@ import sys
 
 from collections.abc import Mapping
 
-from remnant.config import MODES
 from remnant.kv.capture_recorder import (ENV_CAPTURE, ENV_CAPTURE_MODEL_ID, ENV_CAPTURE_RECORDS, ENV_CAPTURE_SOURCE,
                                          ENV_CAPTURE_TOKENS)
+from remnant.kv.modes import MODE_NAMES
 from remnant.sglang.settings import (ENV_MODE, ENV_RETENTION, ENV_RETENTION_MAP, ENV_RETENTION_POLICY,
                                      GENERAL_PLUGINS_GROUP, PLUGIN_NAME, capture_from_env, from_env)
 
@@ -62,7 +62,7 @@ def split_args(argv: list[str], environ: Mapping[str, str] | None = None) -> tup
     arguments, with --disable-cuda-graph added when capture is on). A bad setting is a
     ConfigError naming the variable."""
     parser = argparse.ArgumentParser(prog="python -m remnant.sglang.launch", add_help=False)
-    parser.add_argument("--remnant-mode", choices=MODES)
+    parser.add_argument("--remnant-mode", choices=MODE_NAMES)
     parser.add_argument("--remnant-retention")
     parser.add_argument("--remnant-retention-map")
     parser.add_argument("--remnant-retention-policy")

@@ -17,7 +17,7 @@ computes). In triton and kernel mode it registers (TARGETS):
 - DeepseekV4AttnBackend.forward (AROUND), CSA layers on the FlashMLA decode path:
   triton mode reconstructs each query's selected records into native pages and runs the
   stock forward on them; kernel mode attends the packed records directly
-  (remnant.kernels.dispatch.decode_packed). Window-only and C128 layers run unchanged.
+  (remnant.kernels.decode.decode). Window-only and C128 layers run unchanged.
 - dequantize_k_cache_paged (AROUND), the sparse-prefill path (both modes): the C4
   records a prefill chunk reads are reconstructed into native pages first.
 - ServerArgs.check_server_args (AFTER): HiCache, HiSparse, context parallelism and
@@ -29,7 +29,9 @@ from __future__ import annotations
 import logging
 import math
 
-from remnant.config import ConfigError, check_packed_rules
+from remnant.config_errors import ConfigError
+from remnant.kv.formats import CSA_RATIO
+from remnant.kv.modes import check_packed_rules, mode_of
 from remnant.sglang.settings import ENV_RETENTION, Settings, capture_from_env, check_sglang_version, from_env
 
 logger = logging.getLogger(__name__)
@@ -114,13 +116,13 @@ def targets() -> list[tuple[str, object, object]]:
 
 
 def _csa_layers(compression_ratios: list[int]) -> list[int]:
-    return [i for i, r in enumerate(compression_ratios) if r == 4]
+    return [i for i, r in enumerate(compression_ratios) if r == CSA_RATIO]
 
 
 def stage_csa_layers(pool) -> list[int]:
     """The CSA model layers of a DeepSeek-V4 token pool's pipeline stage."""
     ratios = list(pool.compression_ratios)
-    return [i for i in range(pool._stage_start, pool._stage_end) if ratios[i] == 4]
+    return [i for i in range(pool._stage_start, pool._stage_end) if ratios[i] == CSA_RATIO]
 
 
 def retention_plan(s: Settings, compression_ratios: list[int]) -> tuple[dict[int, int], dict[int, "object"]]:
@@ -186,7 +188,7 @@ def check_token_pool(result, pool, *args, **kwargs):
     """DeepSeekV4TokenToKVPool.__init__: a stage with CSA layers must hold the packed pool."""
     from remnant.sglang.pool import PackedC4Pool
 
-    has_csa = any(r == 4 for r in pool.compression_ratios[pool._stage_start:pool._stage_end])
+    has_csa = any(r == CSA_RATIO for r in pool.compression_ratios[pool._stage_start:pool._stage_end])
     if has_csa and not isinstance(pool.c4_kv_pool, PackedC4Pool):
         raise RuntimeError(f"remnant: REMNANT_MODE={settings().mode} needs SGLang's paged C4 pool, but this KV pool "
                            f"has c4_kv_pool={type(pool.c4_kv_pool).__name__} (unified KV layout?)")
@@ -196,7 +198,7 @@ def packed_c4_bytes(compression_ratios: list[int], s: Settings) -> list[int]:
     """Stored bytes of one C4 record per CSA layer of this stage (R + 72)."""
     from remnant.kv.formats import packed_record_bytes
 
-    n = sum(1 for r in compression_ratios if r == 4)
+    n = sum(1 for r in compression_ratios if r == CSA_RATIO)
     if s.map_path is not None:
         from remnant.kv.retention import RetentionMap
 
@@ -220,7 +222,7 @@ def bytes_per_full_token(original, configurator):
     if n_c4 == 0:
         return bpt
     native = configurator.qk_nope_head_dim + configurator.qk_rope_head_dim * 2 + 8
-    c4_frac = 1 / (4 * configurator.c4_shrink_factor)
+    c4_frac = 1 / (CSA_RATIO * configurator.c4_shrink_factor)
     packed = packed_c4_bytes(list(configurator.compression_ratios), settings())
     return bpt - c4_frac * (native * n_c4 - sum(packed))
 
@@ -239,7 +241,7 @@ def compress_store(original, backend, **kwargs):
     from remnant.sglang.pool import pool_of
 
     found = None
-    if not kwargs.get("is_indexer") and kwargs.get("compress_ratio") == 4:
+    if not kwargs.get("is_indexer") and kwargs.get("compress_ratio") == CSA_RATIO:
         found = pool_of(kwargs["kv_cache"])
     if found is None:
         return original(backend, **kwargs)
@@ -292,14 +294,14 @@ def attention_forward(original, backend, q, k, v, layer, forward_batch, compress
     kv = backend.token_to_kv_pool
     pool = getattr(kv, "c4_kv_pool", None)
     meta = getattr(backend.forward_metadata, "core_attn_metadata", None)
-    if (compress_ratio != 4 or not isinstance(pool, PackedC4Pool) or not isinstance(meta, DSV4AttnMetadata)
+    if (compress_ratio != CSA_RATIO or not isinstance(pool, PackedC4Pool) or not isinstance(meta, DSV4AttnMetadata)
             or forward_batch.forward_mode.is_idle() or takes_sparse_prefill(q, forward_batch)):
         return stock()
     c4_layer = kv.layer_mapping[layer.layer_id].compress_layer_id
     queries = q.reshape(q.shape[0], q.shape[-2], q.shape[-1])
     n = queries.shape[0]
     indices = _rows(meta.c4_sparse_page_indices, n, -1)
-    if pool.mode == "kernel":
+    if mode_of(pool.mode).direct_decode:
         if save_kv_cache:
             backend.store_cache(layer.layer_id, k, forward_batch)
         return decode_c4_packed(
@@ -352,8 +354,8 @@ def check_server_args(result, server_args, *args, **kwargs):
     if getattr(server_args, "enable_prefill_cp", False):
         raise ConfigError(f"remnant: --enable-prefill-cp is not allowed with REMNANT_MODE={s.mode}; "
                           f"prefill context parallelism turns off the sparse prefill the packed modes read through")
-    if s.mode == "triton" and not envs.SGLANG_OPT_FLASHMLA_SPARSE_PREFILL.get():
-        raise ConfigError("remnant: SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=0 is not allowed with REMNANT_MODE=triton; "
+    if mode_of(s.mode).reconstructs and not envs.SGLANG_OPT_FLASHMLA_SPARSE_PREFILL.get():
+        raise ConfigError(f"remnant: SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=0 is not allowed with REMNANT_MODE={s.mode}; "
                           "allowed: 1 (SGLang's default on CUDA)")
 
 

@@ -19,7 +19,7 @@ so the settings travel as environment variables, which child processes inherit;
 `Settings.to_env` writes these variables (the hosts that start SGLang use it), `from_env`
 reads them.
 
-Rules (the run configs' own, remnant.config.check_packed_rules): kernel supports R=256
+Rules (the run configs' own, remnant.kv.modes.check_packed_rules): kernel supports R=256
 only; any R != 256 requires HiCache off (checked against SGLang's
 --enable-hierarchical-cache when the server arguments are checked).
 
@@ -32,8 +32,9 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from remnant.config import MODES, ConfigError, check_packed_rules
+from remnant.config_errors import ConfigError
 from remnant.kv.formats import KERNEL_RETENTION, RETENTION_VALUES
+from remnant.kv.modes import check_packed_rules, mode_of
 
 ENV_MODE = "REMNANT_MODE"
 ENV_RETENTION = "REMNANT_RETENTION"
@@ -65,7 +66,7 @@ class Settings:
 
     @property
     def packed(self) -> bool:
-        return self.mode != "native"
+        return mode_of(self.mode, ENV_MODE).packed
 
     def to_env(self) -> dict[str, str]:
         """The REMNANT_* variables that `from_env` reads back as these settings: what a host
@@ -137,9 +138,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """
     env = os.environ if environ is None else environ
     mode = env.get(ENV_MODE, "native").strip() or "native"
-    if mode not in MODES:
-        raise ConfigError(f"{ENV_MODE}={mode} is not a mode; allowed: {', '.join(MODES)}")
-    if mode == "native":
+    if not mode_of(mode, ENV_MODE).keeps_retention:
         return Settings()  # native ignores retention, as run configs do
     retention = parse_retention(env.get(ENV_RETENTION, "").strip() or str(KERNEL_RETENTION))
     map_path = env.get(ENV_RETENTION_MAP, "").strip() or None

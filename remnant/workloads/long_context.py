@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig, at_least
+from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig
+from remnant.config_errors import at_least
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
 from remnant.workloads.random import SYNTHETIC_PROMPTS
 

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig, at_least, positive_finite, range_pair
+from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig
+from remnant.config_errors import at_least, positive_finite, range_pair
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
 from remnant.workloads.random import SYNTHETIC_PROMPTS
 from remnant.workloads.sessions import (

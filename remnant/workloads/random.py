@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remnant.config import WORKLOADS, ConfigError, ModelConfig, WorkloadConfig, at_least
+from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig
+from remnant.config_errors import ConfigError, at_least
 from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
 
 #: The caveat of every workload whose prompts are drawn token ids.

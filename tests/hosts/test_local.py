@@ -22,7 +22,8 @@ from pathlib import Path
 import docker
 import pytest
 
-from remnant.config import ConfigError, ModelConfig, RetentionConfig
+from remnant.config import ModelConfig, RetentionConfig
+from remnant.config_errors import ConfigError
 from remnant.hosts import HostError, ServerSpec, make_host
 from remnant.hosts.local import LABEL_RUN_DIR, LABEL_RUN_ID, LocalHostConfig, context_digest, context_files
 from tests.signals import default_sigint

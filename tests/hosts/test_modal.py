@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from remnant.cli import register_configs, to_run_config
-from remnant.config import ConfigError, ModelConfig, RetentionConfig
+from remnant.config import ModelConfig, RetentionConfig
+from remnant.config_errors import ConfigError
 from remnant.hosts import ServerSpec
 from remnant.hosts.modal import APP_SETTINGS, ModalHostConfig, ServeRequest, app_settings, credentials_problem
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from remnant.config import ConfigError
+from remnant.config_errors import ConfigError
 from remnant.kv.capture_recorder import CaptureRecorder, CaptureSettings, write_request, write_requested
 from remnant.kv.captures import load_captures
 

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from remnant.config import ConfigError
+from remnant.config_errors import ConfigError
 from remnant.kv.capture_recorder import CaptureSettings
 from remnant.sglang.settings import Settings, capture_from_env
 from tests.sglang.env import needs_sglang, probe, run_loader
@@ -292,7 +292,7 @@ def test_attention_hook_records_decode_queries_of_csa_layers_and_returns_stock_o
 def test_data_parallel_replicas_outside_attention_dp_are_refused(capture_mode):
     """(SGLang's own CPU parse of --dp-size 2 fails before the plugin's check, so the hook
     is called with the resolved fields it reads.)"""
-    from remnant.config import ConfigError
+    from remnant.config_errors import ConfigError
 
     off = SimpleNamespace(decode=SimpleNamespace(backend="disabled"), prefill=SimpleNamespace(backend="disabled"))
     args = SimpleNamespace(cuda_graph_config=off, dp_size=2, enable_dp_attention=False, pp_size=1)

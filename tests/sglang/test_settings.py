@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from remnant.config import ConfigError
+from remnant.config_errors import ConfigError
 from remnant.sglang.settings import (
     SUPPORTED_SGLANG_VERSIONS,
     Settings,

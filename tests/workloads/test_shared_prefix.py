@@ -32,7 +32,7 @@ def test_groups_prefixes_and_phases():
 
 @pytest.mark.parametrize("field", ["groups", "prefix_len", "requests_per_group"])
 def test_bad_sizes_name_the_field(field):
-    from remnant.config import ConfigError
+    from remnant.config_errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"workload.{field}=0 must be >= 1"):
         SharedPrefixWorkloadConfig(**{field: 0}).validate()
