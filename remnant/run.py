@@ -89,13 +89,14 @@ def _base_limits(cfg: RunConfig) -> list[str]:
 
 def _native_decode_limits(server_info: dict | None) -> list[str]:
     """The embedded engine on a GPU says which kernel decoded native records: a run whose
-    native attention was not FlashMLA's (SGLang's stock decode) must say so."""
+    native attention was not FlashMLA's (SGLang's stock decode) must say so, in the words of
+    remnant.kernels.decode.served_limits."""
     info = server_info or {}
-    native = info.get("remnant_native_decode") or {}
-    if info.get("device") != "cuda" or native.get("kernel") != "triton":
+    if info.get("device") != "cuda" or not info.get("remnant_native_decode"):
         return []
-    return [f"decode over native records (native and triton modes, window-only and HCA layers) ran on Remnant's "
-            f"Triton native kernel, not FlashMLA's V4 decode that SGLang runs: {native.get('reason')}"]
+    from remnant.kernels.decode import served_limits  # imports torch: only for a GPU server's record
+
+    return served_limits(False, info["remnant_native_decode"])
 
 
 def _packed_decode_limits(server_info: dict | None) -> list[str]:
@@ -103,13 +104,11 @@ def _packed_decode_limits(server_info: dict | None) -> list[str]:
     SM90 Gluon kernel, or the Triton kernel and why not the SM90 one (benchmarks measure
     them apart: benchmarks/kernels/NOTES.md)."""
     info = server_info or {}
-    packed = info.get("remnant_packed_decode") or {}
-    if info.get("device") != "cuda" or packed.get("kernel") not in ("sm90", "triton"):
+    if info.get("device") != "cuda" or not info.get("remnant_packed_decode"):
         return []
-    if packed["kernel"] == "sm90":
-        return ["kernel mode's decode over packed records ran on the SM90 Gluon kernel (remnant.kernels.packed_sm90)"]
-    return [f"kernel mode's decode over packed records ran on Remnant's Triton kernel, not the SM90 Gluon kernel: "
-            f"{packed.get('reason')}"]
+    from remnant.kernels.decode import served_limits  # imports torch: only for a GPU server's record
+
+    return served_limits(True, info["remnant_packed_decode"])
 
 
 def _check_served_mode(mode: str, server_info: dict | None, base_url: str, started_here: bool) -> list[str]:

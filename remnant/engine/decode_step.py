@@ -24,7 +24,7 @@ decode_path=reference) is the ground truth both are tested against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -252,7 +252,7 @@ def attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: t
                    locs: torch.Tensor | None, ring: tuple | None = None) -> torch.Tensor:
     """Attention through remnant.kernels: [B, H, 512] in q's column order (kept-first on
     layers with folded_weights). ring: as attend_torch."""
-    from remnant.kernels.decode import decode
+    from remnant.kernels.decode import DecodeConfig, decode
 
     ring_pages, ring_layout = _ring(pools, li, ring)
     fmt = model.ring_format(li)
@@ -264,14 +264,14 @@ def attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: t
     else:
         c4, c4_layout, locs, columns = _records_for_kernels(model, li, layer, pools, locs)
     folded = li in model.folded_weights
-    if model.native_decode == "flashmla" and not columns.packed and not fmt.window_kept_first and not folded:
-        from remnant.kernels.flashmla import decode as flashmla_decode
-
-        return flashmla_decode(q, c4, c4_layout, locs, ring_pages, ring_layout, window_locs, layer.sink, model.scale)
+    config = decode_config(q.shape[1])
+    if not columns.packed and not fmt.window_kept_first and not folded:
+        # Native records in natural order: the kernel the model chose for them (FlashMLA's
+        # where it runs), so that what /server_info reports is what ran.
+        config = replace(config or DecodeConfig(), kernel=model.native_decode)
     return decode(q, c4, c4_layout, locs, ring_pages, ring_layout, window_locs, layer.sink, columns, model.scale,
                   columns="kept_first" if folded else "natural",
-                  window_columns="kept_first" if fmt.window_kept_first else "natural",
-                  config=decode_config(q.shape[1]))
+                  window_columns="kept_first" if fmt.window_kept_first else "natural", config=config)
 
 
 def _records_for_kernels(model, li: int, layer, pools, locs: torch.Tensor):

@@ -114,7 +114,7 @@ def resolve_native_decode(native_decode: str, device: torch.device, decode_path:
     SGLang runs it; or ("triton", why not FlashMLA), Remnant's Triton native kernel; or
     ("reference" or "torch", why) where decode steps attend in torch (decode_path reference
     or batched). native_decode: auto, flashmla (an error where it cannot run) or triton;
-    see remnant.kernels.flashmla.choose_native."""
+    see remnant.kernels.decode.choose."""
     if native_decode not in NATIVE_DECODES:
         raise ValueError(f"native_decode={native_decode} is not allowed; allowed: {', '.join(NATIVE_DECODES)}")
     if decode_path in TORCH_DECODE_PATHS:
@@ -122,11 +122,12 @@ def resolve_native_decode(native_decode: str, device: torch.device, decode_path:
             raise ValueError(f"native_decode=flashmla needs decode_path=kernels (or auto on cuda); "
                              f"decode_path={decode_path} attends in torch")
         return TORCH_DECODE_PATHS[decode_path]
-    from remnant.kernels.flashmla import choose_native
+    from remnant.kernels.decode import DecodeConfig, choose
 
     # The engine's native records sit in SGLang's split pages (C4, C128, the SWA pool and
     # triton mode's scratch), which FlashMLA reads.
-    return choose_native(native_decode, device, heads, (PageLayout.sglang(64),))
+    return choose(device, heads, False, layouts=(PageLayout.sglang(64),),
+                  config=DecodeConfig(kernel=None if native_decode == "auto" else native_decode), field="native_decode")
 
 
 def resolve_packed_decode(device: torch.device, decode_path: str, heads: int, n_kept: int | None,
@@ -139,15 +140,10 @@ def resolve_packed_decode(device: torch.device, decode_path: str, heads: int, n_
         return None, None
     if decode_path in TORCH_DECODE_PATHS:
         return TORCH_DECODE_PATHS[decode_path]
-    from remnant.kernels.plan import DecodeConfig, kernel_for, sm90_unavailable
+    from remnant.kernels.decode import DecodeConfig, choose
 
-    config = decode_config(heads) or DecodeConfig()
-    kernel = kernel_for(config, True, "kept_first", "kept_first", device, n_kept, heads, dtype)
-    if kernel == "sm90":
-        return "sm90", None
-    why = sm90_unavailable(True, "kept_first", "kept_first", device, n_kept, heads, dtype)
-    return "triton", f"the SM90 Gluon kernel cannot take it: {why}" if why else (
-        f"the launch settings of a {heads}-head model ({config}) are the Triton kernel's")
+    return choose(device, heads, True, n_kept=n_kept, columns="kept_first", window_columns="kept_first", q_dtype=dtype,
+                  config=decode_config(heads) or DecodeConfig())
 
 
 #: What decode steps run instead of a kernel on the paths that attend in torch: (name, why).

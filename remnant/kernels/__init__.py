@@ -4,16 +4,15 @@
   records, written at given pool locations;
 - `reconstruct`: packed -> native records for selected locations (the triton mode);
 - `decode`: sparse decode attention of one CSA layer (H heads, selected C4 records, the
-  sliding window and the attention sink, V = K) over native or packed C4 records;
-- `packed_sm90`: the folded packed decode (R = 256, q, out and the window in kept-first
-  order) in Gluon for sm_90, which `plan` chooses there; the Triton `decode` is its
-  CPU-tested reference and its fallback;
-- `flashmla`: FlashMLA's V4 decode (PyPI sgl-flash-mla, optional, CUDA only) over native
-  records: the stock attention SGLang runs, and the baseline of every decode figure.
+  sliding window and the attention sink, V = K) over native or packed C4 records, a
+  package: its one entry point `decode`, the choice of kernel and the plan (`plan`), one
+  module per kernel (`triton`, `sm90`, `flashmla`) and their torch references
+  (`reference`);
+- `moe`: the routed experts' FP8 grouped products.
 
-Each has its plain torch reference in `remnant.kv.paged` (`*_reference`); tests compare the
-two (float64 reference, poisoned outputs, odd sizes). `remnant.kernels.dispatch` runs the
-kernel on CUDA tensors and the reference elsewhere (what the engine and the SGLang plugin
-call); `remnant.kernels.plan` makes each decode call's DecodePlan. `remnant.kernels.bench`
-is the `remnant-kernels` microbenchmark.
+store and reconstruct have their plain torch references in `remnant.kv.paged`
+(`*_reference`); tests compare each kernel with its reference (float64 reference, poisoned
+outputs, odd sizes). `remnant.kernels.dispatch` runs store and reconstruct on CUDA tensors
+and their references elsewhere (what the engine and the SGLang plugin call).
+`remnant.kernels.bench` is the `remnant-kernels` microbenchmark.
 """

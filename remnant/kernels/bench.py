@@ -259,13 +259,13 @@ class DecodeCase:
     window_apart: bool | None = None  # packed, all orders natural: the window in a program of its own (decode's)
     split_plan: str | None = None  # how splits share the records (decode's split_plan); None: split_plan_for
     join: str | None = None  # how splits join (decode's join); None: join_for
-    kernel: str = "triton"  # the decode kernel (remnant.kernels.plan.KERNELS): "sm90", the folded packed call only
+    kernel: str = "triton"  # the decode kernel (remnant.kernels.decode.KERNELS): "sm90", the folded packed call only
 
     def plan(self, launch: dict):
         """decode's plan for this case at the launch settings `launch` (h_block, num_warps
-        and the loop settings: a tuned config) on this GPU: remnant.kernels.plan.plan_decode,
+        and the loop settings: a tuned config) on this GPU: remnant.kernels.decode.plan_decode,
         as decode itself makes it."""
-        from remnant.kernels.plan import DecodeConfig, plan_decode
+        from remnant.kernels.decode import DecodeConfig, plan_decode
 
         config = DecodeConfig(kernel=self.kernel, **launch, splits=self.splits, window_apart=self.window_apart,
                               split_plan=self.split_plan, join=self.join)
@@ -286,13 +286,13 @@ def _decode_bytes_flops(case: DecodeCase, window_apart: bool = False) -> tuple[i
     nbytes = case.batch * (case.topk * (rb + 4) + case.window * (584 + 4)) + io
     # Multiply-adds the kernel issues per (head, record), padding included (x 2 FLOPs):
     # native: 512 + 64 columns for the score and for P.V. Packed C4 records: the kept
-    # column blocks (remnant.kernels.decode.kept_column_blocks), plus RoPE, for both.
+    # column blocks (remnant.kernels.decode.triton.kept_column_blocks), plus RoPE, for both.
     # Packed window tokens: kept blocks, dropped columns padded to a power of two, plus
     # RoPE, for both; with the window apart (the native program reads it), as native.
     if case.variant == "native":
         c4_macs = win_macs = 2 * (512 + 64)
     else:
-        from remnant.kernels.decode import kept_column_blocks
+        from remnant.kernels.decode.triton import kept_column_blocks
 
         def padded(n: int) -> int:
             return max(16, 2 ** math.ceil(math.log2(max(n, 1))))
@@ -372,7 +372,7 @@ class DecodeInputs:
         """One call of `case` on these inputs (a closure, for graphs and checks). Timed
         calls give no `out`: FlashMLA returns its own output, as SGLang takes it (a copy
         into `out` would add a pass over the output to FlashMLA's time)."""
-        from remnant.kernels import flashmla
+        from remnant.kernels.decode import flashmla
         from remnant.kv.layout import PageLayout
 
         window, window_layout = self.window, self.window_layout
@@ -420,11 +420,11 @@ def poison_next_allocation(like: torch.Tensor) -> None:
 
 
 def _check_flashmla(inputs: DecodeInputs, case: FlashMLACase) -> float:
-    """Worst relative error per token of a FlashMLA row's call against remnant.kv.paged's
+    """Worst relative error per token of a FlashMLA row's call against remnant.kernels.decode.reference's
     float64 reference (native records; triton mode: the packed records' reference, dropped
     coordinates zero), on four tokens with -1 padding in one. FlashMLA allocates its own
     output: the block it takes is filled with NaN first (poison_next_allocation)."""
-    from remnant.kv.paged import decode_native_reference, decode_packed_reference
+    from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
 
     q, c4_locs, win_locs = inputs._random_call(4, case.topk, case.window)
     if case.topk > 5:
@@ -512,13 +512,13 @@ def check_copies(gen: torch.Generator) -> list[dict]:
 
 
 def _check_decode(inputs: "DecodeInputs", case: DecodeCase, plan) -> float:
-    """Worst relative error of the kernel against remnant.kv.paged's float64 reference.
+    """Worst relative error of the kernel against its float64 reference (remnant.kernels.decode.reference).
 
     Four tokens drawn from the benchmark's own pools (with -1 padding in one), each
     token's error ||out - ref|| / ||ref||; the output is poisoned with NaN first.
     """
     from remnant.kernels.decode import decode
-    from remnant.kv.paged import decode_native_reference, decode_packed_reference
+    from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
 
     layout, pool, keep = inputs.pool(512 if case.variant == "native" else case.retention)
     batch = 4
@@ -624,7 +624,7 @@ DECODE_FORMS = {
 DECODE_STAGES = (1, 2, 3)
 
 
-# The decode defaults (remnant.kernels.plan.DEFAULT_CONFIGS) of each tuned kind.
+# The decode defaults (remnant.kernels.decode.plan.DEFAULT_CONFIGS) of each tuned kind.
 DEFAULT_OF_KIND = {("native", "natural", False): "native", ("packed", "natural", False): "packed",
                    ("packed", "natural", True): "packed, window apart",
                    ("packed", "kept_first", False): "packed, kept-first window"}
@@ -634,7 +634,7 @@ def decode_configs(kind: tuple[str, str, bool], quick: bool, defaults: bool = Fa
     """The configs tune_decode times for `kind`: every form at every depth, the first form
     at one stage (quick), or decode's own default (defaults: the tuning's winner)."""
     if defaults:
-        from remnant.kernels.plan import DEFAULT_CONFIGS
+        from remnant.kernels.decode.plan import DEFAULT_CONFIGS
 
         return [dict(h_block=H_BLOCK, num_warps=8, **DEFAULT_CONFIGS[DEFAULT_OF_KIND[kind]])]
     forms = DECODE_FORMS[kind][:1] if quick else DECODE_FORMS[kind]
@@ -705,7 +705,7 @@ def bench_decode(inputs: DecodeInputs, ceil: Ceilings, reps: int, best: dict, ca
 
 
 # The SM90 Gluon kernel's fixed program, as a decode row's config: 64 heads on 8 warps,
-# steps of 64 records, two stages of copies (remnant.kernels.packed_sm90).
+# steps of 64 records, two stages of copies (remnant.kernels.decode.sm90).
 SM90_CONFIG = {"h_block": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 
 
@@ -721,7 +721,7 @@ def decode_cases(quick: bool, multiprocessors: int | None = None, sm90: bool = F
     """The decode rows' cases; multiprocessors (default: this GPU's) sets the split counts
     of the rows that time the other split plan at auto_splits' count; sm90: the SM90 Gluon
     kernel's folded call beside the Triton one at every batch and window."""
-    from remnant.kernels.plan import split_plan_for, splits_for
+    from remnant.kernels.decode.plan import split_plan_for, splits_for
 
     if multiprocessors is None:
         multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
@@ -869,7 +869,7 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                 ratio = packed["time_us"] / flash["time_us"]
                 limit = KERNEL_VS_FLASHMLA_FROM_64 if batch >= 64 else KERNEL_VS_FLASHMLA
                 if kernel == "sm90":
-                    how = ("the SM90 Gluon kernel (remnant.kernels.packed_sm90): q, out and the window in kept-first "
+                    how = ("the SM90 Gluon kernel (remnant.kernels.decode.sm90): q, out and the window in kept-first "
                            "order")
                 elif packed.get("window_apart"):
                     how = ("the window read by a program of its own in natural order, the C4 records by the "
@@ -961,10 +961,11 @@ def gpu_provenance() -> dict:
 
 
 def flashmla_status(without: bool) -> dict:
-    """FlashMLA's package and whether this run times it (the record's "flashmla")."""
-    from remnant.kernels import flashmla
+    """FlashMLA's package and whether this run times it (the record's "flashmla"): where the
+    decode plan would run it on this GPU's native records (remnant.kernels.decode.choose)."""
+    from remnant.kernels.decode import choose, flashmla
 
-    why = "not asked for (--without-flashmla)" if without else flashmla.unavailable_reason(torch.device("cuda"), HEADS)
+    why = "not asked for (--without-flashmla)" if without else choose(torch.device("cuda"), HEADS, False).reason
     return {"version": flashmla.version(), "timed": why is None, "reason": why}
 
 
@@ -1003,12 +1004,12 @@ def run(sweep: str, reps: int, seed: int, progress=print, stock: dict | None = N
     tuning, best = tune_decode(inputs, ceil, reps, quick, batch=128, defaults=sweep == "decode")
     progress(f"  best: {best}")
     progress("decode: sweep")
-    from remnant.kernels.plan import sm90_unavailable
+    from remnant.kernels.decode import choose
 
-    sm90_why = sm90_unavailable(True, "kept_first", "kept_first", torch.device("cuda"), KERNEL_R - 64, HEADS,
-                                torch.bfloat16)
-    progress("  SM90 Gluon kernel: " + ("timed" if sm90_why is None else f"not timed, it {sm90_why}"))
-    decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick, sm90=sm90_why is None))
+    sm90 = choose(torch.device("cuda"), HEADS, True, n_kept=KERNEL_R - 64, columns="kept_first",
+                  window_columns="kept_first", q_dtype=torch.bfloat16)
+    progress("  SM90 Gluon kernel: " + ("timed" if sm90.kernel == "sm90" else f"not timed: {sm90.reason}"))
+    decode_rows = bench_decode(inputs, ceil, reps, best, decode_cases(quick, sm90=sm90.kernel == "sm90"))
     flashmla_rows = []
     if stock["timed"]:
         progress(f"decode: FlashMLA V4 (sgl-flash-mla {stock['version']}) and triton mode's reconstruct + FlashMLA")
@@ -1060,7 +1061,7 @@ def table(doc: dict) -> str:
         lines.append("packed*: q and out in kept-first column order (the permutation folded into the projections); "
                      "packed..w: window records written in kept-first order")
     if any(r.get("kernel") == "sm90" for r in doc["decode"]):
-        lines.append("@sm90: the SM90 Gluon kernel (remnant.kernels.packed_sm90); every other decode row: Triton")
+        lines.append("@sm90: the SM90 Gluon kernel (remnant.kernels.decode.sm90); every other decode row: Triton")
     lines.append("s=N: programs per token and head block (auto_splits); s=N!: fixed, the split sweep; "
                  "s=Na: the window in a program of its own (window_apart); s=Nc: splits cut by cost (split_plan)")
     for t in doc["targets"]:

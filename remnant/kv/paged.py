@@ -1,12 +1,13 @@
 """Records in paged pools (remnant.kv.layout's PageLayout), in plain torch: the references
-every kernel of remnant.kernels is tested against.
+the store and reconstruct kernels of remnant.kernels are tested against, and the byte moves
+every reference builds on.
 
-`store_reference`, `store_kept_first_reference`, `reconstruct_reference`,
-`decode_native_reference` and `decode_packed_reference` run on any device and never
-dispatch: remnant.kernels.dispatch's `store`, `store_kept_first`, `reconstruct`,
-`decode_native` and `decode_packed` take the kernels on CUDA tensors and these elsewhere.
-`write` and `gather` move record bytes to and from their locations; the decodes attend
-token by token through remnant.kv.attention. A keep list may be given as a tensor or as a
+`store_reference`, `store_kept_first_reference` and `reconstruct_reference` run on any
+device and never dispatch: remnant.kernels.dispatch's `store`, `store_kept_first` and
+`reconstruct` take the kernels on CUDA tensors and these elsewhere. `write` and `gather`
+move record bytes to and from their locations; `quantize_kept_first` is the kept-first
+window record. The decode references, which attend through remnant.kv.attention, are
+remnant.kernels.decode.reference. A keep list may be given as a tensor or as a
 KeptColumns table built once.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from remnant.kv.attention import SOFTMAX_SCALE, attend_native, attend_packed
 from remnant.kv.codec import dequantize_ordered, quantize
 from remnant.kv.formats import NATIVE_RECORD_BYTES
 from remnant.kv.layout import KeptColumns, PageLayout, keep_tensor
@@ -128,74 +128,3 @@ def check_reconstruct_outputs(out, out_layout, out_locs) -> None:
     """reconstruct's `out`, `out_layout` and `out_locs` come together or not at all."""
     if (out is None) != (out_locs is None) or (out is None) != (out_layout is None):
         raise ValueError("reconstruct: give out, out_layout and out_locs together, or none of them")
-
-
-def _valid(row: torch.Tensor) -> torch.Tensor:
-    return row[row >= 0]
-
-
-def _per_token(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, attend) -> torch.Tensor:
-    """Reference decode token by token: gather each token's valid records, then `attend`."""
-    out = []
-    for b in range(q.shape[0]):
-        c4_rows = gather(c4, c4_layout, _valid(c4_locs[b]))
-        win_rows = gather(window, window_layout, _valid(window_locs[b]))
-        out.append(attend(q[b], win_rows, c4_rows))
-    return torch.stack(out)
-
-
-def decode_native_reference(
-    q: torch.Tensor,
-    c4: torch.Tensor,
-    c4_layout: PageLayout,
-    c4_locs: torch.Tensor,
-    window: torch.Tensor,
-    window_layout: PageLayout,
-    window_locs: torch.Tensor,
-    sink: torch.Tensor,
-    scale: float = SOFTMAX_SCALE,
-    dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
-    """Sparse decode over native C4 records in pages, for a batch of B decode tokens.
-
-    q: [B, H, 512] (RoPE applied); c4_locs: int [B, K] selected records' locations
-    (-1 = padding); window_locs: int [B, W] window tokens' locations in the window pool
-    (-1 = padding); sink: [H]. Returns `dtype` [B, H, 512].
-    """
-    return _per_token(q, c4, c4_layout, c4_locs, window, window_layout, window_locs,
-                      lambda qb, win, rows: attend_native(qb, win, rows, torch.arange(rows.shape[0]), sink, scale,
-                                                          dtype))
-
-
-def decode_packed_reference(
-    q: torch.Tensor,
-    c4: torch.Tensor,
-    c4_layout: PageLayout,
-    c4_locs: torch.Tensor,
-    keep: "torch.Tensor | KeptColumns",
-    window: torch.Tensor,
-    window_layout: PageLayout,
-    window_locs: torch.Tensor,
-    sink: torch.Tensor,
-    scale: float = SOFTMAX_SCALE,
-    dtype: torch.dtype = torch.float64,
-    window_columns: str = "natural",
-) -> torch.Tensor:
-    """Sparse decode directly over packed C4 records in pages (the kernel mode).
-
-    As decode_native_reference, with c4 holding packed records (R + 72 bytes) and keep
-    int64 [N] the layer's kept NoPE indices. window_columns: the window records' form,
-    "natural" (native records) or "kept_first" (quantize_kept_first's, as kernel mode
-    keeps its rings).
-    """
-    check_window_columns(window_columns)
-    kept = keep_tensor(keep)
-    window_order = KeptColumns.of(keep, torch.device("cpu")).order if window_columns == "kept_first" else None
-    return _per_token(q, c4, c4_layout, c4_locs, window, window_layout, window_locs,
-                      lambda qb, win, rows: attend_packed(qb, win, rows, kept, torch.arange(rows.shape[0]), sink,
-                                                          scale, dtype, window_order))
-
-
-def check_window_columns(window_columns: str) -> None:
-    if window_columns not in ("natural", "kept_first"):
-        raise ValueError(f"window_columns={window_columns!r} is not allowed; allowed: 'natural', 'kept_first'")

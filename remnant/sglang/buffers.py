@@ -1,9 +1,10 @@
 """The packed C4 pool's buffers and the steps that move records in and out of them.
 
-Everything here is torch, remnant.kv and remnant.kernels.dispatch only (no sglang import),
-so CPU tests and the GPU check of the store / reconstruct / decode kernels use the buffers
-exactly as the plugin lays them out. remnant.kernels.dispatch runs the kernels on CUDA
-tensors and the torch references elsewhere.
+Everything here is torch, remnant.kv and remnant.kernels only (no sglang import), so CPU
+tests and the GPU check of the store / reconstruct / decode kernels use the buffers
+exactly as the plugin lays them out. The kernels run on CUDA tensors and the torch
+references elsewhere (remnant.kernels.dispatch for store and reconstruct; decode_c4_packed
+for decode).
 
 Layout, per CSA layer: uint8 [num_pages, page_stride] in SGLang's split page layout
 (PageLayout.sglang(per_page, R)): per page, per_page packed data parts (R + 64 bytes each),
@@ -18,7 +19,7 @@ import torch
 
 from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_BYTES
 from remnant.kv.packing import pack
-from remnant.kernels.dispatch import decode_packed, reconstruct
+from remnant.kernels.dispatch import reconstruct
 from remnant.kv.layout import KeptColumns, PageLayout
 from remnant.kv.paged import write
 
@@ -152,7 +153,15 @@ def decode_c4_packed(
     win_locs = mask_by_length(swa_indices, swa_lengths)
     if swa.dtype != torch.uint8:
         swa = swa.view(torch.uint8)  # SGLang hands the window pool out as an FP8 view of its bytes
-    out = decode_packed(q, buffer, layout, c4_locs, keep, swa, native_layout(swa_per_page), win_locs, sink, scale)
+    if q.is_cuda:
+        from remnant.kernels.decode import decode
+
+        return decode(q, buffer, layout, c4_locs, swa, native_layout(swa_per_page), win_locs, sink, keep, scale)
+    # Off the GPU (SGLang's CPU tests) the float64 reference, as for the store and reconstruct.
+    from remnant.kernels.decode.reference import decode_packed_reference
+
+    out = decode_packed_reference(q, buffer, layout, c4_locs, keep, swa, native_layout(swa_per_page), win_locs, sink,
+                                  scale)
     return out.to(q.dtype)
 
 

@@ -1,11 +1,11 @@
-"""Check and time the Gluon SM90 packed decode (packed_sm90) and its warp-specialized lab
-variant (packed_sm90_ws) against the float64 reference, Remnant's Triton folded decode and
+"""Check and time the Gluon SM90 packed decode (remnant.kernels.decode.sm90) and its
+warp-specialized lab variant (packed_sm90_ws, beside this file) against the float64 reference, Remnant's Triton folded decode and
 FlashMLA's V4 decode, on one H200 (the lab script of benchmarks/kernels/NOTES.md's
 nineteenth and twentieth rounds; its table and JSON go to $OUT). Its --profile rows time
 the lab kernel with parts left out (decode's profile_skip; --profile-old: packed_sm90 too),
 which remnant-kernels does not; the curated figures come from remnant-kernels.
 
-    python runners/device/packed_sm90_h200.py [--quick] [--out DIR] [--profile 512]
+    python -m runners.device.packed_sm90_h200 [--quick] [--out DIR] [--profile 512]
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from remnant.kernels import packed_sm90 as sm90
-from remnant.kernels import packed_sm90_ws as ws
 from remnant.kernels.bench import HEADS, DecodeInputs, _sync_time_graph
 from remnant.kernels.decode import decode as triton_decode
-from remnant.kv.paged import decode_packed_reference
+from remnant.kernels.decode import sm90
+from remnant.kernels.decode.reference import decode_packed_reference
+from runners.device import packed_sm90_ws as ws
 
 L2_BYTES = 60 * 2**20
 
@@ -79,7 +79,7 @@ def timed(calls, reps: int = 15) -> float:
 
 def time_case(inputs, keep, batch, topk, window, with_flashmla, splits=None, skip=None, module=ws, old=True, **kw):
     splits = plan_splits(batch, splits)
-    from remnant.kernels import flashmla
+    from remnant.kernels.decode import flashmla
 
     layout, pool, _ = inputs.pool(256)
     nlayout, npool, _ = inputs.pool(512)
@@ -138,7 +138,7 @@ def main() -> int:
     reason = sm90.unavailable_reason(torch.device("cuda"), keep.n_kept, HEADS)
     print("unavailable:", reason, flush=True)
     try:
-        from remnant.kernels import flashmla
+        from remnant.kernels.decode import flashmla
         with_flashmla = flashmla.unavailable_reason(torch.device("cuda"), HEADS) is None
     except Exception as exc:  # noqa: BLE001 - a lab script reports and goes on
         print("flashmla:", exc)

@@ -23,7 +23,8 @@ from remnant.engine.retention_setup import setup_retention
 from remnant.kv.codec import dequantize
 from tests.engine.rings import assert_same_ring
 from remnant.kv.formats import NOPE_DIM
-from remnant.kv.paged import decode_native_reference, decode_packed_reference, dequantize_kept_first
+from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
+from remnant.kv.paged import dequantize_kept_first
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -327,7 +328,7 @@ def test_flashmla_decodes_native_records_as_the_reference_on_gpu(args, mode, ret
     # With 64 heads FlashMLA's V4 decode serves the native records of the kernels path (every
     # layer in native and triton modes, the window-only and HCA layers in kernel mode), as
     # SGLang runs it: the same greedy tokens and close logits as the torch reference.
-    import remnant.kernels.flashmla as flashmla
+    from remnant.kernels.decode import flashmla
 
     why = flashmla.unavailable_reason(torch.device("cuda"), 64)
     if why:

@@ -89,7 +89,7 @@ def test_a_graph_step_never_synchronizes_with_the_host():
 @pytest.mark.gpu
 @pytest.mark.parametrize(("mode", "packed"), [("native", None), ("kernel", "sm90")])
 def test_the_kernel_per_mode_at_64_heads(mode, packed):
-    from remnant.kernels.flashmla import unavailable_reason
+    from remnant.kernels.decode.flashmla import unavailable_reason
 
     model = Model(_args(heads=64), device="cuda")
     if mode == "kernel":

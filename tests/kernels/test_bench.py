@@ -8,7 +8,7 @@ import pytest
 
 from remnant.kernels.bench import (SCHEMA_VERSION, Ceilings, DecodeCase, FlashMLACase, _decode_bytes_flops,
                                    _flashmla_bytes_flops, _roofline, against_flashmla, main, table, targets)
-from remnant.kernels.plan import partials_for, split_plan_for
+from remnant.kernels.decode.plan import partials_for, split_plan_for
 from remnant.records.schema import RecordError, validate
 
 

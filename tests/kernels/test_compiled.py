@@ -120,7 +120,7 @@ DECODE = {"q_ptr": "*bf16", "q_sb": "i32", "q_sh": "i32", "out_ptr": "*fp16", "o
 def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed, tmp_path):
     # Two splits as one cluster join after barrier.cluster: one arrive and one wait, not
     # predicated to some threads, or a CTA could read its sibling's partial half-written.
-    from remnant.kernels.plan import DEFAULT_CONFIGS
+    from remnant.kernels.decode.plan import DEFAULT_CONFIGS
 
     config = DEFAULT_CONFIGS["packed, kept-first window" if packed else "native"]
     constants = dict(WIN_PER_PAGE=64, WIN_ALIGN=16, C4_PER_PAGE=64, C4_ALIGN=16, N=192 if packed else 448,
@@ -129,7 +129,7 @@ def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed,
                      WIN_BN=config["window_block_n"], WIN_KEPT_FIRST=packed, SCORES_T=config["scores_transposed"],
                      WIN_SCORES_T=config["window_scores_transposed"], SPLIT=True, SCALED=True, WINDOW_APART=False,
                      BY_COST=not packed, WIN_STEP_COST=2 if packed else 1, EXCHANGE=True, INTERPRETED=False)
-    listing = _listing("remnant.kernels.decode:_decode_kernel", DECODE, constants, 8, tmp_path)
+    listing = _listing("remnant.kernels.decode.triton:_decode_kernel", DECODE, constants, 8, tmp_path)
     for op in ("UCGABAR_ARV", "UCGABAR_WAIT"):
         lines = [line for line in listing.splitlines() if re.search(rf"\b{op}\b", line)]
         assert len(lines) == 1 and not re.search(r"@!?U?P\w+\s+" + op, lines[0]), lines

@@ -40,7 +40,8 @@ def test_word_plan_rebuilds_every_native_code_word_from_two_packed_words():
 
 def test_kv_imports_no_kernel():
     # remnant.kernels builds on remnant.kv (layouts, references); remnant.kernels.dispatch
-    # chooses between them. An import the other way would close the circle again.
+    # chooses between a copy kernel and its reference. An import the other way would close
+    # the circle again.
     for path in sorted(Path(remnant.kv.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)

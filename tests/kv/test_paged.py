@@ -1,5 +1,6 @@
 """remnant.kv.paged: kept-first window records (quantize_kept_first, dequantize_kept_first,
-store_kept_first_reference) and the reference decode over them."""
+store_kept_first_reference). The reference decode over them is tests/kernels/decode/
+test_reference.py's."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import torch
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.formats import NOPE_DIM
 from remnant.kv.layout import KeptColumns, PageLayout
-from remnant.kv.paged import (decode_packed_reference, dequantize_kept_first, gather, quantize_kept_first,
-                              store_kept_first_reference)
+from remnant.kv.paged import dequantize_kept_first, gather, quantize_kept_first, store_kept_first_reference
 from tests.kernels.inputs import latents
 
 CPU = torch.device("cpu")
@@ -62,28 +62,3 @@ def test_store_kept_first_reference_writes_quantize_kept_first_records():
     locs = torch.tensor([0, 5, 17, 3, 40, 41, 2, 33, 20, 9, 47])
     store_kept_first_reference(x, pages, layout, locs, keep)
     assert torch.equal(gather(pages, layout, locs), quantize_kept_first(x, cols))
-
-
-def test_reference_decode_reads_a_kept_first_window_in_natural_order():
-    # The same latents as native and as kept-first window records: the reference decodes
-    # of the two differ by FP8 rounding only, and reading the kept-first ones as native
-    # records (a wrong window_columns) is far off.
-    keep, cols = _cols(10, n_kept=192)
-    gen = torch.Generator().manual_seed(11)
-    layout = PageLayout.rows(584)
-    win_x = latents(8, gen)
-    native, kept_first = (torch.zeros(8, 584, dtype=torch.uint8) for _ in range(2))
-    native[:] = quantize(win_x)
-    kept_first[:] = quantize_kept_first(win_x, cols)
-    c4_layout = PageLayout.rows(192 + 136)
-    c4 = torch.zeros(4, 192 + 136, dtype=torch.uint8)
-    q = torch.randn(2, 3, 512, generator=gen) * 0.05
-    sink = torch.zeros(3)
-    win_locs = torch.arange(8).repeat(2, 1)
-    c4_locs = torch.full((2, 1), -1)
-    want = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, native, layout, win_locs, sink)
-    got = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, kept_first, layout, win_locs, sink,
-                                  window_columns="kept_first")
-    wrong = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, kept_first, layout, win_locs, sink)
-    assert (got - want).norm() < 0.05 * want.norm()
-    assert (wrong - want).norm() > 0.3 * want.norm()

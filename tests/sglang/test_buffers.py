@@ -1,4 +1,4 @@
-"""The packed pool's buffers and steps on CPU (remnant.kernels.dispatch's torch path)."""
+"""The packed pool's buffers and steps on CPU (the torch references the plugin runs there)."""
 
 import pytest
 import torch
@@ -9,7 +9,8 @@ from remnant.kv.formats import page_bytes
 from remnant.kv.packing import pack, unpack
 from remnant.kernels.dispatch import store
 from remnant.kv.layout import KeptColumns
-from remnant.kv.paged import decode_native_reference, gather, store_reference
+from remnant.kernels.decode.reference import decode_native_reference
+from remnant.kv.paged import gather, store_reference
 from remnant.sglang.buffers import (
     decode_c4_packed,
     make_packed_buffers,

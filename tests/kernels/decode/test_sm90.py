@@ -1,10 +1,11 @@
-"""The SM90 Gluon packed decode (remnant.kernels.packed_sm90) against the float64 reference
+"""The SM90 Gluon packed decode (remnant.kernels.decode.sm90) against the float64 reference
 and the Triton kernel it stands beside.
 
 Gluon has no CPU interpreter: the kernel runs only on an sm_90 GPU (tests marked `gpu`).
 Its reference is the Triton decode's folded call (q, out and the window in kept-first
-order), which tests/kernels/test_decode.py runs under the interpreter in CI, and
-remnant.kv.paged's float64 decode; here the CPU checks what runs before a launch.
+order), which tests/kernels/decode/test_triton.py runs under the interpreter in CI, and
+remnant.kernels.decode.reference's float64 decode; here the CPU checks what runs before a
+launch.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels import packed_sm90 as sm90
-from remnant.kernels.decode import decode as triton_decode
-from remnant.kernels.plan import DecodeConfig, plan_decode
+from remnant.kernels.decode import DecodeConfig, decode, plan_decode, sm90
+from remnant.kernels.decode.reference import decode_packed_reference
 from remnant.kv.layout import KeptColumns, PageLayout
-from remnant.kv.paged import decode_packed_reference
+from tests.kernels.decode.test_triton import MAGNITUDES, SOFT, TOLERANCE, set_magnitude, set_pad_bytes
 from tests.kernels.inputs import DEVICE, filled_pool, keep_map
-from tests.kernels.test_decode import MAGNITUDES, SOFT, TOLERANCE, set_magnitude, set_pad_bytes
 
 WHY_NOT = sm90.unavailable_reason(DEVICE, sm90.KEPT, sm90.HEADS)
 needs_sm90 = pytest.mark.skipif(WHY_NOT is not None, reason=f"the SM90 packed decode cannot run here: {WHY_NOT}")
@@ -93,8 +92,8 @@ def test_rows_and_tuned_configs_stay_on_triton_and_sm90_refuses_triton_settings(
     q = torch.randn(3, 64, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     sink = torch.randn(64, generator=gen).to(DEVICE)
     cols = KeptColumns.of(keep, DEVICE)
-    got = triton_decode(q[:, :, cols.order], c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, cols,
-                        columns="kept_first", window_columns="kept_first")
+    got = decode(q[:, :, cols.order], c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, cols,
+                 columns="kept_first", window_columns="kept_first")
     out = torch.empty_like(got)
     out[:, :, cols.order] = got
     want = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink,
@@ -108,9 +107,9 @@ def test_decode_runs_the_folded_call_on_sm90_by_itself():
     x = _inputs(9, 64, 512, 128, seed=5)
     order = x["cols"].order
     compiled: list = []
-    got = triton_decode(x["q"][:, :, order], x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
-                        x["window_locs"], x["sink"], x["cols"], columns="kept_first", window_columns="kept_first",
-                        compiled=compiled)
+    got = decode(x["q"][:, :, order], x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
+                 x["window_locs"], x["sink"], x["cols"], columns="kept_first", window_columns="kept_first",
+                 compiled=compiled)
     assert compiled and "packed_sm90" in compiled[-1].name
     out = torch.empty_like(got)
     out[:, :, order] = got
@@ -172,9 +171,9 @@ def _sm90(x, splits=None, q=None):
 def _triton(x):
     order = x["cols"].order
     got = torch.empty_like(x["q"])
-    triton_decode(x["q"][:, :, order], x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
-                  x["window_locs"], x["sink"], x["cols"], out=got, columns="kept_first", window_columns="kept_first",
-                  config=DecodeConfig(kernel="triton"))
+    decode(x["q"][:, :, order], x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
+           x["window_locs"], x["sink"], x["cols"], out=got, columns="kept_first", window_columns="kept_first",
+           config=DecodeConfig(kernel="triton"))
     out = torch.empty_like(got)
     out[:, :, order] = got
     return out

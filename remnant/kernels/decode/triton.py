@@ -1,5 +1,7 @@
-"""decode: sparse decode attention over native or packed records (one CSA layer's C4
-records; the engine also passes HCA layers' C128 records, or none, in the same slot).
+"""The Triton decode kernel: sparse decode attention over native or packed records (one CSA
+layer's C4 records; the engine also passes HCA layers' C128 records, or none, in the same
+slot). It reads every record form on every GPU and in Triton's interpreter: the CPU-tested
+reference of the SM90 kernel and the fallback wherever another cannot take a call.
 
 For each decode token b and each block of H_BLOCK query heads, one program (or `splits`
 programs, each over a share of the records, their partial outputs written in float32 or
@@ -38,23 +40,21 @@ records with q read through the kept columns, and the join (_combine_kernel) rea
 partial in its own order. That avoids the fused program's window loop, whose codes are
 read by column index.
 
-Which of these runs, with which launch settings, is remnant.kernels.plan's DecodePlan
-(plan_decode); `decode` takes the data and, optionally, a DecodeConfig or a DecodePlan.
+Which of these runs, with which launch settings, is remnant.kernels.decode.plan's
+DecodePlan (plan_decode); `run` launches a plan on inputs remnant.kernels.decode.decode
+has checked.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from remnant.kernels.common import (alignment, byte_permute, check_locs, interpreted, launch_in_pairs,
-                                   record_addresses)
-from remnant.kernels.plan import DecodeConfig, DecodePlan, plan_decode, window_step_cost
-from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES
+from remnant.kernels.common import alignment, byte_permute, interpreted, launch_in_pairs, record_addresses
+from remnant.kernels.decode.plan import DecodePlan, window_step_cost
+from remnant.kv.formats import HEAD_DIM
 from remnant.kv.layout import KeptColumns, PageLayout
 
 LOG2E = 1.4426950408889634
@@ -740,104 +740,14 @@ def kept_column_blocks(n_kept: int, padded: int) -> tuple[int, int]:
     return (head, tail) if head + tail < padded else (padded, 0)
 
 
-def _check_layout(layout: PageLayout, pages: torch.Tensor, width: int, name: str) -> None:
-    layout.check(pages, name)
-    if layout.record_bytes != width:
-        raise ValueError(f"{name} layout holds {layout.record_bytes}-byte records, expected {width}")
-
-
-def decode(
-    q: torch.Tensor,
-    c4: torch.Tensor,
-    c4_layout: PageLayout,
-    c4_locs: torch.Tensor,
-    window: torch.Tensor,
-    window_layout: PageLayout,
-    window_locs: torch.Tensor,
-    sink: torch.Tensor,
-    keep: "torch.Tensor | KeptColumns | None" = None,
-    scale: float = 1.0 / math.sqrt(HEAD_DIM),
-    *,
-    columns: str = "natural",
-    window_columns: str = "natural",
-    out: torch.Tensor | None = None,
-    config: DecodeConfig | DecodePlan | None = None,
-    check_range: bool = False,
-    compiled: list | None = None,
-) -> torch.Tensor:
-    """Sparse decode of B tokens; plain references: remnant.kv.paged.decode_native_reference
-    and decode_packed_reference.
-
-    Data. q: bf16/float [B, H, 512]; c4 and window: pages uint8 [P, page_stride] with their
-    layouts; c4_locs int [B, K], window_locs int [B, W] (-1 = padding); sink float [H]; keep
-    None for native C4 records, int64 [N] (or its KeptColumns) for packed ones; scale: the
-    softmax scale. Returns out [B, H, 512] in q's dtype (or writes the given `out`, [B, H,
-    512] with contiguous rows; its dtype may differ from q's).
-
-    columns (packed records): "natural", q and out in the model's column order, permuted
-    to and from kept-first order around the kernel (permute_columns, one pass each); or
-    "kept_first", q given and out returned in KeptColumns.order (kept columns in map
-    order, dropped ones, RoPE), as when that permutation is folded into the projections
-    that make q and read out, once at load time. Native records ignore it.
-
-    window_columns (packed records): the window records' form, "natural" (native records,
-    as the stock store writes them) or "kept_first" (kept-first window records, written by
-    remnant.kernels.store.store_kept_first: the latent quantized in KeptColumns.order, so
-    that the kernel reads both column sets with word loads and finds each code's scale from
-    its position). The native kernel reads natural window records only, and refuses
-    "kept_first".
-
-    How to run it. config: a DecodeConfig (its None fields chosen by plan_decode for this
-    call) or a DecodePlan made by plan_decode (run as it is; its record form and column
-    orders must be this call's); None: plan_decode chooses everything.
-    check_range: check every location against its pool (reads them back to the host: tests).
-    compiled: a list the compiled decode kernel is appended to (the benchmark records its
-    registers and spills).
-    """
-    if q.ndim != 3 or q.shape[2] != HEAD_DIM:
-        raise ValueError(f"q must be [B, H, {HEAD_DIM}], got {tuple(q.shape)}")
-    batch, heads, _ = q.shape
-    cols = KeptColumns.of(keep, q.device)
-    if isinstance(config, DecodePlan):
-        plan = config
-        made_for = (plan.packed, plan.columns, plan.window_columns)
-        if made_for != (cols.packed, columns, window_columns):
-            raise ValueError(f"this DecodePlan was made for (packed, columns, window_columns) = {made_for}, the call is "
-                             f"{(cols.packed, columns, window_columns)}")
-    else:
-        plan = plan_decode(batch, heads, window_locs.shape[-1], c4_locs.shape[-1], cols.packed, q.device,
-                           columns=columns, window_columns=window_columns, config=config, n_kept=cols.n_kept,
-                           q_dtype=q.dtype, layouts=(c4_layout, window_layout))
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    _check_layout(c4_layout, c4, cols.record_bytes, "c4")
-    _check_layout(window_layout, window, NATIVE_RECORD_BYTES, "window")
-    if c4_locs.ndim != 2 or c4_locs.shape[0] != batch or window_locs.ndim != 2 or window_locs.shape[0] != batch:
-        raise ValueError(f"c4_locs and window_locs must be [B={batch}, *], got {tuple(c4_locs.shape)} and {tuple(window_locs.shape)}")
-    if sink.shape != (heads,):
-        raise ValueError(f"sink must be [H] = [{heads}], got {tuple(sink.shape)}")
-    c4_locs = check_locs(c4_locs, "c4_locs", c4_layout.capacity(c4), check_range, allow_padding=True)
-    window_locs = check_locs(window_locs, "window_locs", window_layout.capacity(window), check_range,
-                             allow_padding=True)
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError(f"out must be [B, H, {HEAD_DIM}] = {tuple(q.shape)} with contiguous rows, got "
-                         f"{tuple(out.shape)} with strides {out.stride()}")
-    if plan.kernel == "sm90":
-        from remnant.kernels import packed_sm90
-
-        return packed_sm90.decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, cols,
-                                  splits=plan.splits, scale=scale, out=out, compiled=compiled)
-    return _run_triton(plan, q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink.float().contiguous(),
-                       cols, scale, out, compiled)
-
-
-def _run_triton(plan: DecodePlan, q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: torch.Tensor,
-                window: torch.Tensor, window_layout: PageLayout, window_locs: torch.Tensor, sink: torch.Tensor,
-                cols: KeptColumns, scale: float, out: torch.Tensor, compiled: list | None) -> torch.Tensor:
+def run(plan: DecodePlan, q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: torch.Tensor,
+        window: torch.Tensor, window_layout: PageLayout, window_locs: torch.Tensor, sink: torch.Tensor,
+        cols: KeptColumns, scale: float, out: torch.Tensor | None, compiled: list | None) -> torch.Tensor:
     """decode's launches of _decode_kernel (and of the join or the permute pass) for a plan
-    whose kernel is "triton", on checked inputs (int32 locations, float32 sink, `out`)."""
+    whose kernel is "triton", on inputs remnant.kernels.decode.decode has checked (q [B, H,
+    512] with contiguous rows, int32 locations, sink [H], `out` [B, H, 512] or None)."""
+    out = torch.empty_like(q) if out is None else out
+    sink = sink.float().contiguous()
     batch, heads, _ = q.shape
     splits = plan.splits
     # The window's program reads q as given; the C4 programs read it through the kept

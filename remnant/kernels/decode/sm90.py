@@ -1,9 +1,10 @@
 """Direct packed decode for SM90 (H100/H200), written in Gluon.
 
-The same operation as remnant.kernels.decode's folded packed call (q and out in
-kept-first column order, kept-first window records, the attention sink, -1 padding, V = K),
-for R = 256 (N = 192 kept NoPE columns); that Triton kernel stays as the reference on the
-CPU (its interpreter) and the fallback everywhere else.
+The same operation as the Triton kernel's folded packed call (remnant.kernels.decode.triton:
+q and out in kept-first column order, kept-first window records, the attention sink, -1
+padding, V = K), for R = 256 (N = 192 kept NoPE columns); that Triton kernel stays as the
+reference on the CPU (its interpreter) and the fallback everywhere else. Its plain
+reference is remnant.kernels.decode.reference.decode_packed_reference.
 
 What the Triton program could not express, and this one does:
 - the records' bytes travel global -> shared memory as asynchronous copies (cp.async, 16
@@ -509,3 +510,12 @@ def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: to
     if compiled is not None:
         compiled.append(kernel)
     return out
+
+
+def run(plan, q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: torch.Tensor, window: torch.Tensor,
+        window_layout: PageLayout, window_locs: torch.Tensor, sink: torch.Tensor, keep: KeptColumns, scale: float,
+        out: torch.Tensor | None, compiled: list | None) -> torch.Tensor:
+    """remnant.kernels.decode.decode's call of this kernel: `decode` at the plan's splits
+    (a DecodePlan whose kernel is "sm90"), on inputs decode has checked."""
+    return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, splits=plan.splits,
+                  scale=scale, out=out, compiled=compiled)

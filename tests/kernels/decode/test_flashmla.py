@@ -1,5 +1,5 @@
-"""FlashMLA's V4 decode (remnant.kernels.flashmla) on Remnant-written records, against the
-float64 reference of remnant.kv.paged.
+"""FlashMLA's V4 decode (remnant.kernels.decode.flashmla) on Remnant-written records, against
+the float64 reference of remnant.kernels.decode.reference.
 
 The choice of kernel, the views and the indices are checked on the CPU; FlashMLA itself runs
 only on an SM90/SM100 GPU with sgl-flash-mla installed (`pip install --no-deps
@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels import flashmla
 from remnant.kernels.bench import poison_next_allocation
+from remnant.kernels.decode import DecodeConfig, KernelChoice, choose, decode, flashmla
+from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
+from remnant.kernels.dispatch import store
 from remnant.kv.attention import SOFTMAX_SCALE
-from remnant.kernels.dispatch import decode_native, store
 from remnant.kv.layout import KeptColumns, PageLayout
-from remnant.kv.paged import decode_native_reference, decode_packed_reference
+from tests.kernels.decode.test_triton import MAGNITUDES, SOFT, TOLERANCE, set_magnitude, set_pad_bytes
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map, latents
-from tests.kernels.test_decode import MAGNITUDES, SOFT, TOLERANCE, set_magnitude, set_pad_bytes
 
 WHY_NOT = flashmla.unavailable_reason(DEVICE, 64)
 needs_flashmla = pytest.mark.skipif(WHY_NOT is not None, reason=f"FlashMLA cannot run here: {WHY_NOT}")
@@ -53,18 +53,18 @@ def test_kv_view_refuses_what_flashmla_cannot_read(layout, message):
 
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU's answer")
 def test_on_the_cpu_the_triton_kernel_serves_and_says_why():
-    assert flashmla.choose_native("auto", torch.device("cpu"), 64) == (
+    assert choose(torch.device("cpu"), 64, False) == KernelChoice(
         "triton", "FlashMLA runs on CUDA GPUs, not on device=cpu")
     with pytest.raises(ValueError, match="native_decode=flashmla cannot run: FlashMLA runs on CUDA GPUs"):
-        flashmla.choose_native("flashmla", torch.device("cpu"), 64)
+        choose(torch.device("cpu"), 64, False, config=DecodeConfig(kernel="flashmla"), field="native_decode")
 
 
-def test_choose_native_names_the_reason():
-    assert flashmla.choose_native("triton", DEVICE, 64)[0] == "triton"
-    kernel, why = flashmla.choose_native("auto", DEVICE, 64, (PageLayout.rows(584),))
+def test_choose_names_the_reason_for_native_records():
+    assert choose(DEVICE, 64, False, config=DecodeConfig(kernel="triton")).kernel == "triton"
+    kernel, why = choose(DEVICE, 64, False, layouts=(PageLayout.rows(584),))
     assert kernel == "triton" and "split pages" in why
-    with pytest.raises(ValueError, match="native decode kernel 'fast' is not allowed; allowed: auto, flashmla, triton"):
-        flashmla.choose_native("fast", DEVICE, 64)
+    with pytest.raises(ValueError, match="kernel='fast' is not allowed; allowed: None, 'triton', 'sm90', 'flashmla'"):
+        DecodeConfig(kernel="fast")
 
 
 def _pools(topk: int, window: int, gen, per_page: int = 64, window_per_page: int = 64, keep=None):
@@ -220,9 +220,9 @@ def test_flashmla_replays_in_a_cuda_graph_and_repeats():
 
 @pytest.mark.gpu
 @needs_flashmla
-def test_dispatch_decode_native_takes_flashmla_where_it_runs(monkeypatch):
-    # remnant.kernels.dispatch sends native records to FlashMLA on SGLang's pages (auto) and to
-    # the Triton kernel on plain rows, which FlashMLA cannot read.
+def test_decode_takes_flashmla_for_native_records_where_it_runs(monkeypatch):
+    # remnant.kernels.decode.decode sends native records to FlashMLA on SGLang's pages (no
+    # kernel asked) and to the Triton kernel where asked for it.
     gen = torch.Generator().manual_seed(11)
     calls = []
     real = flashmla.decode
@@ -232,7 +232,7 @@ def test_dispatch_decode_native_takes_flashmla_where_it_runs(monkeypatch):
     q = torch.randn(2, 64, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     sink = torch.randn(64, generator=gen).to(DEVICE)
     want = decode_native_reference(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink)
-    for kernel, expected in (("auto", 1), ("triton", 1), ("flashmla", 2)):
-        got = decode_native(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, kernel=kernel)
+    for kernel, expected in ((None, 1), ("triton", 1), ("flashmla", 2)):
+        got = decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, config=DecodeConfig(kernel=kernel))
         assert len(calls) == expected, kernel
         assert ((got.double() - want).norm() / want.norm()).item() < TOLERANCE

@@ -1,14 +1,19 @@
-"""plan_decode: every choice of a decode call, made once, as a frozen DecodePlan.
+"""Every choice of a decode call, made once: which kernel serves it (choose, a KernelChoice
+that says why) and, for Remnant's kernels, how it runs (plan_decode, a frozen DecodePlan).
 
 A decode call is its data (q, the records and their layouts, the selected locations, the
 sink, the kept columns, the softmax scale, the column orders of q and of the window) and
 how to run it: which kernel, its launch settings, how many programs share a token's
 records (splits), whether the window gets a program of its own, the partials' dtype, how
 the splits share the records and how they are joined. `DecodeConfig` holds the second
-kind, each field None where the plan is to choose; `plan_decode` resolves it for one call
-shape into a `DecodePlan`, which `remnant.kernels.decode.decode` runs and the benchmark
-records (and sweeps, through DecodeConfig). No choice here changes what decode computes
-beyond float rounding.
+kind, each field None where the plan is to choose; `choose` names the kernel and
+`plan_decode` resolves the rest for one call shape into a `DecodePlan`, which
+`remnant.kernels.decode.decode` runs and the benchmark records (and sweeps, through
+DecodeConfig). No choice here changes what decode computes beyond float rounding.
+
+A kernel is chosen by a rule of its own (_why_not: why it cannot take a call) and its
+place in PREFERENCE; the engine names what its decode steps run with `choose`, the
+benchmark what it times, and a run's record says what served it (served_limits).
 
 The measurements behind each default (which config, which split plan, which partials'
 dtype, which join) are in benchmarks/kernels/NOTES.md, "Choices in the code": the
@@ -18,18 +23,26 @@ docstrings here say what each choice is and why, not how fast it ran.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 
 from remnant.kernels.common import interpreted
 
-#: Decode implementations plan_decode can choose ("triton": remnant.kernels.decode's
-#: _decode_kernel, which reads every record form on every GPU and in the interpreter;
-#: "sm90": remnant.kernels.packed_sm90, the Gluon folded packed call at R = 256 on sm_90).
-KERNELS = ("triton", "sm90")
+#: The decode kernels, as DecodeConfig.kernel names them: "triton" (remnant.kernels.decode.
+#: triton, which reads every record form on every GPU and in the interpreter), "sm90"
+#: (remnant.kernels.decode.sm90, the Gluon folded packed call at R = 256 on sm_90) and
+#: "flashmla" (remnant.kernels.decode.flashmla, FlashMLA's V4 decode of native records on
+#: SM90/SM100: the stock attention SGLang runs, and the baseline of every decode figure).
+KERNELS = ("triton", "sm90", "flashmla")
+#: Per record form (packed or not), the kernels that read it, fastest first: a call that asks
+#: for none runs the first that can take it. Triton's takes every call, so it closes each list.
+PREFERENCE = {False: ("flashmla", "triton"), True: ("sm90", "triton")}
+#: The kernels whose launch plan_decode makes (FlashMLA schedules its own).
+PLANNED = ("triton", "sm90")
 # DecodeConfig fields that only the Triton kernel reads: a config that sets any of them
-# asks for that kernel's program, so plan_decode chooses "sm90" only where none is set.
+# asks for that kernel's program, so choose takes another only where none is set.
 TRITON_ONLY = ("block_n", "num_stages", "scores_transposed", "window_block_n", "window_scores_transposed",
                "window_apart", "partials", "split_plan", "join")
 COLUMN_ORDERS = ("natural", "kept_first")
@@ -75,7 +88,7 @@ class DecodeConfig:
     the benchmark sweeps and tests pin. Callers that serve pass none, or only what their
     geometry needs (the tiny engine model's 16-head blocks).
 
-    kernel: one of KERNELS (None: the plan's choice).
+    kernel: one of KERNELS (None: choose's, the first of PREFERENCE that takes the call).
     h_block, num_warps: query heads per program and its warps (64 on 8: V4's heads).
     block_n, window_block_n: records per step of the C4 loop and of the window loop;
     scores_transposed, window_scores_transposed: each loop's scores as (K q^T)^T (the
@@ -150,23 +163,145 @@ class DecodePlan:
         return DecodeConfig(**{name: fields[name] for name in DecodeConfig.__dataclass_fields__})
 
 
-def plan_decode(batch: int, heads: int, window: int, topk: int, packed: bool, device: torch.device, *,
-                columns: str = "natural", window_columns: str = "natural",
-                config: DecodeConfig | None = None, n_kept: int | None = None,
-                q_dtype: torch.dtype | None = None, layouts: tuple | None = None) -> DecodePlan:
-    """The plan of a decode call of `batch` tokens, `heads` query heads, `window` window
-    locations and `topk` C4 locations per token, over packed (a keep list) or native C4
-    records on `device`, q and out in `columns` order and the window records in
-    `window_columns` order (see remnant.kernels.decode.decode). config: the choices made
-    by the caller (None: all chosen here). n_kept, q_dtype, layouts (the C4 and window
-    PageLayouts): what decides whether the SM90 kernel can take the call (kernel_for)."""
+class KernelChoice(NamedTuple):
+    """The kernel that serves a decode call (one of KERNELS), and why not the first of its
+    record form's PREFERENCE: FlashMLA's for native records, the SM90 kernel for packed ones
+    (None where that one serves). A pair, as the engine reports it."""
+
+    kernel: str
+    reason: str | None = None
+
+
+def choose(device: torch.device, heads: int, packed: bool, *, n_kept: int | None = None,
+           columns: str = "natural", window_columns: str = "natural", q_dtype: torch.dtype | None = None,
+           layouts: tuple | None = None, config: DecodeConfig | None = None, kernels: tuple = KERNELS,
+           field: str | None = None) -> KernelChoice:
+    """Which kernel serves a decode call of `heads` query heads over packed (a keep list of
+    n_kept columns) or native records on `device`, q and out in `columns` order, the window
+    records in `window_columns` order, q of `q_dtype` and the C4 and window PageLayouts
+    `layouts` (each checked where given), and why.
+
+    config.kernel where it names one (a ValueError where that kernel cannot take the call
+    or the config sets the Triton kernel's own launch choices); else the first kernel of
+    PREFERENCE[packed] among `kernels` that can take the call (_why_not) and that the
+    config leaves free (_pinned: settings only the Triton kernel reads keep the call
+    there). field: the setting that asked for the kernel, named in its errors and reasons
+    (the engine's native_decode); None: the config's kernel."""
     config = config or DecodeConfig()
     _allowed("columns", columns, COLUMN_ORDERS)
     _allowed("window_columns", window_columns, COLUMN_ORDERS)
     if window_columns == "kept_first" and not packed:
         raise ValueError("window_columns='kept_first' needs packed C4 records (a keep list): the native kernel reads "
                          "window records in natural order")
-    if kernel_for(config, packed, columns, window_columns, device, n_kept, heads, q_dtype, layouts) == "sm90":
+    call = (device, heads, packed, n_kept, columns, window_columns, q_dtype, layouts)
+    pinned = _pinned(config)
+    asked = config.kernel
+    if asked == "triton":
+        named = "Remnant's Triton kernel" if packed else "Remnant's Triton native kernel"
+        return KernelChoice("triton", f"{named} was asked for ({field or 'kernel'}=triton)")
+    if asked is not None:
+        why = (_why_not(asked, *call) if asked in kernels else
+               f"it is not among the kernels planned here ({', '.join(kernels)}; FlashMLA schedules its own launch)")
+        if why is not None:
+            raise ValueError(f"{field}={asked} cannot run: {why}" if field else
+                             f"decode kernel={asked!r} cannot run this call: {why}")
+        if pinned:
+            raise ValueError(f"decode kernel={asked!r} has a fixed program; these settings are the Triton kernel's: "
+                             f"{', '.join(pinned)}")
+        return KernelChoice(asked)
+    reason = None
+    for kernel in (k for k in PREFERENCE[packed] if k in kernels):
+        why = _why_not(kernel, *call)
+        if why is None and kernel != "triton" and pinned:
+            why = f"the launch settings of a {heads}-head model ({config}) are the Triton kernel's"
+        elif why is not None and kernel == "sm90":
+            why = f"the SM90 Gluon kernel cannot take it: {why}"
+        if why is None:
+            return KernelChoice(kernel, reason)
+        reason = reason or why
+    raise AssertionError(f"no decode kernel of {kernels} takes this call: {reason}")  # Triton's takes every call
+
+
+def _why_not(kernel: str, device: torch.device, heads: int, packed: bool, n_kept: int | None, columns: str,
+             window_columns: str, q_dtype: torch.dtype | None, layouts: tuple | None) -> str | None:
+    """Why `kernel` cannot take this call (choose's arguments), None where it can: each
+    kernel's rule. Each kernel module is imported only where its rule needs it (Gluon and
+    FlashMLA only where they may run)."""
+    if kernel == "triton":
+        return None
+    if kernel == "sm90":
+        if not (packed and columns == "kept_first" and window_columns == "kept_first"):
+            return "it runs the folded call only (packed records, q, out and the window in kept-first order)"
+        if q_dtype is not None and q_dtype != torch.bfloat16:
+            return f"it reads bf16 q, got {q_dtype}"
+        from remnant.kernels.decode import sm90
+
+        why = sm90.unavailable_reason(device, n_kept, heads)
+        if why is None and layouts is not None:
+            why = sm90.layout_problem(*layouts)
+        return why
+    if kernel == "flashmla":
+        if packed:
+            return "FlashMLA's V4 decode reads native records, not packed ones"
+        if (columns, window_columns) != ("natural", "natural"):
+            return "FlashMLA reads q, out and the window in natural column order"
+        from remnant.kernels.decode import flashmla
+
+        return (next(filter(None, (flashmla.layout_reason(layout) for layout in layouts or ())), None)
+                or flashmla.unavailable_reason(device, heads))
+    raise ValueError(f"kernel={kernel!r} is not allowed; allowed: {', '.join(map(repr, KERNELS))}")
+
+
+def _pinned(config: DecodeConfig) -> list[str]:
+    """The Triton kernel's own choices that `config` sets (TRITON_ONLY, h_block, num_warps)."""
+    names = [name for name in TRITON_ONLY if getattr(config, name) is not None]
+    return names + [name for name, default in (("h_block", 64), ("num_warps", 8)) if getattr(config, name) != default]
+
+
+#: What a run on a GPU says about the kernel that decoded each record form, where it was not
+#: FlashMLA's (native records, as SGLang serves them) or, for packed records, always: the
+#: benchmarks measure the two packed kernels apart (benchmarks/kernels/NOTES.md).
+_SERVED = {
+    (False, "triton"): "decode over native records (native and triton modes, window-only and HCA layers) ran on "
+                       "Remnant's Triton native kernel, not FlashMLA's V4 decode that SGLang runs: {reason}",
+    (True, "sm90"): "kernel mode's decode over packed records ran on the SM90 Gluon kernel "
+                    "(remnant.kernels.decode.sm90)",
+    (True, "triton"): "kernel mode's decode over packed records ran on Remnant's Triton kernel, not the SM90 Gluon "
+                      "kernel: {reason}",
+}
+
+
+def served_limits(packed: bool, served: dict | None) -> list[str]:
+    """The caveats of a run whose server decoded its packed (or native) records with the
+    kernel it reported (served: the engine's KernelChoice as /server_info gives it,
+    {"kernel", "reason"}); none where FlashMLA served native records or nothing ran."""
+    served = served or {}
+    text = _SERVED.get((packed, served.get("kernel")))
+    return [] if text is None else [text.format(reason=served.get("reason"))]
+
+
+def plan_decode(batch: int, heads: int, window: int, topk: int, packed: bool, device: torch.device, *,
+                columns: str = "natural", window_columns: str = "natural",
+                config: DecodeConfig | None = None, n_kept: int | None = None,
+                q_dtype: torch.dtype | None = None, layouts: tuple | None = None) -> DecodePlan:
+    """The plan of a call to one of Remnant's kernels (PLANNED) of `batch` tokens, `heads`
+    query heads, `window` window locations and `topk` C4 locations per token, over packed
+    (a keep list) or native C4 records on `device`, q and out in `columns` order and the
+    window records in `window_columns` order (see remnant.kernels.decode.decode). config:
+    the choices made by the caller (None: all chosen here). n_kept, q_dtype, layouts (the C4
+    and window PageLayouts): what decides whether the SM90 kernel can take the call (choose)."""
+    kernel = choose(device, heads, packed, n_kept=n_kept, columns=columns, window_columns=window_columns,
+                    q_dtype=q_dtype, layouts=layouts, config=config, kernels=PLANNED).kernel
+    return plan_for(kernel, batch, heads, window, topk, packed, device, columns=columns, window_columns=window_columns,
+                    config=config)
+
+
+def plan_for(kernel: str, batch: int, heads: int, window: int, topk: int, packed: bool, device: torch.device, *,
+             columns: str = "natural", window_columns: str = "natural",
+             config: DecodeConfig | None = None) -> DecodePlan:
+    """plan_decode's plan for a kernel already chosen (choose: one of PLANNED) for this call."""
+    config = config or DecodeConfig()
+    if kernel == "sm90":
         return _sm90_plan(batch, packed, columns, window_columns, device, config)
     programs = batch * triton.cdiv(heads, config.h_block)
     window_apart = window_apart_for(config.window_apart, packed, columns, window_columns, window, config.splits,
@@ -186,68 +321,22 @@ def plan_decode(batch: int, heads: int, window: int, topk: int, packed: bool, de
         join=join_for(config.join, splits, packed and columns == "natural", window_apart, device))
 
 
-def sm90_unavailable(packed: bool, columns: str, window_columns: str, device: torch.device, n_kept: int | None,
-                     heads: int, q_dtype: torch.dtype | None, layouts: tuple | None = None) -> str | None:
-    """Why the SM90 kernel cannot take this call (None: it can). layouts: the C4 and window
-    PageLayouts, checked where given (the kernel reads 16-byte aligned split pages)."""
-    if not (packed and columns == "kept_first" and window_columns == "kept_first"):
-        return "it runs the folded call only (packed records, q, out and the window in kept-first order)"
-    if q_dtype is not None and q_dtype != torch.bfloat16:
-        return f"it reads bf16 q, got {q_dtype}"
-    from remnant.kernels import packed_sm90  # Gluon is imported only where it may run
-
-    why = packed_sm90.unavailable_reason(device, n_kept, heads)
-    if why is None and layouts is not None:
-        why = packed_sm90.layout_problem(*layouts)
-    return why
-
-
-def _pinned(config: DecodeConfig) -> list[str]:
-    """The Triton kernel's own choices that `config` sets (TRITON_ONLY, h_block, num_warps)."""
-    names = [name for name in TRITON_ONLY if getattr(config, name) is not None]
-    return names + [name for name, default in (("h_block", 64), ("num_warps", 8)) if getattr(config, name) != default]
-
-
-def kernel_for(config: DecodeConfig, packed: bool, columns: str, window_columns: str, device: torch.device,
-               n_kept: int | None, heads: int, q_dtype: torch.dtype | None, layouts: tuple | None = None) -> str:
-    """config.kernel, or, where it is None: "sm90" where that kernel can take the call and
-    the config sets none of the Triton kernel's own choices (_pinned), else "triton".
-    Asking for "sm90" where it cannot run, or with Triton choices it would ignore, is a
-    ValueError."""
-    if config.kernel == "triton":
-        return "triton"
-    if device.type != "cuda" and config.kernel is None:
-        return "triton"
-    pinned = _pinned(config)
-    if config.kernel is None and pinned:
-        return "triton"
-    why = sm90_unavailable(packed, columns, window_columns, device, n_kept, heads, q_dtype, layouts)
-    if config.kernel == "sm90":
-        if why is not None:
-            raise ValueError(f"decode kernel='sm90' cannot run this call: {why}")
-        if pinned:
-            raise ValueError(f"decode kernel='sm90' has a fixed program; these settings are the Triton kernel's: "
-                             f"{', '.join(pinned)}")
-        return "sm90"
-    return "sm90" if why is None else "triton"
-
-
 def _sm90_plan(batch: int, packed: bool, columns: str, window_columns: str, device: torch.device,
                config: DecodeConfig) -> DecodePlan:
-    """The SM90 kernel's plan: its splits (packed_sm90.splits_per_token unless given); its
-    fixed program in the launch fields (64 heads on 8 warps, steps of 64 records, two stages)."""
-    from remnant.kernels import packed_sm90
+    """The SM90 kernel's plan: its splits (sm90.splits_per_token unless given); its fixed
+    program in the launch fields (64 heads on 8 warps, steps of 64 records, two stages)."""
+    from remnant.kernels.decode import sm90
 
     splits = config.splits
     if splits is None:
-        splits = packed_sm90.splits_per_token(batch, torch.cuda.get_device_properties(device).multi_processor_count)
-    if not 1 <= splits <= packed_sm90.MAX_SPLITS:
-        raise ValueError(f"splits must be in [1, {packed_sm90.MAX_SPLITS}] for the SM90 kernel, got {splits}")
+        splits = sm90.splits_per_token(batch, torch.cuda.get_device_properties(device).multi_processor_count)
+    if not 1 <= splits <= sm90.MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {sm90.MAX_SPLITS}] for the SM90 kernel, got {splits}")
     split = splits > 1
     return DecodePlan(
-        kernel="sm90", packed=packed, columns=columns, window_columns=window_columns, h_block=packed_sm90.HEADS,
-        num_warps=packed_sm90.NUM_WARPS, block_n=packed_sm90.STEP, num_stages=packed_sm90.STAGES,
-        scores_transposed=False, window_block_n=packed_sm90.STEP, window_scores_transposed=False, splits=splits,
+        kernel="sm90", packed=packed, columns=columns, window_columns=window_columns, h_block=sm90.HEADS,
+        num_warps=sm90.NUM_WARPS, block_n=sm90.STEP, num_stages=sm90.STAGES,
+        scores_transposed=False, window_block_n=sm90.STEP, window_scores_transposed=False, splits=splits,
         window_apart=False, partials="float32" if split else None, split_plan="by_cost" if split else None,
         join="kernel" if split else None)
 

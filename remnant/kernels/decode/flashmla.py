@@ -14,7 +14,8 @@ index as page * per_page + slot: Remnant's flat location. As SGLang calls it, th
 is the main cache and the C4 (or C128) records the extra one; indices are int32, -1 for
 none, padded to a multiple of 64 entries.
 
-Plain reference of the same operation: remnant.kv.paged.decode_native_reference (float64).
+Plain reference of the same operation: remnant.kernels.decode.reference.decode_native_reference
+(float64). Whether it takes a call is remnant.kernels.decode.plan's rule (choose).
 """
 
 from __future__ import annotations
@@ -58,9 +59,6 @@ def unavailable_reason(device: torch.device, heads: int) -> str | None:
     return None
 
 
-NATIVE_KERNELS = ("auto", "flashmla", "triton")
-
-
 def layout_reason(layout: PageLayout) -> str | None:
     """Why FlashMLA cannot read native records laid out as `layout`; None if it can."""
     if layout.record_bytes != NATIVE_RECORD_BYTES or layout.tail_bytes != SCALE_BYTES:
@@ -69,23 +67,6 @@ def layout_reason(layout: PageLayout) -> str | None:
         return (f"FlashMLA reads SGLang's split pages (page stride a multiple of {PAGE_ALIGN} bytes), not a page "
                 f"stride of {layout.page_stride}")
     return None
-
-
-def choose_native(requested: str, device: torch.device, heads: int,
-                  layouts: tuple[PageLayout, ...] = ()) -> tuple[str, str | None]:
-    """The kernel that decodes native records: ("flashmla", None), or ("triton", why not
-    FlashMLA). requested: "flashmla" (an error where it cannot run), "triton", or "auto"
-    (FlashMLA where it runs on `device` for `heads` heads over `layouts`)."""
-    if requested not in NATIVE_KERNELS:
-        raise ValueError(f"native decode kernel {requested!r} is not allowed; allowed: {', '.join(NATIVE_KERNELS)}")
-    if requested == "triton":
-        return "triton", "Remnant's Triton native kernel was asked for (native_decode=triton)"
-    why = next(filter(None, (layout_reason(layout) for layout in layouts)), None) or unavailable_reason(device, heads)
-    if why is None:
-        return "flashmla", None
-    if requested == "flashmla":
-        raise ValueError(f"native_decode=flashmla cannot run: {why}")
-    return "triton", why
 
 
 def version() -> str | None:
@@ -183,3 +164,12 @@ def decode(
     if out is None:
         return o.to(q.dtype)
     return out.copy_(o)
+
+
+def run(plan, q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: torch.Tensor, window: torch.Tensor,
+        window_layout: PageLayout, window_locs: torch.Tensor, sink: torch.Tensor, keep, scale: float,
+        out: torch.Tensor | None, compiled: list | None) -> torch.Tensor:
+    """remnant.kernels.decode.decode's call of FlashMLA (no plan: FlashMLA schedules its own
+    launch; native records, so no kept columns; no Triton kernel to append to `compiled`):
+    `decode`, giving FlashMLA's own output where no `out` is given."""
+    return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, scale, out=out)

@@ -1,14 +1,16 @@
-"""LAB FILE, not used by the plan: a warp-specialized Gluon packed decode for SM90.
+"""LAB FILE, not used by the plan and not part of the package: a warp-specialized Gluon
+packed decode for SM90.
 
-Measured slower than remnant.kernels.packed_sm90 (the kernel the plan runs) at every
+Measured slower than remnant.kernels.decode.sm90 (the kernel the plan runs) at every
 batch: 169-172 us against 159-161 at batch 512 with the window, 32.4 against 30.3 at 64
 (H200, benchmarks/kernels/NOTES.md, twentieth round, which also gives the two other
 warp-specialized layouts tried and why none overlapped its phases). Kept so that the
 next attempt starts from a working producer/consumer ring: it passes
-tests/kernels/test_packed_sm90.py when put in packed_sm90's place, and
-tests/kernels/test_packed_sm90_ws.py checks it as it is.
+tests/kernels/decode/test_sm90.py when put in sm90's place, and
+tests/kernels/decode/test_packed_sm90_ws.py checks it as it is; runners/device/
+packed_sm90_h200.py times it.
 
-The same call and contract as remnant.kernels.packed_sm90 (the folded packed call at
+The same call and contract as remnant.kernels.decode.sm90 (the folded packed call at
 R = 256: q, out and the window in kept-first column order, kept-first window records, the
 attention sink, -1 padding, V = K), laid out as producer and consumers:
 
@@ -41,8 +43,8 @@ import torch
 import triton
 
 # What the two kernels share (their contract, the plan's split choice, the join of splits)
-# has one home, packed_sm90; this file differs in the kernel only.
-from remnant.kernels.packed_sm90 import (  # noqa: F401 - HEADS, KEPT, splits_per_token: its contract
+# has one home, remnant.kernels.decode.sm90; this file differs in the kernel only.
+from remnant.kernels.decode.sm90 import (  # noqa: F401 - HEADS, KEPT, splits_per_token: its contract
     HEADS, KEPT, MAX_SPLITS, _join_kernel, layout_problem, splits_per_token, unavailable_reason)
 from remnant.kv.formats import HEAD_DIM
 from remnant.kv.layout import KeptColumns, PageLayout

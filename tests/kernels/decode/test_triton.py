@@ -1,4 +1,5 @@
-"""remnant.kernels.decode against the float64 reference decodes of remnant.kv.paged."""
+"""The Triton decode kernel (remnant.kernels.decode.triton), run through the package's entry point,
+against the float64 references of remnant.kernels.decode.reference."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.decode import _split_step, decode, kept_column_blocks, permute_columns
-from remnant.kernels.plan import (DEFAULT_CONFIGS, DecodeConfig, DecodePlan, join_for, partials_for, plan_decode, split_count,
-                                  split_plan_for, splits_for, window_apart_for, window_step_cost)
+from remnant.kernels.decode import DecodeConfig, DecodePlan, decode, plan_decode
+from remnant.kernels.decode.plan import window_step_cost
+from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
+from remnant.kernels.decode.triton import _split_step, kept_column_blocks, permute_columns
 from remnant.kv.layout import KeptColumns, PageLayout
-from remnant.kv.paged import decode_native_reference, decode_packed_reference
 from tests.kernels.inputs import DEVICE, ON_GPU, filled_pool, keep_map
 
 # bf16 operands and a bf16 output: errors of a few 1e-3 (METHOD: 1e-3..1e-2).
@@ -228,24 +229,6 @@ def test_native_splits_by_cost_weigh_a_window_step_as_a_c4_step():
     assert split_cuts(2, 4, 8, cost=window_step_cost(packed=True)) == [0, 4, 12]
 
 
-def test_split_plan_is_by_cost_for_a_kept_first_window_at_eight_splits_or_more():
-    assert [split_plan_for(None, s, True, True, False) for s in (1, 2, 7, 8, 16)] == [None, "even", "even", "by_cost",
-                                                                                      "by_cost"]
-    assert [split_plan_for(None, 8, True, kept, apart) for kept, apart in ((False, False), (False, True))] == ["even",
-                                                                                                              "even"]
-    assert split_plan_for("by_cost", 2, True, False, False) == "by_cost"
-    assert split_plan_for("even", 8, True, True, False) == "even"
-    assert split_plan_for("by_cost", 1, True, True, False) is None  # one split: nothing to plan
-    with pytest.raises(ValueError, match="split_plan='by_cost' cannot take the window apart"):
-        split_plan_for("by_cost", 3, True, False, True)
-
-
-def test_split_plan_is_by_cost_for_the_native_kernel_at_two_splits_only():
-    assert [split_plan_for(None, s, False, False, False) for s in (1, 2, 3, 4, 8, 16)] == [None, "by_cost", "even",
-                                                                                             "even", "even", "even"]
-    assert split_plan_for("even", 2, False, False, False) == "even"
-
-
 def test_decode_refuses_an_unknown_split_plan():
     with pytest.raises(ValueError, match=r"split_plan='balanced' is not allowed; allowed: None, 'even', 'by_cost'"):
         check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, splits=2, split_plan="balanced")
@@ -288,52 +271,9 @@ def test_kept_columns_split_into_a_power_of_two_and_a_tail_only_where_it_saves_p
     assert {key: kept_column_blocks(*key) for key in cases} == cases
 
 
-def test_partials_are_float16_for_two_splits_or_fewer_unless_given():
-    assert [partials_for(None, splits) for splits in (2, 3, 16)] == ["float16", "float32", "float32"]
-    assert partials_for("float32", 2) == "float32" and partials_for("float16", 16) == "float16"
-    assert partials_for(None, 1) is None and partials_for("float16", 1) is None  # one split: no partials
-
-
-def test_join_is_the_exchange_only_for_two_splits_in_the_kernels_own_order_on_a_gpu(monkeypatch):
-    import remnant.kernels.plan as plan_module
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert join_for(None, 1, False, False, cpu) is None  # one split: nothing to join
-    # Off the GPU (and under the interpreter, which runs programs one at a time): the kernel.
-    assert join_for(None, 2, False, False, cpu) == "kernel"
-    with pytest.raises(ValueError, match="join='exchange' cannot run with no compiled CUDA launch"):
-        join_for("exchange", 2, False, False, cpu)
-    # A compiled launch on an sm_90 GPU (its capability and the interpreter's flag stood in
-    # for, so that the choice itself is tested here).
-    monkeypatch.setattr(plan_module, "interpreted", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert join_for(None, 2, False, False, cuda) == "exchange"
-    assert join_for("kernel", 2, False, False, cuda) == "kernel"
-    for splits, permute, apart, why in ((3, False, False, "3 splits"), (2, True, False, "columns='natural'"),
-                                        (2, False, True, "the window apart")):
-        with pytest.raises(ValueError, match=f"join='exchange' cannot run with {why}"):
-            join_for("exchange", splits, permute, apart, cuda)
-        assert join_for(None, splits, permute, apart, cuda) == "kernel"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert join_for(None, 2, False, False, cuda) == "kernel"
-    with pytest.raises(ValueError, match="join='exchange' cannot run with a GPU before sm_90"):
-        join_for("exchange", 2, False, False, cuda)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(plan_module.triton, "__version__", "3.5.1")
-    with pytest.raises(ValueError, match=r"join='exchange' cannot run with Triton 3.5.1 \(launch_in_pairs needs 3.6"):
-        join_for("exchange", 2, False, False, cuda)
-
-
 def test_decode_refuses_an_unknown_join():
     with pytest.raises(ValueError, match="join='program' is not allowed; allowed: None, 'kernel', 'exchange'"):
         check_decode(batch=2, heads=16, topk=16, window=8, retention=256, seed=1, splits=2, join="program", **SMALL)
-
-
-def test_split_count_fills_the_multiprocessors_once():
-    assert [splits_for(programs, 132) for programs in (1, 9, 64, 66, 67, 128, 512)] == [16, 14, 2, 2, 1, 1, 1]
-    # At most one split per step of the longer loop: 37 records at 16 per step are 3 steps.
-    cpu = torch.device("cpu")
-    assert [split_count(s, 1, 21, 37, 16, 32, cpu) for s in (None, 2, 3, 8)] == [1, 2, 3, 3]
 
 
 @pytest.mark.parametrize(("retention", "splits"), [(256, None), (256, 2), (128, 3), (448, None), (64, 2), (384, None)])
@@ -358,50 +298,11 @@ def test_decode_with_its_own_choice_of_the_window_program():
     check_decode(batch=3, heads=20, topk=37, window=21, retention=256, seed=41, window_apart=None, **SOFT, **SMALL)
 
 
-def test_window_apart_is_chosen_for_natural_orders_with_a_window_and_a_full_batch():
-    cpu = torch.device("cpu")  # auto_splits is 1 off the GPU: every batch counts as full
-    assert window_apart_for(None, True, "natural", "natural", 128, None, 9, cpu)
-    assert not window_apart_for(None, True, "natural", "natural", 0, None, 9, cpu)  # no window
-    assert not window_apart_for(None, True, "natural", "natural", 128, 2, 9, cpu)  # splits given: fused
-    assert not window_apart_for(None, True, "kept_first", "natural", 128, None, 9, cpu)
-    assert not window_apart_for(None, False, "natural", "natural", 128, None, 9, cpu)  # native records
-    assert window_apart_for(True, True, "natural", "natural", 0, 3, 9, cpu)
-    with pytest.raises(ValueError, match="in natural order .*, got packed records, columns='natural', "
-                                         "window_columns='kept_first'"):
-        window_apart_for(True, True, "natural", "kept_first", 128, None, 9, cpu)
-    # The window's program and at most one per C4 step (37 records at 16 per step: 3).
-    assert [split_count(s, 1, 21, 37, 16, 32, cpu, window_apart=True) for s in (None, 2, 8)] == [2, 2, 4]
-    with pytest.raises(ValueError, match=r"splits must be >= 2 with window_apart \(the window's program and one for"):
-        split_count(1, 1, 21, 37, 16, 32, cpu, window_apart=True)
-
-
 @pytest.mark.parametrize(("retention", "kept_first"), [(512, False), (256, True)])
 def test_decode_of_the_window_alone(retention, kept_first):
     # Top-k 0 (no C4 records, as remnant-kernels times the part the calls share), split in two.
     check_decode(batch=3, heads=20, topk=0, window=21, retention=retention, seed=retention + 21, splits=2,
                  kept_first=kept_first, window_kept_first=kept_first, window_block_n=16, **SMALL)
-
-
-def test_plan_resolves_every_choice_as_the_resolvers_do():
-    cpu = torch.device("cpu")
-    # Off the GPU: one split (auto_splits), so natural orders over packed records take the
-    # window apart, with its defaults and one more split than auto.
-    plan = plan_decode(3, 64, 128, 512, True, cpu)
-    assert (plan.kernel, plan.window_apart, plan.splits, plan.h_block, plan.num_warps) == ("triton", True, 2, 64, 8)
-    assert plan.loops() == DEFAULT_CONFIGS["packed, window apart"] and plan.permute and not plan.window_kept_first
-    assert (plan.partials, plan.split_plan, plan.join) == ("float16", "even", "kernel")
-    folded = plan_decode(3, 64, 128, 512, True, cpu, columns="kept_first", window_columns="kept_first",
-                         config=DecodeConfig(splits=8, block_n=32))
-    assert (folded.window_apart, folded.splits, folded.block_n) == (False, 8, 32)
-    assert (folded.partials, folded.split_plan, folded.join) == ("float32", "by_cost", "kernel")
-    assert folded.window_block_n == DEFAULT_CONFIGS["packed, kept-first window"]["window_block_n"]
-    native = plan_decode(1, 16, 21, 37, False, cpu, config=DecodeConfig(h_block=16, num_warps=4))
-    assert (native.splits, native.partials, native.split_plan, native.join) == (1, None, None, None)
-    assert native.loops() == DEFAULT_CONFIGS["native"]
-    # A plan pins itself: planned again from its own config, at any batch, it is the same.
-    assert plan_decode(40, 64, 128, 512, True, cpu, config=plan.config()) == plan
-    with pytest.raises(ValueError, match="kernel='sm80' is not allowed; allowed: None, 'triton', 'sm90'"):
-        DecodeConfig(kernel="sm80")
 
 
 def test_decode_runs_a_plan_as_given_and_refuses_one_made_for_another_call():

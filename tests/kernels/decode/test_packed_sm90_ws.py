@@ -1,19 +1,20 @@
-"""The warp-specialized SM90 lab kernel (remnant.kernels.packed_sm90_ws) against the float64
-reference. The plan does not run it (benchmarks/kernels/NOTES.md, twentieth round: slower
-than packed_sm90); these tests keep it honest for the next attempt. On the GPU it also
-passes tests/kernels/test_packed_sm90.py put in packed_sm90's place."""
+"""The warp-specialized SM90 lab kernel (runners/device/packed_sm90_ws.py, outside the
+package) against the float64 reference. The plan does not run it (benchmarks/kernels/
+NOTES.md, twentieth round: slower than remnant.kernels.decode.sm90); these tests keep it
+honest for the next attempt. On the GPU it also passes tests/kernels/decode/test_sm90.py
+put in sm90's place."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from remnant.kernels import packed_sm90 as sm90
-from remnant.kernels import packed_sm90_ws as ws
+from remnant.kernels.decode import sm90
 from remnant.kv.layout import KeptColumns, PageLayout
+from runners.device import packed_sm90_ws as ws
+from tests.kernels.decode.test_sm90 import _inputs, _reference, _relative
+from tests.kernels.decode.test_triton import TOLERANCE
 from tests.kernels.inputs import DEVICE, keep_map
-from tests.kernels.test_decode import TOLERANCE
-from tests.kernels.test_packed_sm90 import _inputs, _reference, _relative
 
 WHY_NOT = ws.unavailable_reason(DEVICE, ws.KEPT, ws.HEADS)
 needs_sm90 = pytest.mark.skipif(WHY_NOT is not None, reason=f"the SM90 lab kernel cannot run here: {WHY_NOT}")
