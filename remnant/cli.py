@@ -37,19 +37,12 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from remnant.config import (
-    HOSTS,
-    CaptureConfig,
-    WORKLOADS,
-    ModeConfig,
-    ModelConfig,
-    RetentionConfig,
-    RunConfig,
-    validate,
-)
+from remnant.config import CaptureConfig, ModeConfig, ModelConfig, RetentionConfig, RunConfig, validate
 from remnant.config_errors import ConfigError
+from remnant.hosts.base import HOSTS
 from remnant.kv.modes import MODE_NAMES, mode_of
 from remnant.signals import Interrupted, describe as describe_signal, exit_status, raise_interrupted, signum_of
+from remnant.workloads.base import WORKLOADS
 
 #: Config groups a user picks from, in the order --help lists them.
 GROUPS = ("mode", "retention", "workload", "host", "model", "capture", "experiment")

@@ -5,33 +5,29 @@ wrong type fails at compose time); everything past cli.py sees only dataclasses.
 
 The groups whose options pick an implementation (workload, host) are open: each kind's
 config class lives in its own module, remnant/workloads/<kind>.py or
-remnant/hosts/<kind>.py, registered in WORKLOADS or HOSTS with its `kind`; it bounds its
-own fields (`validate`) and builds what it names (a workload's plan, a host). This module
-holds their base classes, the closed groups (mode, retention, model) and the rules that
-read more than one group. It imports no heavy package.
+remnant/hosts/<kind>.py, extends its group's base class beside the group's other
+foundations (WorkloadConfig in remnant/workloads/base.py, HostConfig in
+remnant/hosts/base.py) and registers in that module's Kinds registry (WORKLOADS, HOSTS)
+with its `kind`; it bounds its own fields (`validate`) and builds what it names (a
+workload's plan, a host). This module holds the registry class, the closed groups (mode,
+retention, model, capture), RunConfig and the rules that read more than one group; it
+imports none of hosts/ or workloads/ (RunConfig holds their configs as Any) and no heavy
+package. ConfigError and the one-field checks are remnant.config_errors'.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import pkgutil
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from remnant.config_errors import ConfigError, at_least, positive_finite
+from remnant.kv.capture_recorder import DEFAULT_RECORDS, DEFAULT_TOKENS
 from remnant.kv.formats import CSA_RATIO, HCA_RATIO, RETENTION_VALUES
 from remnant.kv.modes import check_packed_rules, mode_of
 from remnant.kv.retention import POLICIES, profile_values
-
-if TYPE_CHECKING:
-    from remnant.hosts.base import Host
-    from remnant.workloads.base import WorkloadPlan
-
-#: Open-loop arrival processes (workload.arrival): exponential gaps (Poisson arrivals, as
-#: sglang.bench_serving draws them) or equal gaps.
-ARRIVALS = ("poisson", "constant")
 
 #: OmegaConf's marker for a value the user must give (kept literal: no OmegaConf import here).
 MISSING = "???"
@@ -151,172 +147,6 @@ class Kinds:
 
 
 @dataclass
-class OversaturationConfig:
-    """The over-saturation stop (docs/workloads.md, "Over-saturation stop"): off unless
-    enabled. Over the trailing `window_s` of a phase it stops the run when the requests
-    waiting (the server's queue, from its /metrics, plus arrivals the client holds for a
-    free slot) rise at `queue_slope` req/s or more, each quarter of the window above the
-    one before; or when, with the client's load held, the output tokens/s the client
-    received fall below `goodput_drop` of the phase's best window."""
-
-    enabled: bool = False
-    #: The trailing window each check reads; a phase runs this long before its first check.
-    window_s: float = 30.0
-    #: Least-squares slope of the waiting requests over the window, in requests per second.
-    queue_slope: float = 0.5
-    #: Output tokens/s over the window below this share of the phase's best window; 0: no
-    #: goodput rule.
-    goodput_drop: float = 0.5
-
-    def validate(self) -> None:
-        positive_finite(self.window_s, "workload.oversaturation.window_s")
-        positive_finite(self.queue_slope, "workload.oversaturation.queue_slope")
-        if not (isinstance(self.goodput_drop, (int, float)) and 0 <= self.goodput_drop < 1):
-            raise ConfigError(f"workload.oversaturation.goodput_drop={self.goodput_drop} must be a share in [0, 1) "
-                              "(0: no goodput rule)")
-
-
-#: Shortest workload.server_metrics_interval_s (remnant.client.server_metrics.MIN_INTERVAL_S).
-SERVER_METRICS_MIN_INTERVAL_S = 0.05
-
-
-@dataclass
-class WorkloadConfig:
-    """Common fields of every workload; `kind` picks the implementation (WORKLOADS)."""
-
-    name: str = MISSING
-    kind: str = MISSING
-    seed: int = 0
-    concurrency: int = 4
-    flush_timeout_s: float = 60.0
-    #: Per read: the longest one request may wait for its next bytes.
-    request_timeout_s: float = 600.0
-    #: The no-progress watchdog: while requests are in flight and none of them has given a
-    #: token (or ended) for this long, the server has stalled: the run stops sending,
-    #: cancels what is in flight and ends failed (stage client, stall).
-    stall_timeout_s: float = 120.0
-    #: The longest the client may drive the server, all phases and flushes together; past
-    #: it the run ends failed (stage client, deadline). null: no deadline.
-    deadline_s: float | None = None
-    #: A run whose measured requests failed at more than this share (0..1) ends degraded,
-    #: not completed.
-    max_failed_share: float = 0.1
-    #: Open loop: requests (sessions, for session workloads) arrive at this rate per second,
-    #: and `concurrency` caps those in flight. null: closed loop, each sent as a slot frees.
-    request_rate: float | None = None
-    #: How open-loop arrivals are spaced: poisson (exponential gaps, seeded) or constant.
-    arrival: str = "poisson"
-    #: The client was saturated, and run.json's limits say so, when its event loop was busy
-    #: for at least this share of the measured phase (of one core: the loop is one thread)...
-    saturation_cpu_share: float = 0.9
-    #: ...or when its dispatch delay (sent after it meant to) had a p99 above this.
-    saturation_dispatch_p99_ms: float = 10.0
-    #: Scrape the server's Prometheus /metrics this often (s) while the client drives it,
-    #: into server_metrics.jsonl and run.json's server_metrics; 0: no scrape.
-    server_metrics_interval_s: float = 1.0
-    #: Stop a run that drives the server past saturation (off by default).
-    oversaturation: OversaturationConfig = field(default_factory=OversaturationConfig)
-
-    def validate(self) -> None:
-        """ConfigError naming the first field out of its range; a kind adds its own fields."""
-        if self.request_rate is not None:
-            positive_finite(self.request_rate, "workload.request_rate")
-        if self.arrival not in ARRIVALS:
-            raise ConfigError(f"workload.arrival={self.arrival} is not allowed; allowed: {', '.join(ARRIVALS)}")
-        positive_finite(self.saturation_cpu_share, "workload.saturation_cpu_share")
-        positive_finite(self.saturation_dispatch_p99_ms, "workload.saturation_dispatch_p99_ms")
-        positive_finite(self.request_timeout_s, "workload.request_timeout_s")
-        positive_finite(self.flush_timeout_s, "workload.flush_timeout_s")
-        positive_finite(self.stall_timeout_s, "workload.stall_timeout_s")
-        if self.deadline_s is not None:
-            positive_finite(self.deadline_s, "workload.deadline_s")
-        interval = self.server_metrics_interval_s
-        if not (isinstance(interval, (int, float)) and math.isfinite(interval)
-                and (interval == 0 or interval >= SERVER_METRICS_MIN_INTERVAL_S)):
-            raise ConfigError(f"workload.server_metrics_interval_s={interval} must be 0 (no scrape) or a finite "
-                              f"number >= {SERVER_METRICS_MIN_INTERVAL_S}")
-        self.oversaturation.validate()
-        if not (math.isfinite(self.max_failed_share) and 0 <= self.max_failed_share <= 1):
-            raise ConfigError(f"workload.max_failed_share={self.max_failed_share} must be a share in [0, 1]")
-        at_least(self, "workload.", ("seed",), 0)
-        at_least(self, "workload.", ("concurrency",), 1)
-
-    def request_tokens(self) -> tuple[int, str] | None:
-        """The most tokens (prompt + output) one request can need, as far as the config fixes
-        it, and the fields that set it; None where only the data does. Checked against the
-        model's context when the config is composed."""
-        return None
-
-    def needs_server_info(self) -> bool:
-        """Whether the plan depends on the server (planned again once it answers)."""
-        return False
-
-    def limits(self) -> list[str]:
-        """Caveats of this workload that every run.json of it carries."""
-        return []
-
-    def plan(self, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:
-        """The request stream for `model` (remnant.workloads.plan_workload checks it against
-        the model's context). server_info: the server's /server_info, for workloads sized
-        by the server; None plans without it."""
-        raise NotImplementedError(f"workload kind {self.kind} has no plan()")
-
-
-#: Workload kinds: remnant/workloads/<kind>.py registers its WorkloadConfig subclass.
-WORKLOADS = Kinds("workload", "remnant.workloads")
-
-
-@dataclass
-class HostConfig:
-    """Common fields of every host; `kind` picks the implementation (HOSTS)."""
-
-    kind: str = MISSING
-    #: The environment variable holding the server's API key (remnant.api_key), or None
-    #: for a server without one. The name is recorded, never the key.
-    api_key_env: str | None = None
-
-    def validate(self) -> None:
-        """ConfigError naming the first field out of its range; a kind adds its own fields."""
-        at_least(self, "host.", ("log_tail_lines",), 0)
-        self.api_key()
-
-    def api_key(self) -> str | None:
-        """The key in the variable api_key_env names (None without one); ConfigError where
-        that variable holds none a run can send."""
-        from remnant.api_key import read_key
-
-        return read_key(self.api_key_env)
-
-    def check_model(self, model: ModelConfig) -> None:
-        """ConfigError where this host cannot serve `model` (nothing by default)."""
-
-    def serves_sglang(self) -> bool:
-        """Whether the server is SGLang with Remnant's plugin, which cannot calibrate a
-        retention map at load as the embedded engine does."""
-        return False
-
-    def starts_server(self) -> bool:
-        """Whether the run starts (and so configures) the server it drives."""
-        return True
-
-    def capture_refusal(self) -> str | None:
-        """Why this host cannot run a capture (capture=on), in one line; None where it can."""
-        return None
-
-    def limits(self) -> list[str]:
-        """Caveats of runs on this host that every run.json of it carries."""
-        return []
-
-    def make(self) -> Host:
-        """The Host that serves runs with this config (remnant.hosts.make_host)."""
-        raise NotImplementedError(f"host kind {self.kind} has no make()")
-
-
-#: Host kinds: remnant/hosts/<kind>.py registers its HostConfig subclass.
-HOSTS = Kinds("host", "remnant.hosts")
-
-
-@dataclass
 class CaptureConfig:
     """A capture run (`remnant-capture`, or `remnant-run capture=on`): the native server
     records each CSA layer's first `tokens` decode queries and first `records` C4 latents
@@ -324,8 +154,8 @@ class CaptureConfig:
     calibration data of python -m remnant.kv.build_map."""
 
     name: str = "on"
-    tokens: int = 256
-    records: int = 4096
+    tokens: int = DEFAULT_TOKENS
+    records: int = DEFAULT_RECORDS
     #: What the capture is of, recorded in the file (policies are evaluated on a source they
     #: were not calibrated on); empty: the workload's name.
     source: str = ""
@@ -382,7 +212,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"seed={cfg.seed} must be >= 0 (numpy's generators take non-negative seeds)")
     validate_model(cfg.model)
     cfg.workload.validate()
-    validate_context(cfg.workload, cfg.model)
+    cfg.workload.check_model(cfg.model)
     cfg.host.validate()
     cfg.host.check_model(cfg.model)
     if cfg.capture is not None:
@@ -414,17 +244,6 @@ def validate(cfg: RunConfig) -> None:
     elif ret.retention not in RETENTION_VALUES:
         raise ConfigError(f"retention={ret.retention} is not allowed; allowed: {', '.join(map(str, RETENTION_VALUES))}")
     check_packed_rules(mode.name, ret.values(), cfg.hicache, ret.name)
-
-
-def validate_context(w: WorkloadConfig, model: ModelConfig) -> None:
-    """A request longer than the model's context would be refused by every server; say so
-    before a plan of millions of tokens is drawn."""
-    need = w.request_tokens()
-    if need is not None and need[0] > model.max_position_embeddings:
-        raise ConfigError(
-            f"{need[1]} = {need[0]} tokens per request is more than model={model.name}'s context length "
-            f"(model.max_position_embeddings={model.max_position_embeddings}); shorten the requests or "
-            f"choose a model with a longer context")
 
 
 #: Storage of routed experts: FP8 e4m3 with a float32 scale per output column (the engine's

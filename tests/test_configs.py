@@ -64,7 +64,8 @@ def test_groups_hold_what_the_design_names():
 def test_every_kind_lives_in_its_module_with_a_conf_file():
     """Workload and host kinds are found by their registries: remnant/<package>/<kind>.py
     holds the config class and conf/<group>/<kind>.yaml composes it."""
-    from remnant.config import HOSTS, WORKLOADS
+    from remnant.hosts.base import HOSTS
+    from remnant.workloads.base import WORKLOADS
 
     for kinds in (WORKLOADS, HOSTS):
         found = kinds.all()

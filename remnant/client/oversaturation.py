@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from remnant.config import OversaturationConfig
+from remnant.workloads.base import OversaturationConfig
 
 #: The goodput rule compares against a best window of at least this many output tokens.
 MIN_BEST_TOKENS = 64

@@ -50,10 +50,9 @@ from remnant.client.http_stream import CONTINUE, END, STOP, StreamError, StreamP
 from remnant.client.oversaturation import Detector, Point, describe, point_step_s
 from remnant.client.request_record import RequestRecord
 from remnant.client.server_metrics import QUEUE, RUNNING, ServerMetricsScraper
-from remnant.config import OversaturationConfig
 from remnant.records.files import append_line
 from remnant.signals import Interrupted
-from remnant.workloads.base import Phase, PlannedRequest
+from remnant.workloads.base import OversaturationConfig, Phase, PlannedRequest
 
 #: Longest error snippet kept from a response body.
 SNIPPET_CHARS = 160

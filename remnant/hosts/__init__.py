@@ -1,10 +1,9 @@
 """Hosts start servers. Each kind's module (remnant/hosts/<kind>.py) holds its config
-class, registered in remnant.config.HOSTS, whose make() builds the Host."""
+class, registered in remnant.hosts.base.HOSTS, whose make() builds the Host."""
 
 from __future__ import annotations
 
-from remnant.config import HOSTS, HostConfig
-from remnant.hosts.base import Endpoint, Host, HostError, ServerSpec
+from remnant.hosts.base import HOSTS, Endpoint, Host, HostConfig, HostError, ServerSpec
 
 
 def make_host(cfg: HostConfig) -> Host:

@@ -1,5 +1,7 @@
-"""The Host protocol (docs/hosts.md): start a server, wait for it, hand out an endpoint,
-always stop it. Hosts never interpret metrics; the client never starts or stops servers."""
+"""What a host is (docs/hosts.md): HostConfig, the fields every host has (each kind's config
+class in remnant/hosts/<kind>.py extends it and registers in HOSTS), and the Host protocol:
+start a server, wait for it, hand out an endpoint, always stop it. Hosts never interpret
+metrics; the client never starts or stops servers."""
 
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
-import httpx
-
-from remnant.api_key import bearer
-from remnant.config import ModelConfig, RetentionConfig
+from remnant.api_key import bearer, read_key
+from remnant.config import MISSING, Kinds, ModelConfig, RetentionConfig
+from remnant.config_errors import at_least
 
 if TYPE_CHECKING:
+    import httpx
+
     from remnant.kv.capture_recorder import CaptureSettings
 
 
@@ -60,6 +63,54 @@ class Host(Protocol):
     def describe(self) -> dict: ...
 
 
+@dataclass
+class HostConfig:
+    """Common fields of every host; `kind` picks the implementation (HOSTS)."""
+
+    kind: str = MISSING
+    #: The environment variable holding the server's API key (remnant.api_key), or None
+    #: for a server without one. The name is recorded, never the key.
+    api_key_env: str | None = None
+
+    def validate(self) -> None:
+        """ConfigError naming the first field out of its range; a kind adds its own fields."""
+        at_least(self, "host.", ("log_tail_lines",), 0)
+        self.api_key()
+
+    def api_key(self) -> str | None:
+        """The key in the variable api_key_env names (None without one); ConfigError where
+        that variable holds none a run can send."""
+        return read_key(self.api_key_env)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """ConfigError where this host cannot serve `model` (nothing by default)."""
+
+    def serves_sglang(self) -> bool:
+        """Whether the server is SGLang with Remnant's plugin, which cannot calibrate a
+        retention map at load as the embedded engine does."""
+        return False
+
+    def starts_server(self) -> bool:
+        """Whether the run starts (and so configures) the server it drives."""
+        return True
+
+    def capture_refusal(self) -> str | None:
+        """Why this host cannot run a capture (capture=on), in one line; None where it can."""
+        return None
+
+    def limits(self) -> list[str]:
+        """Caveats of runs on this host that every run.json of it carries."""
+        return []
+
+    def make(self) -> Host:
+        """The Host that serves runs with this config (remnant.hosts.make_host)."""
+        raise NotImplementedError(f"host kind {self.kind} has no make()")
+
+
+#: Host kinds: remnant/hosts/<kind>.py registers its HostConfig subclass.
+HOSTS = Kinds("host", "remnant.hosts")
+
+
 def wait_healthy(
     base_url: str,
     timeout_s: float,
@@ -72,6 +123,8 @@ def wait_healthy(
     at once when the server refuses the API key (SGLang answers /health without one, but a
     server that wants one there will not start answering later). key_env: the variable
     the key came from (host.api_key_env), for the message."""
+    import httpx  # here, not at import: the host configs above load without it
+
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     with httpx.Client(timeout=5.0, headers=bearer(api_key)) as client:
@@ -96,6 +149,8 @@ def fetch_server_info(base_url: str, api_key: str | None = None, key_env: str | 
     """GET /server_info once the server is healthy (None if it has none). This is the
     readiness check of the API key too (/health needs none): HostError, in one line, where
     the server refuses the key or wants one and none was given."""
+    import httpx
+
     try:
         r = httpx.get(f"{base_url}/server_info", timeout=10.0, headers=bearer(api_key))
     except httpx.HTTPError:

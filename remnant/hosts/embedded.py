@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Iterator
 
 from remnant.api_key import SERVER_ENV
-from remnant.config import HOSTS, HostConfig
 from remnant.config_errors import at_least, positive_finite
 from remnant.engine.args import EngineArgs, RetentionArgs, capture_argv
-from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, lost_log, wait_healthy
+from remnant.hosts.base import (HOSTS, Endpoint, HostConfig, HostError, ServerSpec, fetch_server_info, log_tail, lost_log,
+                                wait_healthy)
 from remnant.records.files import writing
 
 _STOP_GRACE_S = 10.0

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Iterator
 from urllib.parse import urlsplit
 
-from remnant.config import HOSTS, MISSING, HostConfig
+from remnant.config import MISSING
 from remnant.config_errors import ConfigError, positive_finite
-from remnant.hosts.base import Endpoint, ServerSpec, fetch_server_info, wait_healthy
+from remnant.hosts.base import HOSTS, Endpoint, HostConfig, ServerSpec, fetch_server_info, wait_healthy
 
 
 @HOSTS.register

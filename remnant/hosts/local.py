@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Iterator
 
 from remnant.api_key import SERVER_ENV, refuse_inline_keys
-from remnant.config import HOSTS, HostConfig, ModelConfig
+from remnant.config import ModelConfig
 from remnant.config_errors import ConfigError, positive_finite
-from remnant.hosts.base import Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred, wait_healthy
+from remnant.hosts.base import (HOSTS, Endpoint, HostConfig, HostError, ServerSpec, fetch_server_info, log_tail,
+                                signals_deferred, wait_healthy)
 from remnant.records.files import writing
 
 #: Values of LocalHostConfig.server: what the image serves.

@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Iterator
 
 from remnant.api_key import SERVER_ENV, refuse_inline_keys
-from remnant.config import HOSTS, HostConfig
 from remnant.config_errors import ConfigError, at_least, positive_finite
-from remnant.hosts.base import (Endpoint, HostError, ServerSpec, fetch_server_info, log_tail, signals_deferred,
-                                wait_healthy)
+from remnant.hosts.base import (HOSTS, Endpoint, HostConfig, HostError, ServerSpec, fetch_server_info, log_tail,
+                                signals_deferred, wait_healthy)
 from remnant.kv.modes import mode_of
 from remnant.records.files import writing
 

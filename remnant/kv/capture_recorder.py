@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from remnant.config import CaptureConfig
 from remnant.config_errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,11 +36,11 @@ ENV_CAPTURE_RECORDS = "REMNANT_CAPTURE_RECORDS"
 ENV_CAPTURE_SOURCE = "REMNANT_CAPTURE_SOURCE"
 ENV_CAPTURE_MODEL_ID = "REMNANT_CAPTURE_MODEL_ID"
 
-#: Defaults, the run config's (remnant.config.CaptureConfig): 256 decode queries of 64
+#: Defaults, the run config's too (remnant.config.CaptureConfig): 256 decode queries of 64
 #: heads are 32 MiB of float32 per CSA layer; 4096 latents are 8 MiB. Both bound the file
 #: and the time the policies take to read it.
-DEFAULT_TOKENS = CaptureConfig.tokens
-DEFAULT_RECORDS = CaptureConfig.records
+DEFAULT_TOKENS = 256
+DEFAULT_RECORDS = 4096
 
 
 @dataclass(frozen=True)

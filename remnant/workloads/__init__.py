@@ -1,11 +1,11 @@
 """Workloads: each kind's module (remnant/workloads/<kind>.py) holds its config class,
-registered in remnant.config.WORKLOADS, whose plan() turns it into a WorkloadPlan
+registered in remnant.workloads.base.WORKLOADS, whose plan() turns it into a WorkloadPlan
 (phases of planned requests)."""
 
 from __future__ import annotations
 
-from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig
-from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan, arrival_times
+from remnant.config import ModelConfig
+from remnant.workloads.base import WORKLOADS, Phase, PlannedRequest, WorkloadConfig, WorkloadPlan, arrival_times
 
 
 def plan_workload(cfg: WorkloadConfig, model: ModelConfig, server_info: dict | None = None) -> WorkloadPlan:

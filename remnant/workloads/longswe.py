@@ -11,9 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig
+from remnant.config import ModelConfig
 from remnant.config_errors import at_least, positive_finite, range_pair
-from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.base import WORKLOADS, Phase, PlannedRequest, WorkloadConfig, WorkloadPlan
 from remnant.workloads.random import SYNTHETIC_PROMPTS
 from remnant.workloads.sessions import (
     MOONCAKE_BLOCK,

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig
+from remnant.config import ModelConfig
 from remnant.config_errors import ConfigError, at_least
-from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.base import WORKLOADS, Phase, PlannedRequest, WorkloadConfig, WorkloadPlan
 
 #: The caveat of every workload whose prompts are drawn token ids.
 SYNTHETIC_PROMPTS = "synthetic random-token prompts, not real text"

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remnant.config import WORKLOADS, ModelConfig, WorkloadConfig
+from remnant.config import ModelConfig
 from remnant.config_errors import at_least
-from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.base import WORKLOADS, Phase, PlannedRequest, WorkloadConfig, WorkloadPlan
 from remnant.workloads.random import SYNTHETIC_PROMPTS
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from remnant.config import MISSING, WORKLOADS, ModelConfig, WorkloadConfig
+from remnant.config import MISSING, ModelConfig
 from remnant.config_errors import at_least
-from remnant.workloads.base import Phase, PlannedRequest, WorkloadPlan
+from remnant.workloads.base import WORKLOADS, Phase, PlannedRequest, WorkloadConfig, WorkloadPlan
 from remnant.workloads.dataset_file import Record, Tally, read_file, read_records
 
 

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from remnant.client.oversaturation import Point, oversaturated
-from remnant.config import OversaturationConfig
+from remnant.workloads.base import OversaturationConfig
 from tests.loopback import loopback_server
 
 RULE = OversaturationConfig(enabled=True, window_s=30.0, queue_slope=0.5, goodput_drop=0.5)
