@@ -14,5 +14,6 @@ store and reconstruct have their plain torch references in `remnant.kv.paged`
 (`*_reference`); tests compare each kernel with its reference (float64 reference, poisoned
 outputs, odd sizes). `remnant.kernels.dispatch` runs store and reconstruct on CUDA tensors
 and their references elsewhere (what the engine and the SGLang plugin call).
-`remnant.kernels.bench` is the `remnant-kernels` microbenchmark.
+`remnant.kernels.bench` is the `remnant-kernels` microbenchmark (harness, cases, inputs,
+checks, sweep, targets, report, plot, cli).
 """

@@ -18,7 +18,9 @@ import time
 
 import torch
 
-from remnant.kernels.bench import HEADS, DecodeInputs, _sync_time_graph
+from remnant.kernels.bench.cases import HEADS
+from remnant.kernels.bench.harness import time_graph
+from remnant.kernels.bench.inputs import DecodeInputs
 from remnant.kernels.decode import decode as triton_decode
 from remnant.kernels.decode import sm90
 from remnant.kernels.decode.reference import decode_packed_reference
@@ -74,7 +76,7 @@ def check(inputs, keep, batch, topk, window, splits, pad, sink_scale=1.0, module
 
 def timed(calls, reps: int = 15) -> float:
     """Microseconds of one call, as remnant-kernels times it (a CUDA graph of the rotation)."""
-    return _sync_time_graph(calls, reps) * 1e6
+    return time_graph(calls, reps) * 1e6
 
 
 def time_case(inputs, keep, batch, topk, window, with_flashmla, splits=None, skip=None, module=ws, old=True, **kw):

@@ -6,33 +6,37 @@ import json
 
 import pytest
 
-from remnant.kernels.bench import (SCHEMA_VERSION, Ceilings, DecodeCase, FlashMLACase, _decode_bytes_flops,
-                                   _flashmla_bytes_flops, _roofline, against_flashmla, main, table, targets)
+from remnant.kernels.bench import main
+from remnant.kernels.bench.cases import DecodeCase, FlashMLACase, decode_bytes_flops, flashmla_bytes_flops
+from remnant.kernels.bench.harness import Ceilings, roofline
+from remnant.kernels.bench.report import table
+from remnant.kernels.bench.sweep import SCHEMA_VERSION
+from remnant.kernels.bench.targets import against_flashmla, targets
 from remnant.kernels.decode.plan import partials_for, split_plan_for
 from remnant.records.schema import RecordError, validate
 
 
 def test_decode_bytes_count_records_locations_and_io():
-    nbytes, flops = _decode_bytes_flops(DecodeCase("packed", 256, batch=2, topk=512, window=128))
+    nbytes, flops = decode_bytes_flops(DecodeCase("packed", 256, batch=2, topk=512, window=128))
     io = 2 * 2 * 64 * 512 * 2
     assert nbytes == 2 * (512 * (328 + 4) + 128 * (584 + 4)) + io
     # C4: kept 192 as blocks of 128 and 64, + 64 RoPE, score and P.V; window: kept (192),
     # dropped (256) and RoPE (64), score and P.V.
     assert flops == 2 * 2 * 64 * (512 * 2 * 256 + 128 * 2 * (192 + 256 + 64))
     # R = 320: 256 kept columns, one block (a power of two); dropped 192 padded to 256.
-    _, flops_320 = _decode_bytes_flops(DecodeCase("packed", 320, batch=1, topk=1, window=1))
+    _, flops_320 = decode_bytes_flops(DecodeCase("packed", 320, batch=1, topk=1, window=1))
     assert flops_320 == 2 * 64 * (2 * (256 + 64) + 2 * (256 + 256 + 64))
-    native_bytes, _ = _decode_bytes_flops(DecodeCase("native", 512, batch=2, topk=512, window=128))
+    native_bytes, _ = decode_bytes_flops(DecodeCase("native", 512, batch=2, topk=512, window=128))
     assert native_bytes == 2 * (640 * 588) + io
     # The window apart: the native program multiplies the window (512 + 64), bytes unchanged.
-    apart_bytes, apart_flops = _decode_bytes_flops(DecodeCase("packed", 256, batch=2, topk=512, window=128), True)
+    apart_bytes, apart_flops = decode_bytes_flops(DecodeCase("packed", 256, batch=2, topk=512, window=128), True)
     assert apart_bytes == nbytes and apart_flops == 2 * 2 * 64 * (512 * 2 * 256 + 128 * 2 * (512 + 64))
 
 
 def _decode_row(ceil: Ceilings, config: dict, variant: str, retention: int, columns: str, window_columns: str,
                 us: float, topk: int = 512, splits: int = 2, auto_splits: bool = True) -> dict:
     """A decode row of batch 64, window 128, as bench_decode writes it, taking `us`."""
-    nbytes, flops = _decode_bytes_flops(DecodeCase(variant, retention, 64, topk, 128, columns, window_columns))
+    nbytes, flops = decode_bytes_flops(DecodeCase(variant, retention, 64, topk, 128, columns, window_columns))
     return {"variant": variant, "kernel": "triton", "retention": retention, "batch": 64, "topk": topk, "window": 128,
             "columns": columns,
             "window_columns": window_columns, "heads": 64, "config": config, "splits": splits,
@@ -42,7 +46,7 @@ def _decode_row(ceil: Ceilings, config: dict, variant: str, retention: int, colu
             # join_for on an sm_90 GPU: two splits in the kernel's own order join by exchange.
             "join": None if splits == 1 else "kernel" if splits > 2 or (variant, columns) == ("packed", "natural")
             else "exchange",
-            **_roofline(us / 1e6, nbytes, flops, ceil)}
+            **roofline(us / 1e6, nbytes, flops, ceil)}
 
 
 def _doc() -> dict:
@@ -73,9 +77,9 @@ def _doc() -> dict:
     for variant, retention, orders, us in (("native", 512, "natural", 8.0), ("packed", 256, "kept_first", 9.0)):
         decode.append(_decode_row(ceil, config, variant, retention, orders, orders, us, topk=0))
     store = [{"kernel": "store", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "shared",
-              "block_rows": 16, "num_warps": 4, **_roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
+              "block_rows": 16, "num_warps": 4, **roofline(500e-6, (1 << 20) * 1356, 0.0, ceil)}]
     recon = [{"kernel": "reconstruct", "retention": 256, "records": 1 << 20, "record_bytes": 328, "permute": "shared",
-              "block_rows": 16, "num_warps": 4, **_roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
+              "block_rows": 16, "num_warps": 4, **roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
     stock = [_flashmla_row(ceil, "flashmla", 16.0), _flashmla_row(ceil, "reconstruct+flashmla", 24.0)]
     return {
         "schema": "remnant/kernel-bench", "schema_version": SCHEMA_VERSION, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
@@ -94,15 +98,15 @@ def _doc() -> dict:
 
 def _flashmla_row(ceil: Ceilings, kernel: str, us: float, batch: int = 64) -> dict:
     case = FlashMLACase(kernel, batch, 512, 128, 512 if kernel == "flashmla" else 256)
-    nbytes, flops = _flashmla_bytes_flops(case)
+    nbytes, flops = flashmla_bytes_flops(case)
     return {"kernel": kernel, "retention": case.retention, "batch": batch, "topk": 512, "window": 128, "heads": 64,
-            "max_rel_error": 3e-3, **_roofline(us / 1e6, nbytes, flops, ceil)}
+            "max_rel_error": 3e-3, **roofline(us / 1e6, nbytes, flops, ceil)}
 
 
 def test_flashmla_rows_count_the_staging_bytes():
-    native, flops = _decode_bytes_flops(DecodeCase("native", 512, 3, 512, 128))
-    assert _flashmla_bytes_flops(FlashMLACase("flashmla", 3, 512, 128)) == (native, flops)
-    staged, staged_flops = _flashmla_bytes_flops(FlashMLACase("reconstruct+flashmla", 3, 512, 128, 256))
+    native, flops = decode_bytes_flops(DecodeCase("native", 512, 3, 512, 128))
+    assert flashmla_bytes_flops(FlashMLACase("flashmla", 3, 512, 128)) == (native, flops)
+    staged, staged_flops = flashmla_bytes_flops(FlashMLACase("reconstruct+flashmla", 3, 512, 128, 256))
     assert staged == native + 3 * 512 * (328 + 584 + 4) and staged_flops == flops
 
 
@@ -197,7 +201,7 @@ def test_targets_are_ratios_to_flashmla_in_this_run():
 
 
 def test_residency_names_the_programs_that_fit_and_every_limit_at_that_count():
-    from remnant.kernels.bench import _residency
+    from remnant.kernels.bench.targets import _residency
 
     row = dict(config=dict(num_warps=4), n_regs=128, shared_bytes=40000, n_spills=0)
     # 128 registers x 4 warps: 4 programs; 40 KB of shared memory: 5; warps: 16.
@@ -205,7 +209,7 @@ def test_residency_names_the_programs_that_fit_and_every_limit_at_that_count():
 
 
 def test_each_tuned_kind_sweeps_its_forms_at_each_pipeline_depth():
-    from remnant.kernels.bench import TUNED, decode_configs
+    from remnant.kernels.bench.cases import TUNED, decode_configs
 
     for kind in TUNED:
         configs = decode_configs(kind, quick=False)
@@ -217,7 +221,7 @@ def test_each_tuned_kind_sweeps_its_forms_at_each_pipeline_depth():
 
 
 def test_split_series_holds_the_sweep_only():
-    from remnant.kernels.plot import split_series
+    from remnant.kernels.bench.plot import split_series
 
     series = split_series(_doc())
     # (The native row at 2 splits is the other plan's, even: decode cuts native's 2 by cost.)
@@ -228,7 +232,7 @@ def test_split_series_holds_the_sweep_only():
 
 
 def test_every_batch_times_the_calls_as_served_and_flashmla_beside_them():
-    from remnant.kernels.bench import DECODE_BATCHES, decode_cases, flashmla_cases
+    from remnant.kernels.bench.cases import DECODE_BATCHES, decode_cases, flashmla_cases
 
     cases = [c for c in decode_cases(quick=False, multiprocessors=132) if c.splits is None and c.topk == 512]
     served = {("native", "natural", "natural"), ("packed", "natural", "natural"),
@@ -247,7 +251,7 @@ def test_every_batch_times_the_calls_as_served_and_flashmla_beside_them():
 
 
 def test_decode_cases_time_the_other_split_plan_at_auto_splits_count():
-    from remnant.kernels.bench import decode_cases
+    from remnant.kernels.bench.cases import decode_cases
 
     others = [c for c in decode_cases(quick=False, multiprocessors=132) if c.split_plan is not None]
     # Each kernel's plan that decode does not choose: native cut by cost at 8 splits (batch
@@ -262,7 +266,7 @@ def test_decode_cases_time_the_other_split_plan_at_auto_splits_count():
 
 
 def test_decode_cases_time_the_join_kernel_where_decode_joins_two_splits_by_exchange():
-    from remnant.kernels.bench import decode_cases
+    from remnant.kernels.bench.cases import decode_cases
 
     kernels = [(c.variant, c.batch, c.splits, c.split_plan, c.columns, c.window_columns)
                for c in decode_cases(quick=False, multiprocessors=132) if c.join is not None]
@@ -328,7 +332,7 @@ def test_needs_a_gpu(capsys):
 
 
 def test_decode_series_by_column_order():
-    from remnant.kernels.plot import decode_series, ratio_series
+    from remnant.kernels.bench.plot import decode_series, ratio_series
 
     series = decode_series(_doc(), window=128, topk=512, retention=256)
     assert list(series) == ["FlashMLA V4 (stock)", "triton mode: reconstruct + FlashMLA",

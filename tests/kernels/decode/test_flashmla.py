@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels.bench import poison_next_allocation
+from remnant.kernels.bench.inputs import poison_next_allocation
 from remnant.kernels.decode import DecodeConfig, KernelChoice, choose, decode, flashmla
 from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
 from remnant.kernels.dispatch import store

@@ -1,12 +1,12 @@
 """One PNG of a remnant-kernels record: decode time by batch beside FlashMLA's, each
 decode's time over FlashMLA's, copy kernels against the copy bandwidth (matplotlib,
-headless; no GPU needed)."""
+headless; no GPU needed). Everything drawn is read from the record, its targets too: an
+older record is drawn against the targets it was measured against."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-
-from remnant.kernels.bench import KERNEL_VS_FLASHMLA_FROM_64
 
 # Decode rows drawn, as (variant, columns, window_columns, decode kernel) -> label; as
 # served first. FlashMLA's rows have no decode kernel of ours ("").
@@ -47,6 +47,20 @@ def ratio_series(doc: dict, window: int, topk: int, retention: int) -> dict[str,
     stock = dict(series.pop(DECODE_LINES[("flashmla", "natural", "natural", "")], []))
     return {label: [(b, t / stock[b]) for b, t in points if b in stock] for label, points in series.items()
             if any(b in stock for b, _ in points)}
+
+
+def flashmla_targets(doc: dict) -> dict[float, int]:
+    """{limit: the smallest batch it holds at} of the record's kernel-mode targets over
+    FlashMLA's time below parity (remnant.kernels.bench.targets writes them as "decode
+    packed (...)/FlashMLA V4 time, batch N, ..." with target "<= limit"); none in a record
+    from before FlashMLA was timed."""
+    limits: dict[float, int] = {}
+    for target in doc.get("targets", []):
+        batch = re.search(r"/FlashMLA V4 time, batch (\d+),", target["name"])
+        limit = re.fullmatch(r"<= ([0-9.]+)", target["target"])
+        if batch and limit and float(limit[1]) < 1.0:
+            limits[float(limit[1])] = min(limits.get(float(limit[1]), int(batch[1])), int(batch[1]))
+    return limits
 
 
 def split_series(doc: dict) -> dict[str, list[tuple[int, float]]]:
@@ -106,8 +120,9 @@ def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
             ax.plot([b for b, _ in points], [r for _, r in points], marker="o", color=f"C{labels.index(label)}",
                     label=label)
         ax.axhline(1.0, color="black", linewidth=1)
-        ax.axhline(KERNEL_VS_FLASHMLA_FROM_64, color="gray", linestyle="--", linewidth=1,
-                   label=f"kernel-mode target at batch >= 64: {KERNEL_VS_FLASHMLA_FROM_64}")
+        for limit, batch in sorted(flashmla_targets(doc).items()):
+            ax.axhline(limit, color="gray", linestyle="--", linewidth=1,
+                       label=f"kernel-mode target at batch >= {batch}: {limit}")
         _finish(ax, "batch (decode tokens)", "time / FlashMLA V4's time", f"against FlashMLA, top-k {topk}, window 128")
     ax = axes[next_panel]
     for kernel in ("store", "reconstruct"):
