@@ -35,6 +35,11 @@ from remnant.records.files import atomic_write
 
 FORMAT = "remnant-capture/1"
 SYNTHETIC_GENERATOR = "remnant.kv.captures.synthetic_captures/1"
+#: The caveat every report measured on synthetic_captures carries.
+SYNTHETIC_LIMIT = (
+    "synthetic latents with heavy-tailed channels and planted high-energy channels, "
+    "not captures of DeepSeek-V4: says how policies rank on that structure, not on the real model"
+)
 _NAME = re.compile(r"^layers\.(0|[1-9][0-9]*)\.(q|k)$")
 
 

@@ -4,15 +4,10 @@ For each layer of a capture file, the policy chooses kept coordinates from calib
 queries (the first half of the capture's query tokens) and the layer's records; the
 report measures on the held-out queries (the second half), over the same records, all of
 them selected, no window and no sink (the window and sink are identical in every mode, so
-leaving them out isolates what packing changes):
-
-- output_rel_error: ||o_packed - o_native|| / ||o_native|| per query token and head
-  (mean, p50, p95, max), o from remnant.kv.attention's attend_native and attend_packed;
-- topk_overlap: |top-k(scores_packed) & top-k(scores_native)| / k, mean over tokens and
-  heads (k = --top-k records);
-- softmax_kl: KL(p_native || p_packed) in nats, mean over tokens and heads.
-
-Latents are FP8-quantized first, so "native" is what SGLang stores, not the float latent.
+leaving them out isolates what packing changes). What it measures per query token and
+head, the output error, the top-k overlap (k = --top-k records) and the softmax KL, is
+remnant.kv.fidelity_metrics'. Latents are FP8-quantized first, so "native" is what SGLang
+stores, not the float latent.
 
     python -m remnant.kv.fidelity --synthetic --out fidelity.json
     python -m remnant.kv.fidelity --captures captures.safetensors --out fidelity.json
@@ -32,19 +27,11 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
-from remnant.kv.attention import SOFTMAX_SCALE, attend_native, attend_packed, packed_keys
-from remnant.kv.captures import Captures, LayerCapture, load_captures, synthetic_captures
-from remnant.kv.codec import dequantize, quantize
-from remnant.kv.formats import HEAD_DIM, NOPE_DIM, RETENTION_VALUES
-from remnant.kv.packing import pack
+from remnant.kv.captures import SYNTHETIC_LIMIT, Captures, LayerCapture, load_captures, synthetic_captures
+from remnant.kv.codec import quantize
+from remnant.kv.fidelity_metrics import measure
+from remnant.kv.formats import RETENTION_VALUES
 from remnant.kv.policies import POLICIES, choose
-
-SYNTHETIC_LIMIT = (
-    "synthetic latents with heavy-tailed channels and planted high-energy channels, "
-    "not captures of DeepSeek-V4: says how policies rank on that structure, not on the real model"
-)
 
 
 def split(capture: LayerCapture) -> tuple[LayerCapture, LayerCapture]:
@@ -54,53 +41,6 @@ def split(capture: LayerCapture) -> tuple[LayerCapture, LayerCapture]:
         raise ValueError(f"a capture needs >= 2 query tokens to hold some out for evaluation, got {t}")
     half = t // 2
     return LayerCapture(capture.q[:half], capture.k), LayerCapture(capture.q[half:], capture.k)
-
-
-def _dist(values: torch.Tensor) -> dict:
-    v = values.double()
-    return {
-        "mean": float(v.mean()),
-        "p50": float(v.quantile(0.5)),
-        "p95": float(v.quantile(0.95)),
-        "max": float(v.max()),
-    }
-
-
-def measure(evaluation: LayerCapture, records: torch.Tensor, keep: torch.Tensor, top_k: int) -> dict:
-    """Packed vs native on `evaluation` queries over native `records` (uint8 [n, 584])."""
-    q = evaluation.q.double()
-    n = records.shape[0]
-    k = min(top_k, n)
-    heads = q.shape[1]
-    every = torch.arange(n)
-    no_window = records[:0]
-    no_sink = torch.full((heads,), float("-inf"), dtype=torch.float64)
-    packed = pack(records, keep)
-    native_keys = dequantize(records).double()
-    cols = torch.cat([keep, torch.arange(NOPE_DIM, HEAD_DIM)])
-    kept_keys = packed_keys(packed, keep).double()
-    errors, overlaps, kls = [], [], []
-    for qt in q:  # one decode token: [H, 512]
-        o_native = attend_native(qt, no_window, records, every, no_sink)
-        o_packed = attend_packed(qt, no_window, packed, keep, every, no_sink)
-        errors.append((o_packed - o_native).norm(dim=1) / o_native.norm(dim=1).clamp_min(1e-300))
-        s_native = qt @ native_keys.T * SOFTMAX_SCALE
-        s_packed = qt[:, cols] @ kept_keys.T * SOFTMAX_SCALE
-        top_n = s_native.topk(k, dim=1).indices
-        top_p = s_packed.topk(k, dim=1).indices
-        hit = torch.zeros(heads, n, dtype=torch.bool).scatter_(1, top_n, True).gather(1, top_p)
-        overlaps.append(hit.double().mean(dim=1))
-        log_pn = torch.log_softmax(s_native, dim=1)
-        log_pp = torch.log_softmax(s_packed, dim=1)
-        kls.append((log_pn.exp() * (log_pn - log_pp)).sum(dim=1))
-    return {
-        "output_rel_error": _dist(torch.cat(errors)),
-        "topk_overlap": float(torch.cat(overlaps).mean()),
-        "softmax_kl": float(torch.cat(kls).mean()),
-        "queries": int(q.shape[0]),
-        "heads": heads,
-        "records": n,
-    }
 
 
 def evaluate(captures: Captures, policies: list[str], retention_values: list[int], top_k: int = 64,

@@ -11,8 +11,9 @@ Every policy reads only the --train captures: the learned scorer is trained on t
 policies (magnitude, attention, prefix, random) are calibrated on their queries and
 records (several --train files: each layer's queries and records concatenated). Each
 policy's map is then measured on the --eval capture, a source no policy saw: all its
-query tokens over its own records, per layer and R, with remnant.kv.fidelity.measure
-(FP8 native records; no window, no sink, every record selected). --synthetic splits one
+query tokens over its own records, per layer and R, with
+remnant.kv.fidelity_metrics.measure (FP8 native records; no window, no sink, every record
+selected). --synthetic splits one
 synthetic capture set (remnant.kv.captures.synthetic_captures) into two sources: the
 first half of its query tokens and records for training, the second half for evaluation.
 
@@ -35,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from remnant.kv.captures import Captures, LayerCapture, _Parser, load_captures, synthetic_captures
+from remnant.kv.captures import SYNTHETIC_LIMIT, Captures, LayerCapture, _Parser, load_captures, synthetic_captures
 from remnant.kv.codec import quantize
-from remnant.kv.fidelity import SYNTHETIC_LIMIT, measure
+from remnant.kv.fidelity_metrics import measure
 from remnant.kv.formats import RETENTION_VALUES
 from remnant.kv.learned import (INITS, Hyperparameters, LearnedScorer, capture_ref, check_training_set, one_thread,
                                 train)

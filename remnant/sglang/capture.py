@@ -45,6 +45,7 @@ import threading
 from remnant.config_errors import ConfigError
 from remnant.kv.capture_recorder import ENV_CAPTURE, CaptureRecorder, CaptureSettings, write_requested
 from remnant.kv.formats import CSA_RATIO
+from remnant.sglang.layers import stage_csa_layers
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,6 @@ def make_recorder(capture: CaptureSettings, pool=None, where: dict | None = None
               "queries": "decode queries of CSA layers as attention receives them (after RoPE), TP rank 0 only",
               "latents": "C4 latents (K = V) of every new record, prefill and decode, as SGLang's fused "
                          "kernel rounds them to bf16 before FP8 quantization (its bf16_store path)"}
-    from remnant.sglang.plugin import stage_csa_layers
-
     rec = CaptureRecorder(capture, params, stage_csa_layers(pool) if pool is not None else None)
     logger.warning("remnant capture: recording up to %d decode queries and %d latents per CSA layer into %s",
                    capture.tokens, capture.records, capture.path)

@@ -32,6 +32,7 @@ import math
 from remnant.config_errors import ConfigError
 from remnant.kv.formats import CSA_RATIO
 from remnant.kv.modes import check_packed_rules, mode_of
+from remnant.sglang.layers import csa_layers, stage_csa_layers
 from remnant.sglang.settings import ENV_RETENTION, Settings, capture_from_env, check_sglang_version, from_env
 
 logger = logging.getLogger(__name__)
@@ -115,16 +116,6 @@ def targets() -> list[tuple[str, object, object]]:
 # Retention per CSA layer
 
 
-def _csa_layers(compression_ratios: list[int]) -> list[int]:
-    return [i for i, r in enumerate(compression_ratios) if r == CSA_RATIO]
-
-
-def stage_csa_layers(pool) -> list[int]:
-    """The CSA model layers of a DeepSeek-V4 token pool's pipeline stage."""
-    ratios = list(pool.compression_ratios)
-    return [i for i in range(pool._stage_start, pool._stage_end) if ratios[i] == CSA_RATIO]
-
-
 def retention_plan(s: Settings, compression_ratios: list[int]) -> tuple[dict[int, int], dict[int, "object"]]:
     """R and kept NoPE indices (int64 [R - 64]) per CSA model layer.
 
@@ -137,7 +128,7 @@ def retention_plan(s: Settings, compression_ratios: list[int]) -> tuple[dict[int
 
     from remnant.kv.retention import RetentionMap
 
-    csa = _csa_layers(compression_ratios)
+    csa = csa_layers(compression_ratios)
     if s.map_path is not None:
         rmap = RetentionMap.load(s.map_path)
         rmap.check(csa)

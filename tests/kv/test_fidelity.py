@@ -12,7 +12,8 @@ import torch
 
 from remnant.kv import RETENTION_VALUES, quantize
 from remnant.kv.captures import synthetic_captures
-from remnant.kv.fidelity import measure, report, split
+from remnant.kv.fidelity import report, split
+from remnant.kv.fidelity_metrics import measure
 from remnant.records.schema import validate
 
 
