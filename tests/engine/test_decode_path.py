@@ -287,6 +287,9 @@ def test_kernels_path_passes_kept_first_q_on_folded_layers(args, mode, retention
 
     monkeypatch.setattr(remnant.kernels.decode, "decode", recording_decode)
     reference, kernels = _models(args, "cpu", mode, retention)
+    # Prompts through the reference: the calls recorded are the decode steps' (the batched
+    # prefill's columns are checked by test_kernels_path_prefill_reads_the_reference_key_sets).
+    kernels.batched_prefill = False
     prompts, steps = [_ids(40, 10), _ids(9, 11)], 4
     want, want_logits, _ = _greedy(reference, prompts, steps)
     _, got_logits, _ = _greedy(kernels, prompts, steps, forced=want)
