@@ -41,6 +41,7 @@ import orjson
 
 from remnant.api_key import bearer
 from remnant.records.files import append_line
+from remnant.workloads.base import SERVER_METRICS_MIN_INTERVAL_S as MIN_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,6 @@ SHARE_SUFFIXES = ("usage", "rate", "ratio", "utilization", "occupancy", "perc", 
 #: Consecutive failed scrapes, none of them answered, after which the server is taken to
 #: have no /metrics and the scraper stops asking.
 GIVE_UP_AFTER = 3
-#: Shortest interval allowed: one scrape takes a few ms of the server's time.
-MIN_INTERVAL_S = 0.05
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")

@@ -352,7 +352,7 @@ class Model:
                  dtype: str = "auto", cuda_graph: bool = False, cuda_graph_max_bs: int = 128):
         for i, r in enumerate(args.compress_ratios):
             if r not in (0, CSA_RATIO, HCA_RATIO):
-                raise ValueError(f"compress_ratios[{i}]={r}; allowed: 0, 4, 128")
+                raise ValueError(f"compress_ratios[{i}]={r}; allowed: 0, {CSA_RATIO}, {HCA_RATIO}")
         self.args = args
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)

@@ -6,8 +6,9 @@ one matrix W_gate_up[e] = [G_e | U_e] of [hidden, 2 * I] and W_down[e] of [I, hi
 token's output is the sum over its k experts of its routing weight times that expert's y.
 
 The kernel reads only the experts the tokens were routed to (torch._grouped_mm reads every
-expert's weights: ../shared/notes/h200-facts.md), the structure of vLLM's and SGLang's
-fused_moe, written here from scratch:
+expert's weights: on the H200, a V4-Flash-shaped step at batch 1 took the time of all 32
+experts, 16.4 ms in a CUDA graph against a 6.2 ms roofline; docs/engine.md), the structure
+of vLLM's and SGLang's fused_moe, written here from scratch:
 
 1. Alignment (torch, `align`): the T * k (token, expert) pairs, pair p = t * k + j, are
    sorted by expert (a stable argsort) and laid out in blocks of BLOCK_M rows, each block

@@ -125,7 +125,7 @@ class OversaturationConfig:
                               "(0: no goodput rule)")
 
 
-#: Shortest workload.server_metrics_interval_s (remnant.client.server_metrics.MIN_INTERVAL_S).
+#: Shortest workload.server_metrics_interval_s: one scrape takes a few ms of the server's time.
 SERVER_METRICS_MIN_INTERVAL_S = 0.05
 
 
