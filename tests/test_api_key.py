@@ -39,6 +39,7 @@ def _cli(prog: str, *args: str, cwd: Path, env: dict) -> subprocess.CompletedPro
     return subprocess.run([str(BIN / prog), *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_a_secured_embedded_capture_run_completes_and_no_file_holds_the_key(tmp_path):
     run_dir = tmp_path / "run"
     p = _cli("remnant-capture", "workload=smoke", "capture.tokens=8", "capture.records=16",
@@ -55,6 +56,7 @@ def test_a_secured_embedded_capture_run_completes_and_no_file_holds_the_key(tmp_
     assert files_holding(run_dir) == [] and KEY not in p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_a_secured_external_server_through_run_frontier_report_and_curation(tiny_model_dir, tmp_path):
     server = start_server(tiny_model_dir, tmp_path, env=_env(REMNANT_API_KEY=KEY))
     out = tmp_path / "out"
@@ -80,6 +82,7 @@ def test_a_secured_external_server_through_run_frontier_report_and_curation(tiny
     assert files_holding(out) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("key_env", "line"), [
     (None, "wants an API key: GET /server_info answered HTTP 401 (Unauthorized: no API key; send the header "
            "'Authorization: Bearer <key>'); put the key in an environment variable and name it: host.api_key_env=VAR"),

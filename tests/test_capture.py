@@ -28,6 +28,7 @@ def _cli(name: str, *args: str, cwd: Path, timeout: float = 180) -> subprocess.C
     return subprocess.run([str(BIN / name), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_capture_then_build_map_then_a_packed_run_with_it(tmp_path):
     cap_dir = tmp_path / "capture"
     p = _cli("remnant-capture", "workload=smoke", "capture.tokens=8", "capture.records=16",
@@ -67,6 +68,7 @@ def test_capture_then_build_map_then_a_packed_run_with_it(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.slow
 def test_a_capture_short_of_its_budget_is_written_when_the_run_ends(tmp_path):
     """The run asks for the write before it stops the server (SGLang's schedulers die by
     SIGKILL): server.log shows it came at that request, not at shutdown."""

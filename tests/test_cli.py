@@ -39,6 +39,7 @@ def _pid_alive(pid: int) -> bool:
     return not (status.exists() and "State:\tZ" in status.read_text())
 
 
+@pytest.mark.slow
 def test_smoke_run_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     p = remnant_run("workload=smoke", f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -86,6 +87,7 @@ def test_rule_violation_is_one_line_without_traceback(tmp_path):
     assert "Traceback" not in p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_sweep_of_modes_gives_three_run_dirs(tmp_path):
     p = remnant_run("-m", "mode=native,triton,kernel", "workload=smoke", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
@@ -134,6 +136,7 @@ def _start_long_run(tmp_path: Path, run_dir: Path, *extra: str, lines: int = 5,
     return proc, {"port": port, "pid": server_pid}
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run(tmp_path):
     run_dir = tmp_path / "run"
     proc, server = _start_long_run(tmp_path, run_dir)
@@ -149,6 +152,7 @@ def test_server_killed_mid_run(tmp_path):
     assert not _pid_alive(server["pid"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupt_stops_server_and_records(tmp_path, sig):
     run_dir = tmp_path / "run"
@@ -235,6 +239,7 @@ def test_external_host_unreachable_fails_cleanly(tmp_path):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_sweep_records_a_cell_that_breaks_a_rule(tmp_path):
     args = ("-m", "mode=native,kernel", "retention=r192", "workload=smoke", f"hydra.sweep.dir={tmp_path}/sweep")
     p = remnant_run(*args, cwd=tmp_path)
@@ -258,6 +263,7 @@ def test_sweep_records_a_cell_that_breaks_a_rule(tmp_path):
     assert "1 cell(s) did not complete: 1-kernel-r192-smoke-s0 (failed); exit 0 (--exit-zero)" in p.stderr
 
 
+@pytest.mark.slow
 def test_packed_capacity_holds_a_working_set_native_cannot(tmp_path):
     """At one budget, 9 groups x 1024-token prefixes (36 pages + 4 running) exceed native's
     35 pages but fit packed's 40: the packed run's cache-hit rate is higher."""
@@ -281,6 +287,7 @@ def test_packed_capacity_holds_a_working_set_native_cannot(tmp_path):
 SMOKE_EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("*_smoke.yaml"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experiment", SMOKE_EXPERIMENTS)
 def test_smoke_experiments_run(tmp_path, experiment):
     p = remnant_run(f"experiment={experiment}", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
@@ -335,6 +342,7 @@ def test_longswe_replays_the_mooncake_trace(tmp_path):
     assert check(tmp_path / "run" / "run.json").returncode == 0
 
 
+@pytest.mark.slow
 def test_longswe_later_turns_hit_the_cache(tmp_path):
     p = remnant_run("experiment=longswe_c24_smoke", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
@@ -393,6 +401,7 @@ def test_config_mistakes_exit_2_in_one_line_and_leave_no_directory(tmp_path, arg
     assert p.stdout == "" and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_signal_stops_a_sweep_after_the_running_cell(tmp_path):
     """SIGTERM (a scheduler's) stops the sweep: the running cell is recorded as interrupted,
     no later cell starts, and the exit status says SIGTERM."""
@@ -414,6 +423,7 @@ def test_a_signal_stops_a_sweep_after_the_running_cell(tmp_path):
     assert _wait_gone(server["pid"])
 
 
+@pytest.mark.slow
 def test_a_stalled_server_fails_the_run_with_the_stall_and_its_times(tmp_path):
     """SIGSTOP of the real server: the watchdog sees no token for stall_timeout_s, stops
     sending, records the stall and ends the run failed; the stopped server is stopped."""
@@ -507,6 +517,7 @@ def _snapshot(directory: Path) -> dict[str, tuple[int, bytes]]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_resume_skips_only_an_unchanged_cell_and_reruns_a_changed_one(tmp_path):
     sweep = tmp_path / "sweep"
     args = ("-m", "workload=smoke", "workload.warmup_requests=0", "workload.measured_requests=2",
@@ -535,6 +546,7 @@ def test_resume_skips_only_an_unchanged_cell_and_reruns_a_changed_one(tmp_path):
     assert check(sweep).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_killed_run_is_reported_and_its_files_set_aside_on_the_next_run(tmp_path):
     """SIGKILL of remnant-run: its server goes (PDEATHSIG), but no run.json is written and a
     stale server.port stays. remnant-check says so; the next run keeps the killed attempt's
@@ -563,6 +575,7 @@ def test_a_killed_run_is_reported_and_its_files_set_aside_on_the_next_run(tmp_pa
     assert check(tmp_path).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_full_disk_keeps_every_line_whole_and_still_writes_run_json(tmp_path, tiny_model_dir):
     """A real 1 MB tmpfs filled up mid-run: the request line that no longer fits is not
     written at all, the run ends failed in one line naming requests.jsonl, and run.json is

@@ -173,6 +173,7 @@ def test_every_slo_file_composes(option):
     assert cfg.slo.bounds()
 
 
+@pytest.mark.slow
 def test_preset_composes_each_of_its_cells():
     GlobalHydra.instance().clear()
     register_frontier_configs()

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.signals import default_sigint
 
 BIN = Path(sys.executable).parent
@@ -28,6 +30,7 @@ def _doc(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_search_to_its_end_then_resume_reuses_steps(tmp_path):
     out = tmp_path / "search"
     # An SLO every load meets on any machine: doubling runs 1, 2, 4 and stops at max.
@@ -86,6 +89,7 @@ def test_search_to_its_end_then_resume_reuses_steps(tmp_path):
     assert len(list((out / "c0001").glob("run.completed-*.json"))) == 1
 
 
+@pytest.mark.slow
 def test_open_loop_search_varies_the_request_rate(tmp_path):
     out = tmp_path / "rate"
     p = frontier("workload=smoke", "slo.ttft_p99_ms=1e9", "search.load=request_rate", "search.start=4",
@@ -116,6 +120,7 @@ def test_config_mistake_exits_2_and_leaves_no_directory(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_records_the_step_and_the_search(tmp_path):
     out = tmp_path / "search"
     args = ["workload=smoke", "slo.ttft_p99_ms=1e9", f"hydra.run.dir={out}"]

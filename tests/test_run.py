@@ -38,6 +38,7 @@ def test_a_gpu_run_says_which_kernel_ran_kernel_modes_packed_decode():
         assert _packed_decode_limits(quiet) == []
 
 
+@pytest.mark.slow
 def test_the_server_reports_which_kernel_decodes_native_records(tiny_model_dir, tmp_path, monkeypatch):
     for name, extra, want in (("batched", (), ("torch", "decode steps attend in torch, batched "
                                                             "(decode_path=batched, the CPU's default)")),

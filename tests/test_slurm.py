@@ -110,6 +110,7 @@ def _no_noise(p) -> None:
                                          "is disabled); job states come from squeue") in p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_a_sweep_runs_each_cell_as_a_job_records_a_failed_cell_and_resumes(cluster, tmp_path):
     """Two cells, two jobs: one completes, one fails (its server cannot start on a 1 MiB
@@ -157,6 +158,7 @@ def test_a_sweep_runs_each_cell_as_a_job_records_a_failed_cell_and_resumes(clust
     assert len(list(bad.glob("run.failed-*.json"))) == 1 and _doc(bad)["status"] == "failed"
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_cancelled_and_killed_jobs_are_named_and_the_sweep_resumes(cluster, tmp_path):
     """Three cells: one short, two long. scancel one long job (its cell records itself
@@ -205,6 +207,7 @@ def test_cancelled_and_killed_jobs_are_named_and_the_sweep_resumes(cluster, tmp_
     assert len(list(cells[2].glob("requests.killed-*.jsonl"))) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_ctrl_c_of_the_submitting_process_cancels_the_jobs(cluster, tmp_path):
     """Ctrl-C of remnant-run while its jobs run: it cancels them, each records its cell as
@@ -229,6 +232,7 @@ def test_ctrl_c_of_the_submitting_process_cancels_the_jobs(cluster, tmp_path):
     assert set(cluster.jobs()[j] for j in _jobs_of(sweep)) == {"CANCELLED"}
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_requests_the_cluster_cannot_meet_are_one_line(cluster, tmp_path):
     """The GPU preset on a node without GPUs: one line naming the launcher field and what

@@ -54,6 +54,7 @@ def _run(base_url: str, path: Path, stream: str, n: int = 6, c: int = 3, tokens:
     return sorted(load_requests_jsonl(path), key=lambda r: r.id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["remnant-serve", "stream-server"])
 def test_both_stream_paths_record_the_same_requests(which, server, stream_server, tmp_path):
     url = server.base_url if which == "remnant-serve" else stream_server.base_url
@@ -90,6 +91,7 @@ def _ceiling(tmp_path: Path, *args: str) -> dict:
     return doc
 
 
+@pytest.mark.slow
 def test_the_ceiling_command_writes_a_valid_record(tmp_path):
     doc = _ceiling(tmp_path, "--clients", "remnant", "--rounds", "2", "--plot", str(tmp_path / "c.png"))
     assert [(r["round"], r["client"]) for r in doc["runs"]] == [(0, "remnant"), (1, "remnant")]

@@ -148,6 +148,7 @@ class _SlowQueue(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_a_run_past_saturation_ends_early_saying_which_rule_and_what_it_measured(tmp_path):
     """Open loop at 25 requests/s against a server that serves 5/s: its queue, as its
     /metrics give it, grows some 20 a second, and the run stops after one 1.5 s window."""

@@ -230,6 +230,7 @@ def test_a_server_without_metrics_is_a_limit_not_a_failure(tmp_path):
     assert "server_metrics.jsonl" not in {a["path"] for a in doc["artifacts"]}
 
 
+@pytest.mark.slow
 def test_an_embedded_run_records_the_servers_metrics(tmp_path):
     """A real run of remnant-run on the embedded engine, scraping every 0.1 s."""
     run_dir = tmp_path / "run"

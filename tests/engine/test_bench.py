@@ -35,6 +35,7 @@ def test_roofline_of_the_h200_model_by_hand():
     assert one.seconds(4.2e12, 7.9e14) == pytest.approx(one.bytes / 4.2e12)
 
 
+@pytest.mark.slow
 def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["--model", "tiny", "--device", "cpu", "--batches", "1,3", "--contexts", "260",

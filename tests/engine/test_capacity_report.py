@@ -40,6 +40,7 @@ def test_command_and_errors(tmp_path):
         assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_engine_capacity_matches_the_formula(tiny_model_dir, tmp_path):
     """remnant-serve sizes its pools from the budget: packed/native tokens = the analytic ratio."""
     infos = {}

@@ -102,6 +102,7 @@ def _check_same_greedy(reference: Model, kernels: Model, prompts, steps) -> None
     assert_same_ring(got_pools.swa[0], want_pools.swa[0])
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
     # Layers 0 (window-only) and 1 (CSA) see the same prompt in both modes, so after one
@@ -135,6 +136,7 @@ def test_kernel_mode_keeps_csa_window_rings_in_kept_first_order(args):
     assert bool(((a - b).abs() <= bound).all())
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_kernel_mode_keeping_everything_decodes_through_the_native_kernel(args):
     # All 448 kept: kept-first order is the natural one, so the ring stays native and the
@@ -147,12 +149,14 @@ def test_kernel_mode_keeping_everything_decodes_through_the_native_kernel(args):
     _check_same_greedy(reference, kernels, [_ids(20, 9)], 3)
 
 
+@pytest.mark.slow
 @needs_interpreter
 @pytest.mark.parametrize(("mode", "retention"), MODES)
 def test_kernels_match_reference_under_the_interpreter(args, mode, retention):
     _check_same_greedy(*_models(args, "cpu", mode, retention), *SHORT)
 
 
+@pytest.mark.slow
 @needs_interpreter
 @pytest.mark.parametrize(("mode", "retention"), MODES)
 def test_kernels_match_reference_before_any_record(args, mode, retention):
@@ -176,6 +180,7 @@ def _float64_decode(q, c4, c4_layout, c4_locs, window, window_layout, window_loc
     return out.to(q.dtype)
 
 
+@pytest.mark.slow
 @needs_interpreter
 @pytest.mark.parametrize(("mode", "retention"), MODES)
 def test_kernels_path_reads_the_reference_key_sets(args, mode, retention, monkeypatch):
@@ -198,6 +203,7 @@ def test_kernels_path_reads_the_reference_key_sets(args, mode, retention, monkey
     torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=0)
 
 
+@pytest.mark.slow
 @needs_interpreter
 @pytest.mark.parametrize(("mode", "retention"), MODES)
 def test_kernels_path_prefill_reads_the_reference_key_sets(args, mode, retention, monkeypatch):
@@ -270,6 +276,7 @@ def test_kernel_mode_folds_the_kept_first_order_into_the_projections(args):
     assert kernels.folded_weights == {}
 
 
+@pytest.mark.slow
 @needs_interpreter
 @pytest.mark.parametrize(("mode", "retention"), MODES)
 def test_kernels_path_passes_kept_first_q_on_folded_layers(args, mode, retention, monkeypatch):
@@ -399,6 +406,7 @@ def _served(model: Model, prompts: list[list[int]], new_tokens: int) -> list[lis
         engine.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=needs_interpreter),
     pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu]),

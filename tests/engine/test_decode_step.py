@@ -88,6 +88,7 @@ def _margins(logits: torch.Tensor) -> torch.Tensor:
 PROMPTS = [_ids(600, 2), _ids(300, 3), _ids(7, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "retention"), MODES)
 def test_batched_float32_is_the_reference(args, mode, retention):
     reference, batched = _pair(args, mode, retention)
@@ -100,6 +101,7 @@ def test_batched_float32_is_the_reference(args, mode, retention):
     assert_same_ring(got_pools.swa[0], want_pools.swa[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "retention"), MODES)
 def test_batched_bfloat16_within_the_stated_bound(args, mode, retention):
     reference, batched = _pair(args, mode, retention, dtype="bfloat16")
@@ -114,6 +116,7 @@ def test_batched_bfloat16_within_the_stated_bound(args, mode, retention):
     assert (got_logits.argmax(-1) == want_logits.argmax(-1))[clear].all()
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_serve_as_the_reference(args):
     # Through the engine: requests sharing a 512-token prefix (two full pages) hit the
     # prefix cache and resume from its window checkpoint; the batched step must answer the
@@ -146,6 +149,7 @@ def test_prefix_cache_hits_serve_as_the_reference(args):
     assert got == want
 
 
+@pytest.mark.slow
 def test_moe_model_with_grouped_output_projection(args):
     moe = dataclasses.replace(args, intermediate_size=0, o_lora_rank=128, o_groups=2, n_routed_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
@@ -168,6 +172,7 @@ def _pool_tensors(pools) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_padding_rows_and_pages_write_only_the_padding(args):
     # The same step unpadded and padded to 5 rows and 4 pages: the real rows' logits agree
     # (to float rounding: other shapes, other BLAS blocks) and, outside the padding page,
@@ -193,6 +198,7 @@ def test_padding_rows_and_pages_write_only_the_padding(args):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow
 def test_a_block_completed_by_a_decode_token_is_written(args):
     # Position 3 completes C4 block 0 and position 127 C128 block 0: the step writes those
     # records where the reference does, and writes none before.

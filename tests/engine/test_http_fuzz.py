@@ -322,6 +322,7 @@ def drained(client: httpx.Client, within_s: float = 30.0) -> dict:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", list(BODIES))
 def test_fuzz_http_edge(fuzz_server, client, path, capsys):
     seen: Counter = Counter()

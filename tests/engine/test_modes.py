@@ -43,6 +43,7 @@ def _greedy(model: Model, prompt: list[int], n: int = 24, forced: list[int] | No
 PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (97, 300, 517)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("retention", [128, 256, 448])
 def test_triton_and_kernel_give_the_same_tokens(args, retention):
     model = Model(args)
@@ -74,6 +75,7 @@ def test_triton_and_kernel_give_the_same_tokens(args, retention):
     assert sorted(step_medians)[len(step_medians) // 2] < 1e-4, f"each prompt's median step difference {step_medians}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["triton", "kernel"])
 def test_keeping_everything_gives_native_tokens(args, mode):
     model = Model(args)
@@ -82,6 +84,7 @@ def test_keeping_everything_gives_native_tokens(args, mode):
     assert [_greedy(model, p)[0] for p in PROMPTS] == native
 
 
+@pytest.mark.slow
 def test_records_are_stored_packed(args):
     from remnant.kv import pack
 
@@ -111,6 +114,7 @@ def test_map_file_round_trip_and_mismatch(args, tmp_path):
         setup_retention(model, "triton", "tiny", map_path=str(wrong_path))
 
 
+@pytest.mark.slow
 def test_calibration_is_deterministic_and_native_is_untouched(args):
     model = Model(args)
     a = setup_retention(model, "kernel", "tiny", retention=256)
@@ -131,6 +135,7 @@ def test_c4_format_rejects(mode, keep, message):
         C4Format(mode, keep)
 
 
+@pytest.mark.slow
 def test_kernel_mode_accepts_only_256(args):
     with pytest.raises(ValueError, match="retention=128 is not allowed with mode=kernel; kernel supports retention=256"):
         setup_retention(Model(args), "kernel", "tiny", per_layer=[128, 256])

@@ -282,6 +282,7 @@ def test_json_content_type_is_required(server):
         assert "Only 'application/json' is allowed" in error(r)["message"]
 
 
+@pytest.mark.slow
 def test_duplicate_rid_is_refused_while_in_flight(server):
     started = threading.Event()
     done: dict = {}
@@ -305,6 +306,7 @@ def test_duplicate_rid_is_refused_while_in_flight(server):
     assert r.status_code == 200 and r.json()["id"] == "oai-dup"
 
 
+@pytest.mark.slow
 def test_a_sampled_chat_without_max_tokens_ends(server, tiny_model_dir):
     """Without max_tokens a request runs to EOS or the context, as in SGLang (here capped by
     what the KV pool holds); at a high temperature the random model reaches EOS soon."""

@@ -93,6 +93,7 @@ def test_a_prompt_of_whole_pages_hits_all_but_its_last_page(model):
         _drained(engine)
 
 
+@pytest.mark.slow
 def test_a_prefix_shorter_than_the_prompts_resume_point_hits(model):
     with _engine(model, pages=24) as engine:
         prefix = _ids(512, 11)  # prompts of 812 tokens resume after 768; the shared part is 512
@@ -104,6 +105,7 @@ def test_a_prefix_shorter_than_the_prompts_resume_point_hits(model):
         _drained(engine)
 
 
+@pytest.mark.slow
 def test_concurrent_identical_prompts_share_one_chain(model):
     with _engine(model, pages=24, slots=4) as engine:
         prompt = _ids(900, 13)
@@ -115,6 +117,7 @@ def test_concurrent_identical_prompts_share_one_chain(model):
         _drained(engine)
 
 
+@pytest.mark.slow
 def test_shared_prefix_hits_across_suffixes(model):
     with _engine(model, pages=24) as engine:
         prefix = _ids(512, 3)
@@ -123,6 +126,7 @@ def test_shared_prefix_hits_across_suffixes(model):
         _drained(engine)
 
 
+@pytest.mark.slow
 def test_overload_queues_evicts_and_drains(model):
     with _engine(model, pages=8, slots=3) as engine:
         # 12 requests of 2 pages each against 8 pages and 3 slots: most must wait.
@@ -143,6 +147,7 @@ def test_a_request_that_can_never_fit_is_answered(model):
         _drained(engine)
 
 
+@pytest.mark.slow
 def test_flush_refused_while_running(model):
     with _engine(model, pages=8) as engine:
         q = _submit(engine, "long", _ids(50, 7), 400)

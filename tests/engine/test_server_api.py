@@ -572,6 +572,7 @@ def test_model_info_keys_match_sglang(server):
 # 10. Concurrency -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_concurrent_streams_are_batched(server):
     n_req, n_tok = 8, 64  # long enough that thread start-up skew cannot hide the overlap
     barrier = threading.Barrier(n_req)
@@ -779,6 +780,7 @@ def test_batches_are_refused_by_name(server):
         assert out["param"] == field and "batch of requests" in out["message"], out
 
 
+@pytest.mark.slow
 def test_duplicate_rid_in_flight_is_refused_as_sglang_does(server):
     """tokenizer_manager.py: `Duplicate request ID detected: {rid}` (a ValueError: 400, or an
     error frame in a stream); the id is free again once its request ends."""
@@ -843,6 +845,7 @@ def test_many_problems_are_counted_not_all_listed(server):
     assert body["message"].endswith("; and 19995 more") and body["message"].count("input_ids[") == 5
 
 
+@pytest.mark.slow
 def test_requests_that_end_give_back_every_page_block_and_slot(server):
     """Requests that finish, are refused, stream, leave mid-stream, or resume from a cached
     prefix (a page-long shared prompt, one of them sent while the window pool is busy)
@@ -932,6 +935,7 @@ def test_stream_text_is_decoded_incrementally(tokenizer):
     assert spy.ids < 10 * len(ids), spy.ids  # every id again per frame: 2,000,000
 
 
+@pytest.mark.slow
 def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
     """A 5 MB text used to be tokenized on the event loop: every stream stalled until it
     was done. A stream running beside it now keeps its pace (its longest gap between

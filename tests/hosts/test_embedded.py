@@ -42,6 +42,7 @@ def test_serve_and_stop(tmp_path):
     assert not (tmp_path / "server.port").exists()
 
 
+@pytest.mark.slow
 def test_the_key_reaches_the_server_through_its_environment_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("REMNANT_API_KEY", "sk-meant-for-another-server")  # not this run's
     host = make_host(EmbeddedHostConfig(threads=1))
@@ -56,6 +57,7 @@ def test_the_key_reaches_the_server_through_its_environment_alone(tmp_path, monk
     assert "REMNANT_API_KEY" not in server_env(None)
 
 
+@pytest.mark.slow
 def test_stopped_on_error_inside(tmp_path):
     host = make_host(EmbeddedHostConfig(threads=1))
     with pytest.raises(RuntimeError, match="boom"):

@@ -83,6 +83,7 @@ def _reconstruct_ops(permute: str, n_kept: int, tmp_path) -> collections.Counter
     return sass_ops("remnant.kernels.reconstruct:_reconstruct_kernel", RECONSTRUCT, constants, warps, tmp_path)
 
 
+@pytest.mark.slow
 def test_reconstruct_shared_gathers_through_shared_memory_without_shuffles(tmp_path):
     # R = 256
     shared, registers = _reconstruct_ops("shared", 192, tmp_path), _reconstruct_ops("registers", 192, tmp_path)
@@ -97,6 +98,7 @@ def test_reconstruct_shared_stores_few_kept_codes_as_the_gather_left_them(tmp_pa
     assert few["STSM"] == 0 and few["BAR"] == 1 and few["SHFL"] == 0, few
 
 
+@pytest.mark.slow
 def test_store_shared_gathers_through_shared_memory(tmp_path):
     def ops(permute):  # R = 256 at the launch the kernel's wrapper uses
         rows, warps = store.LAUNCH[permute]
@@ -116,6 +118,7 @@ DECODE = {"q_ptr": "*bf16", "q_sb": "i32", "q_sh": "i32", "out_ptr": "*fp16", "o
           "dropped_starts_ptr": "*i32", "qk_scale": "fp32"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True])
 def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed, tmp_path):
     # Two splits as one cluster join after barrier.cluster: one arrive and one wait, not

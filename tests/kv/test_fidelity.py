@@ -30,6 +30,7 @@ def test_everything_kept_is_exact(captures):
     assert (m["queries"], m["heads"], m["records"]) == (8, 8, 256)
 
 
+@pytest.mark.slow
 def test_informed_policies_beat_baselines(captures):
     doc = report(captures, ["magnitude", "attention", "prefix", "random"], list(RETENTION_VALUES), top_k=16,
                  progress=False)
@@ -52,6 +53,7 @@ def test_split_needs_two_queries(captures):
         split(LayerCapture(captures.layers[2].q[:1], captures.layers[2].k))
 
 
+@pytest.mark.slow
 def test_command(tmp_path):
     out = tmp_path / "fidelity.json"
     p = subprocess.run([sys.executable, "-m", "remnant.kv.fidelity", "--synthetic", "--retention", "128,256",
@@ -167,6 +169,7 @@ def _compare(*args):
                           text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_compare_command_end_to_end(two_sources, tmp_path):
     from remnant.records.provenance import sha256_file
 

@@ -36,6 +36,7 @@ def test_learned_is_not_a_serving_policy():
     assert "learned" not in POLICIES and MAP_POLICIES == (*POLICIES, "learned")
 
 
+@pytest.mark.slow
 def test_from_nothing_it_finds_the_planted_channels_as_well_as_magnitude(split):
     """Started from zero logits (every coordinate tied), training alone must find them."""
     tr = split[0]
@@ -265,6 +266,7 @@ def _learned(*args):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_train_command(split, tmp_path):
     captures = save_captures(synthetic_captures(heads=4, queries=8, records=64), tmp_path / "a.safetensors")
     out = tmp_path / "scorer.json"

@@ -17,6 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 BIN = Path(sys.executable).parent
 
 
+@pytest.mark.slow
 def test_curate_a_sweep(tmp_path):
     root = tmp_path / "w"
     root.mkdir()

@@ -57,6 +57,7 @@ def test_page_holds_everything_in_one_file(page):
     assert "&lt;b id=&quot;injected&quot;&gt;x&lt;/b&gt;" in text
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_page_in_a_real_browser(page, report_inputs):
     seen = browser.open_page(page.as_uri(), PAGE_FACTS)

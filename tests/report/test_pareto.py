@@ -24,6 +24,7 @@ def test_optimal_by_hand():
     assert optimal([1.0], [1.0]) == [True] and optimal([], []) == []
 
 
+@pytest.mark.slow
 def test_devices_from_what_the_record_says(report_inputs):
     doc = json.loads(next(report_inputs.sweep.glob("*/run.json")).read_text())
     assert server_devices(doc) == (1, CPU)
@@ -40,6 +41,7 @@ def test_devices_from_what_the_record_says(report_inputs):
     assert server_devices({"server_info": None, "config": {}})[0] == 1
 
 
+@pytest.mark.slow
 def test_points_and_plot_from_a_sweep(report_inputs, tmp_path):
     runs = load_runs([report_inputs.sweep])
     pts = points(runs)
@@ -57,6 +59,7 @@ def test_points_and_plot_from_a_sweep(report_inputs, tmp_path):
     assert not (tmp_path / "one.png").exists()
 
 
+@pytest.mark.slow
 def test_report_lists_the_pareto_plot_and_its_assumption(report_inputs, tmp_path):
     out = tmp_path / "report"
     p = remnant("remnant-report", str(report_inputs.sweep), "--out", str(out), cwd=tmp_path)

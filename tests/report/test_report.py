@@ -36,6 +36,7 @@ def sweep(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_report_tables_deltas_and_plots(sweep):
     out = sweep / "report"
     p = _run("remnant-report", str(sweep / "sweep"), "--out", str(out), cwd=sweep)
@@ -91,6 +92,7 @@ def test_plots_fit_the_data_they_have(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+@pytest.mark.slow
 def test_rerunning_the_sweep_runs_nothing_new(sweep):
     before = {f: f.stat().st_mtime for f in (sweep / "sweep").glob("*/run.json")}
     t0 = time.monotonic()
@@ -101,6 +103,7 @@ def test_rerunning_the_sweep_runs_nothing_new(sweep):
     assert {f: f.stat().st_mtime for f in (sweep / "sweep").glob("*/run.json")} == before
 
 
+@pytest.mark.slow
 def test_paired_comparison_refused_for_different_streams(tmp_path):
     for mode, length in (("native", 64), ("kernel", 72)):
         p = _run("remnant-run", f"mode={mode}", "workload=smoke", f"workload.input_len={length}",
@@ -112,6 +115,7 @@ def test_paired_comparison_refused_for_different_streams(tmp_path):
     assert "refused: request streams differ" in (tmp_path / "r" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_naming_the_file(sweep, tmp_path):
     """remnant-report into a directory on a full disk (a real tmpfs, filled): one line
     naming the file it could not write, exit status 1, and that file not left half-written."""

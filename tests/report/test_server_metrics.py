@@ -8,6 +8,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+import pytest
+
 from remnant.report.main import build
 from remnant.report.runs import load_runs
 from remnant.report.server_metrics import QUEUE, series, server_metrics_plot
@@ -16,6 +18,7 @@ BIN = Path(sys.executable).parent
 SCHEMAS = Path(str(resources.files("remnant.schemas"))) / "run" / "examples"
 
 
+@pytest.mark.slow
 def test_the_report_plots_the_servers_series_beside_the_clients_latency(tmp_path):
     """A real run on the embedded engine, scraping every 0.1 s."""
     run_dir = tmp_path / "runs" / "scraped"

@@ -207,6 +207,7 @@ def test_malformed_files_are_refused_naming_the_file(tmp_path, content, message)
         plan_workload(ShareGPTWorkloadConfig(dataset_path=str(path)), ModelConfig())
 
 
+@pytest.mark.slow
 def test_a_run_says_once_how_many_records_it_skipped(tmp_path):
     """remnant-run on a gzip JSONL file with unusable records: one warning line on stderr,
     and run.json's workload.dataset and limits say the same."""

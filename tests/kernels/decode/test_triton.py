@@ -119,6 +119,7 @@ def test_decode_ignores_the_pad_byte(retention, scores_transposed):
                  scores_transposed=scores_transposed, window_scores_transposed=scores_transposed, **SMALL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scores_transposed", [False, True])
 @pytest.mark.parametrize("retention", [256, 512, 128, 384, 64])
 def test_decode_matches_float64_reference(retention, scores_transposed):
@@ -152,6 +153,7 @@ def test_decode_over_a_kept_first_window_whose_dropped_set_is_padded_past_448(sc
                  window_kept_first=True, scale_byte=scale_byte, **SMALL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("retention", "splits", "kept_first", "window_kept_first"),
                          [(512, 2, False, False), (512, 3, False, False), (256, 3, False, False),
                           (256, 2, True, True), (128, 4, False, True), (384, 3, True, False)])
@@ -180,6 +182,7 @@ def test_decode_of_native_records_split_evenly_in_two():
 # 5, 7). Native (one C4 step): three splits of window 21 and top-k 37 cut at 0, 1, 3, 5
 # (a split with a step of each loop), five of window 11 and top-k 90 at 0, 1, 2, 4, 5, 7.
 # Every record must be read exactly once for the softmax to match.
+@pytest.mark.slow
 @pytest.mark.parametrize(("retention", "window", "topk", "splits", "kept_first", "window_kept_first"),
                          [(256, 21, 37, 2, True, True), (256, 21, 37, 3, False, True), (512, 21, 37, 3, False, False),
                           (128, 11, 90, 2, True, True), (384, 11, 90, 5, False, False), (512, 11, 90, 5, False, False),
@@ -305,6 +308,7 @@ def test_decode_of_the_window_alone(retention, kept_first):
                  kept_first=kept_first, window_kept_first=kept_first, window_block_n=16, **SMALL)
 
 
+@pytest.mark.slow
 def test_decode_runs_a_plan_as_given_and_refuses_one_made_for_another_call():
     # The plan of a call split in three runs unchanged on a batch of two: the same output
     # as the config it pins, to the bit.
