@@ -298,36 +298,42 @@ def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Te
 def _attend_torch(model, li: int, layer, pools, plan: PrefillPlan, q: torch.Tensor, chosen: torch.Tensor | None,
                   rp: RatioPlan | None, scratch: tuple) -> torch.Tensor:
     """decode_step.attend_batched over each token's window and chosen records, in tiles of
-    tokens; float32 [T, H, 512] in natural column order. Unlike a decode step's, a prefill
-    step's tokens read the same keys many times over: the scratch ring and the sequences'
-    records are dequantized once, into tables. A tile's windows lie in one span of the
-    scratch ring (a token's window is the rows up to its own, and rows follow tokens), so
-    the tile attends to that span, masked (a matrix product, no gather); its records are
-    gathered per token."""
+    one sequence's tokens; float32 [T, H, 512] in natural column order. Unlike a decode
+    step's, a prefill step's tokens read the same keys many times over, so the keys are
+    dequantized once, into tables, and a tile attends to them as shared keys, masked (a
+    matrix product, no per-token gather): its window span of the scratch ring (a token's
+    window is the rows up to its own, and rows follow tokens) and its sequence's records,
+    each visible to the tokens that chose it."""
     fmt = model.ring_format(li)
     pages, layout = scratch
     window = fmt.ring_keys(layout.read(pages, torch.arange(plan.scratch_records, device=q.device)))
-    records, cols, width = None, None, plan.window_locs.shape[1]
+    records = cols = None
+    width = rp.visible_locs.shape[1] if chosen is not None else 0
     if chosen is not None:
-        n = rp.visible_locs.shape[1]
         target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
         stored = target.layout.read(target.buf, rp.visible_locs.clamp_min(0).flatten())
         records, cols = model.c4_formats[li].read(stored) if layer.ratio == CSA_RATIO else (dequantize(stored), None)
-        rows = plan.row[:, None] * n + chosen.clamp_min(0)  # [T, K] rows of the record table
-        width += chosen.shape[1]
-    tile = max(1, TILE_ELEMENTS // (width * HEAD_DIM))
     own = plan.window_locs[:, -1]  # each token's own record: the last row of its window
     first = own - (plan.window_locs >= 0).sum(1) + 1
+    heads = q.shape[1]
     parts = []
-    for t in range(0, q.shape[0], tile):
-        sl = slice(t, t + tile)
-        e = min(t + tile, q.shape[0])
-        # Host-known bounds of the span: the plan's rows, from its lengths (no sync).
-        lo, hi = plan.span(t, e)
-        span = torch.arange(lo, hi, device=q.device)
-        visible = (span[None, :] >= first[sl, None]) & (span[None, :] <= own[sl, None])
-        key_sets = [(window[lo:hi], None, visible)]
-        if records is not None:
-            key_sets.append((records[rows[sl]], cols, chosen[sl] >= 0))
-        parts.append(attend_batched(q[sl], layer.sink, key_sets, model.scale))
+    for i, (a, size) in enumerate(zip(plan.starts, plan.sizes)):
+        count = rp.counts[i] if chosen is not None else 0
+        # A tile's scores are [tokens, heads, its span (< tokens + window) + records].
+        tile = max(1, TILE_ELEMENTS // (heads * (2 * plan.window + count)))
+        tile = min(tile, max(1, int((TILE_ELEMENTS // heads) ** 0.5)))
+        for t in range(a, a + size, tile):
+            e = min(t + tile, a + size)
+            # Host-known bounds of the span: the plan's rows, from its lengths (no sync).
+            lo, hi = plan.span(t, e)
+            span = torch.arange(lo, hi, device=q.device)
+            visible = (span[None, :] >= first[t:e, None]) & (span[None, :] <= own[t:e, None])
+            key_sets = [(window[lo:hi], None, visible)]
+            if count:
+                picked = chosen[t:e]
+                mask = torch.zeros(e - t, count + 1, dtype=torch.bool, device=q.device)
+                mask.scatter_(1, torch.where(picked >= 0, picked, count), True)  # -1 -> a spare column
+                base = i * width
+                key_sets.append((records[base: base + count], cols, mask[:, :count]))
+            parts.append(attend_batched(q[t:e], layer.sink, key_sets, model.scale))
     return torch.cat(parts)
