@@ -40,8 +40,9 @@ from remnant.kv.codec import dequantize
 from remnant.kv.layout import PageLayout
 
 #: Elements of the largest float32 intermediate a tile may make (the indexer's [tokens,
-#: heads, records] relu products, the torch attention's gathered keys): 2^26 x 4 bytes =
-#: 256 MiB, so that a 128k-token prompt's chunk fits beside the weights and pools.
+#: heads, records] relu products, the torch attention's [tokens, heads, keys] scores):
+#: 2^26 x 4 bytes = 256 MiB, so that a 128k-token prompt's chunk fits beside the weights
+#: and pools.
 TILE_ELEMENTS = 1 << 26
 
 
@@ -136,7 +137,6 @@ class PrefillPlan:
                    put(prev_slots), put(prev_rows), put(new_rows), put(window_locs), put(tail_tokens),
                    put(tail_slots), {r: plan.to(device) for r, plan in per_ratio.items()})
 
-
     def span(self, t: int, e: int) -> tuple[int, int]:
         """Scratch rows [lo, hi) holding the windows of tokens t..e-1 (from the host's
         lengths: rows follow tokens, and a token's window ends at its own row)."""
@@ -152,8 +152,7 @@ class PrefillPlan:
 def _ratio_plan(seqs: list, lengths: list[int], sizes: list[int], starts: list[int], pools, r: int) -> RatioPlan:
     """The compressor's and the records' plan for ratio r (RatioPlan), on the host."""
     ring = C4_RING if r == CSA_RATIO else C128_RING
-    target = pools.c4 if r == CSA_RATIO else pools.c128
-    per = next(iter(target.values())).layout.per_page
+    per = pools.page_size // r  # records per page, as decode_step.reachable_records counts them
     state_rows, gather, block_index, record_locs, tail_tokens, tail_rows, visible, counts = [], [], [], [], [], [], [], []
     n_state = sum(L % r for L in lengths)  # rows of the gather table before the new tokens
     state_at = 0
@@ -167,17 +166,16 @@ def _ratio_plan(seqs: list, lengths: list[int], sizes: list[int], starts: list[i
         p = (first + torch.arange(full))[:, None] * r + torch.arange(r)  # [full, r]
         gather.append(torch.where(p < L, state_at + p % r, n_state + start + p - L))
         state_at += open_
-        index = torch.arange(first, first + full)
+        count = (L + n) // r  # the chunk's blocks are the last of these
+        j = torch.arange(count)
         pages = torch.tensor(s.pages, dtype=torch.long)
-        record_locs.append(pages[index // per] * per + index % per)
-        block_index.append(index)
+        visible.append(pages[j // per] * per + j % per)
+        counts.append(count)
+        block_index.append(j[first:])
+        record_locs.append(visible[-1][first:])
         tail = torch.arange(max(L, (first + full) * r), L + n)
         tail_tokens.append(start + tail - L)
         tail_rows.append(s.slot * ring + tail % r)
-        count = (L + n) // r
-        counts.append(count)
-        j = torch.arange(count)
-        visible.append(pages[j // per] * per + j % per)
     width = max(counts, default=0)
     visible_locs = torch.full((len(seqs), width), -1, dtype=torch.long)
     for i, locs in enumerate(visible):
