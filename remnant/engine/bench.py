@@ -131,12 +131,11 @@ def time_prefill(model, pools, seq, prompt: list[int], chunk: int) -> float:
         return time.perf_counter() - t0
 
 
-def prefill_rows(model, mode: str, contexts: list[int], chunk: int) -> list[dict]:
-    """Prefill tokens/s of one prompt per context length (a short warm-up prompt first:
-    kernels compile there, not in the timing)."""
+def prefill_rows(model, mode: str, contexts: list[int], chunk: int):
+    """Prefill tokens/s of one prompt per context length, a row as each is timed (a short
+    warm-up prompt first: kernels compile there, not in the timing)."""
     from remnant.engine.pools import new_sequence, scratch_pools
 
-    rows = []
     gen = torch.Generator().manual_seed(0)
     for i, context in enumerate([min(contexts), *contexts]):
         pools = scratch_pools(model, context, sequences=1)
@@ -146,11 +145,10 @@ def prefill_rows(model, mode: str, contexts: list[int], chunk: int) -> list[dict
         del pools, seq
         if i == 0:
             continue
-        rows.append({"mode": mode, "context": context, "chunk": chunk, "prefill_s": seconds,
-                     "tokens_per_s": context / seconds})
         print(f"{mode:>7} prefill {context:>6} tokens in chunks of {chunk}: {seconds:8.2f} s  "
               f"{context / seconds:10.0f} tok/s", file=sys.stderr, flush=True)
-    return rows
+        yield {"mode": mode, "context": context, "chunk": chunk, "prefill_s": seconds,
+               "tokens_per_s": context / seconds}
 
 
 def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
@@ -178,8 +176,10 @@ def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
 
 
 def run(model_name: str, device: str, modes: list[str], batches: list[int], contexts: list[int],
-        steps: int, cuda_graph: bool = True, prefill_contexts: list[int] | None = None, chunk: int = 8192) -> dict:
-    """The benchmark document (see the module docstring)."""
+        steps: int, cuda_graph: bool = True, prefill_contexts: list[int] | None = None, chunk: int = 8192,
+        on_row=None) -> dict:
+    """The benchmark document (see the module docstring). `on_row(doc)` is called after each
+    row with the document so far (main writes it: a run stopped part-way keeps its rows)."""
     import dataclasses
 
     from remnant.config import ModelConfig
@@ -192,15 +192,24 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
 
     preset = load_model_preset(model_name)
     args = ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig(**preset)))
-    rows, prefill = [], []
     dev = torch.device(device)
     peaks = measure_device(dev if device == "cpu" else torch.device("cuda", torch.cuda.current_device()))
+    # One model for every mode: a mode is its C4 formats (setup_retention), and drawing a
+    # V4-sized model's weights takes tens of seconds.
+    model = Model(args, device=device, cuda_graph=cuda_graph)
+    dtype = str(model.dtype).removeprefix("torch.")
+    rows, prefill = [], []
+    doc = {"schema": "remnant/engine-bench", "schema_version": 1,
+           "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "model": model_name, "device": device, "dtype": dtype, "steps": steps, "peaks": peaks,
+           "environment": environment(), "sources": sources(), "rows": rows, "prefill": prefill,
+           "limits": ["random weights; records filled with quantized random latents, not a prefill",
+                      "packed modes keep the prefix policy's columns (a step reads the same bytes for any map)",
+                      "MoE bytes assume uniform routing (expected distinct experts)"]}
     for mode in modes:
-        model = Model(args, device=device, cuda_graph=cuda_graph)
         # Every packed mode at the one retention they all serve.
         retention = KERNEL_RETENTION if mode_of(mode).keeps_retention else None
         setup_retention(model, mode, model_name, retention, None, None, "prefix")
-        dtype = str(model.dtype).removeprefix("torch.")
         for context in contexts:
             for batch in batches:
                 pools = scratch_pools(model, context + 1, sequences=batch)
@@ -219,15 +228,14 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                              "cuda_graph": model.graphs is not None})
                 del pools, seqs
                 print(_line(rows[-1]), file=sys.stderr, flush=True)
+                if on_row:
+                    on_row(doc)
         if prefill_contexts:
-            prefill += prefill_rows(model, mode, prefill_contexts, chunk)
-    return {"schema": "remnant/engine-bench", "schema_version": 1,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "model": model_name, "device": device, "dtype": dtype, "steps": steps, "peaks": peaks,
-            "environment": environment(), "sources": sources(), "rows": rows, "prefill": prefill,
-            "limits": ["random weights; records filled with quantized random latents, not a prefill",
-                       "packed modes keep the prefix policy's columns (a step reads the same bytes for any map)",
-                       "MoE bytes assume uniform routing (expected distinct experts)"]}
+            for row in prefill_rows(model, mode, prefill_contexts, chunk):
+                prefill.append(row)
+                if on_row:
+                    on_row(doc)
+    return doc
 
 
 def _line(row: dict) -> str:
@@ -254,10 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODE_NAMES]
     if bad:
         p.error(f"--modes {','.join(bad)} is not allowed; allowed: {', '.join(MODE_NAMES)}")
+    def write(doc: dict) -> None:
+        a.out.write_text(json.dumps(doc, indent=2) + "\n")
+
     doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
               [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
-              [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk)
-    a.out.write_text(json.dumps(doc, indent=2) + "\n")
+              [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write)
+    write(doc)
     for row in doc["rows"]:
         print(_line(row))
     for row in doc["prefill"]:

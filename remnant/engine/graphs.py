@@ -49,6 +49,8 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeBatch, torch.Tensor]] = {}
         self._pool = None
+        #: The pools the graphs were captured over: their buffers' addresses are baked in.
+        self._pools = None
         self.stats = {"enabled": True, "batch_buckets": self.buckets, "page_buckets": "powers of two",
                       "captured": [], "capture_s": 0.0, "replays": 0, "eager_steps": 0}
 
@@ -59,6 +61,9 @@ class DecodeGraphs:
             self.stats["eager_steps"] += 1
             batch = DecodeBatch.of(seqs, tokens, pools, self.model.device)
             return decode_step(self.model, pools, batch, self.model.attention)
+        if pools is not self._pools:
+            self.clear()  # graphs of other pools would read and write their (maybe freed) buffers
+            self._pools = pools
         pages = min(page_bucket(max(len(s.pages) for s in seqs)), page_bucket(pools.num_pages))
         key = (rows, pages)
         if key not in self._graphs:
@@ -68,6 +73,12 @@ class DecodeGraphs:
         graph.replay()
         self.stats["replays"] += 1
         return logits[: len(seqs)].clone()
+
+    def clear(self) -> None:
+        """Drop every captured graph (the next step of each bucket captures again): after
+        the model's formats or weights change, or over new pools."""
+        self._graphs.clear()
+        self._pools = None
 
     def _capture(self, rows: int, pages: int, pools):
         """Warm up, then capture, the step of an all-padding batch of `rows` rows and `pages`

@@ -382,10 +382,10 @@ class Model:
         self.scale = 1.0 / math.sqrt(HEAD_DIM)
         #: All 512 columns as the kernels read native records, built once.
         self.native_columns = KeptColumns.of(None, self.device)
-        # After the layers: folded weights are made from them.
-        self.set_c4_formats(c4_formats if c4_formats is not None else {i: C4Format() for i in self.csa_layers})
         #: remnant.engine.graphs.DecodeGraphs where decode steps replay CUDA graphs, else None.
         self.graphs = None
+        # After the layers: folded weights are made from them.
+        self.set_c4_formats(c4_formats if c4_formats is not None else {i: C4Format() for i in self.csa_layers})
         if cuda_graph and self.device.type == "cuda" and self.decode_path != "reference":
             from remnant.engine.graphs import DecodeGraphs
 
@@ -408,6 +408,8 @@ class Model:
         #: reference path reads natural q and would gain nothing.
         self.folded_weights = {i: FoldedWeights.of(self.layers[i], f.columns) for i, f in self.c4_formats.items()
                                if f.rules.direct_decode and self.decode_path == "kernels"}
+        if self.graphs is not None:
+            self.graphs.clear()  # captured steps bake in the old formats' kernels and weights
 
     # Per-token projections, batched over any token set ------------------------------
 
