@@ -21,7 +21,6 @@ JSON document and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from datetime import datetime, timezone
@@ -31,6 +30,7 @@ import torch
 
 from remnant.kv.formats import KERNEL_RETENTION
 from remnant.kv.modes import MODE_NAMES, mode_of
+from remnant.records.schema import write_validated
 
 
 def measure_device(device: torch.device) -> dict:
@@ -200,7 +200,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
     dtype = str(model.dtype).removeprefix("torch.")
     rows, prefill = [], []
     doc = {"schema": "remnant/engine-bench", "schema_version": 1,
-           "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "model": model_name, "device": device, "dtype": dtype, "steps": steps, "peaks": peaks,
            "environment": environment(), "sources": sources(), "rows": rows, "prefill": prefill,
            "limits": ["random weights; records filled with quantized random latents, not a prefill",
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--modes {','.join(bad)} is not allowed; allowed: {', '.join(MODE_NAMES)}")
     def write(doc: dict) -> None:
-        a.out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_validated(a.out, doc)  # schemas/engine-bench: checked before each write
 
     doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
               [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,

@@ -12,6 +12,7 @@ from remnant.engine.bench import main
 from remnant.engine.capacity_report import load_model_preset
 from remnant.engine.model import ModelArgs
 from remnant.engine.roofline import step_cost
+from remnant.records.schema import validate
 
 
 def _args(name: str) -> ModelArgs:
@@ -41,6 +42,7 @@ def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
     assert main(["--model", "tiny", "--device", "cpu", "--batches", "1,3", "--contexts", "260",
                  "--steps", "2", "--prefill-contexts", "300", "--chunk", "128", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    validate(doc)
     assert [(r["mode"], r["batch"]) for r in doc["rows"]] == [(m, b) for m in ("native", "triton", "kernel")
                                                               for b in (1, 3)]
     for row in doc["rows"]:
