@@ -40,7 +40,6 @@ from remnant.kv.modes import mode_of
 log = logging.getLogger(__name__)
 
 FRONTIER_JSON = "frontier.json"
-FRONTIER_SCHEMA_VERSION = 1
 #: How a step's run.json limits begin where the load client, not the server, may have set
 #: its numbers (remnant.client.metrics.saturation_limits); frontier.json repeats them.
 CLIENT_LIMIT = "the load client"
@@ -369,6 +368,7 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
     interrupted and the KeyboardInterrupt is not raised again: outcome.signum says which
     signal came. Steps already written stay.
     """
+    from remnant.records.kinds import FRONTIER
     from remnant.records.provenance import sources
     from remnant.records.schema import RecordError, write_validated
     from remnant.run import RUN_JSON, execute_run, leftovers, previous_outcome, resume_check, set_aside
@@ -408,7 +408,7 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
         if result is not None and result.stopped == "max_passed":
             limits.append(f"search.max={cfg.search.max:g} passed: the frontier is at least that, not measured above it")
         return {
-            "schema": "remnant/frontier", "schema_version": FRONTIER_SCHEMA_VERSION,
+            **FRONTIER.header(),
             "status": state["status"], "error": state["error"], "started_at": started_at, "ended_at": _now(),
             "mode": base.mode.name, "retention": base.retention.name if mode_of(base.mode.name).keeps_retention else None,
             "workload": base.workload.name, "seed": base.seed, "load": cfg.search.load,

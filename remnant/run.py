@@ -27,6 +27,7 @@ from pathlib import Path
 
 from remnant.config import RunConfig, recorded_config
 from remnant.kv.modes import mode_of
+from remnant.records.kinds import RUN
 from remnant.signals import describe as describe_signal
 from remnant.signals import raise_interrupted, signum_of
 
@@ -43,8 +44,6 @@ SERVER_PORT = "server.port"
 HYDRA_DIR = ".hydra"
 #: What one attempt leaves in its run directory, set aside before the next attempt.
 ATTEMPT_FILES = (RUN_JSON, REQUESTS_JSONL, SERVER_METRICS_JSONL, SERVER_LOG, HYDRA_DIR, CAPTURE_FILE)
-#: run.json's schema version this code writes.
-RUN_SCHEMA_VERSION = 5
 #: Space held on the run's disk from its start until run.json is written, so a disk that
 #: fills during the run still takes run.json (a run.json is some 10-20 KB).
 RESERVE = ".run.json.reserve"
@@ -178,15 +177,14 @@ def run_document(*, run_id: str, status: str, error: dict | None, started_at: st
                  metrics: dict | None = None, failures: dict | None = None, client_stop: dict | None = None,
                  client: dict | None = None, artifacts: list | None = None, capture: dict | None = None,
                  retention_map: dict | None = None, server_metrics: dict | None = None) -> dict:
-    """run.json (schema remnant/run, RUN_SCHEMA_VERSION): every run writes this document,
+    """run.json (remnant.records.kinds.RUN): every run writes this document,
     one that ran and one whose config broke a rule alike. phases: dicts, as recorded;
     client: remnant.client.metrics.client_summary of the measured phase, None where none ran;
     capture: capture_record of a capture run; retention_map: retention_map_record of the
     map a packed run served with; server_metrics: the summary of the server's /metrics
     scraped while the client drove it (remnant.client.server_metrics), None where none was."""
     return {
-        "schema": "remnant/run",
-        "schema_version": RUN_SCHEMA_VERSION,
+        **RUN.header(),
         "run_id": run_id,
         "status": status,
         "error": error,

@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(c < 1 for c in a.concurrency) or (a.requests is not None and a.requests < 1):
         p.error("--concurrency and --requests must be >= 1")
 
+    from remnant.records.kinds import CLIENT_BENCH
     from remnant.records.provenance import environment, sources
     from remnant.records.schema import write_validated
 
@@ -444,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     if "sglang" in a.clients and "sglang" not in clients:
         limits.append(f"SGLang's bench client did not run: {sg_why}")
     doc = {
-        "schema": "remnant/client-bench", "schema_version": 1,
+        **CLIENT_BENCH.header(),
         "description": a.description or "client ceiling: remnant's load client"
         + (" and SGLang's bench client" if "sglang" in clients else "") + " against a model-free stream server",
         "created_at": datetime.now(timezone.utc).isoformat(),

@@ -30,6 +30,7 @@ import torch
 
 from remnant.kv.formats import KERNEL_RETENTION
 from remnant.kv.modes import MODE_NAMES, mode_of
+from remnant.records.kinds import ENGINE_BENCH
 from remnant.records.schema import write_validated
 
 
@@ -199,7 +200,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
     model = Model(args, device=device, cuda_graph=cuda_graph)
     dtype = str(model.dtype).removeprefix("torch.")
     rows, prefill = [], []
-    doc = {"schema": "remnant/engine-bench", "schema_version": 1,
+    doc = {**ENGINE_BENCH.header(),
            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "model": model_name, "device": device, "dtype": dtype, "steps": steps, "peaks": peaks,
            "environment": environment(), "sources": sources(), "rows": rows, "prefill": prefill,

@@ -84,12 +84,12 @@ def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[i
             row[name] = request_capacity(geometry, sizes[name], length)
         row["requests_ratio"] = row["packed"]["requests"] / row["native"]["requests"] if row["native"]["requests"] else None
         per_length.append(row)
+    from remnant.records.kinds import CAPACITY
     from remnant.records.provenance import sources
 
     c4_native = modes[0]["bytes_per_token"]["c4"]
     return {
-        "schema": "remnant/capacity",
-        "schema_version": 1,
+        **CAPACITY.header(),
         "created_at": datetime.now(timezone.utc).isoformat(),
         "sources": sources(),
         "model": {"name": model["name"], "compress_ratios": ratios, "window_size": model["window_size"],

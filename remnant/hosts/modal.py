@@ -33,6 +33,7 @@ from remnant.hosts.base import (HOSTS, Endpoint, HostConfig, HostError, ServerSp
                                 signals_deferred, wait_healthy)
 from remnant.kv.modes import mode_of
 from remnant.records.files import writing
+from remnant.records.kinds import MODAL_SERVE_REQUEST
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,6 @@ APP_SETTINGS = (
     "download_timeout_s", "inspect_timeout_s", "budget_gpu_hours", "model_repo", "model_revision",
     "model_volume", "runs_volume", "base_image", "port",
 )
-REQUEST_SCHEMA = "remnant/modal-serve-request"
-REQUEST_VERSION = 1
 ENDPOINT_FILE = "endpoint.json"
 ENVIRONMENT_FILE = "environment.json"
 _POLL_S = 2.0
@@ -178,8 +177,7 @@ class ServeRequest:
         )
 
     def to_json(self) -> str:
-        return json.dumps({"schema": REQUEST_SCHEMA, "schema_version": REQUEST_VERSION, **dataclasses.asdict(self)},
-                          sort_keys=True)
+        return json.dumps({**MODAL_SERVE_REQUEST.header(), **dataclasses.asdict(self)}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> ServeRequest:
@@ -187,8 +185,9 @@ class ServeRequest:
         doc = json.loads(text)
         if not isinstance(doc, dict):
             raise ValueError("a serve request is a JSON object")
-        if (doc.pop("schema", None), doc.pop("schema_version", None)) != (REQUEST_SCHEMA, REQUEST_VERSION):
-            raise ValueError(f"not a {REQUEST_SCHEMA} v{REQUEST_VERSION} document")
+        header = {key: doc.pop(key, None) for key in MODAL_SERVE_REQUEST.header()}
+        if header != MODAL_SERVE_REQUEST.header():
+            raise ValueError(f"not a {MODAL_SERVE_REQUEST.name} v{MODAL_SERVE_REQUEST.version} document")
         names = {f.name for f in dataclasses.fields(cls)}
         if set(doc) != names:
             raise ValueError(f"serve request fields differ: missing {sorted(names - set(doc))}, "

@@ -18,6 +18,9 @@ included, on a split by capture source is a subcommand (remnant.kv.fidelity_comp
 schema remnant/fidelity v2):
 
     python -m remnant.kv.fidelity compare --train A.safetensors --eval B.safetensors --out NAME.json
+
+Both versions are written today: two layouts of one kind, not an old and a new one
+(remnant.records.kinds, FIDELITY_SINGLE_CAPTURE and FIDELITY, says why).
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ def evaluate(captures: Captures, policies: list[str], retention_values: list[int
 
 def report(captures: Captures, policies: list[str], retention_values: list[int], top_k: int = 64,
            seed: int = 0, progress: bool | None = None) -> dict:
-    """The remnant/fidelity v1 document for `captures`."""
+    """The remnant/fidelity v1 document for `captures` (remnant.records.kinds.FIDELITY_SINGLE_CAPTURE)."""
+    from remnant.records.kinds import FIDELITY_SINGLE_CAPTURE
     from remnant.records.provenance import sources
 
     limits = [
@@ -74,8 +78,7 @@ def report(captures: Captures, policies: list[str], retention_values: list[int],
     if captures.source == "synthetic":
         limits.insert(0, SYNTHETIC_LIMIT)
     return {
-        "schema": "remnant/fidelity",
-        "schema_version": 1,
+        **FIDELITY_SINGLE_CAPTURE.header(),
         "created_at": datetime.now(timezone.utc).isoformat(),
         "sources": sources(),
         "captures": {"model_id": captures.model_id, "source": captures.source,

@@ -45,7 +45,6 @@ from remnant.kv.learned import (INITS, Hyperparameters, LearnedScorer, capture_r
 from remnant.kv.policies import choose
 from remnant.kv.retention import LEARNED, POLICIES
 
-SCHEMA_VERSION = 2
 #: The policies a comparison measures, in report order.
 COMPARE_POLICIES = POLICIES + (LEARNED,)
 
@@ -144,7 +143,8 @@ def _ref(name: str, c: Captures) -> dict:
 def document(train_named, eval_named, scorer: LearnedScorer, scorer_file: str, results: list[dict],
              policies: list[str], retention_values: list[int], top_k: int, seed: int,
              plots: list[dict], extra_limits: list[str]) -> dict:
-    """The remnant/fidelity v2 document."""
+    """The remnant/fidelity v2 document (remnant.records.kinds.FIDELITY)."""
+    from remnant.records.kinds import FIDELITY
     from remnant.records.provenance import sources
 
     train_sources = ", ".join(f"{c.source} ({c.fingerprint[:12]})" for _, c in train_named)
@@ -167,8 +167,7 @@ def document(train_named, eval_named, scorer: LearnedScorer, scorer_file: str, r
         limits.insert(0, SYNTHETIC_LIMIT)
     limits.extend(extra_limits)
     return {
-        "schema": "remnant/fidelity",
-        "schema_version": SCHEMA_VERSION,
+        **FIDELITY.header(),
         "created_at": datetime.now(timezone.utc).isoformat(),
         "sources": sources(),
         "model_id": ev.model_id,

@@ -51,8 +51,6 @@ import torch
 from remnant.kv.captures import Captures, LayerCapture, _Parser, load_captures, synthetic_captures
 from remnant.kv.formats import HEAD_DIM, NOPE_DIM, RETENTION_VALUES, ROPE_DIM
 
-SCHEMA = "remnant/learned-scorer"
-SCHEMA_VERSION = 1
 METHOD = "remnant.kv.learned/soft-top-n/1"
 INITS = ("attention", "magnitude", "zero")
 #: Loss-curve points kept per layer (the first step, then means over equal windows).
@@ -153,14 +151,14 @@ class LearnedScorer:
         return self.path or "<scorer>"
 
     def to_dict(self) -> dict:
-        """The scorer as a remnant/learned-scorer v1 document."""
+        """The scorer as a remnant/learned-scorer document (remnant.records.kinds.LEARNED_SCORER)."""
+        from remnant.records.kinds import LEARNED_SCORER
         from remnant.records.provenance import sources as code_sources
 
         hp = asdict(self.hyperparameters)
         hp["retentions"] = list(hp["retentions"])
         return {
-            "schema": SCHEMA,
-            "schema_version": SCHEMA_VERSION,
+            **LEARNED_SCORER.header(),
             "model_id": self.model_id,
             "method": METHOD,
             "hyperparameters": hp,

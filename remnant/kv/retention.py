@@ -2,11 +2,12 @@
 
 A retention map names, per CSA layer, the sorted NoPE coordinates kept at that layer's
 retention R (N = R - 64 of 0..447; RoPE 448..511 is always kept). It is a JSON record,
-`"schema": "remnant/retention-map"` (schemas/retention-map/v1.schema.json), carrying its
-own provenance: the policy and its parameters, the calibration captures' fingerprint, the
+`"schema": "remnant/retention-map"` (schemas/retention-map/), carrying its own
+provenance: the policy and its parameters, the calibration captures' fingerprint, the
 model id, when and by which code it was built. Maps of the training-free policies are
 written as v1; maps of the learned policy (remnant.kv.learned, offline) as v2, which is v1
-plus the policy name "learned" and its scorer's provenance. Both versions load.
+plus the policy name "learned" and its scorer's provenance (remnant.records.kinds says
+why). Both versions load.
 
 A retention profile gives R per CSA layer: uniform or one value per layer.
 
@@ -34,11 +35,6 @@ MAP_POLICIES = POLICIES + (LEARNED,)
 
 if TYPE_CHECKING:
     import torch
-
-SCHEMA = "remnant/retention-map"
-SCHEMA_VERSION = 1
-#: The version written for maps of the learned policy (v1 cannot name it).
-LEARNED_SCHEMA_VERSION = 2
 
 _ALLOWED = ", ".join(map(str, RETENTION_VALUES))
 
@@ -104,11 +100,11 @@ class RetentionMap:
 
     def to_dict(self) -> dict:
         """The map as a remnant/retention-map document: v1, or v2 for the learned policy."""
+        from remnant.records.kinds import RETENTION_MAP, RETENTION_MAP_TRAINING_FREE
         from remnant.records.provenance import sources as code_sources
 
         return {
-            "schema": SCHEMA,
-            "schema_version": LEARNED_SCHEMA_VERSION if self.policy == LEARNED else SCHEMA_VERSION,
+            **(RETENTION_MAP if self.policy == LEARNED else RETENTION_MAP_TRAINING_FREE).header(),
             "model_id": self.model_id,
             "policy": {"name": self.policy, "params": dict(self.policy_params)},
             "calibration": dict(self.calibration),

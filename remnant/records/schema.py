@@ -3,7 +3,8 @@
 A record names its own schema: `{"schema": "remnant/<name>", "schema_version": <v>, ...}`
 is checked against `<name>/v<v>.schema.json` in the `remnant.schemas` package (the
 repository's schemas/ directory, shipped as package data). New record kinds need no code
-here: adding `schemas/<name>/v1.schema.json` makes `remnant/<name>` known.
+here: adding `schemas/<name>/v1.schema.json` makes `remnant/<name>` known. The version a
+writer stamps is declared in remnant.records.kinds.
 """
 
 from __future__ import annotations

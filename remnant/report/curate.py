@@ -19,13 +19,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from remnant.kv.modes import mode_of
+from remnant.records import kinds
 from remnant.records.provenance import sha256_file, sources
 from remnant.records.schema import validate, write_validated
 
 INDEX = "index.json"
-_DESCRIBE = {"remnant/fidelity": "fidelity report", "remnant/capacity": "capacity report",
-             "remnant/kernel-bench": "kernel benchmark", "remnant/client-bench": "client ceiling benchmark",
-             "remnant/learned-scorer": "learned coordinate scorer"}
+_DESCRIBE = {kinds.FIDELITY.name: "fidelity report", kinds.CAPACITY.name: "capacity report",
+             kinds.KERNEL_BENCH.name: "kernel benchmark", kinds.CLIENT_BENCH.name: "client ceiling benchmark",
+             kinds.LEARNED_SCORER.name: "learned coordinate scorer"}
 
 
 def curate(sweep: Path, name: str, description: str, benchmarks: Path) -> Path:
@@ -62,7 +63,7 @@ def curate(sweep: Path, name: str, description: str, benchmarks: Path) -> Path:
         env = env or doc.get("environment")
     table = summary(load_runs([target / "runs"]), COLUMNS)
     collection = {
-        "schema": "remnant/collection", "schema_version": 1, "name": name, "description": description,
+        **kinds.COLLECTION.header(), "name": name, "description": description,
         "created_at": datetime.now(timezone.utc).isoformat(), "sources": sources(),
         "what_ran": {"modes": sorted(modes), "workloads": sorted(workloads), "hosts": sorted(hosts),
                      "runs": len(members), "environment": env},
@@ -82,12 +83,11 @@ def write_index(benchmarks: Path) -> Path:
             continue
         doc = json.loads(path.read_text())
         kind = doc.get("schema")
-        if kind not in ("remnant/collection", *_DESCRIBE):
+        if kind not in (kinds.COLLECTION.name, *_DESCRIBE):
             continue
         description = doc.get("description") or _DESCRIBE[kind]
         entries.append({"path": str(rel), "kind": kind, "sha256": sha256_file(path), "description": description})
-    # v3: v2 plus the kind remnant/learned-scorer (v2: v1 plus remnant/client-bench).
-    return write_validated(benchmarks / INDEX, {"schema": "remnant/index", "schema_version": 3, "entries": entries})
+    return write_validated(benchmarks / INDEX, {**kinds.INDEX.header(), "entries": entries})
 
 
 def main(argv: list[str] | None = None) -> int:

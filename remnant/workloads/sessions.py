@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from remnant.records.kinds import SESSIONS
 from remnant.workloads.dataset_file import Record, Tally, jsonl_records, read_file
 from remnant.workloads.json_error import describe_json_error
 
@@ -45,7 +46,7 @@ class Session:
 
 
 def to_document(sessions: list[Session], source: str, block_size: int | None = None) -> dict:
-    doc = {"schema": "remnant/sessions", "schema_version": 1, "source": source,
+    doc = {**SESSIONS.header(), "source": source,
            "sessions": [{"id": s.id, "turns": [{k: v for k, v in t.__dict__.items() if v is not None}
                                                 for t in s.turns]} for s in sessions]}
     if block_size is not None:

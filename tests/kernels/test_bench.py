@@ -10,7 +10,7 @@ from remnant.kernels.bench import main
 from remnant.kernels.bench.cases import DecodeCase, FlashMLACase, decode_bytes_flops, flashmla_bytes_flops
 from remnant.kernels.bench.harness import Ceilings, roofline
 from remnant.kernels.bench.report import table
-from remnant.kernels.bench.sweep import SCHEMA_VERSION
+from remnant.records.kinds import KERNEL_BENCH
 from remnant.kernels.bench.targets import against_flashmla, targets
 from remnant.kernels.decode.plan import partials_for, split_plan_for
 from remnant.records.schema import RecordError, validate
@@ -82,7 +82,7 @@ def _doc() -> dict:
               "block_rows": 16, "num_warps": 4, **roofline(300e-6, (1 << 20) * 916, 0.0, ceil)}]
     stock = [_flashmla_row(ceil, "flashmla", 16.0), _flashmla_row(ceil, "reconstruct+flashmla", 24.0)]
     return {
-        "schema": "remnant/kernel-bench", "schema_version": SCHEMA_VERSION, "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
+        **KERNEL_BENCH.header(), "created_at": "2026-11-30T17:00:00+00:00", "seed": 0,
         "provenance": {"gpu": {"name": "test", "capability": "9.0", "multiprocessors": 132, "l2_bytes": 60 << 20,
                                "nvidia_smi": {}},
                        "torch": "2", "cuda": "13", "triton": "3", "python": "3.12", "host": "h", "git_commit": "x"},

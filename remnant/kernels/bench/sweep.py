@@ -1,6 +1,6 @@
 """The remnant-kernels run: the ceilings, the checks, then store, reconstruct, the decode
-tuning and sweep and FlashMLA's rows, timed, into one record (schema remnant/kernel-bench,
-SCHEMA_VERSION) with the targets it measured (remnant.kernels.bench.targets)."""
+tuning and sweep and FlashMLA's rows, timed, into one record (remnant.records.kinds.KERNEL_BENCH)
+with the targets it measured (remnant.kernels.bench.targets)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ from remnant.kernels.bench.harness import (Ceilings, compiled_info, gpu_provenan
                                            roofline, rotations, time_graph)
 from remnant.kernels.bench.inputs import DecodeInputs, random_keep
 from remnant.kernels.bench.targets import against_flashmla, targets
-
-
-SCHEMA_VERSION = 12
+from remnant.records.kinds import KERNEL_BENCH
 
 
 def _launch(kernel: str, permute: str) -> dict:
@@ -227,8 +225,7 @@ def run(sweep: str, reps: int, seed: int, progress=print, stock: dict | None = N
         flashmla_rows = bench_flashmla(inputs, ceil, reps, flashmla_cases(quick))
     provenance = gpu_provenance()
     return {
-        "schema": "remnant/kernel-bench",
-        "schema_version": SCHEMA_VERSION,
+        **KERNEL_BENCH.header(),
         "created_at": started.isoformat(timespec="seconds"),
         "seed": seed,
         "provenance": provenance,
