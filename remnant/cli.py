@@ -414,7 +414,7 @@ def _print_table(rows: list[tuple[str, ...]], header: tuple[str, ...], tail: str
 def print_sweep_summary(sweep: Path, stopped: str | None = None) -> list[tuple[str, str]]:
     """One line per cell: status and headline metrics; then how many completed. Returns
     (cell, status) of the cells that did not complete."""
-    from remnant.run import leftovers
+    from remnant.run_dir import leftovers
 
     rows = []
     for name, doc in _sweep_records(sweep, "run.json"):
@@ -530,15 +530,8 @@ def write_hydra_dir(run_dir: Path, cfg: DictConfig) -> None:
 
 @hydra.main(version_base=None, config_path="pkg://remnant.conf", config_name="config")
 def _run(cfg: DictConfig) -> None:
-    from remnant.run import (
-        RUN_JSON,
-        execute_run,
-        leftovers,
-        previous_outcome,
-        record_config_error,
-        resume_check,
-        set_aside,
-    )
+    from remnant.run import execute_run, record_config_error
+    from remnant.run_dir import KILLED, RUN_JSON, make_way, previous_outcome
 
     _cell_starts()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
@@ -553,9 +546,7 @@ def _run(cfg: DictConfig) -> None:
         # run's config was checked before its directory was made (ConfigCheck); where that
         # did not run, it is recorded the same way, so no directory is left without a run.json.
         try:
-            previous = previous_outcome(run_dir)
-            if previous is not None or leftovers(run_dir):
-                set_aside(run_dir, previous or "killed")
+            make_way(run_dir, None)
             path = record_config_error(run_dir, _plain(cfg), message)
         except OSError as err:
             if multirun:
@@ -566,24 +557,21 @@ def _run(cfg: DictConfig) -> None:
         if not multirun:
             sys.exit(2)
         return
-    previous = previous_outcome(run_dir)
-    if previous is not None and not multirun:
+    if previous_outcome(run_dir) is not None and not multirun:
         _fail(f"{run_dir / RUN_JSON} exists: a run directory holds one run; give another hydra.run.dir")
     try:
-        if previous is not None:
-            why = resume_check(run_cfg, run_dir)
-            if why is None:
-                print(f"remnant-run: {run_dir} is complete; skipped (the same config and request stream; "
-                      "force=true runs it again)", file=sys.stderr)
-                print(run_dir / RUN_JSON, flush=True)
-                return
-            moved = set_aside(run_dir, previous)
-            print(f"remnant-run: {run_dir}: {why}; running it again ({len(moved)} earlier file(s) set aside "
-                  f"as *.{previous}-*)", file=sys.stderr)
-        elif leftovers(run_dir):
-            set_aside(run_dir, "killed")
+        earlier = make_way(run_dir, run_cfg)
+        if earlier.reuse:
+            print(f"remnant-run: {run_dir} is complete; skipped (the same config and request stream; "
+                  "force=true runs it again)", file=sys.stderr)
+            print(run_dir / RUN_JSON, flush=True)
+            return
+        if earlier.outcome == KILLED:
             print(f"remnant-run: {run_dir} holds an attempt that left no run.json; its files are set aside "
-                  "as *.killed-*", file=sys.stderr)
+                  f"as *.{KILLED}-*", file=sys.stderr)
+        elif earlier.outcome is not None:
+            print(f"remnant-run: {run_dir}: {earlier.why}; running it again ({len(earlier.moved)} earlier file(s) "
+                  f"set aside as *.{earlier.outcome}-*)", file=sys.stderr)
         write_hydra_dir(run_dir, cfg)
         outcome = execute_run(run_cfg, run_dir)
     except OSError as exc:

@@ -9,7 +9,7 @@ down to `search.resolution`. Each step is a full run directory written by
 `remnant.run.execute_run` (run.json, requests.jsonl, server.log), named by its load
 (`c0004/`, `r2.5/`), so a search run again in the same directory reuses every step whose run.json
 is completed with the same config and request stream, as a resumed sweep does
-(`remnant.run.resume_check`), and only judges it anew: a changed SLO costs no run.
+(`remnant.run_dir.make_way`), and only judges it anew: a changed SLO costs no run.
 
 The search's own record, frontier.json (schema `remnant/frontier`), sits beside the step
 directories and is rewritten after every step, so Ctrl-C or a crash leaves a valid record
@@ -371,7 +371,8 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
     from remnant.records.kinds import FRONTIER
     from remnant.records.provenance import sources
     from remnant.records.schema import RecordError, write_validated
-    from remnant.run import RUN_JSON, execute_run, leftovers, previous_outcome, resume_check, set_aside
+    from remnant.run import execute_run
+    from remnant.run_dir import KILLED, RUN_JSON, make_way
     from remnant.signals import signum_of
 
     out_dir = Path(out_dir)
@@ -430,17 +431,11 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
         step_cfg = with_load(base, axis, level)
         run_dir = step_dir(out_dir, axis, level)
         label = f"step {len(steps) + 1} {cfg.search.load}={level:g}"
-        reused = False
-        previous = previous_outcome(run_dir)
-        if previous is not None:
-            why = resume_check(step_cfg, run_dir)
-            if why is None:
-                reused = True
-            else:
-                set_aside(run_dir, previous)
-                _say(f"{label}: {run_dir}: {why}; running it again (earlier files set aside as *.{previous}-*)")
-        elif leftovers(run_dir):
-            set_aside(run_dir, "killed")
+        earlier = make_way(run_dir, step_cfg)
+        reused = earlier.reuse
+        if earlier.outcome not in (None, KILLED) and not reused:
+            _say(f"{label}: {run_dir}: {earlier.why}; running it again (earlier files set aside as "
+                 f"*.{earlier.outcome}-*)")
         if not reused:
             _say(f"{label}: running in {run_dir}")
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,17 +7,14 @@ the deadline, a full disk, ...), or interrupted (Ctrl-C / SIGTERM). requests.jso
 server.log sit beside it. Where run.json itself cannot be written (a full or read-only
 disk), the outcome says so instead.
 
-A run directory holds one run. Before a cell runs again, `set_aside` renames what the
-earlier attempt left (run.json, requests.jsonl, server.log, .hydra/); `resume_check` says
-whether a completed run.json is this very cell (same resolved config, same request
-stream), so a resumed sweep may skip it.
+The run directory, and what becomes of an earlier attempt's files there, is
+remnant.run_dir's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import time
 import uuid
@@ -28,26 +25,12 @@ from pathlib import Path
 from remnant.config import RunConfig, recorded_config
 from remnant.kv.modes import mode_of
 from remnant.records.kinds import RUN
+from remnant.run_dir import CAPTURE_FILE, REQUESTS_JSONL, RUN_JSON, SERVER_LOG, SERVER_METRICS_JSONL, claim
 from remnant.signals import describe as describe_signal
 from remnant.signals import raise_interrupted, signum_of
 
 log = logging.getLogger(__name__)
 
-RUN_JSON = "run.json"
-#: A capture run's capture file, in its run directory.
-CAPTURE_FILE = "capture.safetensors"
-REQUESTS_JSONL = "requests.jsonl"
-#: The server's /metrics as the client scraped them (remnant.client.server_metrics).
-SERVER_METRICS_JSONL = "server_metrics.jsonl"
-SERVER_LOG = "server.log"
-SERVER_PORT = "server.port"
-HYDRA_DIR = ".hydra"
-#: What one attempt leaves in its run directory, set aside before the next attempt.
-ATTEMPT_FILES = (RUN_JSON, REQUESTS_JSONL, SERVER_METRICS_JSONL, SERVER_LOG, HYDRA_DIR, CAPTURE_FILE)
-#: Space held on the run's disk from its start until run.json is written, so a disk that
-#: fills during the run still takes run.json (a run.json is some 10-20 KB).
-RESERVE = ".run.json.reserve"
-RESERVE_BYTES = 64 * 1024
 #: A gap this long between two tokens of one request (a server that paused, short of a
 #: stall) is named in run.json's limits.
 PAUSE_NOTE_S = 10.0
@@ -140,21 +123,6 @@ def _pause_limits(metrics: dict) -> list[str]:
 
 def _sigterm_as_interrupt(signum, frame):
     raise_interrupted(signum, frame)
-
-
-def _reserve(run_dir: Path) -> Path | None:
-    """Hold RESERVE_BYTES on the run's disk for run.json; None where even that is not free."""
-    path = run_dir / RESERVE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.posix_fallocate(fd, 0, RESERVE_BYTES)
-        finally:
-            os.close(fd)
-        return path
-    except OSError:
-        path.unlink(missing_ok=True)
-        return None
 
 
 def _write_error(path: Path, exc: OSError) -> str:
@@ -299,11 +267,7 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
     from remnant.workloads.dataset_file import skipped_records
 
     run_dir = Path(run_dir)
-    if (run_dir / RUN_JSON).exists():
-        raise FileExistsError(f"{run_dir / RUN_JSON} exists: a run directory holds one run")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    set_aside(run_dir, "killed", names=(REQUESTS_JSONL, SERVER_METRICS_JSONL, SERVER_LOG, CAPTURE_FILE))
-    reserve = _reserve(run_dir)
+    reserve = claim(run_dir)
     run_id = run_id or _new_run_id()
     requests_path = run_dir / REQUESTS_JSONL
     started_at, t_start = _now(), time.monotonic()
@@ -464,110 +428,6 @@ def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progre
         except OSError as exc:
             write_error, path = _write_error(run_dir / RUN_JSON, exc), None
     return RunOutcome(path, doc["status"], doc["error"], doc["metrics"], signum, write_error)
-
-
-def previous_outcome(run_dir: Path) -> str | None:
-    """Status of the run already recorded in run_dir (None if none)."""
-    path = Path(run_dir) / RUN_JSON
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text()).get("status", "unknown")
-    except (OSError, ValueError):
-        return "unreadable"
-
-
-def set_aside(run_dir: Path, label: str, names: tuple[str, ...] = ATTEMPT_FILES) -> list[Path]:
-    """Keep an earlier attempt's records under new names before the cell runs again:
-    run.json -> run.<label>-<UTC time>.json, .hydra -> .hydra.<label>-<UTC time>, never
-    overwriting one set aside before. A stale server.port (the port of a server that is
-    gone) and reserve are removed. Returns the new paths."""
-    run_dir = Path(run_dir)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    moved = []
-    for name in names:
-        path = run_dir / name
-        if not (path.exists() or path.is_symlink()):
-            continue
-        stem, suffix = (name, "") if path.is_dir() else (path.stem, path.suffix)
-        n = 0
-        while True:
-            tag = f"{label}-{stamp}" + (f"-{n}" if n else "")
-            target = path.with_name(f"{stem}.{tag}{suffix}")
-            if not (target.exists() or target.is_symlink()):
-                break
-            n += 1
-        path.rename(target)
-        moved.append(target)
-    for name in (SERVER_PORT, RESERVE):
-        (run_dir / name).unlink(missing_ok=True)
-    return moved
-
-
-def leftovers(run_dir: Path) -> list[str]:
-    """What an earlier attempt left in `run_dir` (of ATTEMPT_FILES and server.port)."""
-    run_dir = Path(run_dir)
-    return [name for name in (*ATTEMPT_FILES, SERVER_PORT) if (run_dir / name).exists()]
-
-
-def _comparable(value: object) -> object:
-    """A recorded config as JSON gives it back (tuples become lists), without `force`,
-    which says whether to run again, not what runs."""
-    plain = json.loads(json.dumps(value, default=str))
-    if isinstance(plain, dict):
-        plain.pop("force", None)
-    return plain
-
-
-def _first_difference(have: object, want: object, key: str = "") -> str | None:
-    """The first dotted key where two plain configs differ, as `key: old -> new`."""
-    if isinstance(have, dict) and isinstance(want, dict):
-        for k in list(have) + [k for k in want if k not in have]:
-            sub = f"{key}.{k}" if key else str(k)
-            if k not in have:
-                return f"{sub}: (absent) -> {json.dumps(want[k])}"
-            if k not in want:
-                return f"{sub}: {json.dumps(have[k])} -> (absent)"
-            found = _first_difference(have[k], want[k], sub)
-            if found:
-                return found
-        return None
-    if have != want:
-        def show(v: object) -> str:
-            text = json.dumps(v)
-            return text if len(text) <= 60 else text[:57] + "..."
-        return f"{key or 'config'}: {show(have)} -> {show(want)}"
-    return None
-
-
-def resume_check(cfg: RunConfig, run_dir: Path) -> str | None:
-    """None when run_dir's run.json is a completed run of exactly this cell: the same
-    resolved config and the same request stream (workload fingerprint), so a resumed
-    sweep may skip it. Otherwise why the cell runs again."""
-    from remnant.workloads import plan_workload
-
-    try:
-        doc = json.loads((Path(run_dir) / RUN_JSON).read_text())
-    except (OSError, ValueError) as exc:
-        return f"its run.json cannot be read ({exc})"
-    if not isinstance(doc, dict):
-        return "its run.json is not a run record"
-    if doc.get("status") != "completed":
-        return f"its run.json says {doc.get('status')}"
-    if cfg.force:
-        return "force=true"
-    diff = _first_difference(_comparable(doc.get("config")), _comparable(recorded_config(cfg)))
-    if diff:
-        return f"its config differs ({diff})"
-    try:
-        server_info = doc.get("server_info") if cfg.workload.needs_server_info() else None
-        fingerprint = plan_workload(cfg.workload, cfg.model, server_info).fingerprint()
-    except (ValueError, OSError) as exc:
-        return f"its workload cannot be planned again ({exc})"
-    recorded = (doc.get("workload") or {}).get("fingerprint")
-    if fingerprint != recorded:
-        return f"its request stream differs (workload fingerprint {str(recorded)[:12]} -> {fingerprint[:12]})"
-    return None
 
 
 def record_config_error(run_dir: Path, config: dict, message: str, run_id: str | None = None) -> Path:

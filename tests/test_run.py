@@ -74,21 +74,6 @@ def test_a_pause_of_the_server_short_of_a_stall_is_named_in_limits():
     assert _pause_limits(summarize([rec(0, [0.1, 0.2, 0.3])])) == []
 
 
-def test_set_aside_never_overwrites_an_earlier_attempt(tmp_path):
-    from remnant.run import leftovers, set_aside
-
-    for attempt in ("first", "second"):
-        (tmp_path / "requests.jsonl").write_text(attempt)
-        (tmp_path / ".hydra").mkdir()
-        (tmp_path / "server.port").write_text("1")
-        assert sorted(leftovers(tmp_path)) == [".hydra", "requests.jsonl", "server.port"]
-        moved = set_aside(tmp_path, "killed")
-        assert {p.name.split(".killed-")[0] for p in moved} == {"requests", ".hydra"}
-        assert leftovers(tmp_path) == []
-    kept = sorted(p.read_text() for p in tmp_path.glob("requests.killed-*.jsonl"))
-    assert kept == ["first", "second"]
-
-
 def _stream_server_run(tmp_path, **workload):
     """A run of remnant-run's code against the model-free stream server (host external): the
     server answers at once, so the client is the one working."""
@@ -163,7 +148,8 @@ def test_a_disk_that_fills_while_the_model_is_written_still_gets_run_json(tmp_pa
     from remnant.config import ModelConfig, RunConfig
     from remnant.hosts.embedded import EmbeddedHostConfig
     from remnant.records.schema import validate
-    from remnant.run import RESERVE_BYTES, execute_run
+    from remnant.run import execute_run
+    from remnant.run_dir import RESERVE_BYTES
     from remnant.workloads.random import RandomWorkloadConfig
     from tests.tmpfs import tmpfs
 

@@ -4,7 +4,7 @@
 from the moment the client starts until it ends, on its own thread with its own HTTP
 client and a short timeout, so the load client's event loop never waits for it. Each
 answer becomes one line of server_metrics.jsonl in the run directory, appended whole as it
-arrives (`remnant.records.files.append_line`; remnant.run names the file), so a crash or Ctrl-C loses nothing already
+arrives (`remnant.records.files.append_line`; remnant.run_dir names the file), so a crash or Ctrl-C loses nothing already
 scraped:
 
     {"t": 12.01, "sglang:token_usage": 0.42, "sglang:num_running_reqs": 8.0,

@@ -26,7 +26,7 @@ def _is_record(doc: object) -> bool:
     return isinstance(schema, str) and schema.startswith(PREFIX)
 
 
-#: Files a run leaves in its directory before it writes run.json (remnant.run).
+#: Files a run leaves in its directory before it writes run.json (remnant.run_dir).
 RUN_MARKERS = ("requests.jsonl", "server.log", "server.port", ".hydra")
 
 
