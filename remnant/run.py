@@ -7,8 +7,10 @@ the deadline, a full disk, ...), or interrupted (Ctrl-C / SIGTERM). requests.jso
 server.log sit beside it. Where run.json itself cannot be written (a full or read-only
 disk), the outcome says so instead.
 
-The run directory, and what becomes of an earlier attempt's files there, is
-remnant.run_dir's.
+The run goes through its stages gathering what each finds out (remnant.run_verdict's
+RunFacts); remnant.run_verdict turns the facts into the status, error and limits, and
+`run_document` lays facts and verdict out as run.json. The run directory, and what
+becomes of an earlier attempt's files there, is remnant.run_dir's.
 """
 
 from __future__ import annotations
@@ -21,19 +23,16 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from remnant.config import RunConfig, recorded_config
 from remnant.kv.modes import mode_of
 from remnant.records.kinds import RUN
 from remnant.run_dir import CAPTURE_FILE, REQUESTS_JSONL, RUN_JSON, SERVER_LOG, SERVER_METRICS_JSONL, claim
-from remnant.signals import describe as describe_signal
-from remnant.signals import raise_interrupted, signum_of
+from remnant.run_verdict import FORESEEN, RunFacts, Verdict, served_mode_error, verdict
+from remnant.signals import raise_interrupted
 
 log = logging.getLogger(__name__)
-
-#: A gap this long between two tokens of one request (a server that paused, short of a
-#: stall) is named in run.json's limits.
-PAUSE_NOTE_S = 10.0
 
 
 @dataclass
@@ -49,11 +48,24 @@ class RunOutcome:
     write_error: str | None = None
 
 
-class _Stage:
-    """Names the stage a failure happened in, for run.json's error.stage."""
+@dataclass
+class RunHeader:
+    """What ran, when, and where: run.json's fields beside the facts and the verdict.
 
-    def __init__(self) -> None:
-        self.name = "setup"
+    started_at, ended_at: ISO 8601 UTC; duration_s: seconds, by the monotonic clock.
+    config: the config as recorded (remnant.config.recorded_config); sources: the code
+    (remnant.records.provenance.sources, with the image and SGLang a container ran);
+    host: the host's own description; workload: `workload_record`.
+    """
+
+    run_id: str
+    started_at: str
+    ended_at: str
+    duration_s: float
+    config: dict
+    sources: dict
+    host: dict
+    workload: dict
 
 
 def _now() -> str:
@@ -62,63 +74,6 @@ def _now() -> str:
 
 def _new_run_id() -> str:
     return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
-
-
-def _base_limits(cfg: RunConfig) -> list[str]:
-    limits = ["a single run: its variance is not measured (sweep seed=0,1,2 and remnant-report for a confidence interval)"]
-    return limits + cfg.host.limits() + cfg.workload.limits() + list(cfg.model.limits) + list(cfg.limits)
-
-
-def _native_decode_limits(server_info: dict | None) -> list[str]:
-    """The embedded engine on a GPU says which kernel decoded native records: a run whose
-    native attention was not FlashMLA's (SGLang's stock decode) must say so, in the words of
-    remnant.kernels.decode.served_limits."""
-    info = server_info or {}
-    if info.get("device") != "cuda" or not info.get("remnant_native_decode"):
-        return []
-    from remnant.kernels.decode import served_limits  # imports torch: only for a GPU server's record
-
-    return served_limits(False, info["remnant_native_decode"])
-
-
-def _packed_decode_limits(server_info: dict | None) -> list[str]:
-    """The embedded engine on a GPU says which kernel kernel mode's packed decode ran on: the
-    SM90 Gluon kernel, or the Triton kernel and why not the SM90 one (benchmarks measure
-    them apart: benchmarks/kernels/NOTES.md)."""
-    info = server_info or {}
-    if info.get("device") != "cuda" or not info.get("remnant_packed_decode"):
-        return []
-    from remnant.kernels.decode import served_limits  # imports torch: only for a GPU server's record
-
-    return served_limits(True, info["remnant_packed_decode"])
-
-
-def _check_served_mode(mode: str, server_info: dict | None, base_url: str, started_here: bool) -> list[str]:
-    """Limits to record about the server's mode; raises HostError where the server reports
-    another mode than the run's: an external server started in one mode and driven as
-    another would file its numbers under the wrong mode. A server this run started got
-    the run's mode; an external one that does not say (SGLang's /server_info has no
-    remnant_mode) is taken at the config's word, and run.json says so."""
-    from remnant.hosts import HostError
-
-    served = (server_info or {}).get("remnant_mode")
-    if served is None:
-        return [] if started_here else [
-            f"the external server did not report its mode (no remnant_mode in /server_info): mode={mode} is as "
-            "configured, not checked"]
-    if served != mode:
-        raise HostError(f"mode={mode}, but the server at {base_url} reports remnant_mode={served!r}: "
-                        f"give mode={served} or drive a server started in {mode} mode")
-    return []
-
-
-def _pause_limits(metrics: dict) -> list[str]:
-    """A pause of the server shorter than a stall still shapes the latencies: say so."""
-    longest = (metrics.get("itl_ms") or {}).get("max")
-    if longest is None or longest < PAUSE_NOTE_S * 1000:
-        return []
-    return [f"a request waited {longest / 1000:.1f}s between two tokens (itl_ms.max): the server paused "
-            "(short of workload.stall_timeout_s); TPOT, ITL and E2E include the pause"]
 
 
 def _sigterm_as_interrupt(signum, frame):
@@ -139,42 +94,34 @@ def workload_record(name: str, seed: int, plan=None) -> dict:
             "counts": plan.counts(), "params": plan.params}
 
 
-def run_document(*, run_id: str, status: str, error: dict | None, started_at: str, ended_at: str,
-                 duration_s: float, config: dict, sources: dict, host: dict, workload: dict, limits: list[str],
-                 environment: dict | None = None, server_info: dict | None = None, phases: list | None = None,
-                 metrics: dict | None = None, failures: dict | None = None, client_stop: dict | None = None,
-                 client: dict | None = None, artifacts: list | None = None, capture: dict | None = None,
-                 retention_map: dict | None = None, server_metrics: dict | None = None) -> dict:
-    """run.json (remnant.records.kinds.RUN): every run writes this document,
-    one that ran and one whose config broke a rule alike. phases: dicts, as recorded;
-    client: remnant.client.metrics.client_summary of the measured phase, None where none ran;
-    capture: capture_record of a capture run; retention_map: retention_map_record of the
-    map a packed run served with; server_metrics: the summary of the server's /metrics
-    scraped while the client drove it (remnant.client.server_metrics), None where none was."""
+def run_document(header: RunHeader, facts: RunFacts, verdict: Verdict) -> dict:
+    """run.json (remnant.records.kinds.RUN): every run writes this document, one that ran
+    and one whose config broke a rule alike. The metrics and the client's summary stand
+    only where the verdict says the run measured (completed or degraded)."""
     return {
         **RUN.header(),
-        "run_id": run_id,
-        "status": status,
-        "error": error,
-        "started_at": started_at,
-        "ended_at": ended_at,
-        "duration_s": duration_s,
-        "config": config,
-        "sources": sources,
-        "host": host,
-        "environment": environment,
-        "server_info": server_info,
-        "workload": workload,
-        "phases": phases or [],
-        "metrics": metrics,
-        "failures": failures,
-        "client_stop": client_stop,
-        "client": client,
-        "artifacts": artifacts or [],
-        "capture": capture,
-        "retention_map": retention_map,
-        "server_metrics": server_metrics,
-        "limits": limits,
+        "run_id": header.run_id,
+        "status": verdict.status,
+        "error": verdict.error,
+        "started_at": header.started_at,
+        "ended_at": header.ended_at,
+        "duration_s": header.duration_s,
+        "config": header.config,
+        "sources": header.sources,
+        "host": header.host,
+        "environment": facts.environment,
+        "server_info": facts.server_info,
+        "workload": header.workload,
+        "phases": [p.to_dict() for p in facts.phases],
+        "metrics": facts.metrics if verdict.measured else None,
+        "failures": facts.failures,
+        "client_stop": verdict.client_stop,
+        "client": facts.client if verdict.measured else None,
+        "artifacts": facts.artifacts,
+        "capture": facts.capture,
+        "retention_map": facts.retention_map,
+        "server_metrics": facts.server_metrics,
+        "limits": verdict.limits,
     }
 
 
@@ -249,185 +196,171 @@ def retention_map_record(cfg: RunConfig) -> dict | None:
             "calibration": dict(rmap.calibration)}
 
 
+@dataclass
+class _Attempt:
+    """One run's handles, as execute_run's stages make them: what run.json is written
+    from besides the facts (the host to describe, the key to scrub, the plan)."""
+
+    cfg: RunConfig
+    run_dir: Path
+    run_id: str
+    started_at: str
+    t_start: float
+    capture: Any = None  # CaptureSettings of a capture run
+    plan: Any = None  # remnant.workloads.WorkloadPlan, once planned
+    host: Any = None
+    api_key: str | None = None  # known from the serve stage on: scrubbed from every record
+    scraper: Any = None  # the client's scraper of the server's /metrics
+
+
 def execute_run(cfg: RunConfig, run_dir: Path, run_id: str | None = None, progress: bool | None = None) -> RunOutcome:
     """Run `cfg` with its files in `run_dir`; returns where run.json is and how it ended.
 
     Files an earlier attempt left without a run.json (a killed run) are set aside first.
     A signal raised while run.json is being written waits until it is written.
     """
-    from remnant.api_key import redact, redact_file
-    from remnant.client.metrics import client_summary, failure_summary, per_turn, saturation_limits, summarize
-    from remnant.client.oversaturation import stop_limit
-    from remnant.client.runner import ClientStopped, LoadClient
-    from remnant.hosts import HostError, ServerSpec, make_host
+    from remnant.client.metrics import failure_summary
+    from remnant.client.runner import ClientStopped
     from remnant.hosts.base import signals_deferred
-    from remnant.records.provenance import artifact, sources
-    from remnant.records.schema import RecordError, write_validated
-    from remnant.workloads import plan_workload
-    from remnant.workloads.dataset_file import skipped_records
 
     run_dir = Path(run_dir)
     reserve = claim(run_dir)
-    run_id = run_id or _new_run_id()
-    requests_path = run_dir / REQUESTS_JSONL
-    started_at, t_start = _now(), time.monotonic()
-    stage = _Stage()
-    status, error, signum = "completed", None, None
-    host = None
-    server_info = environment = metrics = failures = client_stop = client_record = None
-    scraper = server_metrics = None  # the client's scraper of the server's /metrics, its summary
-    phases: list = []
-    limits = _base_limits(cfg)
-    plan = None
-    capture = capture_settings(cfg, run_dir)
-    capture_rec = map_rec = None
-    api_key = None  # known from the serve stage on: scrubbed from every record
+    attempt = _Attempt(cfg, run_dir, run_id or _new_run_id(), _now(), time.monotonic(),
+                       capture=capture_settings(cfg, run_dir))
+    facts = RunFacts()
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
-        stage.name = "workload"
-        plan = plan_workload(cfg.workload, cfg.model)
-        limits += skipped_records(plan.dataset)  # and says so, once, on the log
-        reuse = plan.params.get("reuse_factor")
-        if reuse and reuse > 1:
-            limits.append(f"the dataset's usable conversations were reused {reuse:.2f}x: repeated prompts hit "
-                          "the prefix cache")
-        map_rec = retention_map_record(cfg)
-        stage.name = "serve"
-        api_key = cfg.host.api_key()
-        host = make_host(cfg.host)
-        retention = cfg.retention if mode_of(cfg.mode.name).keeps_retention else None
-        spec = ServerSpec(cfg.mode.name, retention, cfg.model, run_dir, run_dir / SERVER_LOG,
-                          run_id=run_id, capture=capture, api_key=api_key)
-        with host.serve(spec) as endpoint:
-            environment = endpoint.environment
-            server_info = endpoint.server_info
-            limits += _check_served_mode(cfg.mode.name, server_info, endpoint.base_url,
-                                         started_here=cfg.host.starts_server())
-            limits += _native_decode_limits(server_info) + _packed_decode_limits(server_info)
-            if cfg.workload.needs_server_info():
-                stage.name = "workload"
-                plan = plan_workload(cfg.workload, cfg.model, server_info)
-            stage.name = "client"
-            client = LoadClient(
-                endpoint.base_url, requests_path,
-                request_timeout_s=cfg.workload.request_timeout_s,
-                flush_timeout_s=cfg.workload.flush_timeout_s,
-                server_failure=endpoint.failure, progress=progress,
-                stall_timeout_s=cfg.workload.stall_timeout_s,
-                deadline_s=cfg.workload.deadline_s,
-                api_key=api_key,
-                server_metrics_interval_s=cfg.workload.server_metrics_interval_s,
-                server_metrics_path=run_dir / SERVER_METRICS_JSONL,
-                oversaturation=cfg.workload.oversaturation,
-            )
-            scraper = client.scraper  # started and stopped by client.run
-            results = client.run(plan.phases, on_phase_end=lambda r: phases.append(r))
-            if capture is not None:
-                stage.name = "capture"
-                ask_capture_write(endpoint.base_url, capture, api_key)
-        stage.name = "metrics"
-        measured = next(r for r in results if r.name == "measured")
-        metrics = summarize(measured.records, duration_s=measured.duration_s)
-        if any(r.turn is not None for r in measured.records):
-            metrics["per_turn"] = per_turn(measured.records)
-        limits += _pause_limits(metrics)
-        w = cfg.workload
-        client_record = client_summary(measured.records, measured.duration_s, measured.loop_cpu_s,
-                                       measured.process_cpu_s, w.request_rate, w.arrival, w.saturation_cpu_share,
-                                       w.saturation_dispatch_p99_ms)
-        limits += saturation_limits(client_record)
-        for r in results:
-            if r.flush is not None and not r.flush.ok:
-                limits.append(f"prefix cache flush before {r.name} failed: {r.flush.message}")
-        failures = failure_summary(measured.records, cfg.workload.max_failed_share)
-        if capture is not None:
-            # The server is stopped: a capture short of its budget was written as it stopped.
-            stage.name = "capture"
-            capture_rec, capture_limits = capture_record(capture, run_dir)
-            limits += capture_limits
-        if metrics["failed"]:
-            limits.append(f"{metrics['failed']} measured requests failed; metrics cover the {metrics['completed']} that completed")
-        if metrics["completed"] == 0:
-            first = f"; first error: {failures['errors'][0]['message']}" if failures and failures["errors"] else ""
-            status, error = "failed", {"stage": "client", "type": "NoCompletedRequests",
-                                       "message": f"no measured request completed{first}; see requests.jsonl"}
-        elif failures and failures["share"] > failures["max_share"]:
-            status = "degraded"
-            error = {"stage": "client", "type": "FailedRequests",
-                     "message": f"{failures['failed']} of {failures['measured']} measured requests failed "
-                                f"({failures['share']:.0%}, more than workload.max_failed_share="
-                                f"{failures['max_share']:g}); first error: {failures['errors'][0]['message']}"}
+        _drive(attempt, facts, progress)
     except ClientStopped as exc:
-        status = "failed"
-        client_stop = exc.stop
-        error = {"stage": "client", "type": exc.stop["reason"].capitalize(), "message": str(exc)}
-        limits += stop_limit(exc.stop)
+        facts.ended_by = exc
         if exc.phase is not None:
-            phases.append(exc.phase)
+            facts.phases.append(exc.phase)
             if exc.phase.name == "measured":
-                failures = failure_summary(exc.phase.records, cfg.workload.max_failed_share)
-    except KeyboardInterrupt as exc:
-        status = "interrupted"
-        signum = signum_of(exc)
-        error = {"stage": stage.name, "type": "KeyboardInterrupt", "message": f"interrupted by {describe_signal(signum)}"}
-    except (HostError, ValueError, OSError, RuntimeError) as exc:
-        status = "failed"
-        error = {"stage": stage.name, "type": type(exc).__name__, "message": str(exc)}
-    except Exception as exc:  # noqa: BLE001 - a bug still leaves a run.json behind
-        log.exception("run failed unexpectedly at %s", stage.name)
-        status = "failed"
-        error = {"stage": stage.name, "type": type(exc).__name__, "message": f"unexpected error: {exc!r}"}
+                facts.failures = failure_summary(exc.phase.records, cfg.workload.max_failed_share)
+    except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - a bug still leaves a run.json behind
+        facts.ended_by = exc
+        if not isinstance(exc, (KeyboardInterrupt, *FORESEEN)):
+            log.exception("run failed unexpectedly at %s", facts.stage)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if scraper is not None:
-        server_metrics, scrape_limits = scraper.record(phases)
-        limits += scrape_limits
-
+    if attempt.scraper is not None:
+        facts.server_metrics, facts.scrape_limits = attempt.scraper.record(facts.phases)
+    ended = verdict(cfg, facts)
     # A second signal waits for run.json: what the run did is written before it stops.
     with signals_deferred():
         if reserve is not None:
             reserve.unlink(missing_ok=True)  # room for run.json, on a disk that may be full
-        for text_record in (requests_path, run_dir / SERVER_LOG):
-            # Before hashing: SGLang logs its ServerArgs, key included.
-            redact_file(text_record, api_key)
-        known = {CAPTURE_FILE: capture_rec["fingerprint"]} if capture_rec else {}  # hashed when it was read
-        artifacts = [artifact(p, run_dir, known.get(p.name))
-                     for p in (requests_path, run_dir / SERVER_METRICS_JSONL, run_dir / SERVER_LOG,
-                               run_dir / CAPTURE_FILE) if p.is_file()]
-        host_info = host.describe() if host is not None else {"kind": cfg.host.kind}
-        # A container host knows the image that ran and the SGLang inside it; sources() cannot.
-        run_sources = {**sources(), "image_digest": host_info.get("image_id")}
-        if "sglang_version" in host_info:
-            run_sources["sglang_version"] = host_info["sglang_version"]
-        workload_rec = workload_record(cfg.workload.name, cfg.workload.seed, plan)
-        doc = run_document(
-            run_id=run_id, status=status, error=error, started_at=started_at, ended_at=_now(),
-            duration_s=time.monotonic() - t_start, config=recorded_config(cfg), sources=run_sources,
-            host=host_info, environment=environment, server_info=server_info, workload=workload_rec,
-            phases=[p.to_dict() for p in phases], metrics=metrics if status in ("completed", "degraded") else None,
-            failures=failures, client_stop=client_stop, artifacts=artifacts, limits=limits,
-            client=client_record if status in ("completed", "degraded") else None,
-            capture=capture_rec, retention_map=map_rec, server_metrics=server_metrics,
+        return _record(attempt, facts, ended)
+
+
+def _drive(attempt: _Attempt, facts: RunFacts, progress: bool | None) -> None:
+    """The run's stages: plan the workload, serve, drive the client, measure. Each stage is
+    named in facts.stage before it starts, and what it finds goes into facts."""
+    from remnant.client.metrics import client_summary, failure_summary, per_turn, summarize
+    from remnant.client.runner import LoadClient
+    from remnant.hosts import HostError, ServerSpec, make_host
+    from remnant.workloads import plan_workload
+    from remnant.workloads.dataset_file import skipped_records
+
+    cfg, run_dir = attempt.cfg, attempt.run_dir
+    facts.stage = "workload"
+    attempt.plan = plan_workload(cfg.workload, cfg.model)
+    facts.plan_limits = skipped_records(attempt.plan.dataset)  # and says so, once, on the log
+    reuse = attempt.plan.params.get("reuse_factor")
+    if reuse and reuse > 1:
+        facts.plan_limits.append(f"the dataset's usable conversations were reused {reuse:.2f}x: repeated prompts "
+                                 "hit the prefix cache")
+    facts.retention_map = retention_map_record(cfg)
+    facts.stage = "serve"
+    attempt.api_key = cfg.host.api_key()
+    attempt.host = make_host(cfg.host)
+    retention = cfg.retention if mode_of(cfg.mode.name).keeps_retention else None
+    spec = ServerSpec(cfg.mode.name, retention, cfg.model, run_dir, run_dir / SERVER_LOG,
+                      run_id=attempt.run_id, capture=attempt.capture, api_key=attempt.api_key)
+    with attempt.host.serve(spec) as endpoint:
+        facts.served = True
+        facts.environment, facts.server_info = endpoint.environment, endpoint.server_info
+        mismatch = served_mode_error(cfg.mode.name, facts.server_info, endpoint.base_url)
+        if mismatch is not None:
+            raise HostError(mismatch)
+        if cfg.workload.needs_server_info():
+            facts.stage = "workload"
+            attempt.plan = plan_workload(cfg.workload, cfg.model, facts.server_info)
+        facts.stage = "client"
+        client = LoadClient(
+            endpoint.base_url, run_dir / REQUESTS_JSONL,
+            request_timeout_s=cfg.workload.request_timeout_s,
+            flush_timeout_s=cfg.workload.flush_timeout_s,
+            server_failure=endpoint.failure, progress=progress,
+            stall_timeout_s=cfg.workload.stall_timeout_s,
+            deadline_s=cfg.workload.deadline_s,
+            api_key=attempt.api_key,
+            server_metrics_interval_s=cfg.workload.server_metrics_interval_s,
+            server_metrics_path=run_dir / SERVER_METRICS_JSONL,
+            oversaturation=cfg.workload.oversaturation,
         )
-        doc = redact(doc, api_key)  # SGLang's /server_info holds its ServerArgs, key included
-        path: Path | None = run_dir / RUN_JSON
-        write_error = None
+        attempt.scraper = client.scraper  # started and stopped by client.run
+        facts.results = client.run(attempt.plan.phases, on_phase_end=facts.phases.append)
+        if attempt.capture is not None:
+            facts.stage = "capture"
+            ask_capture_write(endpoint.base_url, attempt.capture, attempt.api_key)
+    facts.stage = "metrics"
+    measured = next(r for r in facts.results if r.name == "measured")
+    facts.metrics = summarize(measured.records, duration_s=measured.duration_s)
+    if any(r.turn is not None for r in measured.records):
+        facts.metrics["per_turn"] = per_turn(measured.records)
+    w = cfg.workload
+    facts.client = client_summary(measured.records, measured.duration_s, measured.loop_cpu_s, measured.process_cpu_s,
+                                  w.request_rate, w.arrival, w.saturation_cpu_share, w.saturation_dispatch_p99_ms)
+    facts.failures = failure_summary(measured.records, w.max_failed_share)
+    if attempt.capture is not None:
+        # The server is stopped: a capture short of its budget was written as it stopped.
+        facts.stage = "capture"
+        facts.capture, facts.capture_limits = capture_record(attempt.capture, run_dir)
+
+
+def _record(attempt: _Attempt, facts: RunFacts, ended: Verdict) -> RunOutcome:
+    """Write run.json for the run `facts` and `ended` describe, its artifacts hashed and the
+    API key scrubbed from every record; the outcome says where, or why it could not be."""
+    from remnant.api_key import redact, redact_file
+    from remnant.records.provenance import artifact, sources
+    from remnant.records.schema import RecordError, write_validated
+
+    cfg, run_dir = attempt.cfg, attempt.run_dir
+    for text_record in (run_dir / REQUESTS_JSONL, run_dir / SERVER_LOG):
+        # Before hashing: SGLang logs its ServerArgs, key included.
+        redact_file(text_record, attempt.api_key)
+    known = {CAPTURE_FILE: facts.capture["fingerprint"]} if facts.capture else {}  # hashed when it was read
+    facts.artifacts = [artifact(p, run_dir, known.get(p.name))
+                       for p in (run_dir / REQUESTS_JSONL, run_dir / SERVER_METRICS_JSONL, run_dir / SERVER_LOG,
+                                 run_dir / CAPTURE_FILE) if p.is_file()]
+    host_info = attempt.host.describe() if attempt.host is not None else {"kind": cfg.host.kind}
+    # A container host knows the image that ran and the SGLang inside it; sources() cannot.
+    run_sources = {**sources(), "image_digest": host_info.get("image_id")}
+    if "sglang_version" in host_info:
+        run_sources["sglang_version"] = host_info["sglang_version"]
+    workload_rec = workload_record(cfg.workload.name, cfg.workload.seed, attempt.plan)
+    header = RunHeader(attempt.run_id, attempt.started_at, _now(), time.monotonic() - attempt.t_start,
+                       recorded_config(cfg), run_sources, host_info, workload_rec)
+    doc = redact(run_document(header, facts, ended), attempt.api_key)  # /server_info holds SGLang's ServerArgs
+    path: Path | None = run_dir / RUN_JSON
+    write_error = None
+    try:
         try:
-            try:
-                write_validated(path, doc)
-            except RecordError as exc:
-                # A record that breaks its own schema is a bug; still leave a valid run.json that
-                # says so, and keep the full document beside it for the post-mortem.
-                log.error("run.json failed validation: %s", exc)
-                (run_dir / "run.invalid.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-                doc.update(status="failed", metrics=None, config={"unrecorded": str(exc)},
-                           error={"stage": "record", "type": "RecordError", "message": str(exc)},
-                           server_info=None, workload={**workload_rec, "params": {}}, failures=None,
-                           client_stop=None, client=None, server_metrics=None)
-                write_validated(path, doc)
-        except OSError as exc:
-            write_error, path = _write_error(run_dir / RUN_JSON, exc), None
-    return RunOutcome(path, doc["status"], doc["error"], doc["metrics"], signum, write_error)
+            write_validated(path, doc)
+        except RecordError as exc:
+            # A record that breaks its own schema is a bug; still leave a valid run.json that
+            # says so, and keep the full document beside it for the post-mortem.
+            log.error("run.json failed validation: %s", exc)
+            (run_dir / "run.invalid.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+            doc.update(status="failed", metrics=None, config={"unrecorded": str(exc)},
+                       error={"stage": "record", "type": "RecordError", "message": str(exc)},
+                       server_info=None, workload={**workload_rec, "params": {}}, failures=None,
+                       client_stop=None, client=None, server_metrics=None)
+            write_validated(path, doc)
+    except OSError as exc:
+        write_error, path = _write_error(run_dir / RUN_JSON, exc), None
+    return RunOutcome(path, doc["status"], doc["error"], doc["metrics"], ended.signum, write_error)
 
 
 def record_config_error(run_dir: Path, config: dict, message: str, run_id: str | None = None) -> Path:
@@ -441,13 +374,10 @@ def record_config_error(run_dir: Path, config: dict, message: str, run_id: str |
     now = _now()
     workload = config.get("workload") if isinstance(config.get("workload"), dict) else {}
     host = config.get("host") if isinstance(config.get("host"), dict) else {}
-    doc = run_document(
-        run_id=run_id or _new_run_id(), status="failed",
-        error={"stage": "config", "type": "ConfigError", "message": message},
-        started_at=now, ended_at=now, duration_s=0.0, config=config, sources=sources(),
-        host={"kind": str(host.get("kind") or "unknown")},
-        workload=workload_record(str(workload.get("name") or "unknown"),
-                                 workload["seed"] if isinstance(workload.get("seed"), int) else 0),
-        limits=["nothing ran: the configuration broke a rule"],
-    )
-    return write_validated(Path(run_dir) / RUN_JSON, doc)
+    header = RunHeader(
+        run_id or _new_run_id(), now, now, 0.0, config, sources(), {"kind": str(host.get("kind") or "unknown")},
+        workload_record(str(workload.get("name") or "unknown"),
+                        workload["seed"] if isinstance(workload.get("seed"), int) else 0))
+    refused = Verdict("failed", {"stage": "config", "type": "ConfigError", "message": message},
+                      ["nothing ran: the configuration broke a rule"])
+    return write_validated(Path(run_dir) / RUN_JSON, run_document(header, RunFacts(), refused))
