@@ -164,7 +164,7 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
         recorder = model.recorder
         if recorder is not None and layer.ratio == CSA_RATIO and recorder.wants(li, "queries"):
             recorder.add_queries(li, model.natural_q(li, q[: batch.real]))  # policies read natural q
-        locs = _select(model, li, layer, pools, x, q_lora, *reach)
+        locs = _select(model, li, layer, pools, x, q_lora, *reach, kernels=attention == "kernels")
     if attention == "kernels":
         o = attend_kernels(model, li, layer, pools, q, window_locs, locs)
     else:
@@ -207,16 +207,23 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, x: torch.Tensor)
 
 
 def _select(model, li: int, layer, pools, x: torch.Tensor, q_lora: torch.Tensor, all_locs: torch.Tensor,
-            visible: torch.Tensor) -> torch.Tensor:
+            visible: torch.Tensor, kernels: bool = False) -> torch.Tensor:
     """Locations int64 [B, K] of the records each token reads (-1: none), of those the page
     table reaches (reachable_records): on CSA layers the indexer's top-k over every visible
-    C4 index key, on HCA layers every visible C128 record."""
+    C4 index key, on HCA layers every visible C128 record. `kernels`: scores from
+    remnant.kernels.indexer (the FP8 keys read in place), else gathered and scored in torch."""
     if layer.ratio != CSA_RATIO:
         return torch.where(visible, all_locs, -1)
     indexer = pools.indexer[li]
-    keys = dequantize_index_keys(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
-    scores = model.index_scores_batched(layer, x, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))
-    scores = scores.masked_fill(~visible, float("-inf"))
+    if kernels:
+        from remnant.kernels.indexer import index_scores
+
+        qi, wi = model.index_queries(layer, x, q_lora)
+        scores = index_scores(qi.contiguous(), wi, indexer.buf, indexer.layout, all_locs, visible)
+    else:
+        keys = dequantize_index_keys(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
+        scores = model.index_scores_batched(layer, x, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))
+        scores = scores.masked_fill(~visible, float("-inf"))
     values, indices = index_top_k(scores, min(model.args.index_topk, all_locs.shape[1]))
     return torch.where(values > float("-inf"), all_locs.gather(1, indices), -1)
 

@@ -517,13 +517,20 @@ class Model:
         wi = (x @ layer.wi_w).float() / math.sqrt(a.index_n_heads)
         return torch.einsum("th,thj->tj", wi, torch.relu(torch.einsum("thd,jd->thj", qi, keys.float())))
 
+    def index_queries(self, layer: Layer, x: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's queries [T, heads, d] (compute dtype) and head weights float32 [T,
+        heads] of T tokens (index_scores' q and w)."""
+        a = self.args
+        qi = (q_lora @ layer.wi_q).view(-1, a.index_n_heads, a.index_head_dim)
+        return qi, (x @ layer.wi_w).float() / math.sqrt(a.index_n_heads)
+
     def index_scores_batched(self, layer: Layer, x: torch.Tensor, q_lora: torch.Tensor,
                              keys: torch.Tensor) -> torch.Tensor:
         """index_scores for B tokens, each over its own keys [B, n, d]: float32 [B, n]. The
-        product runs in the keys' dtype (the compute dtype), accumulated in float32."""
-        a = self.args
-        qi = (q_lora @ layer.wi_q).view(-1, a.index_n_heads, a.index_head_dim).to(keys.dtype)
-        wi = (x @ layer.wi_w).float() / math.sqrt(a.index_n_heads)
+        product runs in the keys' dtype (the compute dtype), accumulated in float32
+        (remnant.kernels.indexer reads the FP8 keys in place instead, on the kernels path)."""
+        qi, wi = self.index_queries(layer, x, q_lora)
+        qi = qi.to(keys.dtype)
         logits = torch.relu(torch.bmm(qi, keys.transpose(1, 2)).float())  # [B, heads, n]
         return torch.einsum("bh,bhn->bn", wi, logits)
 

@@ -67,12 +67,29 @@ def dequantize_index_keys(stored: torch.Tensor) -> torch.Tensor:
 
 
 def index_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest scores of each row [..., n] and their indices, ties to the lower index.
+    """The k largest scores of each row [..., n] (float32) and their indices, in descending
+    order, ties to the lower index: exactly a stable descending sort's first k
+    (index_top_k_reference), through one torch.topk.
 
     The indexer's scores tie often (relu gives records whose every head scores below zero
-    exactly 0), and torch.topk breaks ties by its own blocking, which depends on n: the
-    per-sequence path (n visible records) and the batched step (n padded to the page table,
-    and to a CUDA graph's bucket) would then read other records for the same token. A
-    stable sort picks the same ones whatever the padding."""
+    exactly 0), and torch.topk alone breaks ties by its own blocking, which depends on n:
+    the per-sequence path (n visible records) and the batched step (n padded to the page
+    table, and to a CUDA graph's bucket) would then read other records for the same token.
+    A full sort does not, but sorts all n where k are needed. Here each score becomes one
+    int64 ordered by (score, then lower index): the float's bits as a signed integer of the
+    same order (negative floats' magnitude bits flipped) in the high half, n - 1 - index in
+    the low half. The values are distinct, so topk's choice is the sort's."""
+    if scores.dtype != torch.float32:
+        raise ValueError(f"index_top_k takes float32 scores, got {scores.dtype}")
+    n = scores.shape[-1]
+    bits = (scores + 0.0).view(torch.int32).to(torch.int64)   # + 0.0: -0.0 becomes 0.0, its tie
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    packed = (ordered << 32) | (n - 1 - torch.arange(n, device=scores.device))
+    indices = n - 1 - (torch.topk(packed, k, dim=-1).values & 0xFFFFFFFF)
+    return scores.gather(-1, indices), indices
+
+
+def index_top_k_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stable descending sort's first k scores and indices (ties to the lower index)."""
     values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
     return values[..., :k], indices[..., :k]
