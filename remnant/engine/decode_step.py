@@ -219,7 +219,8 @@ def _select(model, li: int, layer, pools, x: torch.Tensor, q_lora: torch.Tensor,
         from remnant.kernels.indexer import index_scores
 
         qi, wi = model.index_queries(layer, x, q_lora)
-        scores = index_scores(qi.contiguous(), wi, indexer.buf, indexer.layout, all_locs, visible)
+        # reachable_records' visible is j < (pos + 1) // 4: the count of complete blocks.
+        scores = index_scores(qi.contiguous(), wi, indexer.buf, indexer.layout, all_locs, visible.sum(1))
     else:
         keys = dequantize_index_keys(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
         scores = model.index_scores_batched(layer, x, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))

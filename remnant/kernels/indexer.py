@@ -11,13 +11,16 @@ remnant.engine.pools). This is DeepSeek-V4's indexer as SGLang runs it in decode
 (DeepGEMM's fp8 paged MQA logits), and what the engine's torch path computes by gathering
 the keys, dequantizing them to the compute dtype and multiplying.
 
-The kernel (`index_scores`) reads each reachable key once, straight from its page: one
-program per (row, block of BLOCK_N keys) loads the row's q [H, D] once, the block's codes
-widened to q's dtype (exact: an e4m3 value is a bf16 value), multiplies on the tensor cores
-with float32 accumulation, applies the scale per key to the float32 product (the scale is
-constant along the summed axis, so this is the dequantized product), relu and the weighted
-sum over heads, and writes float32 scores. The torch path instead moves the gathered keys
-through memory four times (gather, widen, scale, cast) and rounds the product to bf16.
+The kernel reads each key straight from its page: one program per (block of BLOCK_T rows,
+block of BLOCK_N keys) loads the block's codes widened to q's dtype (exact: an e4m3 value
+is a bf16 value) and, for each of its rows, the row's q [H, D], multiplies on the tensor
+cores with float32 accumulation, applies the scale per key to the float32 product (the
+scale is constant along the summed axis, so this is the dequantized product), relu and the
+weighted sum over heads, and writes float32 scores. Two forms: `index_scores`, a decode
+step's, where each row (sequence) has its own keys (BLOCK_T = 1); `index_scores_shared`,
+a prefill's, where a sequence's tokens score the same keys, so a program reuses its key
+block for BLOCK_T tokens. The torch path instead moves the gathered keys through memory
+four times (gather, widen, scale, cast) and rounds the product to the compute dtype.
 
 `index_scores_reference` is the same function in float64 from dequantized keys (the
 ground truth the kernel is tested against). The selection from the scores is
@@ -39,7 +42,7 @@ SCALE_BYTES = 4
 
 
 def _check(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
-           visible: torch.Tensor) -> None:
+           counts: torch.Tensor, shared: bool) -> None:
     if q.ndim != 3 or q.shape[2] != KEY_DIM or q.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"q must be bfloat16 or float32 [B, heads, {KEY_DIM}], got {q.dtype} {tuple(q.shape)}")
     B, H, _ = q.shape
@@ -52,16 +55,18 @@ def _check(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLa
     if layout.page_stride % 4 or (layout.per_page * KEY_DIM) % 4:
         raise ValueError(f"index key pages must keep their float32 scales 4-byte aligned, got page_stride="
                          f"{layout.page_stride}")
-    if locs.ndim != 2 or locs.shape[0] != B or visible.shape != locs.shape or visible.dtype != torch.bool:
-        raise ValueError(f"locs must be int [B={B}, n] with visible bool of the same shape, got "
-                         f"{locs.dtype} {tuple(locs.shape)} and {visible.dtype} {tuple(visible.shape)}")
-    devices = {t.device for t in (q, w, pages, locs, visible)}
+    want = "[n]" if shared else f"[B={B}, n]"
+    if locs.ndim != (1 if shared else 2) or (not shared and locs.shape[0] != B) or locs.is_floating_point():
+        raise ValueError(f"locs must be int {want}, got {locs.dtype} {tuple(locs.shape)}")
+    if counts.shape != (B,) or counts.is_floating_point():
+        raise ValueError(f"counts must be int [B={B}], got {counts.dtype} {tuple(counts.shape)}")
+    devices = {t.device for t in (q, w, pages, locs, counts)}
     if len(devices) > 1:
         raise ValueError(f"the indexer's tensors must share one device, got {sorted(map(str, devices))}")
 
 
 def keys_at(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor) -> torch.Tensor:
-    """Dequantized keys float32 [*locs.shape, 128] at `locs` (each a valid location)."""
+    """Dequantized keys float32 [*locs.shape, 128] at `locs` (-1 reads location 0)."""
     stored = layout.read(pages, locs.clamp_min(0))
     codes = stored[..., :KEY_DIM].contiguous().view(torch.float8_e4m3fn).float()
     scale = stored[..., KEY_DIM:].contiguous().view(torch.float32)
@@ -69,65 +74,102 @@ def keys_at(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor) -> torc
 
 
 def index_scores_reference(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
-                           locs: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """The ground truth of `index_scores`, in float64 (returned as float32)."""
-    _check(q, w, pages, layout, locs, visible)
-    keys = keys_at(pages, layout, locs).double()                      # [B, n, D]
-    logits = torch.relu(torch.einsum("bhd,bnd->bhn", q.double(), keys))
+                           locs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The ground truth of `index_scores` (locs [B, n]) and `index_scores_shared` (locs
+    [n]), in float64, returned as float32."""
+    shared = locs.ndim == 1
+    _check(q, w, pages, layout, locs, counts, shared)
+    keys = keys_at(pages, layout, locs).double()
+    spec = "bhd,nd->bhn" if shared else "bhd,bnd->bhn"
+    logits = torch.relu(torch.einsum(spec, q.double(), keys))
     scores = torch.einsum("bh,bhn->bn", w.double(), logits).float()
-    return scores.masked_fill(~visible, float("-inf"))
+    j = torch.arange(locs.shape[-1], device=locs.device)
+    hidden = (j[None, :] >= counts[:, None]) | (locs < 0)
+    return scores.masked_fill(hidden, float("-inf"))
 
 
 @triton.jit
-def _scores_kernel(q_ptr, w_ptr, pages_ptr, scales_ptr, locs_ptr, visible_ptr, out_ptr, n, H,
-                   page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
-    b = tl.program_id(0)
-    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_row = j < n
-    loc = tl.load(locs_ptr + b.to(tl.int64) * n + j, mask=in_row, other=0)
-    seen = tl.load(visible_ptr + b.to(tl.int64) * n + j, mask=in_row, other=0) != 0
-    ok = in_row & seen & (loc >= 0)
-    loc = tl.where(ok, loc, 0)
-    page = (loc // PER_PAGE).to(tl.int64)
-    slot = loc % PER_PAGE
+def _load_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr):
+    """Codes uint8 [BLOCK_N, D], scales float32 [BLOCK_N] and usable bool [BLOCK_N] of the
+    keys at locations locs_ptr[j] (-1 or j >= n: unusable, zeros)."""
+    loc = tl.load(locs_ptr + j, mask=j < n, other=-1)
+    usable = (j < n) & (loc >= 0)
+    safe = tl.where(usable, loc, 0)
+    page = (safe // PER_PAGE).to(tl.int64)
+    slot = safe % PER_PAGE
     d = tl.arange(0, D)
     codes = tl.load(pages_ptr + page[:, None] * page_stride + slot[:, None] * D + d[None, :],
-                    mask=ok[:, None], other=0)
+                    mask=usable[:, None], other=0)
     # The scales sit after the page's codes; scales_ptr is the pages as float32 words.
-    scale = tl.load(scales_ptr + page * (page_stride // 4) + (PER_PAGE * D) // 4 + slot, mask=ok, other=0.0)
+    scale = tl.load(scales_ptr + page * (page_stride // 4) + (PER_PAGE * D) // 4 + slot, mask=usable, other=0.0)
+    return codes, scale, usable
+
+
+@triton.jit
+def _scores_kernel(q_ptr, w_ptr, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, B, n, H, page_stride,
+                   PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_T: tl.constexpr, SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Scores of rows [pid0 * BLOCK_T, +BLOCK_T) against keys [pid1 * BLOCK_N, +BLOCK_N).
+    SHARED: every row reads the same locations locs [n], so the key block is loaded once;
+    else row b reads locs [b, :n]."""
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
     h = tl.arange(0, BLOCK_H)
-    q = tl.load(q_ptr + (b.to(tl.int64) * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
-    keys = codes.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-    if INTERPRETED:
-        # Triton's interpreter returns garbage for tl.dot on bf16 operands (remnant.kernels.moe).
-        dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-    elif q.dtype == tl.float32:
-        dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
-    else:
-        dots = tl.dot(q, tl.trans(keys))                              # [BLOCK_H, BLOCK_N] float32
-    wh = tl.load(w_ptr + b.to(tl.int64) * H + h, mask=h < H, other=0.0)
-    s = tl.sum(tl.maximum(dots * scale[None, :], 0.0) * wh[:, None], axis=0)
-    tl.store(out_ptr + b.to(tl.int64) * n + j, tl.where(ok, s, float("-inf")), mask=in_row)
+    if SHARED:
+        codes, scale, usable = _load_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE, D)
+    for r in range(BLOCK_T):
+        b = tl.program_id(0) * BLOCK_T + r
+        if b < B:
+            if not SHARED:
+                codes, scale, usable = _load_keys(locs_ptr + b.to(tl.int64) * n, pages_ptr, scales_ptr, j, n,
+                                                  page_stride, PER_PAGE, D)
+            q = tl.load(q_ptr + (b.to(tl.int64) * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
+            keys = codes.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            if INTERPRETED:
+                # Triton's interpreter returns garbage for tl.dot on bf16 operands (remnant.kernels.moe).
+                dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+            elif q.dtype == tl.float32:
+                dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            else:
+                dots = tl.dot(q, tl.trans(keys))                      # [BLOCK_H, BLOCK_N] float32
+            wh = tl.load(w_ptr + b.to(tl.int64) * H + h, mask=h < H, other=0.0)
+            s = tl.sum(tl.maximum(dots * scale[None, :], 0.0) * wh[:, None], axis=0)
+            seen = usable & (j < tl.load(counts_ptr + b))
+            tl.store(out_ptr + b.to(tl.int64) * n + j, tl.where(seen, s, float("-inf")), mask=j < n)
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
-                 visible: torch.Tensor, block_n: int = 64) -> torch.Tensor:
-    """Scores float32 [B, n] of the keys at `locs` int [B, n] for queries q [B, H, 128]
-    (bfloat16 or float32) with head weights w float32 [B, H]; -inf where `visible` (bool [B,
-    n]) is false or a location is -1. pages: the indexer pool's uint8 [pages, page_stride]
-    (`layout`: 128 code bytes and a 4-byte scale per key). Nothing is read back to the
-    host: a CUDA graph can capture it."""
-    _check(q, w, pages, layout, locs, visible)
+def _launch(q, w, pages, layout, locs, counts, block_t: int, block_n: int) -> torch.Tensor:
     B, H, D = q.shape
-    n = locs.shape[1]
+    n = locs.shape[-1]
     out = torch.empty(B, n, dtype=torch.float32, device=q.device)
     if B == 0 or n == 0:
         return out
-    block_h = max(16, triton.next_power_of_2(H))
-    grid = (B, triton.cdiv(n, block_n))
-    _scores_kernel[grid](q.contiguous(), w.float().contiguous(), pages, pages.view(torch.float32),
-                         locs.to(torch.int32).contiguous(), visible.contiguous().view(torch.uint8), out, n, H,
-                         layout.page_stride, PER_PAGE=layout.per_page, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
-                         INTERPRETED=interpreted())
+    locs = locs.to(torch.int32).contiguous()
+    grid = (triton.cdiv(B, block_t), triton.cdiv(n, block_n))
+    _scores_kernel[grid](q.contiguous(), w.float().contiguous(), pages, pages.view(torch.float32), locs,
+                         counts.to(torch.int32).contiguous(), out, B, n, H, layout.page_stride,
+                         PER_PAGE=layout.per_page, D=D, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_N=block_n,
+                         BLOCK_T=block_t, SHARED=locs.ndim == 1, INTERPRETED=interpreted())
     return out
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
+                 counts: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """A decode step's scores float32 [B, n]: row b's queries q [B, H, 128] (bfloat16 or
+    float32) with head weights w float32 [B, H] against the keys at its own locations locs
+    int [B, n]; -inf at column j >= counts[b] (int [B]: the records visible to the row) and
+    at location -1. pages: the indexer pool's uint8 [pages, page_stride] (`layout`: 128 code
+    bytes and a 4-byte scale per key). Nothing is read back to the host: a CUDA graph can
+    capture it."""
+    _check(q, w, pages, layout, locs, counts, shared=False)
+    return _launch(q, w, pages, layout, locs, counts, 1, block_n)
+
+
+def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
+                        locs: torch.Tensor, counts: torch.Tensor, block_t: int = 16,
+                        block_n: int = 64) -> torch.Tensor:
+    """A prefill's scores float32 [T, n]: T tokens of one sequence against the same keys at
+    locs int [n]; otherwise as index_scores. A program scores block_t tokens against one
+    key block, so keys are read T / block_t times, not T."""
+    _check(q, w, pages, layout, locs, counts, shared=True)
+    return _launch(q, w, pages, layout, locs, counts, block_t, block_n)
