@@ -220,7 +220,7 @@ def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scr
         rp = plan.ratios[layer.ratio]
         _compress(model, li, layer, pools, rp, x)
         if layer.ratio == CSA_RATIO:
-            chosen = _select(model, li, pools, plan, rp, x, q_lora, layer)
+            chosen = _select(model, li, pools, plan, rp, x, q_lora, layer, kernels=attention == "kernels")
         else:
             chosen = _visible(plan, rp, layer.ratio)
     if attention == "kernels":
@@ -270,10 +270,12 @@ def _visible(plan: PrefillPlan, rp: RatioPlan, ratio: int) -> torch.Tensor:
 
 
 def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Tensor, q_lora: torch.Tensor,
-            layer) -> torch.Tensor:
+            layer, kernels: bool = False) -> torch.Tensor:
     """Record indices int64 [T, K] (in each token's sequence) of the C4 records it reads
     (-1: none): the indexer's top-k over the records visible to it, scored against its
-    own sequence's index keys."""
+    own sequence's index keys. `kernels`: scored by remnant.kernels.indexer (FP8 keys read
+    in place, float32 accumulation), else dequantized once per sequence and scored in torch
+    (float32, as the per-sequence reference)."""
     k = min(model.args.index_topk, rp.visible_locs.shape[1])
     out = torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
     indexer = pools.indexer[li]
@@ -282,13 +284,26 @@ def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Te
         if not count:
             continue
         locs = rp.visible_locs[i, :count]
-        keys = dequantize_index_keys(indexer.layout.read(indexer.buf, locs))
-        tile = max(1, TILE_ELEMENTS // (heads * count))
+        if kernels:
+            from remnant.kernels.indexer import index_scores_shared
+
+            qi, wi = model.index_queries(layer, x[a: a + n], q_lora[a: a + n])
+            # Scores and the top-k's int64 keys are [tile, count]: 3 x 4 bytes an element.
+            tile = max(1, TILE_ELEMENTS // count)
+        else:
+            keys = dequantize_index_keys(indexer.layout.read(indexer.buf, locs))
+            tile = max(1, TILE_ELEMENTS // (heads * count))
         for t in range(a, a + n, tile):
             e = min(t + tile, a + n)
-            scores = model.index_scores(layer, x[t:e], q_lora[t:e], keys)
-            visible = torch.arange(count, device=x.device)[None, :] < ((plan.pos[t:e] + 1) // CSA_RATIO)[:, None]
-            values, top = index_top_k(scores.masked_fill(~visible, float("-inf")), min(k, count))
+            visible_count = torch.clamp((plan.pos[t:e] + 1) // CSA_RATIO, max=count)
+            if kernels:
+                scores = index_scores_shared(qi[t - a: e - a].contiguous(), wi[t - a: e - a], indexer.buf,
+                                             indexer.layout, locs, visible_count)
+            else:
+                scores = model.index_scores(layer, x[t:e], q_lora[t:e], keys)
+                visible = torch.arange(count, device=x.device)[None, :] < visible_count[:, None]
+                scores = scores.masked_fill(~visible, float("-inf"))
+            values, top = index_top_k(scores, min(k, count))
             out[t:e, : top.shape[1]] = torch.where(values > float("-inf"), top, -1)
     return out
 
