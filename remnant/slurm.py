@@ -1,8 +1,8 @@
 """SLURM sweeps through Hydra's submitit launcher: what the submitting process adds.
 
 `remnant-run -m hydra/launcher=remnant_slurm ...` submits one SLURM job per cell (a job
-array) and waits for them. remnant.cli calls this module when the launcher is submitit's
-SlurmLauncher, so that:
+array) and waits for them. remnant.cli.sweep calls this module when the launcher is
+submitit's SlurmLauncher, so that:
 
 - a request no node of the partition can meet (GPUs, CPUs, memory) is one line naming the
   hydra.launcher field and what the cluster offers, before anything is submitted;

@@ -11,7 +11,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import MissingMandatoryValue
 
-from remnant.cli import ConfigProblem, config_error_line, register_configs, to_run_config
+from remnant.cli.errors import ConfigProblem, config_error_line
+from remnant.cli.run import register_configs, to_run_config
 from remnant.config import RunConfig
 from remnant.config_errors import ConfigError
 from remnant.workloads.random import RandomWorkloadConfig

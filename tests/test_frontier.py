@@ -11,7 +11,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from remnant.cli import register_configs, register_frontier_configs, to_frontier_config
+from remnant.cli.frontier import register_frontier_configs, to_frontier_config
+from remnant.cli.run import register_configs
 from remnant.config_errors import ConfigError
 from remnant.frontier import (
     FrontierConfig,

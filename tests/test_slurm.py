@@ -34,7 +34,7 @@ def test_slurm_presets_compose():
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from remnant.cli import register_configs
+    from remnant.cli.run import register_configs
 
     GlobalHydra.instance().clear()
     register_configs()

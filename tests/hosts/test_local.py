@@ -402,7 +402,7 @@ def test_readme_command_composes_from_the_environment(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from remnant.cli import register_configs, to_run_config
+    from remnant.cli.run import register_configs, to_run_config
 
     for name, value in {"GPUS": "0,1,2,3", "MODEL_PATH": str(tmp_path), "PORT": "31234", "MASTER_PORT": "31235"}.items():
         monkeypatch.setenv(name, value)

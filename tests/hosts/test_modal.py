@@ -17,7 +17,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from remnant.cli import register_configs, to_run_config
+from remnant.cli.run import register_configs, to_run_config
 from remnant.config import ModelConfig, RetentionConfig
 from remnant.config_errors import ConfigError
 from remnant.hosts import ServerSpec

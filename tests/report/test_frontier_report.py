@@ -1,6 +1,6 @@
 """remnant-report's frontier section from frontier.json records: each mode's frontier with
 its interval over seeds, and goodput against load (the end-to-end report of a real search
-is in tests/test_frontier_cli.py)."""
+is in tests/cli/test_frontier.py)."""
 
 from __future__ import annotations
 

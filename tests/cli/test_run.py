@@ -284,7 +284,7 @@ def test_packed_capacity_holds_a_working_set_native_cannot(tmp_path):
     assert check(tmp_path / "sweep").returncode == 0
 
 
-SMOKE_EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("*_smoke.yaml"))
+SMOKE_EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "experiment").glob("*_smoke.yaml"))
 
 
 @pytest.mark.slow
@@ -301,7 +301,7 @@ def test_smoke_experiments_run(tmp_path, experiment):
 
 
 def test_sharegpt_run_from_the_environment(tmp_path):
-    sample = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt" / "sharegpt_test.json"
+    sample = Path(__file__).resolve().parents[3] / "shared" / "data" / "sharegpt" / "sharegpt_test.json"
     if not sample.is_file():
         pytest.skip(f"the shared ShareGPT sample is not at {sample}")
     env = {**os.environ, "BENCH_DATASET_PATH": str(sample)}
@@ -324,7 +324,7 @@ def test_sharegpt_run_from_the_environment(tmp_path):
 def test_longswe_replays_the_mooncake_trace(tmp_path):
     """The public Mooncake trace, unchanged, replayed by 4 users with lengths scaled to the
     tiny engine (multi-turn sessions only): later turns hit the cache."""
-    trace = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
+    trace = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
     if not trace.is_file():
         pytest.skip(f"the shared Mooncake trace is not at {trace}")
     p = remnant_run("workload=longswe", f"workload.trace_path={trace}", "workload.token_scale=0.1",
