@@ -22,7 +22,7 @@ from pathlib import Path
 
 from remnant.config_errors import ConfigError
 
-#: The variable remnant-serve (and remnant.sglang.launch) reads its key from.
+#: The variable remnant-serve (and remnant.cli.sglang_launch) reads its key from.
 SERVER_ENV = "REMNANT_API_KEY"
 #: Server flags whose value is a key: refused in configs, which are recorded.
 KEY_FLAGS = ("--api-key", "--admin-api-key")

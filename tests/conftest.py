@@ -40,7 +40,7 @@ def start_server(model_dir: Path, workdir: Path, *extra: str, timeout_s: float =
     env: the server's environment (default: this process's)."""
     port_file = workdir / "port"
     log_path = workdir / "server.log"
-    cmd = [sys.executable, "-m", "remnant.engine.server", "--model-dir", str(model_dir),
+    cmd = [sys.executable, "-m", "remnant.cli.serve", "--model-dir", str(model_dir),
            "--port", "0", "--port-file", str(port_file), "--threads", "1", *extra]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)

@@ -74,7 +74,7 @@ def test_a_secured_external_server_through_run_frontier_report_and_curation(tiny
     report = _cli("remnant-report", str(out / "run"), str(out / "frontier"), "--out", str(out / "report"),
                   cwd=tmp_path, env=_env())
     assert report.returncode == 0, report.stderr
-    curate = subprocess.run([sys.executable, "-m", "remnant.report.curate", str(out / "frontier"), "--name", "secured",
+    curate = subprocess.run([sys.executable, "-m", "remnant.cli.curate", str(out / "frontier"), "--name", "secured",
                              "--description", "a secured server", "--benchmarks", str(out / "benchmarks")],
                             capture_output=True, text=True, timeout=120, env=_env())
     assert curate.returncode == 0, curate.stderr

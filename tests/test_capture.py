@@ -133,7 +133,7 @@ def test_recording_changes_nothing_the_model_computes_and_keeps_what_attention_s
 
 
 def test_remnant_serve_refuses_a_capture_outside_native_mode(tiny_model_dir, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "remnant.engine.server", "--model-dir", str(tiny_model_dir),
+    p = subprocess.run([sys.executable, "-m", "remnant.cli.serve", "--model-dir", str(tiny_model_dir),
                         "--port", "0", "--mode", "kernel", "--retention-policy", "prefix",
                         "--capture", str(tmp_path / "c.safetensors")],
                        capture_output=True, text=True, timeout=120)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from remnant.cli.check import RUN_MARKERS
 from remnant.config import ModelConfig, RunConfig, recorded_config
 from remnant.hosts.embedded import EmbeddedHostConfig
-from remnant.records.check import RUN_MARKERS
 from remnant.run_dir import (ATTEMPT_FILES, KILLED, RESERVE, RESERVE_BYTES, SERVER_PORT, Earlier, claim, leftovers,
                              make_way, set_aside)
 from remnant.workloads import plan_workload

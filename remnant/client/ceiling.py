@@ -1,8 +1,6 @@
 """The load client's ceiling: output tokens/s and requests/s it ingests from a server that
-computes nothing, beside SGLang's bench client against the same server in the same run.
-
-    python -m remnant.client.ceiling --concurrency 16 64 256 --rounds 3 \\
-        --out benchmarks/client/ceiling.json --plot benchmarks/client/ceiling.png
+computes nothing, beside SGLang's bench client against the same server in the same run
+(`measure`; the command: remnant.cli.ceiling).
 
 Starts `remnant.client.stream_server` (SGLang's /generate frames, no model) pinned to one
 CPU; runs each client in its own process pinned to another CPU (where the machine has two
@@ -12,7 +10,8 @@ measured requests at a fixed concurrency (closed loop), input_ids of `input_len`
 `output_len` output tokens each:
 
 - remnant: `LoadClient` as remnant-run uses it (requests.jsonl written, metrics by
-  `remnant.client.metrics.summarize`), in a child process (`--drive`);
+  `remnant.client.metrics.summarize`), in a child process (the command's `--drive`, which
+  runs `drive`);
 - sglang: `python -m sglang.benchmark.serving --backend sglang --dataset-name random-ids`,
   with the interpreter given by --sglang-python (default: the first that has sglang of this
   one, $REMNANT_SGLANG_PYTHON, the checkout's .sgvenv), its --output-file read back.
@@ -26,7 +25,6 @@ remnant/client-bench) is validated on write.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -37,10 +35,15 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 CLIENTS = ("remnant", "sglang")
+#: The commands the ceiling starts in child processes: the stream server, and the remnant
+#: client (`--drive`, which runs `drive`).
+STREAM_SERVER_COMMAND = "remnant.cli.stream_server"
+DRIVE_COMMAND = "remnant.cli.ceiling"
 _CHECKOUT = Path(__file__).resolve().parents[2]
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -134,7 +137,7 @@ class _Server:
     """The stream server in a child process, pinned to `cpu`."""
 
     def __init__(self, cpu: int | None, tokenizer_dir: Path, log: Path, incremental: bool):
-        cmd = [sys.executable, "-m", "remnant.client.stream_server", "--port", "0",
+        cmd = [sys.executable, "-m", STREAM_SERVER_COMMAND, "--port", "0",
                "--tokenizer-dir", str(tokenizer_dir)]
         if cpu is not None:
             cmd += ["--cpu", str(cpu)]
@@ -199,6 +202,28 @@ def _shares(sampler: _Sampler, periods: list[dict]) -> dict:
             "server_cpu_share": server_cpu / (b - a), "busy_span_s": b - a}
 
 
+@dataclass
+class Ceiling:
+    """What one ceiling measurement runs: per round, per concurrency, each client's run of
+    `requests` measured requests (None: 4 x concurrency, at least 256) of `input_len`
+    prompt tokens and `output_len` output tokens. sglang_python: the interpreter of
+    SGLang's bench client (None: search, "none": leave it out); stream: the remnant
+    client's stream path (fast or httpx); incremental: the server streams only new
+    output_ids. description and notes go into the record."""
+
+    concurrency: list[int] = field(default_factory=lambda: [16, 64, 256])
+    requests: int | None = None
+    input_len: int = 64
+    output_len: int = 512
+    rounds: int = 3
+    clients: list[str] = field(default_factory=lambda: list(CLIENTS))
+    sglang_python: str | None = None
+    stream: str = "fast"
+    incremental: bool = False
+    description: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
 def _per_cpu_s(run: dict) -> float | None:
     """Output tokens per second of the client's CPU: throughput / client CPU share. On a
     machine whose cores other work shares, this is the rate the client would reach with a
@@ -207,9 +232,9 @@ def _per_cpu_s(run: dict) -> float | None:
     return run["output_throughput"] / share if share else None
 
 
-def run_remnant(server: _Server, cpu: int | None, a, requests: int, concurrency: int, work: Path) -> dict:
+def run_remnant(server: _Server, cpu: int | None, a: Ceiling, requests: int, concurrency: int, work: Path) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix="remnant-", dir=work))
-    cmd = [sys.executable, "-m", "remnant.client.ceiling", "--drive", server.base_url, "--requests", str(requests),
+    cmd = [sys.executable, "-m", DRIVE_COMMAND, "--drive", server.base_url, "--requests", str(requests),
            "--concurrency", str(concurrency), "--input-len", str(a.input_len), "--output-len", str(a.output_len),
            "--drive-dir", str(out_dir), "--stream", a.stream]
     proc, sampler, periods = _measure(cmd, cpu, server, work)
@@ -221,7 +246,7 @@ def run_remnant(server: _Server, cpu: int | None, a, requests: int, concurrency:
                                    "request_throughput", "ttft_p50_ms")}, **_shares(sampler, periods)}
 
 
-def run_sglang(server: _Server, cpu: int | None, a, python: str, tokenizer_dir: Path, requests: int,
+def run_sglang(server: _Server, cpu: int | None, a: Ceiling, python: str, tokenizer_dir: Path, requests: int,
                concurrency: int, work: Path) -> dict:
     out = Path(tempfile.mkdtemp(prefix="sglang-", dir=work)) / "bench.jsonl"
     cmd = [python, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", server.base_url,
@@ -348,42 +373,11 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m remnant.client.ceiling", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256], help="concurrencies to measure")
-    p.add_argument("--requests", type=int, default=None,
-                   help="measured requests per run (default: 4 x concurrency, at least 256)")
-    p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=512, help="output tokens per request")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; the clients' order alternates between rounds")
-    p.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
-    p.add_argument("--sglang-python", default=None,
-                   help="interpreter with sglang for its bench client ('none': skip it; default: search)")
-    p.add_argument("--stream", choices=("fast", "httpx"), default="fast", help="the remnant client's stream path")
-    p.add_argument("--incremental", action="store_true", help="stream only new output_ids per frame")
-    p.add_argument("--description", default=None, help="what this measurement is, for the record")
-    p.add_argument("--note", action="append", default=[], help="a note for the record (repeatable)")
-    p.add_argument("--out", type=Path, required=False, help="JSON to write (schema remnant/client-bench)")
-    p.add_argument("--plot", type=Path, default=None, help="PNG of throughput against concurrency")
-    p.add_argument("--drive", metavar="BASE_URL", help=argparse.SUPPRESS)
-    p.add_argument("--drive-dir", type=Path, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-
-    if a.drive:
-        print(json.dumps(drive(a.drive, a.requests, a.concurrency[0], a.input_len, a.output_len, a.drive_dir, a.stream)))
-        return 0
-    if a.out is None:
-        p.error("--out is required")
-    for name in ("input_len", "output_len", "rounds"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(a, name)} is not allowed; it must be >= 1")
-    if any(c < 1 for c in a.concurrency) or (a.requests is not None and a.requests < 1):
-        p.error("--concurrency and --requests must be >= 1")
-
+def measure(a: Ceiling) -> dict:
+    """Run the measurement `a` describes; the remnant/client-bench document (not yet
+    written). Progress, one line per client run, goes to stderr."""
     from remnant.records.kinds import CLIENT_BENCH
     from remnant.records.provenance import environment, sources
-    from remnant.records.schema import write_validated
 
     clients = list(dict.fromkeys(a.clients))
     sg_python = sg_why = None
@@ -467,25 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": runs,
         "summary": summary,
-        "notes": a.note,
+        "notes": a.notes,
         "limits": limits,
     }
-    write_validated(a.out, doc)
-    if a.plot is not None:
-        plot(doc, a.plot)
-    for row in summary:
-        line = f"C={row['concurrency']}: " + ", ".join(
-            f"{name} {row[name]['output_throughput']['median']:,.0f} tok/s" for name in clients)
-        if "ratio_output_throughput" in row:
-            rt = row["ratio_output_throughput"]
-            line += f"; ratio {rt['median']:.2f}x ({rt['min']:.2f}-{rt['max']:.2f})"
-        if "ratio_output_tokens_per_client_cpu_s" in row:
-            rt = row["ratio_output_tokens_per_client_cpu_s"]
-            line += f", per client CPU-second {rt['median']:.2f}x ({rt['min']:.2f}-{rt['max']:.2f})"
-        print(line, file=sys.stderr)
-    print(a.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return doc

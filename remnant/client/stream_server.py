@@ -23,18 +23,15 @@ It answers what the two clients it serves ask for, with SGLang 0.5.18's shapes:
 Streams are sent the way a batched decoder emits them: each step writes one frame to every
 stream whose socket takes data, then yields to the event loop. A stream whose transport
 is paused (its client reads slower than the server writes) waits without costing CPU.
-
-    python -m remnant.client.stream_server --port 0 --cpu 0 --tokenizer-dir models/tiny
+The command that starts it: remnant.cli.stream_server.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import resource
-import sys
 import time
 
 #: Bytes of text per token: English averages about 4 characters a token.
@@ -350,32 +347,3 @@ async def serve(host: str, port: int, tokenizer_dir: str | None, incremental: bo
             await server.serve_forever()
     finally:
         decoder.cancel()
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m remnant.client.stream_server", description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0: a free port; the port is printed on stdout")
-    p.add_argument("--cpu", type=int, default=None, help="pin this process to this CPU (os.sched_setaffinity)")
-    p.add_argument("--tokenizer-dir", default=None, help="directory /model_info names as the tokenizer path")
-    p.add_argument("--incremental", action="store_true", help="output_ids hold only the new id, as SGLang's "
-                   "--incremental-streaming-output")
-    a = p.parse_args(argv)
-    if a.cpu is not None:
-        allowed = sorted(os.sched_getaffinity(0))
-        if a.cpu not in allowed:
-            p.error(f"--cpu={a.cpu} is not a CPU this process may use; allowed: {allowed}")
-        os.sched_setaffinity(0, {a.cpu})
-
-    def ready(port: int) -> None:
-        print(port, flush=True)
-
-    try:
-        asyncio.run(serve(a.host, a.port, a.tokenizer_dir, a.incremental, ready))
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,16 +4,12 @@ config.json carries the architecture (DeepSeek-V4 names) and the weight seed; we
 generated from the seed when the server loads, so nothing large is written or committed.
 The tokenizer is byte-level (token id = byte value, plus BOS/EOS) in the `tokenizers`
 format, with a tokenizer_config.json (and a chat template), so stock loaders (tokenizers,
-transformers' AutoTokenizer) read it.
-
-    python -m remnant.engine.model_dir --out models/tiny            # the tiny preset
+transformers' AutoTokenizer) read it. The command: remnant.cli.model_dir.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -137,25 +133,3 @@ def write_model_dir(model: dict, out: Path) -> Path:
     write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2) + "\n")
     write_text(out / "special_tokens_map.json", json.dumps({"bos_token": BOS, "eos_token": EOS}, indent=2) + "\n")
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    import dataclasses
-
-    from remnant.config import ModelConfig
-
-    p = argparse.ArgumentParser(description="Write the embedded engine's model directory.")
-    p.add_argument("--out", required=True, type=Path, help="directory to write")
-    p.add_argument("--seed", type=int, default=0, help="weight seed")
-    args = p.parse_args(argv)
-    model = dataclasses.asdict(ModelConfig(seed=args.seed))
-    try:
-        print(write_model_dir(model, args.out))
-    except OSError as exc:
-        print(f"model_dir: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -92,7 +92,7 @@ def read_hf_config(model_dir: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{path} does not exist; write one with python -m remnant.engine.model_dir --out {model_dir}") from None
+        raise ValueError(f"{path} does not exist; write one with python -m remnant.cli.model_dir --out {model_dir}") from None
 
 
 def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,

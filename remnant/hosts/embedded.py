@@ -106,7 +106,7 @@ class EmbeddedHost:
         port_file = spec.run_dir / "server.port"
         port_file.unlink(missing_ok=True)
         cmd = [
-            sys.executable, "-m", "remnant.engine.server",
+            sys.executable, "-m", "remnant.cli.serve",
             "--model-dir", str(model_dir),
             "--host", "127.0.0.1",
             "--port", "0",

@@ -7,15 +7,14 @@ The container runs on the host's network with ipc=host, the GPUs of host.gpus, t
 directory mounted read-only, and labels naming the run; its output streams into the run's
 server.log. It is stopped and removed however the run ends: success, failure, Ctrl-C or
 SIGTERM (run.py turns SIGTERM into KeyboardInterrupt). A run killed outright (SIGKILL)
-leaves its container; remove those with
+leaves its container; `cleanup` removes those, as its command (remnant.cli.local) does:
 
-    python -m remnant.hosts.local cleanup            # containers of runs no longer alive
-    python -m remnant.hosts.local cleanup --all      # every container remnant started
+    python -m remnant.cli.local cleanup            # containers of runs no longer alive
+    python -m remnant.cli.local cleanup --all      # every container remnant started
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -377,7 +376,7 @@ class LocalHost:
             "REMNANT_TP_SIZE": str(spec.model.tp_size),
             "REMNANT_RUN_ID": run_id,
             **plugin.to_env(),
-            # remnant-serve and remnant.sglang.launch read the key here (never from argv).
+            # remnant-serve and remnant.cli.sglang_launch read the key here (never from argv).
             **({} if spec.api_key is None else {SERVER_ENV: spec.api_key}),
         }
 
@@ -490,7 +489,7 @@ class LocalHost:
             except docker.errors.DockerException as exc:
                 self._info["cleanup_error"] = _one_line(exc)
                 print(f"remnant: container {c.name} was not removed ({_one_line(exc, 200)}); "
-                      f"python -m remnant.hosts.local cleanup removes it", file=sys.stderr)
+                      f"python -m remnant.cli.local cleanup removes it", file=sys.stderr)
 
 
 def _container_provenance(container) -> dict:
@@ -563,26 +562,3 @@ def cleanup(run_id: str | None = None, everything: bool = False) -> list[str]:
     if failed:
         raise HostError(f"could not remove {', '.join(failed)}; removed {len(removed)}: {', '.join(removed) or 'none'}")
     return removed
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m remnant.hosts.local",
-                                description="Containers of host=local runs (label remnant.run_id).")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("cleanup", help="remove containers left by runs that were killed")
-    c.add_argument("--run-id", help="remove this run's containers, alive or not")
-    c.add_argument("--all", action="store_true", help="remove every container remnant started")
-    args = p.parse_args(argv)
-    try:
-        removed = cleanup(args.run_id, args.all)
-    except HostError as exc:
-        print(f"remnant cleanup: error: {exc}", file=sys.stderr)
-        return 2
-    for name in removed:
-        print(f"removed {name}")
-    print(f"{len(removed)} container(s) removed", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,5 +15,5 @@ store and reconstruct have their plain torch references in `remnant.kv.paged`
 outputs, odd sizes). `remnant.kernels.dispatch` runs store and reconstruct on CUDA tensors
 and their references elsewhere (what the engine and the SGLang plugin call).
 `remnant.kernels.bench` is the `remnant-kernels` microbenchmark (harness, cases, inputs,
-checks, sweep, targets, report, plot, cli).
+checks, sweep, targets, report, plot; its command is remnant.cli.kernels).
 """

@@ -50,7 +50,7 @@ class RunEntry:
 class Report:
     """A report over `paths`. runs, searches and steps are the loaded tables the plots are
     drawn from; the rest is what the renderers show. `plots` is filled by whoever draws them
-    (remnant.report.main.build), in the order they are shown."""
+    (remnant.report.build.build), in the order they are shown."""
 
     paths: list[str]
     runs: pd.DataFrame

@@ -4,7 +4,7 @@
 - plugin: the entry point SGLang's plugin loader calls, and the hooks it registers.
 - pool: the packed C4 pool that replaces SGLang's (imports sglang).
 - buffers: the pool's buffers and the store / reconstruct / decode steps (torch only).
-- launch: `python -m remnant.sglang.launch`, SGLang's launch_server with the plugin on.
 
-Importing this package imports neither torch nor sglang.
+SGLang's launch_server with the plugin on is a command: `python -m
+remnant.cli.sglang_launch`. Importing this package imports neither torch nor sglang.
 """

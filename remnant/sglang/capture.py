@@ -1,7 +1,7 @@
 """SGLang plugin, capture mode: a native server records calibration captures.
 
 With REMNANT_MODE=native and REMNANT_CAPTURE=<file> (remnant.kv.capture_recorder's
-CaptureSettings; `python -m remnant.sglang.launch --remnant-capture FILE`), `register`
+CaptureSettings; `python -m remnant.cli.sglang_launch --remnant-capture FILE`), `register`
 registers these hooks (TARGETS) and no others, so the server stores and attends exactly as
 stock SGLang does; the hooks only copy:
 

@@ -2,7 +2,7 @@
 
 SGLang loads plugins in every process it starts (the launcher, each scheduler process),
 so the settings travel as environment variables, which child processes inherit;
-`python -m remnant.sglang.launch` turns its --remnant-* flags into them.
+`python -m remnant.cli.sglang_launch` turns its --remnant-* flags into them.
 
     REMNANT_MODE           native (default) | triton | kernel
     REMNANT_RETENTION      R for every CSA layer (e.g. 256), or one R per CSA layer

@@ -41,7 +41,7 @@ for stage in ${STAGES:-tests bench serve}; do
         host.native_decode=flashmla host.chunked_prefill_size=8192 ${RUN_ARGS:-workload=smoke} \
         hydra.sweep.dir="$OUT/multirun" 2>&1 | tee "$OUT/remnant-run.log" | grep -v "^\s*$" | tail -30
     for run in "$OUT"/multirun/*/run.json; do
-      [ -e "$run" ] && { python3 -m remnant.records.check "$run" || echo "check failed: $run"; }
+      [ -e "$run" ] && { python3 -m remnant.cli.check "$run" || echo "check failed: $run"; }
     done
     # The device tool brings back few files: every cell's directory in one archive.
     [ -d "$OUT/multirun" ] && tar -czf "$OUT/multirun.tgz" -C "$OUT" multirun && rm -rf "$OUT/multirun" ;;

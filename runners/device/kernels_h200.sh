@@ -18,5 +18,5 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import torch, triton, flash_mla; print('torch', torch.__version__, 'triton', triton.__version__, 'flash_mla', flash_mla.__version__)"
 python3 -m pytest ${GPU_TESTS:-tests/kernels tests/sglang/test_buffers.py tests/engine/test_decode_path.py} -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15
-python3 -m remnant.kernels.bench --out "$OUT/kernel-bench.json" --plot none ${BENCH_ARGS:-} 2>"$OUT/bench-progress.txt" | tee "$OUT/bench-table.txt"
+python3 -m remnant.cli.kernels --out "$OUT/kernel-bench.json" --plot none ${BENCH_ARGS:-} 2>"$OUT/bench-progress.txt" | tee "$OUT/bench-table.txt"
 tail -5 "$OUT/bench-progress.txt"

@@ -17,12 +17,12 @@ case "${REMNANT_SERVER:-}" in
 sglang)
   # SGLang's own arguments; the plugin reads REMNANT_MODE, REMNANT_RETENTION,
   # REMNANT_RETENTION_MAP and REMNANT_RETENTION_POLICY from this environment, and in
-  # capture mode REMNANT_CAPTURE* (remnant.sglang.launch then adds --disable-cuda-graph
+  # capture mode REMNANT_CAPTURE* (remnant.cli.sglang_launch then adds --disable-cuda-graph
   # and takes the capture's model id from --model-path unless REMNANT_CAPTURE_MODEL_ID is set).
   args=(--model-path "$MODEL_PATH" --host 127.0.0.1 --port "$port" --tp-size "${REMNANT_TP_SIZE:-1}")
   [ -z "${MASTER_PORT:-}" ] || args+=(--nccl-port "$MASTER_PORT")
-  echo "remnant-container-serve: run ${REMNANT_RUN_ID:-?}: python3 -m remnant.sglang.launch ${args[*]} $*"
-  exec python3 -m remnant.sglang.launch "${args[@]}" "$@"
+  echo "remnant-container-serve: run ${REMNANT_RUN_ID:-?}: python3 -m remnant.cli.sglang_launch ${args[*]} $*"
+  exec python3 -m remnant.cli.sglang_launch "${args[@]}" "$@"
   ;;
 embedded)
   args=(--model-dir "$MODEL_PATH" --host 127.0.0.1 --port "$port" --mode "$mode")
@@ -44,7 +44,7 @@ embedded)
     [ -z "${REMNANT_CAPTURE_MODEL_ID:-}" ] || args+=(--capture-model-id "$REMNANT_CAPTURE_MODEL_ID")
   fi
   echo "remnant-container-serve: run ${REMNANT_RUN_ID:-?}: remnant-serve ${args[*]} $*"
-  exec python3 -m remnant.engine.server "${args[@]}" "$@"
+  exec python3 -m remnant.cli.serve "${args[@]}" "$@"
   ;;
 *)
   die "REMNANT_SERVER=${REMNANT_SERVER:-} is not a server; allowed: sglang, embedded (the image's SERVER build arg)"

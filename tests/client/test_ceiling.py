@@ -81,7 +81,7 @@ def test_a_proxy_for_the_url_takes_the_httpx_path(monkeypatch, tmp_path):
 
 def _ceiling(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "ceiling.json"
-    p = subprocess.run([sys.executable, "-m", "remnant.client.ceiling", "--concurrency", "2", "--requests", "4",
+    p = subprocess.run([sys.executable, "-m", "remnant.cli.ceiling", "--concurrency", "2", "--requests", "4",
                         "--input-len", "8", "--output-len", "16", "--out", str(out), *args],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

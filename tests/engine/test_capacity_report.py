@@ -28,7 +28,7 @@ def test_v4_flash_report():
 
 def test_command_and_errors(tmp_path):
     out = tmp_path / "capacity.json"
-    cmd = [sys.executable, "-m", "remnant.engine.capacity_report"]
+    cmd = [sys.executable, "-m", "remnant.cli.capacity_report"]
     p = subprocess.run([*cmd, "--model", "tiny", "--budget-gib", "0.1", "--lengths", "512,4096", "--out", str(out)],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr

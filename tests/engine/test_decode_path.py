@@ -445,7 +445,7 @@ def test_kernels_on_cpu_need_the_interpreter(args, monkeypatch):
 
 @pytest.mark.skipif(ON_GPU, reason="checks the error without a GPU")
 def test_serve_refuses_cuda_without_a_gpu(tiny_model_dir, capsys):
-    from remnant.engine.server import main
+    from remnant.cli.serve import main
 
     assert main(["--model-dir", str(tiny_model_dir), "--port", "0", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -663,16 +663,16 @@ def test_metrics_use_sglang_names(server):
 
 
 def test_accepted_connections_get_tcp_nodelay():
-    """remnant-serve hands uvicorn its own listening socket (server._bind); asyncio turns
+    """remnant-serve hands uvicorn its own listening socket (server.bind); asyncio turns
     Nagle off only on connections whose socket names IPPROTO_TCP, and with Nagle on a
     keep-alive client waited ~40 ms (delayed ACK) for each response after the first."""
     import asyncio
     import socket
 
-    from remnant.engine.server import _bind
+    from remnant.engine.server import bind
 
     async def accepted_nodelay() -> int:
-        sock = _bind("127.0.0.1", 0)
+        sock = bind("127.0.0.1", 0)
         got: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def on_connect(reader, writer):

@@ -291,14 +291,14 @@ def test_cleanup_removes_what_a_killed_run_left(docker_engine, tmp_path):
         labels={LABEL_RUN_ID: "alive-run", "remnant.pid": str(os.getpid()), "remnant.hostname": socket.gethostname()},
     )
     try:
-        done = subprocess.run([sys.executable, "-m", "remnant.hosts.local", "cleanup"],
+        done = subprocess.run([sys.executable, "-m", "remnant.cli.local", "cleanup"],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert f"removed {container.name}" in done.stdout and "alive-run" not in done.stdout
         assert not _containers(docker_engine, run_dir)
         alive.reload()
         assert alive.status == "running"
-        done = subprocess.run([sys.executable, "-m", "remnant.hosts.local", "cleanup", "--run-id", "alive-run"],
+        done = subprocess.run([sys.executable, "-m", "remnant.cli.local", "cleanup", "--run-id", "alive-run"],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and f"removed {alive.name}" in done.stdout
     finally:

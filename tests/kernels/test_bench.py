@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from remnant.kernels.bench import main
+from remnant.cli.kernels import main
 from remnant.kernels.bench.cases import DecodeCase, FlashMLACase, decode_bytes_flops, flashmla_bytes_flops
 from remnant.kernels.bench.harness import Ceilings, roofline
 from remnant.kernels.bench.report import table

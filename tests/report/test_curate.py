@@ -54,26 +54,3 @@ def test_benchmarks_tree_is_valid_and_indexed():
             doc = json.loads((BENCHMARKS / entry["path"]).read_text())
             for member in doc["members"]:
                 assert sha256_file((BENCHMARKS / entry["path"]).parent / member["path"]) == member["sha256"]
-
-
-def test_index_only_rebuilds_the_index_without_a_sweep(tmp_path):
-    # As the benchmarks README says to run it: no sweep, --name or --description.
-    bench = tmp_path / "benchmarks"
-    (bench / "kernels").mkdir(parents=True)
-    record = BENCHMARKS / "kernels" / "h200-2026-12-03-r18.json"
-    (bench / "kernels" / record.name).write_bytes(record.read_bytes())
-    from remnant.report.curate import main
-
-    assert main(["--index-only", "--benchmarks", str(bench)]) == 0
-    index = json.loads((bench / "index.json").read_text())
-    assert index["entries"] == [{"path": f"kernels/{record.name}", "kind": "remnant/kernel-bench",
-                                 "sha256": sha256_file(record), "description": "kernel benchmark"}]
-
-
-def test_curating_names_what_it_lacks(capsys):
-    from remnant.report.curate import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["some-sweep"])
-    assert exc.value.code == 2
-    assert "to curate, give --name, --description (or --index-only)" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from remnant.report.main import build
+from remnant.report.build import build
 from remnant.report.runs import load_runs
 from remnant.report.server_metrics import QUEUE, series, server_metrics_plot
 

@@ -19,7 +19,3 @@ C4 record, and for window tokens the kept blocks, the dropped columns padded to 
 two, and RoPE, or, with the window in a program of its own, the native program's 512 and
 64). The JSON (remnant.records.kinds.KERNEL_BENCH) is validated before it is written.
 """
-
-from remnant.kernels.bench.cli import main
-
-__all__ = ["main"]

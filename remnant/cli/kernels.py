@@ -1,5 +1,6 @@
-"""remnant-kernels' command line: run the benchmark on a CUDA GPU and write its validated
-record, or read one back (--from); print its table and plot it."""
+"""`remnant-kernels` (`python -m remnant.cli.kernels`): run the kernel benchmark
+(remnant.kernels.bench) on a CUDA GPU and write its validated record, or read one back
+(--from); print its table and plot it."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from remnant.records.schema import PREFIX, RecordError, read_json, validate
+from remnant.run_dir import HYDRA_DIR, REQUESTS_JSONL, SERVER_LOG, SERVER_PORT
 
 
 def _is_record(doc: object) -> bool:
@@ -26,8 +27,8 @@ def _is_record(doc: object) -> bool:
     return isinstance(schema, str) and schema.startswith(PREFIX)
 
 
-#: Files a run leaves in its directory before it writes run.json (remnant.run_dir).
-RUN_MARKERS = ("requests.jsonl", "server.log", "server.port", ".hydra")
+#: Files a run leaves in its directory before it writes run.json.
+RUN_MARKERS = (REQUESTS_JSONL, SERVER_LOG, SERVER_PORT, HYDRA_DIR)
 
 
 def unrecorded_runs(directory: Path) -> list[Path]:

@@ -1,10 +1,10 @@
-"""`python -m remnant.sglang.launch [--remnant-mode M] [--remnant-retention R] [--remnant-retention-map F] [--remnant-retention-policy P] [--remnant-capture FILE ...] SGLANG_ARGS...`
+"""`python -m remnant.cli.sglang_launch [--remnant-mode M] [--remnant-retention R] [--remnant-retention-map F] [--remnant-retention-policy P] [--remnant-capture FILE ...] SGLANG_ARGS...`
 
 SGLang's launch_server with the Remnant plugin enabled. The --remnant-* flags (or the
 REMNANT_* variables they stand for, remnant.sglang.settings) choose the mode and retention;
 every other argument goes to SGLang unchanged, e.g.
 
-    REMNANT_MODE=kernel python -m remnant.sglang.launch --model-path /models/DeepSeek-V4-Flash --tp 4
+    REMNANT_MODE=kernel python -m remnant.cli.sglang_launch --model-path /models/DeepSeek-V4-Flash --tp 4
 
 REMNANT_API_KEY, where set, becomes SGLang's --api-key (hosts pass the key through the
 environment: remnant.api_key).
@@ -61,7 +61,7 @@ def split_args(argv: list[str], environ: Mapping[str, str] | None = None) -> tup
     process's), as Settings.to_env and CaptureSettings.to_env write them; SGLang's own
     arguments, with --disable-cuda-graph added when capture is on). A bad setting is a
     ConfigError naming the variable."""
-    parser = argparse.ArgumentParser(prog="python -m remnant.sglang.launch", add_help=False)
+    parser = argparse.ArgumentParser(prog="python -m remnant.cli.sglang_launch", add_help=False)
     parser.add_argument("--remnant-mode", choices=MODE_NAMES)
     parser.add_argument("--remnant-retention")
     parser.add_argument("--remnant-retention-map")

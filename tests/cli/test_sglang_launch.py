@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from remnant.sglang.launch import enable_plugin, keyed, split_args
+from remnant.cli.sglang_launch import enable_plugin, keyed, split_args
 
 
 def test_remnant_flags_become_env_and_the_rest_goes_to_sglang(tmp_path, monkeypatch):
