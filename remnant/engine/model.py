@@ -349,7 +349,7 @@ class Model:
 
     def __init__(self, args: ModelArgs, c4_formats: dict[int, C4Format] | None = None,
                  device: str = "cpu", decode_path: str = "auto", native_decode: str = "auto",
-                 dtype: str = "auto", cuda_graph: bool = False, cuda_graph_max_bs: int = 128):
+                 dtype: str = "auto", cuda_graph: bool = True, cuda_graph_max_bs: int = 128):
         for i, r in enumerate(args.compress_ratios):
             if r not in (0, CSA_RATIO, HCA_RATIO):
                 raise ValueError(f"compress_ratios[{i}]={r}; allowed: 0, {CSA_RATIO}, {HCA_RATIO}")

@@ -25,6 +25,18 @@ PERMUTES = ("registers", "loads", "shared")
 # needs several warps (its gather goes through shared memory only when it spans warps).
 LAUNCH = {"registers": (4, 1), "loads": (4, 1), "shared": (16, 4)}
 LOADS_UP_TO_KEPT = 128  # the default permutation is "loads" up to R = 192, "shared" above
+#: Native records' column table per device, built on first use: building one copies host
+#: tensors to the device, which a CUDA graph being captured refuses (the engine's first,
+#: eager step of a bucket builds it before the capture).
+_NATIVE_COLUMNS: dict[torch.device, KeptColumns] = {}
+
+
+def _columns(keep: "torch.Tensor | KeptColumns | None", device: torch.device) -> KeptColumns:
+    if keep is not None:
+        return KeptColumns.of(keep, device)
+    if device not in _NATIVE_COLUMNS:
+        _NATIVE_COLUMNS[device] = KeptColumns.of(None, device)
+    return _NATIVE_COLUMNS[device]
 
 
 @triton.jit
@@ -140,7 +152,7 @@ def store(
     """
     if permute is not None and permute not in PERMUTES:
         raise ValueError(f"permute={permute!r} is not allowed; allowed: {', '.join(map(repr, PERMUTES))}")
-    cols = KeptColumns.of(keep, x.device)
+    cols = _columns(keep, x.device)
     if permute is None:
         permute = "registers" if not cols.packed else "loads" if cols.n_kept <= LOADS_UP_TO_KEPT else "shared"
     if cols.record_bytes != layout.record_bytes:

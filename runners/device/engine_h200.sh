@@ -5,12 +5,15 @@
 #   bench   python -m remnant.engine.bench (decode step per mode beside its roofline, prefill)
 #   serve   remnant-run over the three modes at model=dsv4_flash_h200 (RUN_ARGS: workload)
 # Run from the repository root on the device machine with .whl/ in the call's carry list:
-# wheels for the device's Python 3.12 that its image lacks (sgl-flash-mla==1.0.0, hydra-core,
-# omegaconf, antlr4-python3-runtime, orjson, fastapi, starlette, pydantic, pydantic-core,
-# typing-inspection, annotated-types, typing-extensions, uvicorn, jsonschema,
-# jsonschema-specifications, referencing, rpds-py, docker; made with the `pip download` line of
-# /work's device notes, `pip wheel` for antlr4's sdist). The device's copy has no .git, so
-# pass the commit for the records' provenance:
+# wheels for the device's Python 3.12 of what its image lacks, made where pip works with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl sgl-flash-mla==1.0.0 hydra-core omegaconf orjson fastapi opentelemetry-api annotated-doc \
+#     starlette pydantic pydantic-core typing-inspection annotated-types typing-extensions uvicorn \
+#     jsonschema jsonschema-specifications referencing rpds-py docker
+#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # an sdist only
+# (the versions of the project's own environment). The device's copy has no .git, so pass
+# the commit for the records' provenance:
 #   REMNANT_GIT_COMMIT=<hash> STAGES="tests bench serve" bash runners/device/engine_h200.sh
 # Stage variables: TESTS_S BENCH_S SERVE_S (limits, s), GPU_TESTS, BENCH_ARGS, RUN_ARGS.
 set -u
@@ -23,6 +26,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 for d in conf schemas; do [ -e remnant/$d ] || ln -s ../$d remnant/$d; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import torch, triton, flash_mla; print('torch', torch.__version__, 'triton', triton.__version__)" || exit 1
+# remnant-serve's and remnant-run's imports (the wheels above complete them).
+python3 -c "import remnant.engine.server, remnant.cli, httpx, pandas" || exit 1
 
 for stage in ${STAGES:-tests bench serve}; do
   t0=$(date +%s)
