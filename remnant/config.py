@@ -23,11 +23,11 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import Any
 
+from remnant.calibration.capture_recorder import DEFAULT_RECORDS, DEFAULT_TOKENS
+from remnant.calibration.retention import POLICIES, profile_values
 from remnant.config_errors import ConfigError, at_least, positive_finite
-from remnant.kv.capture_recorder import DEFAULT_RECORDS, DEFAULT_TOKENS
 from remnant.kv.formats import CSA_RATIO, HCA_RATIO, RETENTION_VALUES
 from remnant.kv.modes import check_packed_rules, mode_of
-from remnant.kv.retention import POLICIES, profile_values
 
 #: OmegaConf's marker for a value the user must give (kept literal: no OmegaConf import here).
 MISSING = "???"
@@ -150,8 +150,8 @@ class Kinds:
 class CaptureConfig:
     """A capture run (`remnant-capture`, or `remnant-run capture=on`): the native server
     records each CSA layer's first `tokens` decode queries and first `records` C4 latents
-    (remnant.kv.capture_recorder) into capture.safetensors in the run directory, the
-    calibration data of python -m remnant.kv.build_map."""
+    (remnant.calibration.capture_recorder) into capture.safetensors in the run directory,
+    the calibration data of python -m remnant.cli.build_map."""
 
     name: str = "on"
     tokens: int = DEFAULT_TOKENS
@@ -224,7 +224,7 @@ def validate(cfg: RunConfig) -> None:
         # The SGLang plugin cannot calibrate at load as the embedded engine does.
         raise ConfigError(
             f"retention.policy={ret.policy} needs calibration, which host={cfg.host.kind} (SGLang) cannot do at load; "
-            "give retention.map_path (a map built with python -m remnant.kv.build_map) or retention.policy=prefix"
+            "give retention.map_path (a map built with python -m remnant.cli.build_map) or retention.policy=prefix"
         )
     if ret.per_layer is not None:
         n_csa = csa_layer_count(cfg.model)

@@ -129,7 +129,7 @@ def capture_settings(cfg: RunConfig, run_dir: Path):
     """The CaptureSettings a capture run gives its server (None for an ordinary run)."""
     if cfg.capture is None:
         return None
-    from remnant.kv.capture_recorder import CaptureSettings
+    from remnant.calibration.capture_recorder import CaptureSettings
 
     return CaptureSettings(path=str((Path(run_dir) / CAPTURE_FILE).resolve()), tokens=cfg.capture.tokens,
                            records=cfg.capture.records, source=cfg.capture.source or cfg.workload.name,
@@ -138,12 +138,13 @@ def capture_settings(cfg: RunConfig, run_dir: Path):
 
 def ask_capture_write(base_url: str, settings, api_key: str | None = None) -> None:
     """Ask the server to write its capture now, short of the budget if need be: the marker
-    file beside the capture, then /flush_cache (remnant.kv.capture_recorder.write_requested).
-    SGLang stops its schedulers with SIGKILL, so nothing could write it after the run."""
+    file beside the capture, then /flush_cache
+    (remnant.calibration.capture_recorder.write_requested). SGLang stops its schedulers with
+    SIGKILL, so nothing could write it after the run."""
     import httpx
 
     from remnant.api_key import bearer
-    from remnant.kv.capture_recorder import write_request
+    from remnant.calibration.capture_recorder import write_request
 
     marker = write_request(settings.path)
     marker.touch()
@@ -159,7 +160,7 @@ def ask_capture_write(base_url: str, settings, api_key: str | None = None) -> No
 def capture_record(settings, run_dir: Path) -> tuple[dict, list[str]]:
     """run.json's `capture` for the file the server wrote, and the limits it calls for.
     ValueError (naming the file) where the server wrote none or an unreadable one."""
-    from remnant.kv.captures import load_captures
+    from remnant.calibration.captures import load_captures
 
     path = Path(settings.path)
     if not path.is_file():
@@ -187,7 +188,7 @@ def retention_map_record(cfg: RunConfig) -> dict | None:
     the captures it was built from (None in native mode or without a map file)."""
     if not mode_of(cfg.mode.name).keeps_retention or not cfg.retention.map_path:
         return None
-    from remnant.kv.retention import RetentionMap
+    from remnant.calibration.retention import RetentionMap
     from remnant.records.provenance import sha256_file
 
     rmap = RetentionMap.load(cfg.retention.map_path)

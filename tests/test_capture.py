@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from remnant.calibration.capture_recorder import CaptureRecorder, CaptureSettings
+from remnant.calibration.captures import load_captures
 from remnant.config import ModelConfig
 from remnant.engine.model import Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
-from remnant.kv.capture_recorder import CaptureRecorder, CaptureSettings
-from remnant.kv.captures import load_captures
 from remnant.kv.codec import dequantize, quantize
 from remnant.records.provenance import sha256_file
 
@@ -49,7 +49,7 @@ def test_capture_then_build_map_then_a_packed_run_with_it(tmp_path):
         1: ((8, 8, 512), (16, 512)), 3: ((8, 8, 512), (16, 512))}
 
     map_path = tmp_path / "map.json"
-    b = subprocess.run([sys.executable, "-m", "remnant.kv.build_map", "--captures", str(path), "--policy", "attention",
+    b = subprocess.run([sys.executable, "-m", "remnant.cli.build_map", "--captures", str(path), "--policy", "attention",
                         "--retention", "256", "--out", str(map_path)], capture_output=True, text=True, timeout=120)
     assert b.returncode == 0, b.stderr
     assert json.loads(map_path.read_text())["calibration"]["fingerprint"] == cap["fingerprint"]

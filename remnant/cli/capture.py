@@ -25,7 +25,7 @@ serves with that map, carries it on.
   remnant-capture workload=longswe capture.tokens=512
   BENCH_DATASET_PATH=sharegpt.json remnant-capture host=local model=dsv4_flash_0731 \\
       host.gpus=0,1,2,3 workload=sharegpt
-  python -m remnant.kv.build_map --captures outputs/.../capture.safetensors \\
+  python -m remnant.cli.build_map --captures outputs/.../capture.safetensors \\
       --policy attention --retention 256 --out map.json
   remnant-run mode=kernel retention.map_path=map.json
 

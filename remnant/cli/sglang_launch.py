@@ -30,8 +30,8 @@ import sys
 
 from collections.abc import Mapping
 
-from remnant.kv.capture_recorder import (ENV_CAPTURE, ENV_CAPTURE_MODEL_ID, ENV_CAPTURE_RECORDS, ENV_CAPTURE_SOURCE,
-                                         ENV_CAPTURE_TOKENS)
+from remnant.calibration.capture_recorder import (ENV_CAPTURE, ENV_CAPTURE_MODEL_ID, ENV_CAPTURE_RECORDS,
+                                                  ENV_CAPTURE_SOURCE, ENV_CAPTURE_TOKENS)
 from remnant.kv.modes import MODE_NAMES
 from remnant.sglang.settings import (ENV_MODE, ENV_RETENTION, ENV_RETENTION_MAP, ENV_RETENTION_POLICY,
                                      GENERAL_PLUGINS_GROUP, PLUGIN_NAME, capture_from_env, from_env)

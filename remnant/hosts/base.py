@@ -21,7 +21,7 @@ from remnant.config_errors import at_least
 if TYPE_CHECKING:
     import httpx
 
-    from remnant.kv.capture_recorder import CaptureSettings
+    from remnant.calibration.capture_recorder import CaptureSettings
 
 
 class HostError(RuntimeError):
@@ -39,8 +39,8 @@ class ServerSpec:
     log_path: Path
     #: The run's id (run.json's run_id): container hosts label what they start with it.
     run_id: str | None = None
-    #: A capture run's remnant.kv.capture_recorder.CaptureSettings (its path is in run_dir),
-    #: or None: the server records its CSA layers' queries and latents there.
+    #: A capture run's remnant.calibration.capture_recorder.CaptureSettings (its path is
+    #: in run_dir), or None: the server records its CSA layers' queries and latents there.
     capture: "CaptureSettings | None" = None
     #: The server's API key (remnant.api_key: read from host.api_key_env), or None. A host
     #: that starts the server gives it the key through its environment; every probe sends it.

@@ -1,7 +1,10 @@
-"""Record formats, retention, reference codecs and reference attention of Remnant's KV.
+"""The bytes of Remnant's KV: record formats, modes, page and column layouts, reference
+codecs and reference attention (what kernels are tested against).
 
 `remnant.kv.formats` and `remnant.kv.modes` are plain Python (config validation imports
-them); everything else imports torch, so it loads on first use.
+them); everything else imports torch, so it loads on first use. What chooses the kept
+coordinates (captures, policies, retention maps, fidelity) is remnant.calibration, which
+builds on this package and never the other way.
 """
 
 from remnant.kv.formats import (

@@ -86,10 +86,10 @@ RETENTION_MAP_TRAINING_FREE = RETENTION_MAP.also_at(
        "v1 says all of it and code that knows only v1 still loads it; v2 adds only what v1 cannot name")
 
 #: The comparison of every policy, the learned one included, on a split by capture source
-#: (`python -m remnant.kv.fidelity compare`: remnant.kv.fidelity_compare).
+#: (`python -m remnant.cli.fidelity compare`: remnant.calibration.fidelity_compare).
 FIDELITY = RecordKind("remnant/fidelity", 2)
 FIDELITY_SINGLE_CAPTURE = FIDELITY.also_at(
-    1, "the single-capture report (`python -m remnant.kv.fidelity`: remnant.kv.fidelity) splits one capture "
+    1, "the single-capture report (`python -m remnant.cli.fidelity`: remnant.calibration.fidelity) splits one capture "
        "by token and has no train/eval split, scorer or plots, which v2 requires: another layout, not an "
        "older form of v2")
 

@@ -1,6 +1,6 @@
 """SGLang plugin, capture mode: a native server records calibration captures.
 
-With REMNANT_MODE=native and REMNANT_CAPTURE=<file> (remnant.kv.capture_recorder's
+With REMNANT_MODE=native and REMNANT_CAPTURE=<file> (remnant.calibration.capture_recorder's
 CaptureSettings; `python -m remnant.cli.sglang_launch --remnant-capture FILE`), `register`
 registers these hooks (TARGETS) and no others, so the server stores and attends exactly as
 stock SGLang does; the hooks only copy:
@@ -42,8 +42,8 @@ import dataclasses
 import logging
 import threading
 
+from remnant.calibration.capture_recorder import ENV_CAPTURE, CaptureRecorder, CaptureSettings, write_requested
 from remnant.config_errors import ConfigError
-from remnant.kv.capture_recorder import ENV_CAPTURE, CaptureRecorder, CaptureSettings, write_requested
 from remnant.kv.formats import CSA_RATIO
 from remnant.sglang.layers import stage_csa_layers
 
@@ -256,9 +256,9 @@ def store_capture(original, kv, plan, *args, out_loc, kvcache, page_size, bf16_s
 
 def flush_write(result, scheduler, *args, **kwargs):
     """Scheduler.flush_cache (AFTER): where the run asked for it (a marker file beside the
-    capture: remnant.kv.capture_recorder.write_request), write the capture now, short of
-    its budget. SGLang stops its schedulers with SIGKILL, so a run asks before it stops
-    the server; an ordinary /flush_cache (before each phase) writes nothing."""
+    capture: remnant.calibration.capture_recorder.write_request), write the capture now,
+    short of its budget. SGLang stops its schedulers with SIGKILL, so a run asks before it
+    stops the server; an ordinary /flush_cache (before each phase) writes nothing."""
     write_requested(_recorder)
     return result
 

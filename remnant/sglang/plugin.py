@@ -126,7 +126,7 @@ def retention_plan(s: Settings, compression_ratios: list[int]) -> tuple[dict[int
 
     import torch
 
-    from remnant.kv.retention import RetentionMap
+    from remnant.calibration.retention import RetentionMap
 
     csa = csa_layers(compression_ratios)
     if s.map_path is not None:
@@ -191,7 +191,7 @@ def packed_c4_bytes(compression_ratios: list[int], s: Settings) -> list[int]:
 
     n = sum(1 for r in compression_ratios if r == CSA_RATIO)
     if s.map_path is not None:
-        from remnant.kv.retention import RetentionMap
+        from remnant.calibration.retention import RetentionMap
 
         rmap = RetentionMap.load(s.map_path)
         values = [rmap.retention(i) for i in rmap.csa_layers]

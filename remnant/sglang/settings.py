@@ -14,7 +14,8 @@ so the settings travel as environment variables, which child processes inherit;
                            accepted (SGLang cannot calibrate at load)
     REMNANT_CAPTURE        a capture file to write (remnant-capture/1): capture mode, native
                            only; REMNANT_CAPTURE_TOKENS, _RECORDS, _SOURCE and _MODEL_ID
-                           bound and label it (remnant.kv.capture_recorder.CaptureSettings)
+                           bound and label it
+                           (remnant.calibration.capture_recorder.CaptureSettings)
 
 `Settings.to_env` writes these variables (the hosts that start SGLang use it), `from_env`
 reads them.
@@ -100,7 +101,7 @@ class Settings:
         if not self.packed:
             return
         if self.map_path is not None:
-            from remnant.kv.retention import RetentionMap
+            from remnant.calibration.retention import RetentionMap
 
             rmap = RetentionMap.load(self.map_path)
             values = sorted({rmap.retention(layer) for layer in rmap.csa_layers})
@@ -148,7 +149,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     if map_path is None and policy not in (None, "prefix"):
         raise ConfigError(
             f"{ENV_RETENTION_POLICY}={policy} needs calibration captures, which the SGLang server does not take; "
-            f"give {ENV_RETENTION_MAP} (built with python -m remnant.kv.build_map) or {ENV_RETENTION_POLICY}=prefix")
+            f"give {ENV_RETENTION_MAP} (built with python -m remnant.cli.build_map) or {ENV_RETENTION_POLICY}=prefix")
     settings = Settings(mode=mode, retention=retention, map_path=map_path, policy=policy)
     check_packed_rules(mode, list(retention), False, _retention_label(retention))
     return settings
@@ -158,7 +159,7 @@ def capture_from_env(settings: Settings, environ: Mapping[str, str] | None = Non
     """The capture settings (CaptureSettings) of the REMNANT_CAPTURE* variables, or None
     without REMNANT_CAPTURE. Capture records native attention, so a packed mode with
     REMNANT_CAPTURE is a ConfigError naming both variables."""
-    from remnant.kv.capture_recorder import ENV_CAPTURE, CaptureSettings
+    from remnant.calibration.capture_recorder import ENV_CAPTURE, CaptureSettings
 
     capture = CaptureSettings.from_env(environ)
     if capture is not None and settings.packed:

@@ -135,7 +135,7 @@ def test_a_capture_in_a_container_lands_in_the_run_directory(docker_engine, tmp_
     doc = json.loads((run_dir / "run.json").read_text())
     cap = doc["capture"]
     assert (cap["queries"], cap["latents"], cap["complete"], cap["source"]) == (4, 8, True, "smoke")
-    from remnant.kv.captures import load_captures
+    from remnant.calibration.captures import load_captures
 
     captures = load_captures(run_dir / "capture.safetensors")
     assert captures.fingerprint == cap["fingerprint"] and captures.params["server"] == "remnant-serve"
@@ -352,7 +352,7 @@ def test_a_valid_sglang_host(tmp_path):
 def test_a_capture_gives_the_sglang_container_the_plugins_capture_settings(tmp_path):
     """The plugin reads REMNANT_CAPTURE* (remnant.sglang); the path is where the container
     mounts the run directory."""
-    from remnant.kv.capture_recorder import CaptureSettings
+    from remnant.calibration.capture_recorder import CaptureSettings
     from remnant.hosts.local import CAPTURE_MOUNT
 
     host = LocalHostConfig(gpus="0,1,2,3").make()

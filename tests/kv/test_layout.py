@@ -47,3 +47,13 @@ def test_kv_imports_no_kernel():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "remnant.kernels" or n.startswith("remnant.kernels.") for n in names), path.name
+
+
+def test_kv_imports_no_calibration():
+    # The byte formats are the lower half: remnant.calibration (captures, policies, maps,
+    # fidelity) reads them, never the other way.
+    for path in sorted(Path(remnant.kv.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "remnant.calibration" or n.startswith("remnant.calibration.") for n in names), path.name

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from remnant.calibration.capture_recorder import CaptureSettings
 from remnant.config_errors import ConfigError
-from remnant.kv.capture_recorder import CaptureSettings
 from remnant.sglang.settings import Settings, capture_from_env
 from tests.sglang.env import needs_sglang, probe, run_loader
 
@@ -306,8 +306,8 @@ def test_data_parallel_replicas_outside_attention_dp_are_refused(capture_mode):
 def test_flush_cache_writes_a_short_capture_only_when_the_run_asks(capture_mode):
     """SGLang stops its schedulers with SIGKILL: the run's marker file plus /flush_cache
     (Scheduler.flush_cache, AFTER) is where a capture short of its budget gets written."""
-    from remnant.kv.capture_recorder import write_request
-    from remnant.kv.captures import load_captures
+    from remnant.calibration.capture_recorder import write_request
+    from remnant.calibration.captures import load_captures
 
     pool = token_pool()
     decode_queries(capture_mode, pool, CSA)
@@ -342,7 +342,7 @@ def test_attention_hook_keeps_only_the_real_heads_of_a_padded_tp_shard(capture_m
 
 @needs_sglang
 def test_compressor_hook_stores_stock_records_and_captures_what_was_quantized(monkeypatch, capture_mode):
-    from remnant.kv.captures import load_captures
+    from remnant.calibration.captures import load_captures
     from remnant.kv.codec import dequantize, quantize
     from remnant.kv.paged import gather
     from remnant.sglang.buffers import native_layout
@@ -380,7 +380,7 @@ def test_compressor_hook_stores_stock_records_and_captures_what_was_quantized(mo
 
 @needs_sglang
 def test_budget_ends_recording_with_a_valid_file(monkeypatch, tmp_path):
-    from remnant.kv.captures import load_captures
+    from remnant.calibration.captures import load_captures
     from remnant.records.provenance import sha256_file
     from remnant.sglang import capture
 

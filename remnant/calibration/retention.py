@@ -2,12 +2,12 @@
 
 A retention map names, per CSA layer, the sorted NoPE coordinates kept at that layer's
 retention R (N = R - 64 of 0..447; RoPE 448..511 is always kept). It is a JSON record,
-`"schema": "remnant/retention-map"` (schemas/retention-map/), carrying its own
-provenance: the policy and its parameters, the calibration captures' fingerprint, the
-model id, when and by which code it was built. Maps of the training-free policies are
-written as v1; maps of the learned policy (remnant.kv.learned, offline) as v2, which is v1
-plus the policy name "learned" and its scorer's provenance (remnant.records.kinds says
-why). Both versions load.
+`"schema": "remnant/retention-map"` (schemas/retention-map/), carrying its own provenance:
+the policy and its parameters, the calibration captures' fingerprint, the model id, when
+and by which code it was built. Maps of the training-free policies are written as v1; maps
+of the learned policy (remnant.calibration.learned, offline) as v2, which is v1 plus the
+policy name "learned" and its scorer's provenance (remnant.records.kinds says why). Both
+versions load.
 
 A retention profile gives R per CSA layer: uniform or one value per layer.
 
@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 
 from remnant.kv.formats import NOPE_DIM, RETENTION_VALUES, ROPE_DIM
 
-#: Training-free policies that choose kept coordinates (remnant.kv.policies implements them).
+#: Training-free policies that choose kept coordinates (remnant.calibration.policies
+#: implements them).
 POLICIES = ("magnitude", "attention", "prefix", "random")
-#: The offline learned policy (remnant.kv.learned): a map can name it, a run never
+#: The offline learned policy (remnant.calibration.learned): a map can name it, a run never
 #: calibrates with it at load, so it is not one of POLICIES.
 LEARNED = "learned"
 #: Every policy a retention map may name.

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from remnant.kv.retention import LayerKeep, RetentionMap, profile_values
+from remnant.calibration.retention import LayerKeep, RetentionMap, profile_values
 from remnant.records.schema import RecordError, validate
 
 FINGERPRINT = "ab" * 32

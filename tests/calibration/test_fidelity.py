@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
+from remnant.calibration.captures import synthetic_captures
+from remnant.calibration.fidelity import report, split
+from remnant.calibration.fidelity_metrics import measure
 from remnant.kv import RETENTION_VALUES, quantize
-from remnant.kv.captures import synthetic_captures
-from remnant.kv.fidelity import report, split
-from remnant.kv.fidelity_metrics import measure
 from remnant.records.schema import validate
 
 
@@ -47,7 +47,7 @@ def test_informed_policies_beat_baselines(captures):
 
 
 def test_split_needs_two_queries(captures):
-    from remnant.kv.captures import LayerCapture
+    from remnant.calibration.captures import LayerCapture
 
     with pytest.raises(ValueError, match="needs >= 2 query tokens"):
         split(LayerCapture(captures.layers[2].q[:1], captures.layers[2].k))
@@ -56,7 +56,7 @@ def test_split_needs_two_queries(captures):
 @pytest.mark.slow
 def test_command(tmp_path):
     out = tmp_path / "fidelity.json"
-    p = subprocess.run([sys.executable, "-m", "remnant.kv.fidelity", "--synthetic", "--retention", "128,256",
+    p = subprocess.run([sys.executable, "-m", "remnant.cli.fidelity", "--synthetic", "--retention", "128,256",
                         "--policies", "magnitude,random", "--out", str(out)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(out)
@@ -72,7 +72,7 @@ def test_command(tmp_path):
     (["--retention", "abc"], "--retention=abc must be comma-separated integers"),
 ])
 def test_command_errors_are_one_line(tmp_path, args, message):
-    p = subprocess.run([sys.executable, "-m", "remnant.kv.fidelity", "--synthetic", *args, "--out", str(tmp_path / "f.json")],
+    p = subprocess.run([sys.executable, "-m", "remnant.cli.fidelity", "--synthetic", *args, "--out", str(tmp_path / "f.json")],
                        capture_output=True, text=True)
     assert p.returncode == 2
     assert p.stderr.strip().startswith("fidelity: error: ") and message in p.stderr
@@ -97,10 +97,10 @@ def test_curated_report_shows_the_ranking():
 
 # --- the comparison across every policy on a split by capture source (fidelity v2) ---
 
-from remnant.kv.captures import Captures, save_captures  # noqa: E402
-from remnant.kv.fidelity_compare import (check_split, evaluate_split, main as compare_main,  # noqa: E402
-                                         synthetic_split, table_markdown)
-from remnant.kv.learned import Hyperparameters, train  # noqa: E402
+from remnant.calibration.captures import Captures, save_captures  # noqa: E402
+from remnant.calibration.fidelity_compare import (check_split, evaluate_split, synthetic_split,  # noqa: E402
+                                                  table_markdown)
+from remnant.calibration.learned import Hyperparameters, train  # noqa: E402
 
 SMALL = dict(heads=8, queries=16, records=256)
 
@@ -111,7 +111,7 @@ def two_sources():
 
 
 def test_synthetic_split_shares_structure_not_data(two_sources):
-    from remnant.kv.captures import synthetic_planted
+    from remnant.calibration.captures import synthetic_planted
 
     tr, ev = two_sources
     assert (tr.source, ev.source) == ("synthetic-train", "synthetic-eval") and tr.fingerprint != ev.fingerprint
@@ -165,7 +165,7 @@ def test_check_split_refuses(two_sources, change, words):
 
 
 def _compare(*args):
-    return subprocess.run([sys.executable, "-m", "remnant.kv.fidelity", "compare", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "remnant.cli.fidelity", "compare", *args], capture_output=True,
                           text=True, timeout=600)
 
 
@@ -201,12 +201,12 @@ def test_compare_command_end_to_end(two_sources, tmp_path):
 
 
 def test_compare_synthetic_in_process(tmp_path, monkeypatch, capsys):
-    from remnant.kv import fidelity_compare
+    from remnant.cli import fidelity as command
 
-    monkeypatch.setattr(fidelity_compare, "synthetic_split", lambda seed=0: synthetic_split(seed=seed, **SMALL))
+    monkeypatch.setattr(command, "synthetic_split", lambda seed=0: synthetic_split(seed=seed, **SMALL))
     out = tmp_path / "syn.json"
-    assert fidelity_compare.main(["--synthetic", "--steps", "2", "--retention", "128", "--policies",
-                                  "learned,prefix", "--out", str(out)]) == 0
+    assert command.compare_main(["--synthetic", "--steps", "2", "--retention", "128", "--policies",
+                                 "learned,prefix", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [x["policy"] for x in doc["results"]] == ["learned", "prefix"] * 2
     assert any("synthetic" in x and "not captures of DeepSeek-V4" in x for x in doc["limits"])

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from remnant.calibration.capture_recorder import CaptureRecorder, CaptureSettings, write_request, write_requested
+from remnant.calibration.captures import load_captures
 from remnant.config_errors import ConfigError
-from remnant.kv.capture_recorder import CaptureRecorder, CaptureSettings, write_request, write_requested
-from remnant.kv.captures import load_captures
 
 
 def _settings(tmp_path, **kw):

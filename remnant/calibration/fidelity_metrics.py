@@ -1,6 +1,7 @@
 """What a fidelity report measures: packed against native decode attention on the same
-queries and records, per query token and head (remnant.kv.fidelity's single-capture report
-and remnant.kv.fidelity_compare's comparison both report it).
+queries and records, per query token and head (remnant.calibration.fidelity's
+single-capture report and remnant.calibration.fidelity_compare's comparison both report
+it).
 
 - output_rel_error: ||o_packed - o_native|| / ||o_native|| (mean, p50, p95, max), o from
   remnant.kv.attention's attend_native and attend_packed;
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from remnant.calibration.captures import LayerCapture
 from remnant.kv.attention import SOFTMAX_SCALE, attend_native, attend_packed, packed_keys
-from remnant.kv.captures import LayerCapture
 from remnant.kv.codec import dequantize
 from remnant.kv.formats import HEAD_DIM, NOPE_DIM
 from remnant.kv.packing import pack

@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from remnant.kv.captures import LayerCapture, save_captures, synthetic_captures, synthetic_planted
-from remnant.kv.build_map import main as build_map_main
+from remnant.calibration.captures import LayerCapture, save_captures, synthetic_captures, synthetic_planted
+from remnant.calibration.policies import POLICIES, attention_score, build_map, choose
+from remnant.calibration.retention import RetentionMap
+from remnant.cli.build_map import main as build_map_main
 from remnant.kv.formats import RETENTION_VALUES
-from remnant.kv.policies import POLICIES, attention_score, build_map, choose
-from remnant.kv.retention import RetentionMap
 from remnant.records.schema import validate
 
 
@@ -94,7 +94,7 @@ def test_attention_score_by_hand():
 
 
 def test_attention_score_is_chunk_independent(small, monkeypatch):
-    from remnant.kv import policies
+    from remnant.calibration import policies
 
     whole = attention_score(small.layers[2])
     monkeypatch.setattr(policies, "_ATTENTION_BLOCK", 1)  # one query token per block
@@ -127,7 +127,7 @@ def test_build_map(small, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "remnant.kv.build_map", *args],
+    return subprocess.run([sys.executable, "-m", "remnant.cli.build_map", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -1,12 +1,12 @@
 """Learned retention policy: a per-layer NoPE coordinate scorer trained on captures.
 
-An offline research extension beside the training-free policies (remnant.kv.policies),
-never the serving default: no run config calibrates it at load; it reaches a server only
-as a retention map file built from a saved scorer.
+An offline research extension beside the training-free policies
+(remnant.calibration.policies), never the serving default: no run config calibrates it at
+load; it reaches a server only as a retention map file built from a saved scorer.
 
 Model: per CSA layer, one logit per NoPE coordinate (448 parameters). The map at R keeps
-the R - 64 coordinates with the largest logits (remnant.kv.policies.top, ties to the lower
-index), so one scorer serves every retention.
+the R - 64 coordinates with the largest logits (remnant.calibration.policies.top, ties to
+the lower index), so one scorer serves every retention.
 
 Training (torch, CPU, float32, seeded, a fixed number of steps per layer): at each step, a
 seeded sub-sample of one training capture's query tokens (all heads) and records (FP8
@@ -14,26 +14,22 @@ quantized and dequantized, as the server stores them) is attended twice, V = K a
 remnant.kv.attention: with every coordinate (the target o) and with the masked keys k * m,
 for every R of `retentions`. The mask is a relaxed top-N: m_i = sigmoid((logit_i -
 theta_R) / temperature) with theta_R such that sum(m) = N = R - 64, differentiated
-implicitly through theta_R, so only a coordinate's importance relative to the others
-moves it across a threshold (soft_top_n_mask). The loss is the mean over R and over query
-vectors of ||o_masked - o|| / ||o||, the metric remnant.kv.fidelity reports. Logits start
-from a training-free score (default: the log of the attention policy's score,
+implicitly through theta_R, so only a coordinate's importance relative to the others moves
+it across a threshold (soft_top_n_mask). The loss is the mean over R and over query
+vectors of ||o_masked - o|| / ||o||, the metric remnant.calibration.fidelity reports.
+Logits start from a training-free score (default: the log of the attention policy's score,
 standardized; `zero` starts from nothing), so a warm start begins at that policy and
-training moves coordinates across each threshold only where the training captures say
-it lowers the error. (A straight-through hard mask was tried first and fails here: at a
-kept coordinate the derivative in m is about rescaling, not about keeping, and training
-drifted to drop the important channels.)
+training moves coordinates across each threshold only where the training captures say it
+lowers the error. (A straight-through hard mask was tried first and fails here: at a kept
+coordinate the derivative in m is about rescaling, not about keeping, and training drifted
+to drop the important channels.)
 
 File: JSON, `"schema": "remnant/learned-scorer"` (schemas/learned-scorer/v1.schema.json):
 per-layer logits, hyperparameters, seed, the training captures (fingerprint, source,
 model_id, sizes), per-layer loss curves, created_at and remnant.records.provenance
 sources(). Its fingerprint is the sha256 of the file.
 
-Command:
-    python -m remnant.kv.learned train --captures A.safetensors [B.safetensors ...]
-        --out scorer.json [--steps N] [--seed S] [--init attention|magnitude|zero]
-    python -m remnant.kv.learned train --synthetic --out scorer.json
-Errors are one line, `learned: error: ...`, naming the file or flag; exit status 2.
+Its command is remnant.cli.learned (`python -m remnant.cli.learned train ...`).
 """
 
 from __future__ import annotations
@@ -42,15 +38,16 @@ import contextlib
 import datetime as _dt
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from remnant.kv.captures import Captures, LayerCapture, _Parser, load_captures, synthetic_captures
+from remnant.calibration.captures import Captures, LayerCapture
 from remnant.kv.formats import HEAD_DIM, NOPE_DIM, RETENTION_VALUES, ROPE_DIM
 
+#: The training method and its version, as scorer files record it: the name it was first
+#: recorded under (this module was remnant.kv.learned), kept so scorers and maps read the same.
 METHOD = "remnant.kv.learned/soft-top-n/1"
 INITS = ("attention", "magnitude", "zero")
 #: Loss-curve points kept per layer (the first step, then means over equal windows).
@@ -129,7 +126,7 @@ class LearnedScorer:
 
     def keep(self, layer: int, retention: int) -> torch.Tensor:
         """Kept NoPE indices of `layer` at R = retention: int64 [R - 64], sorted ascending."""
-        from remnant.kv.policies import top
+        from remnant.calibration.policies import top
 
         if isinstance(retention, bool) or retention not in RETENTION_VALUES:
             raise ValueError(f"retention={retention!r} is not allowed; allowed: "
@@ -270,7 +267,7 @@ def check_training_set(named: list[tuple[str, Captures]]) -> list[int]:
 def initial_logits(captures: list[LayerCapture], init: str) -> torch.Tensor:
     """Starting logits of one layer, float64 [448]: the standardized log of a training-free
     score averaged over the training captures (zeros for init='zero')."""
-    from remnant.kv.policies import attention_score, magnitude_score
+    from remnant.calibration.policies import attention_score, magnitude_score
 
     if init == "zero":
         return torch.zeros(NOPE_DIM, dtype=torch.float64)
@@ -415,7 +412,7 @@ def build_map(scorer: LearnedScorer, retention_values: list[int], captures: Capt
     captures, when given, are only checked (model_id and layers, ValueError naming
     `captures_name`): the map does not depend on them.
     """
-    from remnant.kv.retention import LEARNED, LayerKeep, RetentionMap
+    from remnant.calibration.retention import LEARNED, LayerKeep, RetentionMap
 
     if captures is not None:
         scorer.check(captures, captures_name)
@@ -427,36 +424,3 @@ def build_map(scorer: LearnedScorer, retention_values: list[int], captures: Capt
                for layer, r in zip(layers, retention_values)]
     return RetentionMap(model_id=scorer.model_id, policy=LEARNED, policy_params=scorer.policy_params(),
                         calibration=scorer.calibration(), layers=entries)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point (see the module docstring); prints the scorer path."""
-    parser = _Parser(prog="learned", description="Train a learned coordinate scorer (remnant/learned-scorer v1).")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a scorer on capture files")
-    p.prog = "learned"
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--captures", type=Path, nargs="+", metavar="FILE", help="training capture files")
-    src.add_argument("--synthetic", action="store_true", help="synthetic captures with default parameters")
-    d = Hyperparameters()
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps per layer (default {d.steps})")
-    p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
-    p.add_argument("--init", choices=INITS, default=d.init, help=f"starting score (default {d.init})")
-    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="scorer JSON to write")
-    args = parser.parse_args(argv)
-    try:
-        hp = Hyperparameters(steps=args.steps, init=args.init)
-        hp.check()
-        if args.synthetic:
-            named = [("--synthetic", synthetic_captures())]
-        else:
-            named = [(str(path), load_captures(path)) for path in args.captures]
-        path = train(named, hp, seed=args.seed).save(args.out)
-    except (ValueError, OSError) as e:
-        p.error(str(e).replace("\n", " "))
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

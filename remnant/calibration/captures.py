@@ -12,19 +12,17 @@ so the same captures always give the same bytes, hence the same fingerprint: saf
 own writer orders the metadata keys differently from one call to the next. Any
 safetensors reader opens the file.
 
-Command: `python -m remnant.kv.captures --synthetic --out FILE [--seed N]` writes a
+The command `python -m remnant.cli.captures --synthetic --out FILE [--seed N]` writes a
 synthetic capture file (synthetic_captures with default parameters but the seed).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +32,8 @@ from remnant.kv.formats import HEAD_DIM, NOPE_DIM
 from remnant.records.files import atomic_write
 
 FORMAT = "remnant-capture/1"
+#: The generator's name in a synthetic capture's params, hence in its fingerprint: the name
+#: it was first recorded under (this module was remnant.kv.captures), kept so fingerprints hold.
 SYNTHETIC_GENERATOR = "remnant.kv.captures.synthetic_captures/1"
 #: The caveat every report measured on synthetic_captures carries.
 SYNTHETIC_LIMIT = (
@@ -252,31 +252,3 @@ def _check_synthetic(layers, heads, queries, records, planted, planted_gain, tai
         raise ValueError(f"planted_gain={planted_gain!r} must be > 0")
     if not tail_df > 0:
         raise ValueError(f"tail_df={tail_df!r} must be > 0")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line and exits 2."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m remnant.kv.captures --synthetic --out FILE [--seed N]`; prints the path."""
-    parser = _Parser(prog="captures", description="Write a calibration capture file.")
-    parser.add_argument("--synthetic", action="store_true", required=True,
-                        help="synthetic captures (synthetic_captures with default parameters)")
-    parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    parser.add_argument("--out", type=Path, required=True, help="capture file to write (.safetensors)")
-    args = parser.parse_args(argv)
-    try:
-        path = save_captures(synthetic_captures(seed=args.seed), args.out)
-    except (ValueError, OSError) as e:
-        parser.error(f"--out {args.out}: {e}")
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from remnant.kv.build_map import main as build_map_main
-from remnant.kv.captures import Captures, save_captures, synthetic_captures, synthetic_planted
-from remnant.kv.fidelity_compare import synthetic_split
-from remnant.kv.learned import Hyperparameters, LearnedScorer, batch_loss, build_map, soft_top_n_mask, train
-from remnant.kv.policies import POLICIES, choose, top
-from remnant.kv.retention import MAP_POLICIES, RetentionMap
+from remnant.calibration.captures import Captures, save_captures, synthetic_captures, synthetic_planted
+from remnant.calibration.fidelity_compare import synthetic_split
+from remnant.calibration.learned import Hyperparameters, LearnedScorer, batch_loss, build_map, soft_top_n_mask, train
+from remnant.calibration.policies import POLICIES, choose, top
+from remnant.calibration.retention import MAP_POLICIES, RetentionMap
+from remnant.cli.build_map import main as build_map_main
 from remnant.records.schema import RecordError, validate
 
 FAST = Hyperparameters(steps=40, queries_per_step=8, records_per_step=128)
@@ -262,7 +262,7 @@ def test_build_map_command_errors(tmp_path, capsys, args, words):
 
 
 def _learned(*args):
-    return subprocess.run([sys.executable, "-m", "remnant.kv.learned", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "remnant.cli.learned", *args], capture_output=True, text=True,
                           timeout=300)
 
 

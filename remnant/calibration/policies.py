@@ -3,7 +3,7 @@
 Each policy scores the 448 NoPE coordinates of one layer from its calibration capture and
 keeps the N = R - 64 best (RoPE 448..511 is always kept, so it is never a candidate).
 Ties go to the lower index, so the choice is deterministic. Learned scoring is an offline
-research extension in remnant.kv.learned (it reuses `top`), not one of POLICIES.
+research extension in remnant.calibration.learned (it reuses `top`), not one of POLICIES.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from remnant.kv.captures import Captures, LayerCapture
+from remnant.calibration.captures import Captures, LayerCapture
+from remnant.calibration.retention import POLICIES, LayerKeep, RetentionMap
 from remnant.kv.formats import HEAD_DIM, NOPE_DIM, RETENTION_VALUES, ROPE_DIM
-from remnant.kv.retention import POLICIES, LayerKeep, RetentionMap
 
 # Bound on the float64 [T-chunk, H, n] score block of the attention policy (elements).
 _ATTENTION_BLOCK = 1 << 24
@@ -90,7 +90,7 @@ def attention_score(capture: LayerCapture) -> torch.Tensor:
 
 def build_map(captures: Captures, policy: str, retention_values: list[int], seed: int = 0) -> RetentionMap:
     """Retention map of every captured CSA layer, one retention per layer in ascending
-    layer order (see remnant.kv.retention.profile_values for a uniform profile).
+    layer order (see remnant.calibration.retention.profile_values for a uniform profile).
 
     policy_params records {"seed": seed} for random, {} for the other policies. calibration
     records the captures' fingerprint and source, and the fewest query tokens and records

@@ -1,49 +1,40 @@
 """Fidelity comparison of every policy across retentions on a split by capture source.
 
-    python -m remnant.kv.fidelity compare --train A.safetensors [B.safetensors ...]
-        --eval C.safetensors --out benchmarks/fidelity/NAME.json
-        [--retention 64,128,...] [--top-k 64] [--seed 0] [--steps 200] [--init attention]
-        [--limit TEXT ...]
-    python -m remnant.kv.fidelity compare --synthetic --out NAME.json
-
 Every policy reads only the --train captures: the learned scorer is trained on them
-(remnant.kv.learned, saved next to the report as NAME.scorer.json) and the training-free
-policies (magnitude, attention, prefix, random) are calibrated on their queries and
-records (several --train files: each layer's queries and records concatenated). Each
-policy's map is then measured on the --eval capture, a source no policy saw: all its
-query tokens over its own records, per layer and R, with
-remnant.kv.fidelity_metrics.measure (FP8 native records; no window, no sink, every record
-selected). --synthetic splits one
-synthetic capture set (remnant.kv.captures.synthetic_captures) into two sources: the
-first half of its query tokens and records for training, the second half for evaluation.
+(remnant.calibration.learned, saved next to the report as NAME.scorer.json) and the
+training-free policies (magnitude, attention, prefix, random) are calibrated on their
+queries and records (several --train files: each layer's queries and records
+concatenated). Each policy's map is then measured on the --eval capture, a source no
+policy saw: all its query tokens over its own records, per layer and R, with
+remnant.calibration.fidelity_metrics.measure (FP8 native records; no window, no sink,
+every record selected). --synthetic splits one synthetic capture set
+(remnant.calibration.captures.synthetic_captures) into two sources: the first half of its
+query tokens and records for training, the second half for evaluation.
 
-Writes NAME.json (schema remnant/fidelity v2: the split by fingerprint and source,
-settings, results per (layer, R, policy), the plots with their sha256, limits),
+`compare` writes NAME.json (schema remnant/fidelity v2: the split by fingerprint and
+source, settings, results per (layer, R, policy), the plots with their sha256, limits),
 NAME.scorer.json (remnant/learned-scorer), NAME.error-vs-r.png (mean output error over
 layers vs R, one line per policy) and NAME.heatmap.png (per policy a layers x R map of
-the mean output error, plus learned minus the best training-free policy). Prints the
-table of mean error per R and policy on stderr and the report's path on stdout. Errors
-are one line, `fidelity compare: error: ...`, naming the file or flag; exit status 2.
+the mean output error, plus learned minus the best training-free policy). Its command:
+remnant.cli.fidelity (`compare`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from remnant.kv.captures import SYNTHETIC_LIMIT, Captures, LayerCapture, _Parser, load_captures, synthetic_captures
+from remnant.calibration.captures import SYNTHETIC_LIMIT, Captures, LayerCapture, synthetic_captures
+from remnant.calibration.fidelity_metrics import measure
+from remnant.calibration.learned import (Hyperparameters, LearnedScorer, capture_ref, check_training_set,
+                                         one_thread, train)
+from remnant.calibration.policies import choose
+from remnant.calibration.retention import LEARNED, POLICIES
 from remnant.kv.codec import quantize
-from remnant.kv.fidelity_metrics import measure
-from remnant.kv.formats import RETENTION_VALUES
-from remnant.kv.learned import (INITS, Hyperparameters, LearnedScorer, capture_ref, check_training_set, one_thread,
-                                train)
-from remnant.kv.policies import choose
-from remnant.kv.retention import LEARNED, POLICIES
 
 #: The policies a comparison measures, in report order.
 COMPARE_POLICIES = POLICIES + (LEARNED,)
@@ -282,94 +273,34 @@ def plot(doc: dict, stem: Path) -> list[Path]:
     return [curve, heat]
 
 
-def _int_list(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--{name}={text} must be comma-separated integers") from None
-    if not values:
-        raise ValueError(f"--{name}={text!r} names no value")
-    return values
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m remnant.kv.fidelity compare ...` (see the module docstring)."""
+def compare(train_named: list[tuple[str, Captures]], eval_named: tuple[str, Captures], policies: list[str],
+            retention_values: list[int], top_k: int, seed: int, hp: Hyperparameters, limits: list[str],
+            out: Path) -> tuple[dict, Path]:
+    """The comparison end to end: train the scorer on `train_named` (saved beside `out` as
+    NAME.scorer.json), measure every policy on `eval_named`, draw the plots beside `out`
+    and write the report (remnant/fidelity v2) to `out`, a .json path. Returns the
+    document and the path written. A ValueError or OSError leaves no scorer or plot
+    without the report that names them."""
     from remnant.records.provenance import sha256_file
-    from remnant.records.schema import write_validated
+    from remnant.records.schema import validate, write_validated
 
-    p = _Parser(prog="fidelity compare", description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--train", type=Path, nargs="+", metavar="FILE", help="training capture files")
-    src.add_argument("--synthetic", action="store_true",
-                     help="one synthetic capture set split in two sources (see synthetic_split)")
-    p.add_argument("--eval", type=Path, metavar="FILE", help="evaluation capture file (another source)")
-    p.add_argument("--retention", default=",".join(map(str, RETENTION_VALUES)), help="R values, comma-separated")
-    p.add_argument("--policies", default=",".join(COMPARE_POLICIES), help="policies, comma-separated")
-    p.add_argument("--top-k", type=int, default=64, help="top-k of the overlap metric (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="random policy seed, scorer seed, synthetic seed")
-    d = Hyperparameters()
-    p.add_argument("--steps", type=int, default=d.steps, help=f"scorer training steps per layer (default {d.steps})")
-    p.add_argument("--init", choices=INITS, default=d.init, help=f"scorer starting score (default {d.init})")
-    p.add_argument("--limit", action="append", default=[], metavar="TEXT",
-                   help="a caveat to add to the report's limits (repeatable)")
-    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="report JSON to write")
-    a = p.parse_args(argv)
-    if a.train is not None and a.eval is None:
-        p.error("--train needs --eval FILE: the capture source the policies are measured on")
-    if a.synthetic and a.eval is not None:
-        p.error("--eval is for --train; --synthetic makes both sources itself")
     made: list[Path] = []
     try:
-        policies = [x.strip() for x in a.policies.split(",") if x.strip()]
-        bad = [x for x in policies if x not in COMPARE_POLICIES]
-        if bad or not policies or len(set(policies)) != len(policies):
-            raise ValueError(f"--policies={a.policies} must name distinct policies of "
-                             f"{', '.join(COMPARE_POLICIES)}")
-        if LEARNED not in policies:
-            raise ValueError(f"--policies={a.policies} must include learned (for the others alone, use "
-                             "python -m remnant.kv.fidelity --captures)")
-        values = _int_list(a.retention, "retention")
-        bad_r = [r for r in values if r not in RETENTION_VALUES]
-        if bad_r or len(set(values)) != len(values):
-            raise ValueError(f"--retention={a.retention} must be distinct values of "
-                             f"{', '.join(map(str, RETENTION_VALUES))}")
-        if a.top_k < 1:
-            raise ValueError(f"--top-k={a.top_k} must be >= 1")
-        if a.out.suffix != ".json":
-            raise ValueError(f"--out {a.out} must end in .json (the plots and the scorer go next to it)")
-        hp = Hyperparameters(steps=a.steps, init=a.init)
-        hp.check()
-        if a.synthetic:
-            tr, ev = synthetic_split(seed=a.seed)
-            train_named, eval_named = [("synthetic-train", tr)], ("synthetic-eval", ev)
-        else:
-            train_named = [(str(f), load_captures(f)) for f in a.train]
-            eval_named = (str(a.eval), load_captures(a.eval))
         check_split(train_named, eval_named)
-        stem = a.out.with_suffix("")
-        scorer_path = a.out.parent / f"{stem.name}.scorer.json"
-        scorer = train(train_named, hp, seed=a.seed)
+        stem = out.with_suffix("")
+        scorer_path = out.parent / f"{stem.name}.scorer.json"
+        scorer = train(train_named, hp, seed=seed)
         scorer.save(scorer_path)  # first: the report names the scorer file's sha256
         made.append(scorer_path)
-        results = evaluate_split(train_named, eval_named, scorer, policies, values, a.top_k, a.seed)
-        doc = document(train_named, eval_named, scorer, scorer_path.name, results, policies, values, a.top_k,
-                       a.seed, [], a.limit)
-        from remnant.records.schema import validate
-
-        validate(doc, source=str(a.out))  # before the plots: a bad report makes no files
+        results = evaluate_split(train_named, eval_named, scorer, policies, retention_values, top_k, seed)
+        doc = document(train_named, eval_named, scorer, scorer_path.name, results, policies, retention_values,
+                       top_k, seed, [], limits)
+        validate(doc, source=str(out))  # before the plots: a bad report makes no files
         paths = plot(doc, stem)
         made += paths
         doc["plots"] = [{"file": x.name, "sha256": sha256_file(x)} for x in paths]
-        path = write_validated(a.out, doc)
-    except (ValueError, OSError) as exc:
-        for leftover in made:  # no scorer or plot without the report that names them
+        return doc, write_validated(out, doc)
+    except (ValueError, OSError):
+        for leftover in made:
             leftover.unlink(missing_ok=True)
-        print(f"fidelity compare: error: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)
-        return 2
-    print(table_markdown(doc), file=sys.stderr)
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        raise

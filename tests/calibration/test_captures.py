@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from remnant.kv.captures import (
+from remnant.calibration.captures import (
     FORMAT,
     Captures,
     LayerCapture,
@@ -146,7 +146,7 @@ def test_save_refuses_bad_shapes(tmp_path):
 
 def test_command_writes_synthetic_file(tmp_path):
     out = tmp_path / "c.safetensors"
-    done = subprocess.run([sys.executable, "-m", "remnant.kv.captures", "--synthetic", "--seed", "3",
+    done = subprocess.run([sys.executable, "-m", "remnant.cli.captures", "--synthetic", "--seed", "3",
                            "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(out)

@@ -2,13 +2,14 @@
 
 A capture server runs in native mode; its CSA layers hand every decode query (after RoPE)
 and every C4 latent (before FP8 quantization) to a CaptureRecorder, which keeps the first
-`tokens` decode queries and the first `records` latents of each CSA layer on the CPU.
-When every CSA layer has both, it writes one remnant-capture/1 file (remnant.kv.captures,
-atomically) and ignores what comes later. Short of that, the file is written with what the
-recorder has when the run asks for it (`write_requested`: a marker file beside the capture,
-then the server's /flush_cache) or at shutdown (`close()`). The request matters for
-SGLang, which stops its scheduler processes with SIGKILL, so no exit handler runs there.
-Recording only copies: the server computes as it would without it.
+`tokens` decode queries and the first `records` latents of each CSA layer on the CPU. When
+every CSA layer has both, it writes one remnant-capture/1 file
+(remnant.calibration.captures, atomically) and ignores what comes later. Short of that,
+the file is written with what the recorder has when the run asks for it
+(`write_requested`: a marker file beside the capture, then the server's /flush_cache) or
+at shutdown (`close()`). The request matters for SGLang, which stops its scheduler
+processes with SIGKILL, so no exit handler runs there. Recording only copies: the server
+computes as it would without it.
 
 Settings come from plain values (CaptureSettings); `to_env` / `from_env` carry them to
 SGLang's processes as REMNANT_CAPTURE* variables. Importing this module imports no torch.
@@ -215,7 +216,7 @@ class CaptureRecorder:
     def _write(self, complete: bool) -> Path:
         import torch
 
-        from remnant.kv.captures import Captures, LayerCapture, save_captures
+        from remnant.calibration.captures import Captures, LayerCapture, save_captures
 
         s = self.settings
         layers = {i: LayerCapture(q=torch.cat(e.queries), k=torch.cat(e.latents))

@@ -1,10 +1,10 @@
 """Build a retention map from calibration captures with a training-free policy, or from a
-learned scorer (remnant.kv.learned, an offline research extension).
+learned scorer (remnant.calibration.learned, an offline research extension).
 
 Usage:
-    python -m remnant.kv.build_map (--captures FILE | --synthetic) --policy POLICY
+    python -m remnant.cli.build_map (--captures FILE | --synthetic) --policy POLICY
         (--retention R | --per-layer R1,R2,...) [--seed N] --out map.json
-    python -m remnant.kv.build_map --policy learned --scorer scorer.json [--captures FILE]
+    python -m remnant.cli.build_map --policy learned --scorer scorer.json [--captures FILE]
         (--retention R | --per-layer R1,R2,...) --out map.json
 
 --synthetic uses synthetic_captures() with its default parameters (a first try, no
@@ -21,9 +21,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from remnant.kv.captures import _Parser, load_captures, synthetic_captures
-from remnant.kv.policies import build_map
-from remnant.kv.retention import LEARNED, MAP_POLICIES, profile_values
+from remnant.calibration.captures import load_captures, synthetic_captures
+from remnant.calibration.policies import build_map
+from remnant.calibration.retention import LEARNED, MAP_POLICIES, profile_values
+from remnant.cli.parser import OneLineParser
 
 
 def _int_list(text: str) -> list[int]:
@@ -38,14 +39,14 @@ def _int_list(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns 0 or exits 2 with one error line (see module docstring)."""
-    parser = _Parser(prog="build_map", description="Build a retention map (remnant/retention-map).")
+    parser = OneLineParser(prog="build_map", description="Build a retention map (remnant/retention-map).")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--captures", type=Path, metavar="FILE", help="capture file (safetensors)")
     source.add_argument("--synthetic", action="store_true",
                         help="synthetic captures with default parameters")
     parser.add_argument("--policy", required=True, choices=MAP_POLICIES)
     parser.add_argument("--scorer", type=Path, metavar="FILE",
-                        help="learned scorer JSON (remnant.kv.learned train); --policy learned only")
+                        help="learned scorer JSON (remnant.cli.learned train); --policy learned only")
     profile = parser.add_mutually_exclusive_group(required=True)
     profile.add_argument("--retention", type=int, metavar="R", help="uniform retention, 64..448 step 64")
     profile.add_argument("--per-layer", metavar="R1,R2,...",
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     learned = args.policy == LEARNED
     if learned and args.scorer is None:
-        parser.error("--policy learned needs --scorer FILE (a scorer from python -m remnant.kv.learned train)")
+        parser.error("--policy learned needs --scorer FILE (a scorer from python -m remnant.cli.learned train)")
     if not learned and args.scorer is not None:
         parser.error(f"--scorer is for --policy learned only; --policy {args.policy} reads --captures or --synthetic")
     if not learned and args.captures is None and not args.synthetic:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.captures is not None:
             captures = load_captures(args.captures)
         if learned:
-            from remnant.kv.learned import LearnedScorer, build_map as build_learned_map
+            from remnant.calibration.learned import LearnedScorer, build_map as build_learned_map
 
             scorer = LearnedScorer.load(args.scorer)
             values = profile_values(args.retention, per_layer, len(scorer.csa_layers))
