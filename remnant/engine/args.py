@@ -21,7 +21,7 @@ from remnant.config import RetentionConfig
 from remnant.config_errors import ConfigError, at_least, positive_finite
 
 if TYPE_CHECKING:
-    from remnant.kv.capture_recorder import CaptureSettings
+    from remnant.calibration.capture_recorder import CaptureSettings
 
 #: Values of EngineArgs.device, .decode_path and .native_decode (remnant.engine.model checks
 #: them again; native_decode's are auto and two of remnant.kernels.decode.KERNELS).
@@ -199,8 +199,8 @@ def capture_argv(capture: CaptureSettings | None) -> list[str]:
 
 
 def add_capture_arguments(parser: argparse.ArgumentParser) -> None:
-    """remnant-serve's capture flags (remnant.kv.capture_recorder; native mode only)."""
-    from remnant.kv.capture_recorder import DEFAULT_RECORDS, DEFAULT_TOKENS
+    """remnant-serve's capture flags (remnant.calibration.capture_recorder; native mode only)."""
+    from remnant.calibration.capture_recorder import DEFAULT_RECORDS, DEFAULT_TOKENS
 
     parser.add_argument("--capture", metavar="FILE", default=None,
                         help="record CSA layers' decode queries and C4 latents into this capture file (native mode)")
@@ -212,7 +212,7 @@ def add_capture_arguments(parser: argparse.ArgumentParser) -> None:
 
 def capture_from_namespace(ns: argparse.Namespace) -> CaptureSettings | None:
     """The capture flags as settings; None without --capture. ConfigError names a bad flag."""
-    from remnant.kv.capture_recorder import CaptureSettings
+    from remnant.calibration.capture_recorder import CaptureSettings
 
     if not ns.capture:
         return None

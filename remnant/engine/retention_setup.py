@@ -2,7 +2,7 @@
 
 A retention map file names them. Without one, the engine calibrates at load, training-
 free: it runs a seeded calibration prompt through its own model in native mode, captures
-each CSA layer's queries and C4 latents, and lets a policy (remnant.kv.policies) choose.
+each CSA layer's queries and C4 latents, and lets a policy (remnant.calibration.policies) choose.
 The map used, either way, is reported in /server_info with its provenance.
 """
 
@@ -13,13 +13,13 @@ import json
 
 import torch
 
+from remnant.calibration.captures import Captures, LayerCapture
+from remnant.calibration.retention import RetentionMap, profile_values
 from remnant.config import RetentionConfig
 from remnant.engine.model import C4Format, Model
 from remnant.engine.pools import new_sequence, scratch_pools
-from remnant.kv.captures import Captures, LayerCapture
 from remnant.kv.formats import CSA_RATIO
 from remnant.kv.modes import mode_of
-from remnant.kv.retention import RetentionMap, profile_values
 
 CALIBRATION_TOKENS = 512
 CALIBRATION_SEED = 1234
@@ -73,7 +73,7 @@ def setup_retention(model: Model, mode: str, model_id: str, retention: int | Non
         if wanted is not None and wanted != got:
             raise ValueError(f"retention map {map_path} keeps R={got} per CSA layer; the run asks for {wanted}")
     else:
-        from remnant.kv.policies import build_map
+        from remnant.calibration.policies import build_map
 
         values = profile_values(None if per_layer else retention, per_layer or None, len(model.csa_layers))
         rmap = build_map(calibration_captures(model, model_id), policy, values)

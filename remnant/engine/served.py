@@ -81,7 +81,7 @@ class Served:
     frontend: Frontend
     info: ServerInfo
     load_s: float
-    #: The capture a capture server records (remnant.kv.capture_recorder.CaptureRecorder),
+    #: The capture a capture server records (remnant.calibration.capture_recorder.CaptureRecorder),
     #: closed when the server stops; None otherwise.
     recorder: object | None = None
 
@@ -100,7 +100,7 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     """Load `model_dir` in `mode`; ValueError names what is wrong (a missing file, a budget
     too small for the pools, a bad retention, a capture outside native mode).
 
-    capture: remnant.kv.capture_recorder.CaptureSettings: the model records its CSA layers'
+    capture: remnant.calibration.capture_recorder.CaptureSettings: the model records its CSA layers'
     decode queries and C4 latents into that capture file (native mode only)."""
     import torch
     from tokenizers import Tokenizer
@@ -217,7 +217,7 @@ def capture_recorder(model, capture, served_name: str, model_dir: Path):
     """The recorder `model` hands its CSA layers' decode queries and latents to."""
     import dataclasses
 
-    from remnant.kv.capture_recorder import CaptureRecorder
+    from remnant.calibration.capture_recorder import CaptureRecorder
     from remnant.records.provenance import sources
 
     settings = dataclasses.replace(capture, model_id=capture.model_id or served_name)

@@ -37,7 +37,7 @@ log = logging.getLogger("remnant.serve")
 def create_app(model_dir: Path, mode: str = "native", retention: RetentionArgs | None = None,
                engine_args: EngineArgs | None = None, capture=None, api_key: str | None = None) -> FastAPI:
     """Load the model directory and build the FastAPI app (the engine starts with the app).
-    capture: remnant.kv.capture_recorder.CaptureSettings, or None. api_key: see app_for."""
+    capture: remnant.calibration.capture_recorder.CaptureSettings, or None. api_key: see app_for."""
     return app_for(load_served(model_dir, mode, retention, engine_args, capture), api_key)
 
 

@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from remnant.calibration.capture_recorder import write_requested
 from remnant.engine.api import BadRequest, GenerateRequest, Utf8JSONRoute, generate_error, generate_error_stream
-from remnant.kv.capture_recorder import write_requested
 
 log = logging.getLogger("remnant.serve")
 
@@ -88,7 +88,7 @@ async def generate(req: GenerateRequest, http: HttpRequest) -> Response:
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(http: HttpRequest) -> Response:
     """400 while requests run, as SGLang refuses it. A capture server also writes its
-    capture here when the run asks (remnant.kv.capture_recorder.write_requested)."""
+    capture here when the run asks (remnant.calibration.capture_recorder.write_requested)."""
     ok, detail = http.app.state.engine.flush_cache()
     log.info("flush_cache %s: %s", "done" if ok else "refused", detail)
     write_requested(getattr(http.app.state, "recorder", None))

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
+from remnant.calibration.policies import build_map
+from remnant.calibration.retention import RetentionMap
 from remnant.config import ModelConfig
 from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.retention_setup import calibration_captures, setup_retention
 from remnant.engine.pools import new_sequence, scratch_pools
-from remnant.kv.policies import build_map
-from remnant.kv.retention import RetentionMap
 
 
 @pytest.fixture(scope="module")
