@@ -1,5 +1,7 @@
 """The command line: every command Remnant ships, one module each, and the only package
-that imports Hydra or argparse. Library modules take plain dataclasses and arguments.
+that imports Hydra. Library modules take plain dataclasses and arguments; where a
+command's flags are shared with the code that writes them (remnant-serve's, in
+remnant.engine.args), the definition stays there and the parsing here.
 
 Hydra's commands (conf/ composed into remnant.config's dataclasses):
 - run: `remnant-run` (`python -m remnant.cli`), one run or a sweep (-m);
@@ -10,5 +12,7 @@ Hydra's commands (conf/ composed into remnant.config's dataclasses):
 
 Commands with argparse: check (`remnant-check`), serve (`remnant-serve`), report
 (`remnant-report`), kernels (`remnant-kernels`), and those run as `python -m
-remnant.cli.<name>`, each named in its module's docstring.
+remnant.cli.<name>`, each named in its module's docstring: curate, ceiling,
+stream_server, capacity_report, model_dir, local, sglang_launch, and calibration's
+captures, build_map, learned and fidelity (parser: their one-line usage errors).
 """
