@@ -13,6 +13,6 @@ Hydra's commands (conf/ composed into remnant.config's dataclasses):
 Commands with argparse: check (`remnant-check`), serve (`remnant-serve`), report
 (`remnant-report`), kernels (`remnant-kernels`), and those run as `python -m
 remnant.cli.<name>`, each named in its module's docstring: curate, ceiling,
-stream_server, capacity_report, model_dir, local, sglang_launch, and calibration's
+stream_server, capacity_report, engine_bench, model_dir, local, sglang_launch, and calibration's
 captures, build_map, learned and fidelity (parser: their one-line usage errors).
 """

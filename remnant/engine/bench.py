@@ -1,7 +1,7 @@
 """The engine's decode step per mode beside its roofline, and its prefill speed.
 
-    python -m remnant.engine.bench --model dsv4_flash_h200 --device cuda --out engine-bench.json
-    python -m remnant.engine.bench --model tiny --batches 1,4 --contexts 256 --prefill-contexts 512 \
+    python -m remnant.cli.engine_bench --model dsv4_flash_h200 --device cuda --out engine-bench.json
+    python -m remnant.cli.engine_bench --model tiny --batches 1,4 --contexts 256 --prefill-contexts 512 \
         --out tiny.json   # CPU
 
 For each mode, batch and context: a model as remnant-serve builds it (decode_path auto,
@@ -15,23 +15,21 @@ in the same run) and, on CUDA, the GPU's idle share inside a step (torch profile
 time of a step not covered by any kernel). Prefill: per mode and prompt length
 (`--prefill-contexts`), one prompt of random tokens prefilled in chunks of `--chunk` tokens
 (SGLang's chunked prefill; remnant.engine.prefill_step), timed whole: tokens/s. Writes one
-JSON document and prints a table.
+JSON document (remnant/engine-bench) and prints a table; the command is
+remnant.cli.engine_bench.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
 from remnant.kv.formats import KERNEL_RETENTION
-from remnant.kv.modes import MODE_NAMES, mode_of
+from remnant.kv.modes import mode_of
 from remnant.records.kinds import ENGINE_BENCH
-from remnant.records.schema import write_validated
 
 
 def measure_device(device: torch.device) -> dict:
@@ -228,7 +226,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                              "native_decode": model.native_decode, "packed_decode": model.packed_decode,
                              "cuda_graph": model.graphs is not None})
                 del pools, seqs
-                print(_line(rows[-1]), file=sys.stderr, flush=True)
+                print(row_line(rows[-1]), file=sys.stderr, flush=True)
                 if on_row:
                     on_row(doc)
         if prefill_contexts:
@@ -239,44 +237,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
     return doc
 
 
-def _line(row: dict) -> str:
+def row_line(row: dict) -> str:
     idle = "-" if row["gpu_idle_share"] is None else f"{100 * row['gpu_idle_share']:.0f}%"
     return (f"{row['mode']:>7} b{row['batch']:<4} ctx {row['context']:>6}: {row['step_ms']:8.2f} ms  roofline "
             f"{row['roofline_ms']:8.2f} ms  x{row['step_over_roofline']:.2f}  idle {idle}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="The engine's decode step per mode beside its roofline.")
-    p.add_argument("--model", default="dsv4_flash_h200", help="conf/model preset")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    p.add_argument("--modes", default=",".join(MODE_NAMES))
-    p.add_argument("--batches", default="1,8,32,128")
-    p.add_argument("--contexts", default="4096,32768")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prefill-contexts", default="4096,32768,131072",
-                   help="prompt lengths whose prefill is timed (empty: none)")
-    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (host.chunked_prefill_size)")
-    p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false")
-    p.add_argument("--out", type=Path, required=True, help="JSON to write")
-    a = p.parse_args(argv)
-    modes = a.modes.split(",")
-    bad = [m for m in modes if m not in MODE_NAMES]
-    if bad:
-        p.error(f"--modes {','.join(bad)} is not allowed; allowed: {', '.join(MODE_NAMES)}")
-    def write(doc: dict) -> None:
-        write_validated(a.out, doc)  # schemas/engine-bench: checked before each write
-
-    doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
-              [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
-              [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write)
-    write(doc)
-    for row in doc["rows"]:
-        print(_line(row))
-    for row in doc["prefill"]:
-        print(f"{row['mode']:>7} prefill {row['context']:>6}: {row['tokens_per_s']:10.0f} tok/s")
-    print(a.out)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -367,7 +367,7 @@ class Model:
         self.csa_layers = [i for i, r in enumerate(args.compress_ratios) if r == CSA_RATIO]
         #: layer -> list of query tensors [T, H, 512] while calibrating (None otherwise)
         self.capture: dict[int, list[torch.Tensor]] | None = None
-        #: A capture server's remnant.kv.capture_recorder.CaptureRecorder: CSA layers hand it
+        #: A capture server's remnant.calibration.capture_recorder.CaptureRecorder: CSA layers hand it
         #: their decode queries (natural order, after RoPE) and C4 latents (before FP8).
         self.recorder = None
         # Generated on the CPU from the seed, then moved: every device holds the same weights.

@@ -2,7 +2,7 @@
 # One device call for the embedded engine on one H200, in stages, each under its own time
 # limit so that a stage that hangs or fails leaves the others' results:
 #   tests   pytest -m gpu over the engine (graph replay, kernel per mode, capacity, MoE)
-#   bench   python -m remnant.engine.bench (decode step per mode beside its roofline, prefill)
+#   bench   python -m remnant.cli.engine_bench (decode step per mode beside its roofline, prefill)
 #   serve   remnant-run over the three modes at model=dsv4_flash_h200 (RUN_ARGS: workload)
 # Run from the repository root on the device machine with .whl/ in the call's carry list:
 # wheels for the device's Python 3.12 of what its image lacks, made where pip works with
@@ -36,7 +36,7 @@ for stage in ${STAGES:-tests bench serve}; do
     timeout ${TESTS_S:-150} python3 -m pytest ${GPU_TESTS:-tests/engine tests/kernels/test_moe.py} -q -m gpu \
         -p no:cacheprovider --timeout 120 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25 ;;
   bench)
-    timeout ${BENCH_S:-240} python3 -m remnant.engine.bench --model dsv4_flash_h200 --out "$OUT/engine-bench.json" \
+    timeout ${BENCH_S:-240} python3 -m remnant.cli.engine_bench --model dsv4_flash_h200 --out "$OUT/engine-bench.json" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine-bench.log" | tail -40 ;;
   serve)
     # Native records through FlashMLA's V4 decode as SGLang runs them: native_decode=flashmla

@@ -1,4 +1,5 @@
-"""remnant.engine.bench and remnant.engine.roofline on the CPU (the GPU run is the curated one)."""
+"""remnant.engine.bench, through its command remnant.cli.engine_bench, and
+remnant.engine.roofline on the CPU (the GPU run is the curated one)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from remnant.config import ModelConfig
-from remnant.engine.bench import main
+from remnant.cli.engine_bench import main
 from remnant.engine.capacity_report import load_model_preset
 from remnant.engine.model import ModelArgs
 from remnant.engine.roofline import step_cost

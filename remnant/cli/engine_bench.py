@@ -1,0 +1,55 @@
+"""python -m remnant.cli.engine_bench: the embedded engine's decode step per mode beside
+its roofline, and its prefill speed (remnant.engine.bench), written as one
+remnant/engine-bench record.
+
+    python -m remnant.cli.engine_bench --model dsv4_flash_h200 --out engine-bench.json   # one GPU
+    python -m remnant.cli.engine_bench --model tiny --batches 1,4 --contexts 256 --out tiny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from remnant.engine.bench import row_line, run
+from remnant.kv.modes import MODE_NAMES
+from remnant.records.schema import write_validated
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="The engine's decode step per mode beside its roofline.")
+    p.add_argument("--model", default="dsv4_flash_h200", help="conf/model preset")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--modes", default=",".join(MODE_NAMES))
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--contexts", default="4096,32768")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill-contexts", default="4096,32768,131072",
+                   help="prompt lengths whose prefill is timed (empty: none)")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (host.chunked_prefill_size)")
+    p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false")
+    p.add_argument("--out", type=Path, required=True, help="JSON to write")
+    a = p.parse_args(argv)
+    modes = a.modes.split(",")
+    bad = [m for m in modes if m not in MODE_NAMES]
+    if bad:
+        p.error(f"--modes {','.join(bad)} is not allowed; allowed: {', '.join(MODE_NAMES)}")
+    def write(doc: dict) -> None:
+        write_validated(a.out, doc)  # schemas/engine-bench: checked before each write
+
+    doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
+              [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
+              [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write)
+    write(doc)
+    for row in doc["rows"]:
+        print(row_line(row))
+    for row in doc["prefill"]:
+        print(f"{row['mode']:>7} prefill {row['context']:>6}: {row['tokens_per_s']:10.0f} tok/s")
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
