@@ -70,8 +70,9 @@ class RecordKind:
 RUN = RecordKind("remnant/run", 5)
 FRONTIER = RecordKind("remnant/frontier", 1)
 COLLECTION = RecordKind("remnant/collection", 1)
-#: v3: v2 plus the kind remnant/learned-scorer (v2: v1 plus remnant/client-bench).
-INDEX = RecordKind("remnant/index", 3)
+#: v4: v3 plus remnant/engine-bench (v3: v2 plus remnant/learned-scorer; v2: v1 plus
+#: remnant/client-bench).
+INDEX = RecordKind("remnant/index", 4)
 CAPACITY = RecordKind("remnant/capacity", 1)
 KERNEL_BENCH = RecordKind("remnant/kernel-bench", 12)
 CLIENT_BENCH = RecordKind("remnant/client-bench", 1)
