@@ -171,6 +171,9 @@ def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
         elif stop > end:
             busy += stop - end
             end = stop
+    # Where the GPU time goes: the kernels taking most of it, for the log.
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60)
+    print(table, file=sys.stderr, flush=True)
     return max(0.0, 1.0 - busy / 1e6 / wall)
 
 

@@ -79,6 +79,9 @@ class DecodeGraphs:
         the model's formats or weights change, or over new pools."""
         self._graphs.clear()
         self._pools = None
+        # A fresh memory pool too: capturing into the pool of graphs since destroyed trips
+        # the caching allocator (PyTorch 2.11: "use_count > 0 INTERNAL ASSERT FAILED").
+        self._pool = None
 
     def _capture(self, rows: int, pages: int, pools):
         """Warm up, then capture, the step of an all-padding batch of `rows` rows and `pages`

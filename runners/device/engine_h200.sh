@@ -15,7 +15,7 @@
 # (the versions of the project's own environment). The device's copy has no .git, so pass
 # the commit for the records' provenance:
 #   REMNANT_GIT_COMMIT=<hash> STAGES="tests bench serve" bash runners/device/engine_h200.sh
-# Stage variables: TESTS_S BENCH_S SERVE_S (limits, s), GPU_TESTS, BENCH_ARGS, RUN_ARGS.
+# Stage variables: TESTS_S BENCH_S SERVE_S (limits, s), GPU_TESTS, BENCH_ARGS, MODES, RUN_ARGS.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -41,7 +41,7 @@ for stage in ${STAGES:-tests bench serve}; do
   serve)
     # Native records through FlashMLA's V4 decode as SGLang runs them: native_decode=flashmla
     # fails a run where it cannot run rather than fall back.
-    timeout ${SERVE_S:-240} python3 -m remnant.cli -m mode=native,triton,kernel model=dsv4_flash_h200 \
+    timeout ${SERVE_S:-240} python3 -m remnant.cli -m mode=${MODES:-native,triton,kernel} model=dsv4_flash_h200 \
         host.device=cuda host.threads=16 host.kv_budget_mib=${KV_MIB:-24576} host.startup_timeout_s=400 \
         host.native_decode=flashmla host.chunked_prefill_size=8192 ${RUN_ARGS:-workload=smoke} \
         hydra.sweep.dir="$OUT/multirun" 2>&1 | tee "$OUT/remnant-run.log" | grep -v "^\s*$" | tail -30
