@@ -67,7 +67,7 @@ def _sync(device: torch.device) -> None:
 def fill_pools(model, pools, seed: int = 0) -> None:
     """Every page, window block and index key of `pools` holds a valid record of `model`'s
     formats (one page of quantized random latents, copied to every page)."""
-    from remnant.engine.ops import quantize_index_keys
+    from remnant.kv.index_keys import quantize_index_keys
     from remnant.kv.codec import quantize
 
     gen = torch.Generator().manual_seed(seed)

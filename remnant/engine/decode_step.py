@@ -29,11 +29,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
-from remnant.engine.ops import (SCRATCH_PER_PAGE, decode_config, dequantize_index_keys,
-                                quantize_index_keys, rms_norm, index_top_k)
+from remnant.engine.ops import SCRATCH_PER_PAGE, decode_config, index_top_k, rms_norm
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
 from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.codec import dequantize
+from remnant.kv.index_keys import dequantize_index_keys, quantize_index_keys
 from remnant.kv.layout import PageLayout
 
 

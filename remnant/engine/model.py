@@ -49,8 +49,8 @@ from remnant.kernels.dispatch import store
 from remnant.kv.layout import KeptColumns, PageLayout
 from remnant.kv.modes import mode_of
 from remnant.kv.paged import dequantize_kept_first, quantize_kept_first
-from remnant.engine.ops import (decode_config, dequantize_index_keys, quantize_index_keys, rms_norm, rope,
-                                index_top_k)
+from remnant.engine.ops import decode_config, index_top_k, rms_norm, rope
+from remnant.kv.index_keys import dequantize_index_keys, quantize_index_keys
 
 
 

@@ -49,23 +49,6 @@ def decode_config(heads: int) -> "DecodeConfig | None":
 
 
 
-def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
-    """Indexer keys float [k, d] -> FP8 codes + one fp32 scale per 128 coords, uint8 [k, d + 4d/128]."""
-    k, d = keys.shape
-    blocks = keys.view(k, d // 128, 128)
-    scale = (blocks.abs().amax(-1) / 448.0).clamp_min(1e-12)
-    codes = (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(k, d)
-    return torch.cat([codes, scale.contiguous().view(torch.uint8).reshape(k, -1)], dim=1)
-
-
-def dequantize_index_keys(stored: torch.Tensor) -> torch.Tensor:
-    k, width = stored.shape
-    d = width * 128 // 132
-    codes = stored[:, :d].contiguous().view(torch.float8_e4m3fn).float().view(k, d // 128, 128)
-    scale = stored[:, d:].contiguous().view(torch.float32).view(k, d // 128, 1)
-    return (codes * scale).reshape(k, d)
-
-
 def index_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest scores of each row [..., n] (float32) and their indices, in descending
     order, ties to the lower index: exactly a stable descending sort's first k

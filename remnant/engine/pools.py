@@ -23,9 +23,8 @@ import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING, PoolGeometry, PoolSizes, pool_bytes
 from remnant.kv.formats import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
+from remnant.kv.index_keys import SCALE_BYTES as INDEX_SCALE_BYTES
 from remnant.kv.layout import PageLayout
-
-INDEX_SCALE_BYTES = 4
 
 
 class FreeList:

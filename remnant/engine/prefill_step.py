@@ -32,11 +32,11 @@ import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
 from remnant.engine.decode_step import attend_batched, attend_kernels
-from remnant.engine.ops import (SCRATCH_PER_PAGE, dequantize_index_keys, index_top_k,
-                                quantize_index_keys, rms_norm)
+from remnant.engine.ops import SCRATCH_PER_PAGE, index_top_k, rms_norm
 from remnant.kernels.dispatch import store
 from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.codec import dequantize
+from remnant.kv.index_keys import dequantize_index_keys, quantize_index_keys
 from remnant.kv.layout import PageLayout
 
 #: Elements of the largest float32 intermediate a tile may make (the indexer's [tokens,

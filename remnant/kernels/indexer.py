@@ -34,11 +34,11 @@ import triton
 import triton.language as tl
 
 from remnant.kernels.common import interpreted
+from remnant.kv.index_keys import BLOCK, SCALE_BYTES, dequantize_index_keys
 from remnant.kv.layout import PageLayout
 
-#: The kernel reads keys of one 128-coordinate scale block (V4's index_head_dim).
-KEY_DIM = 128
-SCALE_BYTES = 4
+#: The kernel reads keys of one scale block (V4's index_head_dim: 128 coordinates).
+KEY_DIM = BLOCK
 
 
 def _check(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
@@ -67,10 +67,7 @@ def _check(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLa
 
 def keys_at(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor) -> torch.Tensor:
     """Dequantized keys float32 [*locs.shape, 128] at `locs` (-1 reads location 0)."""
-    stored = layout.read(pages, locs.clamp_min(0))
-    codes = stored[..., :KEY_DIM].contiguous().view(torch.float8_e4m3fn).float()
-    scale = stored[..., KEY_DIM:].contiguous().view(torch.float32)
-    return codes * scale
+    return dequantize_index_keys(layout.read(pages, locs.clamp_min(0)))
 
 
 def index_scores_reference(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,

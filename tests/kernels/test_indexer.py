@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.engine.ops import index_top_k, index_top_k_reference, quantize_index_keys
+from remnant.engine.ops import index_top_k, index_top_k_reference
+from remnant.kv.index_keys import quantize_index_keys
 from remnant.engine.pools import SplitPages
 from remnant.kernels.indexer import index_scores, index_scores_reference, index_scores_shared, keys_at
 from tests.kernels.inputs import DEVICE, ON_GPU
