@@ -39,3 +39,35 @@ def stream_generate(handler: BaseHTTPRequestHandler, n: int, prompt_tokens: int,
         if delay_s:
             time.sleep(delay_s)
     handler.wfile.write(b"data: [DONE]\n\n")
+
+
+class GenerateServer(BaseHTTPRequestHandler):
+    """A quiet SGLang stand-in: GET /server_info answers {}, other GETs "ok"; POST /generate
+    streams max_new_tokens frames (stream_generate), other POSTs (/flush_cache) answer 200.
+    Subclasses change what they test (a /server_info without a mode, no /metrics)."""
+
+    #: GET paths that answer; others 404 (None: every path answers).
+    routes: tuple[str, ...] | None = None
+
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        if self.routes is not None and self.path not in self.routes:
+            self.send_error(404)
+            return
+        body = b"{}" if self.path == "/server_info" else b"ok"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802
+        req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path != "/generate":
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        stream_generate(self, req["sampling_params"]["max_new_tokens"], prompt_tokens=len(req["input_ids"]),
+                        incremental=False)
+
+    def log_message(self, *args):
+        pass

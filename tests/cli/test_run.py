@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopback import loopback_server, stream_generate
+from tests.loopback import GenerateServer, loopback_server, stream_generate
 from tests.signals import default_sigint
 
 BIN = Path(sys.executable).parent
@@ -193,30 +193,9 @@ def test_external_host_refuses_a_server_in_another_mode(server, tmp_path):
     assert check(tmp_path / "run" / "run.json").returncode == 0
 
 
-class _ModelessServer(BaseHTTPRequestHandler):
+class _ModelessServer(GenerateServer):
     """SGLang's HTTP surface as far as a run needs it, with a /server_info that, like
     SGLang's, does not say which Remnant mode it serves."""
-
-    def do_GET(self):  # noqa: N802 - http.server's naming
-        body = b"{}" if self.path == "/server_info" else b"ok"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_POST(self):  # noqa: N802
-        length = int(self.headers.get("Content-Length", 0))
-        req = json.loads(self.rfile.read(length) or b"{}")
-        if self.path != "/generate":
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        stream_generate(self, req["sampling_params"]["max_new_tokens"], prompt_tokens=len(req["input_ids"]),
-                        incremental=False)
-
-    def log_message(self, *args):
-        pass
 
 
 def test_external_server_that_does_not_report_its_mode_is_recorded_unchecked(tmp_path):

@@ -24,7 +24,7 @@ from remnant.client.server_metrics import (
     summarize,
 )
 from remnant.client.runner import PhaseResult
-from tests.loopback import loopback_server, stream_generate
+from tests.loopback import GenerateServer, loopback_server
 
 BIN = Path(sys.executable).parent
 
@@ -179,31 +179,10 @@ def test_the_summary_covers_the_measured_phase():
     assert (summary["phase"], summary["samples"], summary["to_s"]) == (None, 10, 9.0)
 
 
-class _NoMetrics(BaseHTTPRequestHandler):
+class _NoMetrics(GenerateServer):
     """A server with SGLang's routes but no /metrics (SGLang without --enable-metrics)."""
 
-    def do_GET(self):  # noqa: N802
-        if self.path not in ("/health", "/server_info"):
-            self.send_error(404)
-            return
-        body = b"{}" if self.path == "/server_info" else b"ok"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_POST(self):  # noqa: N802
-        req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        if self.path != "/generate":
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        stream_generate(self, req["sampling_params"]["max_new_tokens"], prompt_tokens=len(req["input_ids"]),
-                        incremental=False)
-
-    def log_message(self, *args):
-        pass
+    routes = ("/health", "/server_info")
 
 
 def test_a_server_without_metrics_is_a_limit_not_a_failure(tmp_path):
