@@ -1,0 +1,52 @@
+"""remnant.kernels.top_k: the radix-select top-k against a stable sort's first k (the same
+set of indices, ties to the lower index; values at those indices)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remnant.kernels.top_k import top_k, top_k_reference
+from tests.kernels.inputs import DEVICE
+
+
+def _rows(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows that make selection hard: distinct scores, many exact zeros (relu), ties
+    everywhere, all -inf, -0.0 beside 0.0 and -inf, huge negatives."""
+    rows = [torch.randn(n, generator=gen),
+            torch.relu(torch.randn(n, generator=gen)) * (torch.rand(n, generator=gen) < 0.3),
+            torch.randint(-3, 3, (n,), generator=gen).float(),
+            torch.full((n,), float("-inf"))]
+    mixed = torch.randn(n, generator=gen)
+    mixed[::3] = float("-inf")
+    mixed[1::5] = -0.0
+    mixed[2::5] = 0.0
+    return torch.stack(rows + [mixed, -mixed.abs() * 1e30])
+
+
+def _check(scores: torch.Tensor, k: int) -> None:
+    got_v, got_i = top_k(scores.to(DEVICE), k)
+    _, want_i = top_k_reference(scores, k)
+    got_i = got_i.cpu()
+    assert torch.equal(got_i.sort(-1).values, want_i.sort(-1).values), k
+    assert torch.equal(got_v.cpu(), scores.gather(1, got_i)), k
+
+
+@pytest.mark.parametrize("n", [1, 37, 600, 2049, 4500])
+def test_top_k_chooses_a_stable_sorts_first_k(n):
+    scores = _rows(n, torch.Generator().manual_seed(n))
+    for k in sorted({0, 1, min(n, 5), min(n, 512), n}):
+        _check(scores, k)
+
+
+def test_chosen_keys_come_above_the_kth_then_its_ties_by_index():
+    scores = torch.tensor([[1.0, 3.0, 2.0, 2.0, 5.0, 2.0, 0.0]])
+    values, indices = top_k(scores.to(DEVICE), 4)
+    assert indices.cpu().tolist() == [[1, 4, 2, 3]] and values.cpu().tolist() == [[3.0, 5.0, 2.0, 2.0]]
+
+
+def test_top_k_refuses_what_it_cannot_select():
+    with pytest.raises(ValueError, match="float32 scores"):
+        top_k(torch.zeros(2, 8, dtype=torch.float64, device=DEVICE), 2)
+    with pytest.raises(ValueError, match="k=9"):
+        top_k(torch.zeros(2, 8, device=DEVICE), 9)
