@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt lengths whose prefill is timed (empty: none)")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (host.chunked_prefill_size)")
     p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false")
+    p.add_argument("--disable-torch-compile", dest="torch_compile", action="store_false",
+                   help="plain torch operations for the elementwise chains (remnant.engine.step_ops)")
     p.add_argument("--out", type=Path, required=True, help="JSON to write")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
               [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
-              [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write)
+              [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write,
+              torch_compile=a.torch_compile)
     write(doc)
     for row in doc["rows"]:
         print(row_line(row))

@@ -73,6 +73,10 @@ class EngineArgs:
     #: Decode steps on cuda replay CUDA graphs captured per batch-size bucket
     #: (remnant.engine.graphs); off: eager steps. Ignored on cpu.
     cuda_graph: bool = field(default=True, metadata={"flag": "--disable-cuda-graph"})
+    #: On cuda, the model's elementwise chains (norms, RoPE, the compressor's gate, the
+    #: indexer's key codec and top-k keys) run through torch.compile (remnant.engine.
+    #: step_ops); off: plain torch operations. Ignored on cpu.
+    torch_compile: bool = field(default=True, metadata={"flag": "--disable-torch-compile"})
     #: The largest decode batch captured in a CUDA graph; larger batches run eagerly.
     cuda_graph_max_bs: int = field(default=128, metadata={"help": "largest decode batch captured in a CUDA graph"})
     #: Which kernel decode steps on the kernels path run over native records (native and

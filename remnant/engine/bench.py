@@ -171,15 +171,17 @@ def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
         elif stop > end:
             busy += stop - end
             end = stop
-    # Where the GPU time goes: the kernels taking most of it, for the log.
-    table = prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60)
+    # Where the GPU time goes: the kernels taking most of it, and how many a step launches
+    # (each costs a few microseconds however little it does), for the log.
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
+    print(f"{len(spans) / steps:.0f} kernels per step", file=sys.stderr)
     print(table, file=sys.stderr, flush=True)
     return max(0.0, 1.0 - busy / 1e6 / wall)
 
 
 def run(model_name: str, device: str, modes: list[str], batches: list[int], contexts: list[int],
         steps: int, cuda_graph: bool = True, prefill_contexts: list[int] | None = None, chunk: int = 8192,
-        on_row=None) -> dict:
+        on_row=None, torch_compile: bool = True) -> dict:
     """The benchmark document (see the module docstring). `on_row(doc)` is called after each
     row with the document so far (main writes it: a run stopped part-way keeps its rows)."""
     import dataclasses
@@ -198,7 +200,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
     peaks = measure_device(dev if device == "cpu" else torch.device("cuda", torch.cuda.current_device()))
     # One model for every mode: a mode is its C4 formats (setup_retention), and drawing a
     # V4-sized model's weights takes tens of seconds.
-    model = Model(args, device=device, cuda_graph=cuda_graph)
+    model = Model(args, device=device, cuda_graph=cuda_graph, torch_compile=torch_compile)
     dtype = str(model.dtype).removeprefix("torch.")
     rows, prefill = [], []
     doc = {**ENGINE_BENCH.header(),

@@ -29,11 +29,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
-from remnant.engine.ops import SCRATCH_PER_PAGE, decode_config, index_top_k, rms_norm
+from remnant.engine.ops import SCRATCH_PER_PAGE, decode_config
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
 from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.codec import dequantize
-from remnant.kv.index_keys import dequantize_index_keys, quantize_index_keys
+from remnant.kv.index_keys import dequantize_index_keys
 from remnant.kv.layout import PageLayout
 
 
@@ -127,31 +127,54 @@ def decode_step(model, pools, batch: DecodeBatch, attention: str) -> torch.Tenso
     are the caller's to advance."""
     a = model.args
     window_locs = window_locations(batch, a.window_size)
-    # Where each sequence's compressed records sit and which it may see: the same for every
+    # Where each sequence's compressed records and compressor state sit: the same for every
     # layer of a ratio, so found once per step.
-    reach = {r: reachable_records(batch, r, pools.page_size // r) for r in set(a.compress_ratios) if r}
+    slots = {r: RatioSlots.of(batch, pools, r) for r in set(a.compress_ratios) if r}
     h = model.embed[batch.ids]
     for li, layer in enumerate(model.layers):
-        h = _layer(model, li, layer, pools, batch, h, window_locs, reach.get(layer.ratio), attention)
+        h = _layer(model, li, layer, pools, batch, h, window_locs, slots.get(layer.ratio), attention)
     return model.logits(h).float()
 
 
-def reachable_records(batch: DecodeBatch, ratio: int, per_page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every record slot of ratio `ratio` each row's page table reaches: (locations int64
-    [B, P * per_page], visible bool [B, P * per_page]). Record j is visible once its block
-    is complete: j * ratio + ratio - 1 <= pos."""
-    j = torch.arange(batch.page_table.shape[1] * per_page, device=batch.pos.device)
-    locs = batch.page_table[:, j // per_page] * per_page + j % per_page
-    return locs, j[None, :] < ((batch.pos + 1) // ratio)[:, None]
+@dataclass
+class RatioSlots:
+    """A decode step's positions in the records and compressor state of one ratio, shared
+    by every layer of that ratio."""
+
+    locs: torch.Tensor  # int64 [B, P * per_page] every record slot the page table reaches
+    visible: torch.Tensor  # bool [B, P * per_page] which of them the token may read
+    visible_locs: torch.Tensor  # int64 [B, P * per_page] locs where visible, else -1 (what HCA layers read)
+    counts: torch.Tensor  # int64 [B] how many are visible (they come first)
+    state_row: torch.Tensor  # int64 [B] the token's compressor state row
+    block_rows: torch.Tensor  # int64 [B, ratio] its open block's state rows, in order
+    index: torch.Tensor  # int64 [B] the record index of its block (pos // ratio)
+    write_locs: torch.Tensor  # int64 [B] where its block's record goes: the padding page unless complete
+
+    @classmethod
+    def of(cls, batch: DecodeBatch, pools, ratio: int) -> "RatioSlots":
+        """Record j is visible once its block is complete: j * ratio + ratio - 1 <= pos."""
+        per = pools.page_size // ratio
+        j = torch.arange(batch.page_table.shape[1] * per, device=batch.pos.device)
+        locs = batch.page_table[:, j // per] * per + j % per
+        counts = torch.clamp((batch.pos + 1) // ratio, max=locs.shape[1])
+        ring = C4_RING if ratio == CSA_RATIO else C128_RING
+        index = batch.pos // ratio
+        complete = batch.pos % ratio == ratio - 1
+        page = batch.page_table.gather(1, (index // per)[:, None])[:, 0]
+        visible = j[None, :] < counts[:, None]
+        return cls(locs, visible, torch.where(visible, locs, -1), counts, batch.slot * ring + batch.pos % ratio,
+                   batch.slot[:, None] * ring + torch.arange(ratio, device=batch.pos.device), index,
+                   torch.where(complete, page * per + index % per, pools.pad_page * per))
 
 
 def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, window_locs: torch.Tensor,
-           reach: tuple[torch.Tensor, torch.Tensor] | None, attention: str) -> torch.Tensor:
+           slots: RatioSlots | None, attention: str) -> torch.Tensor:
     """One layer of the step: h [B, hidden] -> h [B, hidden]."""
-    x = rms_norm(h, layer.attn_norm, model.args.rms_norm_eps)
+    x = model.ops.rms_norm(h, layer.attn_norm, model.args.rms_norm_eps)
     folded = model.folded_weights.get(li)
-    q, q_lora = model.queries(layer, x, batch.pos, folded)
-    kv = model.window_latents(layer, x, batch.pos).float()
+    p = model.project(layer, x)
+    q, q_lora = model.queries(layer, p, batch.pos, folded)
+    kv = model.window_latents(layer, p, batch.pos).float()
     ring = model.ring_format(li)
     ring_pages, ring_layout = pools.swa.pages(li), pools.swa.layout
     if ring.window_kept_first:
@@ -160,11 +183,11 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
         store(kv, ring_pages, ring_layout, window_locs[:, -1])
     locs = None
     if layer.ratio:
-        _compress(model, li, layer, pools, batch, x)
+        _compress(model, li, layer, pools, batch, p, slots)
         recorder = model.recorder
         if recorder is not None and layer.ratio == CSA_RATIO and recorder.wants(li, "queries"):
             recorder.add_queries(li, model.natural_q(li, q[: batch.real]))  # policies read natural q
-        locs = _select(model, li, layer, pools, x, q_lora, *reach, kernels=attention == "kernels")
+        locs = _select(model, li, layer, pools, p.iw, q_lora, slots, kernels=attention == "kernels")
     if attention == "kernels":
         o = attend_kernels(model, li, layer, pools, q, window_locs, locs)
     else:
@@ -172,60 +195,52 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
     return model.ffn(layer, model.output(layer, h, o.to(h.dtype), folded))
 
 
-def _compress(model, li: int, layer, pools, batch: DecodeBatch, x: torch.Tensor) -> None:
+def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioSlots) -> None:
     """The token joins its compressor's open block (fp32 state rows, as SGLang keeps them);
     where it completes the block, the block becomes a record (and, on CSA layers, an index
     key) at record index pos // ratio; elsewhere those writes go to the padding page."""
-    r = layer.ratio
-    csa = r == CSA_RATIO
-    ring = C4_RING if csa else C128_RING
+    csa = layer.ratio == CSA_RATIO
     state = pools.c4_state[li] if csa else pools.c128_state[li]
-    row = batch.slot * ring + batch.pos % r
-    state[row, 0, :HEAD_DIM] = (x @ layer.wc).float()
-    state[row, 1, :HEAD_DIM] = (x @ layer.wg).float()
-    block = batch.slot[:, None] * ring + torch.arange(r, device=x.device)  # [B, r]
-    index = batch.pos // r
-    latents = model.compress(layer, state[block, 0, :HEAD_DIM], state[block, 1, :HEAD_DIM], index).float()
-    complete = batch.pos % r == r - 1
+    # Content and gate are adjacent columns of the projections: one write of both.
+    state[slots.state_row, :, :HEAD_DIM] = torch.stack([p.c, p.g], dim=1).float()
+    block = state[slots.block_rows, :, :HEAD_DIM]  # [B, ratio, 2, 512]: one gather for content and gate
+    latents = model.compress(layer, block[:, :, 0], block[:, :, 1], slots.index)
     target = pools.c4[li] if csa else pools.c128[li]
-    per = target.layout.per_page
-    pad = pools.pad_page * per
-    page = batch.page_table.gather(1, (index // per)[:, None])[:, 0]
-    locs = torch.where(complete, page * per + index % per, pad)
-    store(latents, target.buf, target.layout, locs, model.c4_formats[li].columns if csa else None)
+    store(latents, target.buf, target.layout, slots.write_locs, model.c4_formats[li].columns if csa else None)
     recorder = model.recorder
     if recorder is not None and csa and recorder.wants(li, "latents"):
         # A capture runs eagerly (never in a graph): selecting the completed rows syncs.
+        complete = batch.pos % layer.ratio == layer.ratio - 1
         recorder.add_latents(li, latents[: batch.real][complete[: batch.real]])
     if csa:
         d = model.args.index_head_dim
         index_state = pools.c4_index_state[li]
-        index_state[row, 0, :d] = model.index_keys(layer, x).float()
-        keys = index_state[block, 0, :d].mean(1)
+        index_state[slots.state_row, 0, :d] = p.ik.float()
+        keys = index_state[slots.block_rows, 0, :d].mean(1)
         indexer = pools.indexer[li]
-        indexer.layout.write(indexer.buf, locs, quantize_index_keys(keys))
+        indexer.layout.write(indexer.buf, slots.write_locs, model.ops.quantize_index_keys(keys))
 
 
-def _select(model, li: int, layer, pools, x: torch.Tensor, q_lora: torch.Tensor, all_locs: torch.Tensor,
-            visible: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor, slots: RatioSlots,
+            kernels: bool = False) -> torch.Tensor:
     """Locations int64 [B, K] of the records each token reads (-1: none), of those the page
-    table reaches (reachable_records): on CSA layers the indexer's top-k over every visible
+    table reaches (slots.locs): on CSA layers the indexer's top-k over every visible
     C4 index key, on HCA layers every visible C128 record. `kernels`: scores from
     remnant.kernels.indexer (the FP8 keys read in place), else gathered and scored in torch."""
+    all_locs = slots.locs
     if layer.ratio != CSA_RATIO:
-        return torch.where(visible, all_locs, -1)
+        return slots.visible_locs
     indexer = pools.indexer[li]
     if kernels:
         from remnant.kernels.indexer import index_scores
 
-        qi, wi = model.index_queries(layer, x, q_lora)
-        # reachable_records' visible is j < (pos + 1) // 4: the count of complete blocks.
-        scores = index_scores(qi.contiguous(), wi, indexer.buf, indexer.layout, all_locs, visible.sum(1))
+        qi, wi = model.index_queries(layer, iw, q_lora)
+        scores = index_scores(qi.contiguous(), wi, indexer.buf, indexer.layout, all_locs, slots.counts)
     else:
         keys = dequantize_index_keys(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
-        scores = model.index_scores_batched(layer, x, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))
-        scores = scores.masked_fill(~visible, float("-inf"))
-    values, indices = index_top_k(scores, min(model.args.index_topk, all_locs.shape[1]))
+        scores = model.index_scores_batched(layer, iw, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))
+        scores = scores.masked_fill(~slots.visible, float("-inf"))
+    values, indices = model.ops.index_top_k(scores, min(model.args.index_topk, all_locs.shape[1]))
     return torch.where(values > float("-inf"), all_locs.gather(1, indices), -1)
 
 

@@ -49,8 +49,9 @@ from remnant.kernels.dispatch import store
 from remnant.kv.layout import KeptColumns, PageLayout
 from remnant.kv.modes import mode_of
 from remnant.kv.paged import dequantize_kept_first, quantize_kept_first
-from remnant.engine.ops import decode_config, index_top_k, rms_norm, rope
-from remnant.kv.index_keys import dequantize_index_keys, quantize_index_keys
+from remnant.engine.ops import decode_config
+from remnant.engine.step_ops import PLAIN_OPS, compiled_ops
+from remnant.kv.index_keys import dequantize_index_keys
 
 
 
@@ -329,11 +330,27 @@ class Layer:
         """Move every weight to `device` in `dtype` (in place); the attention sinks stay
         float32 (a softmax logit)."""
         for name, value in list(vars(self).items()):
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and name != "w_in":  # w_in is made again from its parts
                 setattr(self, name, value.to(device, torch.float32 if name == "sink" else dtype))
         if self.moe is not None:
             self.moe.to(device, dtype)
+        self._merge_inputs()
         return self
+
+    #: The projections of a layer's normed input x, in w_in's column order (those the
+    #: layer has: compressor and indexer ones on compressed layers).
+    INPUTS = ("wq_a", "wkv", "wc", "wg", "wi_k", "wi_w")
+
+    def _merge_inputs(self) -> None:
+        """One matrix w_in [hidden, sum of widths] for every projection of x (INPUTS), and
+        each of them a view of its columns: a step reads x once and launches one matrix
+        product where it would launch six (at batch 1 each is a few microseconds of launch
+        and a partial wave for a few megabytes), as SGLang fuses V4's q_a and kv_a."""
+        names = [n for n in self.INPUTS if getattr(self, n, None) is not None]
+        self.w_in = torch.cat([getattr(self, n) for n in names], dim=1)
+        self.input_widths = [getattr(self, n).shape[1] for n in names]
+        for name, view in zip(names, self.w_in.split(self.input_widths, dim=1)):
+            setattr(self, name, view)
 
 
 class Model:
@@ -344,12 +361,15 @@ class Model:
     attention in torch or through remnant.kernels), auto (kernels on cuda, batched on cpu).
     native_decode: which kernel those chunks run over native records (resolve_native_decode).
     dtype: the compute dtype (resolve_dtype). cuda_graph: decode steps on cuda replay CUDA
-    graphs (remnant.engine.graphs) of batches up to cuda_graph_max_bs.
+    graphs (remnant.engine.graphs) of batches up to cuda_graph_max_bs. torch_compile: on cuda,
+    the elementwise chains run compiled (remnant.engine.step_ops; not on decode_path=reference,
+    the ground truth).
     """
 
     def __init__(self, args: ModelArgs, c4_formats: dict[int, C4Format] | None = None,
                  device: str = "cpu", decode_path: str = "auto", native_decode: str = "auto",
-                 dtype: str = "auto", cuda_graph: bool = True, cuda_graph_max_bs: int = 128):
+                 dtype: str = "auto", cuda_graph: bool = True, cuda_graph_max_bs: int = 128,
+                 torch_compile: bool = True):
         for i, r in enumerate(args.compress_ratios):
             if r not in (0, CSA_RATIO, HCA_RATIO):
                 raise ValueError(f"compress_ratios[{i}]={r}; allowed: 0, {CSA_RATIO}, {HCA_RATIO}")
@@ -365,6 +385,10 @@ class Model:
         self.native_decode, self.native_decode_reason = resolve_native_decode(
             native_decode, self.device, self.decode_path, args.num_attention_heads)
         self.csa_layers = [i for i, r in enumerate(args.compress_ratios) if r == CSA_RATIO]
+        #: The elementwise chains' functions: compiled on cuda (remnant.engine.step_ops).
+        self.ops = PLAIN_OPS
+        if torch_compile and self.device.type == "cuda" and self.decode_path != "reference":
+            self.ops = compiled_ops()
         #: layer -> list of query tensors [T, H, 512] while calibrating (None otherwise)
         self.capture: dict[int, list[torch.Tensor]] | None = None
         #: A capture server's remnant.calibration.capture_recorder.CaptureRecorder: CSA layers hand it
@@ -376,6 +400,8 @@ class Model:
         self.embed = torch.randn(args.vocab_size, args.hidden_size, generator=gen).to(self.device, dt)
         self.layers = [Layer(args, r, gen, self.device).to(self.device, dt) for r in args.compress_ratios]
         self.norm = torch.ones(args.hidden_size, device=self.device, dtype=dt)
+        #: The per-head RMS norm of q has no weight: ones, made once.
+        self.head_norm = torch.ones(HEAD_DIM, device=self.device, dtype=dt)
         self.lm_head = (torch.randn(args.hidden_size, args.vocab_size, generator=gen) / math.sqrt(
             args.hidden_size
         )).to(self.device, dt)
@@ -413,31 +439,38 @@ class Model:
 
     # Per-token projections, batched over any token set ------------------------------
 
-    def queries(self, layer: Layer, x: torch.Tensor, pos: torch.Tensor, folded: FoldedWeights | None = None):
-        """x [T, hidden] normed -> q [T, H, 512] with RoPE (kept-first with `folded`'s
-        wq_b), and q_lora [T, q_lora_rank]."""
+    def project(self, layer: Layer, x: torch.Tensor) -> "Projections":
+        """x [T, hidden] normed through every input projection of `layer` at once (w_in)."""
+        parts = dict(zip([n for n in Layer.INPUTS if getattr(layer, n, None) is not None],
+                         (x @ layer.w_in).split(layer.input_widths, dim=-1)))
+        return Projections(*(parts.get(n) for n in Layer.INPUTS))
+
+    def queries(self, layer: Layer, p: "Projections", pos: torch.Tensor, folded: FoldedWeights | None = None):
+        """The layer's projections `p` of T tokens -> q [T, H, 512] with RoPE (kept-first
+        with `folded`'s wq_b), and q_lora [T, q_lora_rank]."""
         a = self.args
-        q_lora = rms_norm(x @ layer.wq_a, layer.q_norm, a.rms_norm_eps)
+        ops = self.ops
+        q_lora = ops.rms_norm(p.q_a, layer.q_norm, a.rms_norm_eps)
         wq_b = layer.wq_b if folded is None else folded.wq_b
         q = (q_lora @ wq_b).view(-1, a.num_attention_heads, HEAD_DIM)
-        q = rms_norm(q, q.new_ones(HEAD_DIM), a.rms_norm_eps)
-        return rope(q, pos, a.rope_theta), q_lora
+        q = ops.rms_norm(q, self.head_norm, a.rms_norm_eps)
+        return ops.rope(q, pos, a.rope_theta), q_lora
 
-    def window_latents(self, layer: Layer, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] normed -> the tokens' K=V latents float32 [T, 512] with RoPE (the
-        window ring holds them quantized: native records)."""
-        kv = rms_norm(x @ layer.wkv, layer.kv_norm, self.args.rms_norm_eps)
-        return rope(kv, pos, self.args.rope_theta)
+    def window_latents(self, layer: Layer, p: "Projections", pos: torch.Tensor) -> torch.Tensor:
+        """The layer's projections `p` of T tokens -> their K=V latents [T, 512] with RoPE
+        (the window ring holds them quantized: native records)."""
+        kv = self.ops.rms_norm(p.kv, layer.kv_norm, self.args.rms_norm_eps)
+        return self.ops.rope(kv, pos, self.args.rope_theta)
 
     def ffn(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] + the layer's feed-forward block (routed MoE or dense SwiGLU)."""
-        x = rms_norm(h, layer.ffn_norm, self.args.rms_norm_eps)
+        x = self.ops.rms_norm(h, layer.ffn_norm, self.args.rms_norm_eps)
         if layer.moe is not None:
-            return h + layer.moe.forward(x)
+            return h + layer.moe.forward(x, route=self.ops.moe_route, align_pairs=self.ops.moe_align)
         return h + (F.silu(x @ layer.w_gate) * (x @ layer.w_up)) @ layer.w_down
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, self.norm, self.args.rms_norm_eps) @ self.lm_head
+        return self.ops.rms_norm(h, self.norm, self.args.rms_norm_eps) @ self.lm_head
 
     def compress(
         self, layer: Layer, c: torch.Tensor, g: torch.Tensor, block_index: torch.Tensor
@@ -448,10 +481,8 @@ class Model:
         block_index: [n_blocks] index of each block in the sequence (for RoPE).
         Returns float32 [n_blocks, 512] with RoPE (stored quantized: native records).
         """
-        weights = torch.softmax(g + layer.gate_bias, dim=1)
-        latent = rms_norm((weights * c).sum(1), layer.kv_norm, self.args.rms_norm_eps)
-        pos = block_index * layer.ratio
-        return rope(latent, pos, self.args.compress_rope_theta)
+        return self.ops.compress_latents(c, g, layer.gate_bias, layer.kv_norm, block_index, layer.ratio,
+                                         self.args.rms_norm_eps, self.args.compress_rope_theta)
 
     def attend(
         self,
@@ -504,32 +535,29 @@ class Model:
 
     # Indexer (CSA layers) -------------------------------------------------------------
 
-    def index_keys(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] normed -> per-token indexer key contributions [T, index_head_dim]."""
-        return x @ layer.wi_k
-
     def index_scores(
-        self, layer: Layer, x: torch.Tensor, q_lora: torch.Tensor, keys: torch.Tensor
+        self, layer: Layer, iw: torch.Tensor, q_lora: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
-        """Indexer scores float32 [T, n_records]: sum_h w_h relu(q_h . k_j); keys float [n, d]."""
+        """Indexer scores float32 [T, n_records]: sum_h w_h relu(q_h . k_j); keys float [n, d];
+        iw: the tokens' head-weight projection (Projections.iw)."""
         a = self.args
         qi = (q_lora @ layer.wi_q).view(-1, a.index_n_heads, a.index_head_dim).float()
-        wi = (x @ layer.wi_w).float() / math.sqrt(a.index_n_heads)
+        wi = iw.float() / math.sqrt(a.index_n_heads)
         return torch.einsum("th,thj->tj", wi, torch.relu(torch.einsum("thd,jd->thj", qi, keys.float())))
 
-    def index_queries(self, layer: Layer, x: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def index_queries(self, layer: Layer, iw: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer's queries [T, heads, d] (compute dtype) and head weights float32 [T,
         heads] of T tokens (index_scores' q and w)."""
         a = self.args
         qi = (q_lora @ layer.wi_q).view(-1, a.index_n_heads, a.index_head_dim)
-        return qi, (x @ layer.wi_w).float() / math.sqrt(a.index_n_heads)
+        return qi, iw.float() / math.sqrt(a.index_n_heads)
 
-    def index_scores_batched(self, layer: Layer, x: torch.Tensor, q_lora: torch.Tensor,
+    def index_scores_batched(self, layer: Layer, iw: torch.Tensor, q_lora: torch.Tensor,
                              keys: torch.Tensor) -> torch.Tensor:
         """index_scores for B tokens, each over its own keys [B, n, d]: float32 [B, n]. The
         product runs in the keys' dtype (the compute dtype), accumulated in float32
         (remnant.kernels.indexer reads the FP8 keys in place instead, on the kernels path)."""
-        qi, wi = self.index_queries(layer, x, q_lora)
+        qi, wi = self.index_queries(layer, iw, q_lora)
         qi = qi.to(keys.dtype)
         logits = torch.relu(torch.bmm(qi, keys.transpose(1, 2)).float())  # [B, heads, n]
         return torch.einsum("bh,bhn->bn", wi, logits)
@@ -615,14 +643,12 @@ class Model:
         pos = pos.to(self.device)
         h = self.embed[ids]
         for li, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, self.args.rms_norm_eps)
+            x = self.ops.rms_norm(h, layer.attn_norm, self.args.rms_norm_eps)
             folded = self.folded_weights.get(li)
-            q, q_lora = self.queries(layer, x, pos, folded)
-            kv = self.window_latents(layer, x, pos)
-            c = x @ layer.wc if layer.ratio else None
-            g = x @ layer.wg if layer.ratio else None
-            ik = self.index_keys(layer, x) if layer.ratio == CSA_RATIO else None
-            parts = (x, q, q_lora, kv, pos, c, g, ik)
+            p = self.project(layer, x)
+            q, q_lora = self.queries(layer, p, pos, folded)
+            kv = self.window_latents(layer, p, pos)
+            parts = (p.iw, q, q_lora, kv, pos, p.c, p.g, p.ik)
             steps = [_Step(*(None if t is None else t[a:b] for t in parts)) for a, b in zip(starts, starts[1:])]
             o = torch.cat([self._attend_sequence(li, layer, seq, pools, st) for seq, st in zip(seqs, steps)])
             h = self.ffn(layer, self.output(layer, h, o.to(h.dtype), folded))
@@ -699,9 +725,9 @@ class Model:
         if layer.ratio == CSA_RATIO:
             pages = seq.page_tensor(self.device)
             index_keys = dequantize_index_keys(pools.indexer[li].read(pages, torch.arange(n, device=self.device)))
-            scores = self.index_scores(layer, st.x, st.q_lora, index_keys)
+            scores = self.index_scores(layer, st.iw, st.q_lora, index_keys)
             scores = scores.masked_fill(~visible, float("-inf"))
-            top = index_top_k(scores, min(self.args.index_topk, n))[1]
+            top = self.ops.index_top_k(scores, min(self.args.index_topk, n))[1]
             chosen = torch.zeros_like(visible).scatter_(1, top, True) & visible
         else:
             chosen = visible
@@ -731,7 +757,7 @@ class Model:
             self._write_records(li, layer, pools, pages, index, latents)
             if r == CSA_RATIO:
                 keys = pik[: full * r].view(full, r, -1).mean(1)
-                pools.indexer[li].write(pages, index, quantize_index_keys(keys))
+                pools.indexer[li].write(pages, index, self.ops.quantize_index_keys(keys))
         left = pc.shape[0] - full * r
         rows = pools.state_rows(r, seq.slot, left)
         state[rows, 0, :HEAD_DIM] = pc[full * r :]
@@ -763,10 +789,23 @@ def _record_pages(li: int, layer: Layer, pools):
 
 
 @dataclass
+class Projections:
+    """A layer's input projections of T tokens' normed x (Model.project): one matrix product,
+    split. None where the layer has no such projection."""
+
+    q_a: torch.Tensor  # [T, q_lora_rank] before q's low-rank norm
+    kv: torch.Tensor  # [T, 512] before the K=V norm and RoPE
+    c: torch.Tensor | None  # [T, 512] compressor content (compressed layers)
+    g: torch.Tensor | None  # [T, 512] compressor gate logits (compressed layers)
+    ik: torch.Tensor | None  # [T, index_head_dim] indexer key contributions (CSA layers)
+    iw: torch.Tensor | None  # [T, index_n_heads] indexer head weights, before scaling (CSA layers)
+
+
+@dataclass
 class _Step:
     """One sequence's slice of a batched step, per layer (T new tokens)."""
 
-    x: torch.Tensor  # [T, hidden] normed input
+    iw: torch.Tensor | None  # [T, index_n_heads] the indexer's head-weight projection (CSA layers)
     q: torch.Tensor  # [T, H, 512], kept-first on layers with folded_weights
     q_lora: torch.Tensor  # [T, q_lora_rank]
     kv: torch.Tensor  # float32 [T, 512] window latents of the new tokens (RoPE applied)

@@ -154,30 +154,28 @@ class MoE:
         return self
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's experts and weights for x [T, hidden]: (topk_ids int64 [T, k],
-        topk_weights float32 [T, k], summing to routed_scaling_factor per token).
-        Scores sigmoid(x @ router) with the product in float32 (as DeepSeek-V3's gate: close
-        scores must not swap experts through bf16 rounding); graph-safe."""
-        scores = torch.sigmoid(x.float() @ self.router.float())
-        top, ids = torch.topk(scores, self.args.num_experts_per_tok, dim=-1)
-        weights = top / top.sum(-1, keepdim=True) * self.args.routed_scaling_factor
-        return ids, weights
+        """Each token's experts and weights for x [T, hidden] (route_tokens with this block's
+        router)."""
+        return route_tokens(x, self.router, self.args.num_experts_per_tok, self.args.routed_scaling_factor)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.ndim != 2 or x.shape[1] != self.args.hidden_size:
             raise ValueError(f"x must be [T, hidden_size={self.args.hidden_size}], got {tuple(x.shape)}")
 
-    def forward(self, x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, impl: str = "auto", route=None, align_pairs=None) -> torch.Tensor:
         """The block's output [T, hidden] in x's dtype (the compute dtype) for x [T, hidden]:
         routed experts plus the shared expert. No host sync and static shapes (CUDA-graph
         safe). impl: remnant.kernels.moe.routed_experts' choice of routed path ("auto": the
-        Triton kernel on CUDA and under Triton's interpreter, batched torch otherwise)."""
-        from remnant.kernels.moe import routed_experts
+        Triton kernel on CUDA and under Triton's interpreter, batched torch otherwise).
+        route, align_pairs: route_tokens and remnant.kernels.moe.align, or the same compiled
+        (remnant.engine.step_ops); None: the plain ones."""
+        from remnant.kernels.moe import align, routed_experts
 
         self._check_input(x)
-        ids, weights = self.route(x)
+        ids, weights = (route or route_tokens)(x, self.router, self.args.num_experts_per_tok,
+                                               self.args.routed_scaling_factor)
         y = routed_experts(x, ids, weights, self.w_gate_up, self.w_down, self.gate_up_scale, self.down_scale,
-                           impl=impl)
+                           impl=impl, align_pairs=align_pairs or align)
         if self.shared_gate_up is not None:
             y = y + _swiglu(x, self.shared_gate_up, self.shared_down)
         return y
@@ -214,6 +212,16 @@ class MoE:
         if self.gate_up_scale is not None:
             per_expert += (2 * inter + h) * self.gate_up_scale.element_size()
         return compute * (h * a.n_routed_experts + 3 * h * shared) + distinct_experts * per_expert
+
+
+def route_tokens(x: torch.Tensor, router: torch.Tensor, k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and weights for x [T, hidden]: (topk_ids int64 [T, k],
+    topk_weights float32 [T, k], summing to `scaling` per token). Scores sigmoid(x @ router)
+    with the product in float32 (as DeepSeek-V3's gate: close scores must not swap experts
+    through bf16 rounding); graph-safe."""
+    scores = torch.sigmoid(x.float() @ router.float())
+    top, ids = torch.topk(scores, k, dim=-1)
+    return ids, top / top.sum(-1, keepdim=True) * scaling
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([nope, (r1 * cos - r2 * sin).to(x.dtype), (r1 * sin + r2 * cos).to(x.dtype)], dim=-1)
 
 
+def compress_latents(c: torch.Tensor, g: torch.Tensor, gate_bias: torch.Tensor, norm: torch.Tensor,
+                     block_index: torch.Tensor, ratio: int, eps: float, theta: float) -> torch.Tensor:
+    """Blocks of `ratio` tokens -> record latents float32 [n, 512] with RoPE at each block's
+    first position: c, g [n, ratio, 512] the blocks' content and gate logits, a softmax
+    gate over the block's tokens per coordinate (plus gate_bias [ratio, 512]), then the
+    RMS norm (weight `norm`). block_index: int64 [n], each block's index in its sequence."""
+    weights = torch.softmax(g + gate_bias, dim=1)
+    latent = rms_norm((weights * c).sum(1), norm, eps)
+    return rope(latent, block_index * ratio, theta).float()
+
+
 def decode_config(heads: int) -> "DecodeConfig | None":
     """Launch settings of remnant.kernels.decode: its plan's own (None), tuned for V4's 64
     heads; for 16 heads or fewer (the tiny model has 8), blocks of 16 heads (tl.dot's
@@ -52,7 +63,8 @@ def decode_config(heads: int) -> "DecodeConfig | None":
 def index_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest scores of each row [..., n] (float32) and their indices, in descending
     order, ties to the lower index: exactly a stable descending sort's first k
-    (index_top_k_reference), through one torch.topk.
+    (remnant.kernels.top_k.top_k_reference), through one torch.topk (the CPU's; the
+    GPU's is remnant.kernels.top_k).
 
     The indexer's scores tie often (relu gives records whose every head scores below zero
     exactly 0), and torch.topk alone breaks ties by its own blocking, which depends on n:
@@ -70,9 +82,3 @@ def index_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     packed = (ordered << 32) | (n - 1 - torch.arange(n, device=scores.device))
     indices = n - 1 - (torch.topk(packed, k, dim=-1).values & 0xFFFFFFFF)
     return scores.gather(-1, indices), indices
-
-
-def index_top_k_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stable descending sort's first k scores and indices (ties to the lower index)."""
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]

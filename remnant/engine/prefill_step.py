@@ -32,11 +32,11 @@ import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
 from remnant.engine.decode_step import attend_batched, attend_kernels
-from remnant.engine.ops import SCRATCH_PER_PAGE, index_top_k, rms_norm
+from remnant.engine.ops import SCRATCH_PER_PAGE
 from remnant.kernels.dispatch import store
 from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.codec import dequantize
-from remnant.kv.index_keys import dequantize_index_keys, quantize_index_keys
+from remnant.kv.index_keys import dequantize_index_keys
 from remnant.kv.layout import PageLayout
 
 #: Elements of the largest float32 intermediate a tile may make (the indexer's [tokens,
@@ -152,7 +152,7 @@ class PrefillPlan:
 def _ratio_plan(seqs: list, lengths: list[int], sizes: list[int], starts: list[int], pools, r: int) -> RatioPlan:
     """The compressor's and the records' plan for ratio r (RatioPlan), on the host."""
     ring = C4_RING if r == CSA_RATIO else C128_RING
-    per = pools.page_size // r  # records per page, as decode_step.reachable_records counts them
+    per = pools.page_size // r  # records per page, as decode_step.RatioSlots counts them
     state_rows, gather, block_index, record_locs, tail_tokens, tail_rows, visible, counts = [], [], [], [], [], [], [], []
     n_state = sum(L % r for L in lengths)  # rows of the gather table before the new tokens
     state_at = 0
@@ -205,12 +205,13 @@ def prefill_step(model, pools, plan: PrefillPlan, attention: str) -> torch.Tenso
 
 def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scratch: tuple, attention: str):
     """One layer of the step: h [T, hidden] -> h [T, hidden]."""
-    x = rms_norm(h, layer.attn_norm, model.args.rms_norm_eps)
+    x = model.ops.rms_norm(h, layer.attn_norm, model.args.rms_norm_eps)
     folded = model.folded_weights.get(li)
-    q, q_lora = model.queries(layer, x, plan.pos, folded)
+    p = model.project(layer, x)
+    q, q_lora = model.queries(layer, p, plan.pos, folded)
     # The window: the previous records from the ring and the chunk's own, in the ring's
     # record form, into the scratch ring; then the chunk's last `window` into the ring.
-    records = model.ring_format(li).ring_records(model.window_latents(layer, x, plan.pos).float())
+    records = model.ring_format(li).ring_records(model.window_latents(layer, p, plan.pos).float())
     pages, layout = scratch
     layout.write(pages, plan.prev_rows, pools.swa.read(li, plan.prev_slots))
     layout.write(pages, plan.new_rows, records)
@@ -218,9 +219,9 @@ def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scr
     chosen, rp = None, None
     if layer.ratio:
         rp = plan.ratios[layer.ratio]
-        _compress(model, li, layer, pools, rp, x)
+        _compress(model, li, layer, pools, rp, p)
         if layer.ratio == CSA_RATIO:
-            chosen = _select(model, li, pools, plan, rp, x, q_lora, layer, kernels=attention == "kernels")
+            chosen = _select(model, li, pools, plan, rp, p.iw, q_lora, layer, kernels=attention == "kernels")
         else:
             chosen = _visible(plan, rp, layer.ratio)
     if attention == "kernels":
@@ -231,14 +232,14 @@ def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scr
     return model.ffn(layer, model.output(layer, h, o.to(h.dtype), folded))
 
 
-def _compress(model, li: int, layer, pools, rp: RatioPlan, x: torch.Tensor) -> None:
+def _compress(model, li: int, layer, pools, rp: RatioPlan, p) -> None:
     """Blocks the chunk completes become records (and, on CSA layers, index keys), as the
     reference's _compress_new_blocks makes them; tokens left in open blocks go to the
     fp32 state rows."""
     r = layer.ratio
     csa = r == CSA_RATIO
     state = pools.c4_state[li] if csa else pools.c128_state[li]
-    c, g = (x @ layer.wc).float(), (x @ layer.wg).float()
+    c, g = p.c.float(), p.g.float()
     if rp.gather.shape[0]:
         pc = torch.cat([state[rp.state_rows, 0, :HEAD_DIM], c])[rp.gather]
         pg = torch.cat([state[rp.state_rows, 1, :HEAD_DIM], g])[rp.gather]
@@ -251,11 +252,11 @@ def _compress(model, li: int, layer, pools, rp: RatioPlan, x: torch.Tensor) -> N
     if csa:
         d = model.args.index_head_dim
         index_state = pools.c4_index_state[li]
-        ik = model.index_keys(layer, x).float()
+        ik = p.ik.float()
         if rp.gather.shape[0]:
             keys = torch.cat([index_state[rp.state_rows, 0, :d], ik])[rp.gather].mean(1)
             indexer = pools.indexer[li]
-            indexer.layout.write(indexer.buf, rp.record_locs, quantize_index_keys(keys))
+            indexer.layout.write(indexer.buf, rp.record_locs, model.ops.quantize_index_keys(keys))
         index_state[rp.tail_rows, 0, :d] = ik[rp.tail_tokens]
     state[rp.tail_rows, 0, :HEAD_DIM] = c[rp.tail_tokens]
     state[rp.tail_rows, 1, :HEAD_DIM] = g[rp.tail_tokens]
@@ -269,7 +270,7 @@ def _visible(plan: PrefillPlan, rp: RatioPlan, ratio: int) -> torch.Tensor:
     return torch.where(j[None, :] < ((plan.pos + 1) // ratio)[:, None], j, -1)
 
 
-def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Tensor, q_lora: torch.Tensor,
+def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, iw: torch.Tensor, q_lora: torch.Tensor,
             layer, kernels: bool = False) -> torch.Tensor:
     """Record indices int64 [T, K] (in each token's sequence) of the C4 records it reads
     (-1: none): the indexer's top-k over the records visible to it, scored against its
@@ -277,7 +278,7 @@ def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Te
     in place, float32 accumulation), else dequantized once per sequence and scored in torch
     (float32, as the per-sequence reference)."""
     k = min(model.args.index_topk, rp.visible_locs.shape[1])
-    out = torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
+    out = torch.full((iw.shape[0], k), -1, dtype=torch.long, device=iw.device)
     indexer = pools.indexer[li]
     heads = model.args.index_n_heads
     for i, (a, n, count) in enumerate(zip(plan.starts, plan.sizes, rp.counts)):
@@ -287,7 +288,7 @@ def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Te
         if kernels:
             from remnant.kernels.indexer import index_scores_shared
 
-            qi, wi = model.index_queries(layer, x[a: a + n], q_lora[a: a + n])
+            qi, wi = model.index_queries(layer, iw[a: a + n], q_lora[a: a + n])
             # Scores and the top-k's int64 keys are [tile, count]: 3 x 4 bytes an element.
             tile = max(1, TILE_ELEMENTS // count)
         else:
@@ -300,10 +301,10 @@ def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, x: torch.Te
                 scores = index_scores_shared(qi[t - a: e - a].contiguous(), wi[t - a: e - a], indexer.buf,
                                              indexer.layout, locs, visible_count)
             else:
-                scores = model.index_scores(layer, x[t:e], q_lora[t:e], keys)
-                visible = torch.arange(count, device=x.device)[None, :] < visible_count[:, None]
+                scores = model.index_scores(layer, iw[t:e], q_lora[t:e], keys)
+                visible = torch.arange(count, device=iw.device)[None, :] < visible_count[:, None]
                 scores = scores.masked_fill(~visible, float("-inf"))
-            values, top = index_top_k(scores, min(k, count))
+            values, top = model.ops.index_top_k(scores, min(k, count))
             out[t:e, : top.shape[1]] = torch.where(values > float("-inf"), top, -1)
     return out
 

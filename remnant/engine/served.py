@@ -124,7 +124,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     t0 = time.perf_counter()
     model = Model(args, device=engine_args.device, decode_path=engine_args.decode_path,
                   native_decode=engine_args.native_decode, dtype=engine_args.dtype,
-                  cuda_graph=engine_args.cuda_graph, cuda_graph_max_bs=engine_args.cuda_graph_max_bs)
+                  cuda_graph=engine_args.cuda_graph, cuda_graph_max_bs=engine_args.cuda_graph_max_bs,
+                  torch_compile=engine_args.torch_compile)
     served_name = hf.get("remnant", {}).get("preset") or model_dir.name
     rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
                            retention.map_path, retention.policy)
@@ -182,6 +183,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         # where steps run eagerly: cpu, --disable-cuda-graph, decode_path=reference).
         "cuda_graph": None if model.graphs is None else model.graphs.stats,
         "disable_cuda_graph": model.graphs is None,
+        # The elementwise chains: "compiled" (torch.compile, on cuda) or "plain".
+        "remnant_step_ops": model.ops.name,
         # Which kernel decode steps ran over native records, and why not FlashMLA.
         "remnant_native_decode": {"kernel": model.native_decode, "reason": model.native_decode_reason,
                                   "flashmla_version": _flashmla_version(model.native_decode)},

@@ -374,10 +374,13 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
                           w_gate_up: torch.Tensor, w_down: torch.Tensor,
                           gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
                           config: MoEConfig | None = None, check_ids: bool = False,
-                          h: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> torch.Tensor:
+                          h: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
+                          align_pairs=align) -> torch.Tensor:
     """The fused routed-expert kernels (module docstring): x's dtype [T, hidden]. On CUDA
     tensors compiled, on CPU tensors only under Triton's interpreter. Graph-safe: static
-    grids (max_blocks x column tiles), no host sync unless check_ids.
+    grids (max_blocks x column tiles), no host sync unless check_ids. align_pairs: `align`
+    or the same function compiled (remnant.engine.step_ops: some twenty small kernels become
+    a few).
 
     h (x's dtype [T * k, I]) and pairs (float32 [T * k, hidden]): the intermediate and
     per-pair output buffers, allocated here when None; every element is written (tests
@@ -402,7 +405,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         return x.new_zeros(T, hidden)
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
-    al = align(topk_ids, E, cfg.block_m)
+    al = align_pairs(topk_ids, E, cfg.block_m)
     blocks = al.block_expert.numel()
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device) if h is None else h
     pairs = torch.empty(n, hidden, dtype=torch.float32, device=x.device) if pairs is None else pairs
@@ -431,7 +434,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
 def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-                   impl: str = "auto", check_ids: bool = False) -> torch.Tensor:
+                   impl: str = "auto", check_ids: bool = False, align_pairs=align) -> torch.Tensor:
     """The routed experts' output, x's dtype [T, hidden].
 
     x: bf16 or float32 [T, hidden]; topk_ids: int [T, k], each token's experts;
@@ -439,13 +442,14 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     columns 0..I-1, up columns I..2I-1); w_down: [E, I, hidden]; both bfloat16, float32 or
     float8_e4m3fn with gate_up_scale float32 [E, 2 * I] and down_scale float32 [E, hidden].
     impl: "auto" runs the Triton kernels on CUDA tensors and on CPU tensors under Triton's
-    interpreter, routed_experts_torch otherwise; "triton" and "torch" force one.
+    interpreter, routed_experts_torch otherwise; "triton" and "torch" force one. align_pairs:
+    as routed_experts_triton's.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not allowed; allowed: {', '.join(map(repr, IMPLS))}")
     if impl == "triton" or (impl == "auto" and (x.is_cuda or interpreted())):
         return routed_experts_triton(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale,
-                                     check_ids=check_ids)
+                                     check_ids=check_ids, align_pairs=align_pairs)
     if check_ids:
         check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale, check_ids=True)
     return routed_experts_torch(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale)

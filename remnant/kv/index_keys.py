@@ -14,11 +14,20 @@ SCALE_BYTES = 4
 
 def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
     """Indexer keys float [k, d] -> FP8 codes + one fp32 scale per 128 coords, uint8 [k, d + 4d/128]."""
+    return join_index_keys(*index_key_codes(keys))
+
+
+def index_key_codes(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer keys float [k, d] -> (FP8 codes as uint8 [k, d], scales float32 [k, d/128])."""
     k, d = keys.shape
     blocks = keys.view(k, d // BLOCK, BLOCK)
     scale = (blocks.abs().amax(-1) / 448.0).clamp_min(1e-12)
-    codes = (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(k, d)
-    return torch.cat([codes, scale.contiguous().view(torch.uint8).reshape(k, -1)], dim=1)
+    return (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(k, d), scale
+
+
+def join_index_keys(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """index_key_codes' two parts as stored: uint8 [k, d + 4d/128] (codes, then the scales' bytes)."""
+    return torch.cat([codes, scale.contiguous().view(torch.uint8).reshape(codes.shape[0], -1)], dim=1)
 
 
 def dequantize_index_keys(stored: torch.Tensor) -> torch.Tensor:

@@ -253,8 +253,9 @@ def test_kernel_mode_folds_the_kept_first_order_into_the_projections(args):
     for li, folded in kernels.folded_weights.items():
         layer, order = kernels.layers[li], kernels.c4_formats[li].columns.order.long()
         assert torch.equal(layer.wq_b, reference.layers[li].wq_b) and torch.equal(layer.wo, reference.layers[li].wo)
-        q, q_lora = kernels.queries(layer, x, pos)
-        q_folded, q_lora_folded = kernels.queries(layer, x, pos, folded)
+        p = kernels.project(layer, x)
+        q, q_lora = kernels.queries(layer, p, pos)
+        q_folded, q_lora_folded = kernels.queries(layer, p, pos, folded)
         assert torch.equal(q_lora_folded, q_lora)
         torch.testing.assert_close(q_folded, q[..., order], rtol=1e-5, atol=1e-6)
         assert (q_folded - q).abs().max() > 0.1  # the order is not the identity

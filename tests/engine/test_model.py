@@ -114,3 +114,19 @@ def test_weights_are_seeded():
     ids = _ids(20)
     torch.testing.assert_close(_last_logits(a, ids), _last_logits(b, ids), rtol=0, atol=0)
     assert not torch.equal(_last_logits(a, ids), _last_logits(c, ids))
+
+
+def test_one_input_projection_is_each_of_its_parts():
+    """Model.project's one product with w_in gives each projection a separate product would
+    (up to summation order), and each layer's projection weights are views of w_in."""
+    args = ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig()))
+    model = Model(args, decode_path="batched")
+    x = torch.randn(3, args.hidden_size, generator=torch.Generator().manual_seed(1))
+    for layer in model.layers:
+        p = model.project(layer, x)
+        for name, got in zip(("wq_a", "wkv", "wc", "wg", "wi_k", "wi_w"), (p.q_a, p.kv, p.c, p.g, p.ik, p.iw)):
+            weight = getattr(layer, name, None)
+            assert (got is None) == (weight is None), name
+            if weight is not None:
+                assert weight.untyped_storage().data_ptr() == layer.w_in.untyped_storage().data_ptr(), name
+                torch.testing.assert_close(got, x @ weight.contiguous(), rtol=1e-5, atol=1e-5)

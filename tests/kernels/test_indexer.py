@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.engine.ops import index_top_k, index_top_k_reference
+from remnant.engine.ops import index_top_k
+from remnant.kernels.top_k import top_k_reference
 from remnant.kv.index_keys import quantize_index_keys
 from remnant.engine.pools import SplitPages
 from remnant.kernels.indexer import index_scores, index_scores_reference, index_scores_shared, keys_at
@@ -112,4 +113,4 @@ def test_scores_at_v4_flash_shapes_on_gpu():
     _same_scores(shared, index_scores_reference(q, w, pool.buf, pool.layout, locs[0], counts))
     # The selection from them on the GPU: the stable sort's, ties and -inf included.
     for k in (1, 512, n):
-        assert torch.equal(index_top_k(got, k)[1], index_top_k_reference(got, k)[1])
+        assert torch.equal(index_top_k(got, k)[1], top_k_reference(got, k)[1])

@@ -1,0 +1,105 @@
+"""The model's elementwise chains (RMS norm, RoPE, the compressor's gate, the indexer keys'
+FP8 codec) and the indexer's top-k: plain, or compiled for the GPU.
+
+A decode step of V4's shapes is some 8,000 kernels when each torch operation is its own:
+an RMS norm alone is seven (cast, square, mean, add, rsqrt, multiply, cast), and at batch 1
+each costs a few microseconds while reading almost nothing, so launches, not bytes, set the
+step's time. `compiled_ops()` runs the same functions through torch.compile (TorchInductor
+fuses each chain into one or two Triton kernels), as nano-vllm compiles its norms and
+rotary embedding; remnant.engine.model.Model takes them on CUDA and the plain functions
+elsewhere (the CPU default, and decode_path=reference, the ground truth). The plain
+functions in remnant.engine.ops and remnant.kv.index_keys are the reference the compiled
+ones are tested against (tests/engine/test_step_ops.py). The top-k is not compiled but
+remnant.kernels.top_k's radix select (torch.topk is a sort network: 50-140 us a call).
+
+Shapes: the token (or block, or row) dimension of each call changes from step to step (a
+CUDA graph bucket's batch, a prefill chunk's length), so it is marked dynamic on every
+call: one compiled graph per call site and dtype serves every batch (batch 1 apart, which
+torch.compile specialises), while the feature sizes stay static for the code generator.
+Compilation happens on a call site's first call, which the engine makes eagerly before it
+captures a CUDA graph (remnant.engine.graphs).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from remnant.engine.ops import compress_latents, index_top_k, rms_norm, rope
+from remnant.kv.index_keys import index_key_codes, join_index_keys, quantize_index_keys
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """The functions a step calls for its elementwise chains (signatures as in
+    remnant.engine.ops and remnant.kv.index_keys)."""
+
+    name: str  # "plain" or "compiled", as /server_info reports it
+    rms_norm: Callable
+    rope: Callable
+    compress_latents: Callable
+    quantize_index_keys: Callable
+    index_top_k: Callable
+    #: The MoE's routing (remnant.engine.moe.route_tokens) and its pairs' sort by expert
+    #: (remnant.kernels.moe.align); None: the plain ones.
+    moe_route: Callable | None = None
+    moe_align: Callable | None = None
+
+
+PLAIN_OPS = StepOps("plain", rms_norm, rope, compress_latents, quantize_index_keys, index_top_k)
+
+
+def _dynamic(fn: Callable, dims: dict[int, tuple[int, ...]], backend: str) -> Callable:
+    """torch.compile(fn) whole (a graph break would be an error, not a silent slow path),
+    its positional tensor arguments' `dims` ({argument index: dims}) marked dynamic before
+    each call."""
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        for i, ds in dims.items():
+            for d in ds:
+                # maybe_: a dimension of size 0 or 1 is specialised, not an error.
+                torch._dynamo.maybe_mark_dynamic(args[i], d)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _joined(codes: Callable) -> Callable:
+    """quantize_index_keys from a compiled index_key_codes: the scales' reinterpretation as
+    bytes stays outside the graph (Inductor does not lower a dtype view of a tensor whose
+    stride is symbolic)."""
+
+    def quantize(keys: torch.Tensor) -> torch.Tensor:
+        return join_index_keys(*codes(keys))
+
+    return quantize
+
+
+@functools.cache
+def compiled_ops(backend: str = "inductor") -> StepOps:
+    """StepOps through torch.compile with `backend` (built once per process and backend;
+    each function compiles on its first call). Tests on the CPU trace with "aot_eager"."""
+    # Here, not at the top: Triton's interpreter is chosen before triton loads.
+    from remnant.engine.moe import route_tokens
+    from remnant.kernels.moe import align
+    from remnant.kernels.top_k import top_k
+
+    # Each call site (shape family and dtype) of a function is one compiled entry; the
+    # default limit (8 per function) would send later call sites back to eager silently.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return StepOps(
+        "compiled",
+        rms_norm=_dynamic(rms_norm, {0: (0,)}, backend),
+        rope=_dynamic(rope, {0: (0,), 1: (0,)}, backend),
+        compress_latents=_dynamic(compress_latents, {0: (0,), 1: (0,), 4: (0,)}, backend),
+        quantize_index_keys=_joined(_dynamic(index_key_codes, {0: (0,)}, backend)),
+        # Not torch.compile's: a radix select, a tenth of torch.topk's time.
+        index_top_k=top_k,
+        moe_route=_dynamic(route_tokens, {0: (0,)}, backend),
+        moe_align=_dynamic(align, {0: (0,)}, backend),
+    )

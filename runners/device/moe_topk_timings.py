@@ -1,0 +1,73 @@
+"""Timings on one GPU for the decode step's two selection-heavy parts, printed as tables:
+
+- the routed-expert kernels (remnant.kernels.moe) at V4-Flash's expert shape (32 experts of
+  hidden 4096, moe_intermediate_size 2048, FP8, top-6) for each launch configuration of a
+  grid, at 1, 8, 32 and 128 tokens, beside the configuration default_config picks;
+- remnant.kernels.top_k against torch.topk and remnant.engine.ops.index_top_k.
+
+triton.testing.do_bench (L2 flushed between calls: weights come from HBM as in a step).
+    python runners/device/moe_topk_timings.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+
+from remnant.engine.ops import index_top_k
+from remnant.kernels.moe import MoEConfig, default_config, quantize_experts, routed_experts_triton
+from remnant.kernels.top_k import top_k
+
+
+def moe_table() -> None:
+    E, hidden, inter, k = 32, 4096, 2048, 6
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w_gate_up, gu_scale = quantize_experts(torch.randn(E, hidden, 2 * inter, device="cuda", generator=gen) / 64)
+    w_down, dn_scale = quantize_experts(torch.randn(E, inter, hidden, device="cuda", generator=gen) / 45)
+    expert_bytes = 3 * hidden * inter
+    grid = [MoEConfig(block_m=m, block_n=n, block_k=kk, num_warps=w, num_stages=s)
+            for m, n, kk, w, s in itertools.product((16, 64), (32, 64, 128), (64, 128, 256), (4, 8), (3, 5))]
+    print("| tokens | distinct experts | default us | best us | best config | best TB/s |")
+    print("|---|---|---|---|---|---|")
+    for T in (1, 8, 32, 128):
+        x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
+        weights = torch.rand(T, k, device="cuda", generator=gen)
+        distinct = ids.unique().numel()
+
+        def run(cfg):
+            return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=cfg)
+
+        default = default_config(T * k, E, True)
+        times = {}
+        for cfg in grid:
+            if cfg.block_m == 64 and T * k <= 32 * E and T < 32:
+                continue
+            try:
+                times[cfg] = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=40) * 1e3
+            except Exception as e:  # out of shared memory for a tile: not a candidate
+                print(f"  {cfg}: {type(e).__name__}")
+        best = min(times, key=times.get)
+        base = triton.testing.do_bench(lambda: run(default), warmup=5, rep=40) * 1e3
+        print(f"| {T} | {distinct} | {base:.1f} | {times[best]:.1f} | {best} | "
+              f"{distinct * expert_bytes / times[best] / 1e6:.2f} |", flush=True)
+
+
+def top_k_table() -> None:
+    print("| rows x n | top_k us | torch.topk us | index_top_k us | same set |")
+    print("|---|---|---|---|---|")
+    for B, n in ((1, 8192), (32, 8192), (128, 8192), (1, 32768), (128, 32768)):
+        scores = torch.relu(torch.randn(B, n, device="cuda"))
+        mine = top_k(scores, 512)[1].sort(-1).values
+        same = torch.equal(mine, index_top_k(scores, 512)[1].sort(-1).values)
+        t = [triton.testing.do_bench(f, warmup=5, rep=40) * 1e3 for f in
+             (lambda: top_k(scores, 512), lambda: torch.topk(scores, 512), lambda: index_top_k(scores, 512))]
+        print(f"| {B} x {n} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {same} |", flush=True)
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name())
+    top_k_table()
+    moe_table()

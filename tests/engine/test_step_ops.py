@@ -1,0 +1,83 @@
+"""The elementwise chains compiled (remnant.engine.step_ops) against the plain functions:
+traced whole on the CPU (backend aot_eager: no graph break, one graph for every batch
+size), and through TorchInductor on a GPU (marked `gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remnant.engine.step_ops import PLAIN_OPS, compiled_ops
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _calls(rows: int, device: str, dtype: torch.dtype, seed: int = 0):
+    """(name, args) of each op at `rows` tokens, as the model calls them."""
+    g = torch.Generator().manual_seed(seed + rows)
+
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(device, dt)
+
+    pos = torch.randint(0, 40_000, (rows,), generator=g).to(device)
+    scores = torch.relu(torch.randn(rows, 700, generator=g)).to(device)  # relu: many exact ties at 0
+    scores[:, -50:] = float("-inf")
+    return [
+        ("rms_norm", (r(rows, 1024), r(1024), 1e-6)),
+        ("rms_norm", (r(rows, 8, 512), torch.ones(512, device=device, dtype=dtype), 1e-6)),
+        ("rope", (r(rows, 8, 512), pos, 10000.0)),
+        ("rope", (r(rows, 512), pos, 10000.0)),
+        ("compress_latents", (r(rows, 4, 512, dt=torch.float32), r(rows, 4, 512, dt=torch.float32), r(4, 512),
+                              r(512), pos // 4, 4, 1e-6, 160000.0)),
+        ("quantize_index_keys", (r(rows, 128, dt=torch.float32),)),
+        ("index_top_k", (scores, 512)),
+        ("moe_route", (r(rows, 256), r(256, 32), 6, 2.5)),
+        ("moe_align", (torch.randint(0, 32, (rows, 6), generator=g).to(device), 32, 16)),
+    ]
+
+
+def _plain(name):
+    from remnant.engine.moe import route_tokens
+    from remnant.kernels.moe import align
+
+    return {"moe_route": route_tokens, "moe_align": align}.get(name) or getattr(PLAIN_OPS, name)
+
+
+def _assert_same(name, got, want):
+    if name == "moe_align":
+        assert (got.block_m, got.num_pairs) == (want.block_m, want.num_pairs)
+        assert torch.equal(got.rows, want.rows) and torch.equal(got.block_expert, want.block_expert)
+    elif name == "moe_route":
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+    elif name == "index_top_k":  # the same choice (remnant.kernels.top_k gives it in another order)
+        order = got[1].sort(-1)
+        assert torch.equal(order.values, want[1].sort(-1).values)
+        assert torch.equal(got[0].gather(-1, order.indices), want[0].gather(-1, want[1].sort(-1).indices))
+    elif name == "quantize_index_keys":  # codes: exact
+        assert torch.equal(got, want), name
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_every_op_traces_whole_and_one_graph_serves_every_batch():
+    ops = compiled_ops("aot_eager")
+    for rows in (2, 3):  # the first two sizes: compile, then mark the token dimension dynamic
+        for name, args in _calls(rows, "cpu", torch.float32):
+            _assert_same(name, getattr(ops, name)(*args), _plain(name)(*args))
+    # Later batch sizes reuse the graphs: a recompile would be an error here.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (5, 17):
+            for name, args in _calls(rows, "cpu", torch.float32):
+                _assert_same(name, getattr(ops, name)(*args), _plain(name)(*args))
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_inductor_ops_are_the_plain_ops_on_the_gpu():
+    ops = compiled_ops()
+    for rows in (1, 2, 24, 128):
+        for name, args in _calls(rows, "cuda", torch.bfloat16):
+            _assert_same(name, getattr(ops, name)(*args), _plain(name)(*args))
