@@ -11,8 +11,8 @@ records (quantized random latents: no prefill, so 32k contexts take seconds), an
 decode step timed over `--steps` steps (each sequence's length put back after each, so
 every step reads the same context). Beside each time: the roofline of remnant.engine.
 roofline (bytes over the copy bandwidth and FLOPs over the matmul peak, both measured here
-in the same run) and, on CUDA, the GPU's idle share inside a step (torch profiler: wall
-time of a step not covered by any kernel). Prefill: per mode and prompt length
+in the same run) and, on CUDA, where the GPU's time goes inside a step (torch profiler:
+the share of wall time no kernel covers, kernels per step, the kernels taking most time). Prefill: per mode and prompt length
 (`--prefill-contexts`), one prompt of random tokens prefilled in chunks of `--chunk` tokens
 (SGLang's chunked prefill; remnant.engine.prefill_step), timed whole: tokens/s. Writes one
 JSON document (remnant/engine-bench) and prints a table; the command is
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import torch
@@ -91,9 +92,9 @@ def fill_pools(model, pools, seed: int = 0) -> None:
         pools.swa.buf[li, 1:] = pools.swa.buf[li, 0]
 
 
-def time_step(model, pools, seqs: list, steps: int) -> tuple[float, float | None]:
-    """Seconds per decode step of `seqs` (median of `steps`), and on CUDA the GPU's idle
-    share of a step (None elsewhere)."""
+def time_step(model, pools, seqs: list, steps: int) -> tuple[float, "StepProfile | None"]:
+    """Seconds per decode step of `seqs` (median of `steps`), and on CUDA where the GPU's
+    time goes in a step (None elsewhere)."""
     tokens = [1] * len(seqs)
     lengths = [s.length for s in seqs]
 
@@ -113,9 +114,9 @@ def time_step(model, pools, seqs: list, steps: int) -> tuple[float, float | None
             step()
             _sync(model.device)
             times.append(time.perf_counter() - t0)
-        idle = gpu_idle_share(step, model.device) if model.device.type == "cuda" else None
+        profile = profile_step(step, model.device) if model.device.type == "cuda" else None
     times.sort()
-    return times[len(times) // 2], idle
+    return times[len(times) // 2], profile
 
 
 def time_prefill(model, pools, seq, prompt: list[int], chunk: int) -> float:
@@ -150,8 +151,21 @@ def prefill_rows(model, mode: str, contexts: list[int], chunk: int):
                "tokens_per_s": context / seconds}
 
 
-def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
-    """1 - (time covered by GPU kernels) / (wall time) over `steps` steps, torch profiler."""
+@dataclass
+class StepProfile:
+    """Where a step's GPU time goes (torch profiler over a few steps)."""
+
+    idle_share: float  # 1 - (time covered by GPU kernels) / (wall time)
+    kernels_per_step: float
+    top_kernels: list[dict]  # {name, calls_per_step, us_per_step}, most GPU time first
+
+    #: Kernels listed in top_kernels.
+    TOP = 12
+
+
+def profile_step(step, device: torch.device, steps: int = 3) -> StepProfile:
+    """Profile `steps` calls of `step` (torch profiler, CUDA activity): the GPU's idle share,
+    kernels per step and the kernels taking most of the time (also printed, for the log)."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
@@ -161,8 +175,8 @@ def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
             step()
         _sync(device)
         wall = time.perf_counter() - t0
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy, end = 0.0, None
     for start, stop in spans:
         if end is None or start > end:
@@ -171,12 +185,19 @@ def gpu_idle_share(step, device: torch.device, steps: int = 3) -> float:
         elif stop > end:
             busy += stop - end
             end = stop
-    # Where the GPU time goes: the kernels taking most of it, and how many a step launches
-    # (each costs a few microseconds however little it does), for the log.
-    table = prof.key_averages().table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
-    print(f"{len(spans) / steps:.0f} kernels per step", file=sys.stderr)
-    print(table, file=sys.stderr, flush=True)
-    return max(0.0, 1.0 - busy / 1e6 / wall)
+    # Each kernel costs a few microseconds however little it does, so their count matters
+    # as much as the slowest ones.
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: StepProfile.TOP]
+    result = StepProfile(max(0.0, 1.0 - busy / 1e6 / wall), len(spans) / steps,
+                         [{"name": name, "calls_per_step": len(us) / steps, "us_per_step": sum(us) / steps}
+                          for name, us in top])
+    print(f"{result.kernels_per_step:.0f} kernels per step; most GPU time:", file=sys.stderr)
+    for k in result.top_kernels:
+        print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.0f} x  {k['name'][:100]}", file=sys.stderr)
+    return result
 
 
 def run(model_name: str, device: str, modes: list[str], batches: list[int], contexts: list[int],
@@ -222,14 +243,17 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                 for s in seqs:
                     s.length = context
                     s.token_ids = [0] * context
-                seconds, idle = time_step(model, pools, seqs, steps)
+                seconds, profile = time_step(model, pools, seqs, steps)
                 cost = step_cost(args, batch, context, mode, KERNEL_RETENTION, dtype)
                 roof = cost.seconds(peaks["copy_bytes_per_s"], peaks["matmul_flops_per_s"])
                 rows.append({"mode": mode, "batch": batch, "context": context, "step_ms": seconds * 1e3,
                              "roofline_ms": roof * 1e3, "step_over_roofline": seconds / roof,
-                             "gpu_idle_share": idle, "bytes": cost.bytes, "flops": cost.flops, "parts": cost.parts,
+                             "gpu_idle_share": None if profile is None else profile.idle_share, "bytes": cost.bytes,
+                             "flops": cost.flops, "parts": cost.parts,
                              "native_decode": model.native_decode, "packed_decode": model.packed_decode,
-                             "cuda_graph": model.graphs is not None})
+                             "cuda_graph": model.graphs is not None, "step_ops": model.ops.name,
+                             "kernels_per_step": None if profile is None else profile.kernels_per_step,
+                             "top_kernels": profile.top_kernels if profile else []})
                 del pools, seqs
                 print(row_line(rows[-1]), file=sys.stderr, flush=True)
                 if on_row:

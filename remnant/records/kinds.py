@@ -94,7 +94,7 @@ FIDELITY_SINGLE_CAPTURE = FIDELITY.also_at(
        "by token and has no train/eval split, scorer or plots, which v2 requires: another layout, not an "
        "older form of v2")
 
-ENGINE_BENCH = RecordKind("remnant/engine-bench", 1)
+ENGINE_BENCH = RecordKind("remnant/engine-bench", 2)
 MODAL_SERVE_REQUEST = RecordKind(
     "remnant/modal-serve-request", 1,
     unchecked="a message to runners/modal/app.py, never stored: ServeRequest.from_json (remnant.hosts.modal) "
