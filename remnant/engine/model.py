@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -398,7 +400,17 @@ class Model:
         gen = torch.Generator().manual_seed(args.seed)
         dt = self.dtype
         self.embed = torch.randn(args.vocab_size, args.hidden_size, generator=gen).to(self.device, dt)
-        self.layers = [Layer(args, r, gen, self.device).to(self.device, dt) for r in args.compress_ratios]
+        # Each layer from its own generator, seeded from the model's, so that layers draw side
+        # by side (randn releases the GIL): one thread took 32 s for a V4-sized model's 12 GB
+        # of attention weights, each server start on the GPU.
+        seeds = torch.randint(0, 2**62, (len(args.compress_ratios),), generator=gen).tolist()
+
+        def layer(i: int) -> Layer:
+            own = torch.Generator().manual_seed(seeds[i])
+            return Layer(args, args.compress_ratios[i], own, self.device).to(self.device, dt)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(seeds), os.cpu_count() or 1, 16))) as pool:
+            self.layers = list(pool.map(layer, range(len(seeds))))
         self.norm = torch.ones(args.hidden_size, device=self.device, dtype=dt)
         #: The per-head RMS norm of q has no weight: ones, made once.
         self.head_norm = torch.ones(HEAD_DIM, device=self.device, dtype=dt)
