@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the embedded engine on one H200, in stages, each under its own time
 # limit so that a stage that hangs or fails leaves the others' results:
-#   tests   pytest -m gpu over the engine (graph replay, kernel per mode, capacity, MoE)
+#   tests   pytest -m gpu over the engine (graph replay, kernel per mode, capacity, compiled
+#           step ops) and the kernels it calls (MoE, indexer, top-k)
+#   timings runners/device/moe_topk_timings.py (the MoE launch grid, top-k against torch.topk)
 #   bench   python -m remnant.cli.engine_bench (decode step per mode beside its roofline, prefill)
 #   serve   remnant-run over the three modes at model=dsv4_flash_h200 (RUN_ARGS: workload)
 # Run from the repository root on the device machine with .whl/ in the call's carry list:
@@ -15,7 +17,7 @@
 # (the versions of the project's own environment). The device's copy has no .git, so pass
 # the commit for the records' provenance:
 #   REMNANT_GIT_COMMIT=<hash> STAGES="tests bench serve" bash runners/device/engine_h200.sh
-# Stage variables: TESTS_S BENCH_S SERVE_S (limits, s), GPU_TESTS, BENCH_ARGS, MODES, RUN_ARGS.
+# Stage variables: TESTS_S TIMINGS_S BENCH_S SERVE_S (limits, s), GPU_TESTS, BENCH_ARGS, MODES, RUN_ARGS.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -33,8 +35,11 @@ for stage in ${STAGES:-tests bench serve}; do
   t0=$(date +%s)
   case $stage in
   tests)
-    timeout ${TESTS_S:-150} python3 -m pytest ${GPU_TESTS:-tests/engine tests/kernels/test_moe.py} -q -m gpu \
+    timeout ${TESTS_S:-150} python3 -m pytest ${GPU_TESTS:-tests/engine tests/kernels/test_moe.py \
+        tests/kernels/test_indexer.py tests/kernels/test_top_k.py} -q -m gpu \
         -p no:cacheprovider --timeout 120 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25 ;;
+  timings)
+    timeout ${TIMINGS_S:-180} python3 runners/device/moe_topk_timings.py 2>&1 | tee "$OUT/timings.txt" | tail -20 ;;
   bench)
     timeout ${BENCH_S:-240} python3 -m remnant.cli.engine_bench --model dsv4_flash_h200 --out "$OUT/engine-bench.json" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine-bench.log" | tail -40 ;;
