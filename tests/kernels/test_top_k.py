@@ -50,3 +50,14 @@ def test_top_k_refuses_what_it_cannot_select():
         top_k(torch.zeros(2, 8, dtype=torch.float64, device=DEVICE), 2)
     with pytest.raises(ValueError, match="k=9"):
         top_k(torch.zeros(2, 8, device=DEVICE), 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("rows", "n"), [(1, 8192), (128, 8192), (24, 32768)])
+def test_top_k_at_the_engines_sizes_on_the_gpu(rows, n):
+    gen = torch.Generator().manual_seed(rows + n)
+    scores = torch.relu(torch.randn(rows, n, generator=gen))  # relu: a quarter of the row ties at 0
+    scores[:, n // 3:] = float("-inf")  # records not yet visible
+    for k in (512, n // 3 + 7):  # the second takes every visible record and some -inf ties
+        _check(scores, k)
