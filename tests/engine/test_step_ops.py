@@ -81,3 +81,34 @@ def test_inductor_ops_are_the_plain_ops_on_the_gpu():
     for rows in (1, 2, 24, 128):
         for name, args in _calls(rows, "cuda", torch.bfloat16):
             _assert_same(name, getattr(ops, name)(*args), _plain(name)(*args))
+
+
+@pytest.mark.slow
+def test_compiled_ops_at_their_call_sites_in_prefill_and_decode():
+    """A routed-MoE model's batched prefill and decode steps with the compiled ops (traced
+    on the CPU: what the call sites pass, views and strides included, must trace whole)
+    give the plain ops' logits."""
+    import dataclasses
+
+    from remnant.config import ModelConfig
+    from remnant.engine.model import Model, ModelArgs
+    from remnant.engine.pools import new_sequence, scratch_pools
+
+    args = dataclasses.replace(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())), intermediate_size=0,
+                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                               n_shared_experts=1, expert_dtype="float32")
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (300, 37)]
+    logits = {}
+    for name, ops in (("plain", PLAIN_OPS), ("compiled", compiled_ops("aot_eager"))):
+        model = Model(args, decode_path="batched")
+        model.ops = ops
+        pools = scratch_pools(model, 320, sequences=2)
+        seqs = [new_sequence(pools, 320) for _ in prompts]
+        rows = []
+        with torch.inference_mode():
+            rows.append(model.forward(seqs, prompts, pools))
+            for _ in range(5):  # the same tokens for both: teacher forcing by the prompts' heads
+                rows.append(model.forward(seqs, [[p[len(rows)]] for p in prompts], pools))
+        logits[name] = torch.cat(rows)
+    # index_top_k's order differs (remnant.kernels.top_k), so attention sums in another order.
+    torch.testing.assert_close(logits["compiled"], logits["plain"], atol=1e-4, rtol=0)
