@@ -24,14 +24,44 @@ state (and divides by the attention DP size); that path is not modelled here.
 Packing changes only the c4 term, so the token-capacity ratio packed/native is
 bpt_native / bpt_packed, independent of the budget (up to page rounding and the fixed
 state). At V4-Flash attention dimensions this is 1.2113 at R = 256.
+
+Capacity beyond C4 (docs/kv.md): every part above has its stored size in PoolGeometry,
+each defaulting to what SGLang 0.5.18 stores, so a geometry that names none of them sizes
+exactly as before. A Combination names which parts are stored how (packed window, C4 or
+C128 records at a retention, MXFP4 indexer keys, bf16 compressor state);
+combination_geometry gives the geometry of a model with it. Only the C4 part is served
+today (the engine and the SGLang plugin); every other part is by this formula only.
+What SGLang 0.5.18 does with each part:
+- window (SWA) and C128 records: the same 584-byte pool class as C4
+  (mem_cache/deepseek_v4_memory_pool.py, DeepSeekV4SingleKVPool asserts 584); the
+  configurator counts one kv_bytes = 584 for all three.
+- indexer keys: the configurator always counts d + 4 d / 128 (132 at d = 128), also under
+  --enable-deepseek-v4-fp4-indexer (experimental, SM100/SM120 only), whose pool
+  (DeepSeekV4IndexerPool.get_bytes_per_token) stores d / 2 + 4 = 68 bytes (E2M1 codes, one
+  UE8M0 scale per 32 coordinates): SGLang sizes that pool smaller than it budgets, so the
+  MXFP4 gain here is the formula with the pool's true size, not what SGLang's flag buys.
+- compressor state: SGLANG_DSV4_COMPRESS_STATE_DTYPE (float32 default, or bfloat16) sets
+  both the pools' dtype (mem_cache/kv_cache_configurator.py) and the byte size the
+  configurator counts (model_executor/pool_configurator.py,
+  _get_dsv4_compress_state_dtype_sizes): the C4 and indexer state per token and the fixed
+  C128 state alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 
-from remnant.kv.formats import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
+from remnant.kv.formats import (
+    CSA_RATIO,
+    HCA_RATIO,
+    HEAD_DIM,
+    KERNEL_RETENTION,
+    NATIVE_RECORD_BYTES,
+    RETENTION_VALUES,
+    packed_record_bytes,
+)
 
 # SGLang 0.5.18 defaults for DeepSeek-V4 (arg_groups/overrides.py, deepseek_v4_memory_pool.py).
 DSV4_PAGE_SIZE = 256
@@ -41,12 +71,44 @@ C128_RING = 128
 STATE_DTYPE_BYTES = 4  # SGLANG_DSV4_COMPRESS_STATE_DTYPE=float32
 INDEXER_QUANT_BLOCK = 128
 
+#: Compressor state dtypes SGLANG_DSV4_COMPRESS_STATE_DTYPE takes, by their byte size.
+STATE_DTYPES = {"float32": 4, "bfloat16": 2}
+#: Indexer key formats: SGLang's default FP8 (one fp32 scale per 128 coordinates) and the
+#: MXFP4 of --enable-deepseek-v4-fp4-indexer (E2M1 codes, one UE8M0 byte per 32).
+INDEX_KEY_FORMATS = ("fp8", "mxfp4")
+MXFP4_BLOCK = 32
+#: Stored sizes a window (SWA) or C128 record may take: packed at a retention, or native.
+RECORD_BYTES = tuple(packed_record_bytes(r) for r in RETENTION_VALUES) + (NATIVE_RECORD_BYTES,)
+
+
+def index_key_bytes(key_format: str, index_head_dim: int) -> int:
+    """Bytes of one C4 indexer key of `index_head_dim` coordinates in `key_format`.
+
+    fp8: d codes + one fp32 scale per 128 (132 at d = 128, what SGLang's configurator counts);
+    mxfp4: d / 2 bytes of E2M1 code pairs + one UE8M0 byte per 32 (68 at d = 128, SGLang's
+    DeepSeekV4IndexerPool with the FP4 indexer: index_head_dim // 2 + 4).
+    """
+    if key_format == "fp8":
+        return index_head_dim + index_head_dim // INDEXER_QUANT_BLOCK * 4
+    if key_format == "mxfp4":
+        return index_head_dim // 2 + index_head_dim // MXFP4_BLOCK
+    raise ValueError(f"index_keys={key_format!r} is not an indexer key format; allowed: {', '.join(INDEX_KEY_FORMATS)}")
+
 
 @dataclass
 class PoolGeometry:
     """What pool sizing needs to know of a model and a server.
 
     c4_record_bytes: stored bytes of one C4 record per CSA layer (584 native, R + 72 packed).
+    The stored size of every other part, each defaulting to what SGLang 0.5.18 stores (so
+    a geometry naming none of them sizes as SGLang does; only the C4 part is served packed
+    today, the others are by the formula only):
+    swa_record_bytes: one window (SWA) record, every layer (584 native, R + 72 packed).
+    c128_record_bytes: one C128 record, every HCA layer (584 native, R + 72 packed).
+    index_key_bytes: one C4 indexer key; None: SGLang's FP8 keys at index_head_dim (132 at
+        128; index_key_bytes("mxfp4", 128) = 68).
+    state_dtype_bytes: one compressor-state element, C4, indexer and C128 state alike (4:
+        float32, SGLang's default; 2: bfloat16, SGLANG_DSV4_COMPRESS_STATE_DTYPE=bfloat16).
     """
 
     compress_ratios: list[int]
@@ -56,6 +118,10 @@ class PoolGeometry:
     page_size: int = DSV4_PAGE_SIZE
     swa_ratio: float = DSV4_SWA_RATIO
     max_running_requests: int = 64
+    swa_record_bytes: int = NATIVE_RECORD_BYTES
+    c128_record_bytes: int = NATIVE_RECORD_BYTES
+    index_key_bytes: int | None = None
+    state_dtype_bytes: int = STATE_DTYPE_BYTES
 
     def __post_init__(self) -> None:
         n_c4 = self.n_c4
@@ -67,6 +133,19 @@ class PoolGeometry:
             raise ValueError(f"index_head_dim={self.index_head_dim} must be a multiple of {INDEXER_QUANT_BLOCK}")
         if not 0 < self.swa_ratio <= 1:
             raise ValueError(f"swa_ratio={self.swa_ratio} must be in (0, 1]")
+        allowed = ", ".join(map(str, RECORD_BYTES))
+        for name in ("swa_record_bytes", "c128_record_bytes"):
+            if getattr(self, name) not in RECORD_BYTES:
+                raise ValueError(f"{name}={getattr(self, name)} is not a record size; allowed: {allowed} "
+                                 f"(packed_record_bytes(R) = R + 72, or native {NATIVE_RECORD_BYTES})")
+        if self.index_key_bytes is not None and (isinstance(self.index_key_bytes, bool)
+                                                 or not isinstance(self.index_key_bytes, int)
+                                                 or self.index_key_bytes < 1):
+            raise ValueError(f"index_key_bytes={self.index_key_bytes!r} must be a positive number of bytes "
+                             f"(or None: FP8 keys, {index_key_bytes('fp8', self.index_head_dim)})")
+        if self.state_dtype_bytes not in STATE_DTYPES.values():
+            raise ValueError(f"state_dtype_bytes={self.state_dtype_bytes!r} is not allowed; allowed: "
+                             + ", ".join(f"{b} ({name})" for name, b in STATE_DTYPES.items()))
 
     @property
     def n_layers(self) -> int:
@@ -81,18 +160,31 @@ class PoolGeometry:
         return sum(1 for r in self.compress_ratios if r == HCA_RATIO)
 
     def indexer_key_bytes(self) -> int:
-        """One C4 indexer key: FP8 codes plus one fp32 scale per 128 coordinates (132 B)."""
-        return self.index_head_dim + self.index_head_dim // INDEXER_QUANT_BLOCK * 4
+        """One C4 indexer key as stored: index_key_bytes, or by default FP8 codes plus one fp32
+        scale per 128 coordinates (132 B)."""
+        if self.index_key_bytes is not None:
+            return self.index_key_bytes
+        return index_key_bytes("fp8", self.index_head_dim)
+
+    def parts_beyond_c4(self) -> list[str]:
+        """The fields naming a part stored unlike SGLang 0.5.18 other than the C4 records:
+        what neither the engine nor the SGLang plugin serves yet (empty: servable)."""
+        default = {"swa_record_bytes": NATIVE_RECORD_BYTES, "c128_record_bytes": NATIVE_RECORD_BYTES,
+                   "index_key_bytes": index_key_bytes("fp8", self.index_head_dim),
+                   "state_dtype_bytes": STATE_DTYPE_BYTES}
+        got = {"swa_record_bytes": self.swa_record_bytes, "c128_record_bytes": self.c128_record_bytes,
+               "index_key_bytes": self.indexer_key_bytes(), "state_dtype_bytes": self.state_dtype_bytes}
+        return [name for name in default if got[name] != default[name]]
 
     def bytes_per_full_token(self) -> dict[str, float]:
         """Cost of one full token per component, in bytes (SGLang's _get_bytes_per_full_token)."""
         r, ring_frac = self.swa_ratio, C4_RING / self.window_size
-        state4 = 2 * 2 * (NOPE_DIM + ROPE_DIM) * STATE_DTYPE_BYTES
-        idx_state4 = 2 * 2 * self.index_head_dim * STATE_DTYPE_BYTES
+        state4 = 2 * 2 * HEAD_DIM * self.state_dtype_bytes
+        idx_state4 = 2 * 2 * self.index_head_dim * self.state_dtype_bytes
         return {
-            "swa": r * NATIVE_RECORD_BYTES * self.n_layers,
+            "swa": r * self.swa_record_bytes * self.n_layers,
             "c4": sum(self.c4_record_bytes) / CSA_RATIO,
-            "c128": NATIVE_RECORD_BYTES * self.n_c128 / HCA_RATIO,
+            "c128": self.c128_record_bytes * self.n_c128 / HCA_RATIO,
             "c4_indexer": self.indexer_key_bytes() * self.n_c4 / CSA_RATIO,
             "c4_state": r * ring_frac * state4 * self.n_c4,
             "c4_indexer_state": r * ring_frac * idx_state4 * self.n_c4,
@@ -104,7 +196,7 @@ class PoolGeometry:
             return 0
         slots = self.max_running_requests + 1
         rows = math.ceil((slots * C128_RING + C128_RING + 1) / 128) * 128
-        return rows * 2 * HEAD_DIM * STATE_DTYPE_BYTES * self.n_c128
+        return rows * 2 * HEAD_DIM * self.state_dtype_bytes * self.n_c128
 
 
 @dataclass
@@ -151,12 +243,12 @@ def size_pools(geometry: PoolGeometry, budget_bytes: int) -> PoolSizes:
 
 def pool_bytes(geometry: PoolGeometry, sizes: PoolSizes) -> dict[str, int]:
     """Bytes each component's pool holds at these sizes (what the engine allocates)."""
-    state4 = 2 * 2 * HEAD_DIM * STATE_DTYPE_BYTES
-    idx_state4 = 2 * 2 * geometry.index_head_dim * STATE_DTYPE_BYTES
+    state4 = 2 * 2 * HEAD_DIM * geometry.state_dtype_bytes
+    idx_state4 = 2 * 2 * geometry.index_head_dim * geometry.state_dtype_bytes
     return {
-        "swa": sizes.swa_tokens * NATIVE_RECORD_BYTES * geometry.n_layers,
+        "swa": sizes.swa_tokens * geometry.swa_record_bytes * geometry.n_layers,
         "c4": sizes.c4_records * sum(geometry.c4_record_bytes),
-        "c128": sizes.c128_records * NATIVE_RECORD_BYTES * geometry.n_c128,
+        "c128": sizes.c128_records * geometry.c128_record_bytes * geometry.n_c128,
         "c4_indexer": sizes.c4_records * geometry.indexer_key_bytes() * geometry.n_c4,
         "c4_state": sizes.c4_state_slots * state4 * geometry.n_c4,
         "c4_indexer_state": sizes.c4_state_slots * idx_state4 * geometry.n_c4,
@@ -177,3 +269,84 @@ def request_capacity(geometry: PoolGeometry, sizes: PoolSizes, request_tokens: i
     limits = {"full_tokens": by_tokens, "swa_tokens": by_swa, "request_slots": geometry.max_running_requests}
     bound = min(limits, key=limits.get)
     return {"requests": limits[bound], "bound_by": bound, "limits": limits}
+
+
+#: The parts a Combination may store packed, by their component name: the C4 records, the
+#: window (SWA) records, the C128 records.
+PACKABLE_PARTS = ("c4", "swa", "c128")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """Which parts of the per-token KV bytes are stored how (docs/kv.md, "Capacity beyond C4").
+
+    packed: the parts whose records are packed at `retention` (a subset of PACKABLE_PARTS;
+        the others stay native, 584 B).
+    retention: R, coordinates kept of 512 by every packed part (packed_record_bytes(R) =
+        R + 72 bytes a record).
+    index_keys: the C4 indexer keys' format, one of INDEX_KEY_FORMATS.
+    state_dtype: the compressors' state dtype, one of STATE_DTYPES.
+    Only NATIVE and C4_ONLY are served today; the other parts are by the formula only.
+    """
+
+    packed: tuple[str, ...] = ("c4",)
+    retention: int = KERNEL_RETENTION
+    index_keys: str = "fp8"
+    state_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.packed if p not in PACKABLE_PARTS]
+        if unknown or len(set(self.packed)) != len(self.packed):
+            raise ValueError(f"packed={list(self.packed)} must name distinct parts of: {', '.join(PACKABLE_PARTS)}")
+        # One order whatever order given, so equal combinations compare and name alike.
+        object.__setattr__(self, "packed", tuple(p for p in PACKABLE_PARTS if p in self.packed))
+        packed_record_bytes(self.retention)  # a ValueError naming retention= and the allowed values
+        if self.index_keys not in INDEX_KEY_FORMATS:
+            raise ValueError(f"index_keys={self.index_keys!r} is not allowed; allowed: {', '.join(INDEX_KEY_FORMATS)}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype={self.state_dtype!r} is not allowed; allowed: {', '.join(STATE_DTYPES)}")
+
+    @property
+    def name(self) -> str:
+        """native, or the parts stored unlike SGLang joined by "+" (c4+swa+c128+mxfp4_index+bf16_state)."""
+        parts = list(self.packed)
+        if self.index_keys != "fp8":
+            parts.append(f"{self.index_keys}_index")
+        if self.state_dtype != "float32":
+            parts.append({"bfloat16": "bf16"}.get(self.state_dtype, self.state_dtype) + "_state")
+        return "+".join(parts) or "native"
+
+    @property
+    def served(self) -> bool:
+        """Whether Remnant serves this combination today: only native and packed C4 records."""
+        return set(self.packed) <= {"c4"} and self.index_keys == "fp8" and self.state_dtype == "float32"
+
+
+def combination_geometry(geometry: PoolGeometry, combination: Combination) -> PoolGeometry:
+    """`geometry` (a model at a server's settings) with every part stored as `combination`
+    says; the parts of `geometry` itself are replaced, not kept."""
+    record = packed_record_bytes(combination.retention)
+
+    def part(name: str) -> int:
+        return record if name in combination.packed else NATIVE_RECORD_BYTES
+
+    return dataclasses.replace(
+        geometry,
+        c4_record_bytes=[part("c4")] * geometry.n_c4,
+        swa_record_bytes=part("swa"),
+        c128_record_bytes=part("c128"),
+        index_key_bytes=index_key_bytes(combination.index_keys, geometry.index_head_dim),
+        state_dtype_bytes=STATE_DTYPES[combination.state_dtype],
+    )
+
+
+# The issue's ladder (issue 44): each adds one part to the one before.
+NATIVE = Combination(packed=())
+C4_ONLY = Combination(packed=("c4",))
+C4_SWA = Combination(packed=("c4", "swa"))
+C4_SWA_C128 = Combination(packed=("c4", "swa", "c128"))
+C4_SWA_C128_MXFP4 = Combination(packed=("c4", "swa", "c128"), index_keys="mxfp4")
+C4_SWA_C128_MXFP4_BF16 = Combination(packed=("c4", "swa", "c128"), index_keys="mxfp4", state_dtype="bfloat16")
+#: The standard combinations, in the order the report lists them: native first.
+STANDARD_COMBINATIONS = (NATIVE, C4_ONLY, C4_SWA, C4_SWA_C128, C4_SWA_C128_MXFP4, C4_SWA_C128_MXFP4_BF16)
+

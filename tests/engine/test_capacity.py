@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from remnant.engine.capacity import PoolGeometry, pool_bytes, request_capacity, size_pools
+from remnant.engine.capacity import (
+    C4_ONLY,
+    C4_SWA,
+    C4_SWA_C128,
+    C4_SWA_C128_MXFP4,
+    C4_SWA_C128_MXFP4_BF16,
+    NATIVE,
+    STANDARD_COMBINATIONS,
+    Combination,
+    PoolGeometry,
+    combination_geometry,
+    index_key_bytes,
+    pool_bytes,
+    request_capacity,
+    size_pools,
+)
 
 V4_FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)]  # 43 layers: 21 CSA, 20 HCA
 
@@ -69,3 +84,127 @@ def test_bad_geometry(kw, message):
         _geometry(584, **kw)
     with pytest.raises(ValueError, match="c4_record_bytes has 2 values; the model has 21 CSA layers"):
         PoolGeometry(V4_FLASH_RATIOS, [584, 584])
+
+
+# Capacity beyond C4: the stored size of every part, and the issue's combinations.
+
+PART_DEFAULTS = {"swa_record_bytes": 584, "c128_record_bytes": 584, "index_key_bytes": 132, "state_dtype_bytes": 4}
+
+
+def test_default_parts_are_sglang_and_change_nothing():
+    budget = 60 << 30
+    implicit, explicit = _geometry(328), _geometry(328, **PART_DEFAULTS)
+    assert implicit.indexer_key_bytes() == 132 and implicit.parts_beyond_c4() == []
+    assert explicit.bytes_per_full_token() == implicit.bytes_per_full_token()
+    assert explicit.c128_state_fixed_bytes() == implicit.c128_state_fixed_bytes()
+    assert size_pools(explicit, budget) == size_pools(implicit, budget)
+    # The research figure stays, byte for byte.
+    native, packed = size_pools(_geometry(584), budget), size_pools(implicit, budget)
+    assert round(sum(native.bytes_per_full_token.values()) / sum(packed.bytes_per_full_token.values()), 4) == 1.2113
+
+
+@pytest.mark.parametrize(("part", "value", "changed"), [
+    ("swa_record_bytes", 328, {"swa"}),
+    ("c128_record_bytes", 328, {"c128"}),
+    ("index_key_bytes", 68, {"c4_indexer"}),
+    ("state_dtype_bytes", 2, {"c4_state", "c4_indexer_state", "c128_state"}),
+])
+def test_each_part_changes_only_its_own_component(part, value, changed):
+    budget = 60 << 30
+    before, after = _geometry(584), _geometry(584, **{part: value})
+    assert after.parts_beyond_c4() == [part]
+    per_before, per_after = before.bytes_per_full_token(), after.bytes_per_full_token()
+    assert {k for k in per_before if per_after[k] != per_before[k]} == changed - {"c128_state"}
+    for k in changed - {"c128_state"}:  # every part scales its component by its size
+        assert per_after[k] / per_before[k] == pytest.approx(value / PART_DEFAULTS[part])
+    # Per pool at the same sizes, the fixed C128 state included.
+    sizes = size_pools(before, budget)
+    sizes.fixed_bytes = {"c128_state": after.c128_state_fixed_bytes()}
+    got, want = pool_bytes(after, sizes), pool_bytes(before, size_pools(before, budget))
+    assert {k for k in want if got[k] != want[k]} == changed
+    assert size_pools(after, budget).full_tokens > size_pools(before, budget).full_tokens
+
+
+def test_index_key_and_record_sizes():
+    assert index_key_bytes("fp8", 128) == 132   # SGLang's configurator: d + 4 d / 128
+    assert index_key_bytes("mxfp4", 128) == 68  # SGLang's FP4 indexer pool: d // 2 + 4
+    assert index_key_bytes("fp8", 256) == 264 and index_key_bytes("mxfp4", 256) == 136
+    with pytest.raises(ValueError, match="index_keys='nvfp4' is not an indexer key format; allowed: fp8, mxfp4"):
+        index_key_bytes("nvfp4", 128)
+    g = combination_geometry(_geometry(584), C4_SWA_C128_MXFP4_BF16)
+    assert (g.swa_record_bytes, g.c4_record_bytes, g.c128_record_bytes) == (328, [328] * 21, 328)
+    assert (g.indexer_key_bytes(), g.state_dtype_bytes) == (68, 2)
+    # The geometry's own parts are replaced, not kept.
+    assert combination_geometry(g, NATIVE) == _geometry(584, **PART_DEFAULTS)
+
+
+# Bytes per full token at V4-Flash's shapes (21 CSA, 20 HCA, 43 layers; swa_ratio 0.1):
+# what docs/kv.md's "Capacity beyond C4" table states.
+LADDER = [
+    (NATIVE, "native", 7705.45, 1.0),
+    (C4_ONLY, "c4", 6361.45, 1.2113),
+    (C4_SWA, "c4+swa", 5260.65, 1.4647),
+    (C4_SWA_C128, "c4+swa+c128", 5220.65, 1.4760),
+    (C4_SWA_C128_MXFP4, "c4+swa+c128+mxfp4_index", 4884.65, 1.5775),
+    (C4_SWA_C128_MXFP4_BF16, "c4+swa+c128+mxfp4_index+bf16_state", 4212.65, 1.8291),
+]
+
+
+@pytest.mark.parametrize("preset", ["dsv4_flash_0731", "dsv4_flash_attn"])
+def test_combinations_at_v4_flash_shapes(preset):
+    from remnant.engine.capacity_report import load_model_preset
+
+    model = load_model_preset(preset)
+    assert model["compress_ratios"] == V4_FLASH_RATIOS
+    base = PoolGeometry(model["compress_ratios"], [584] * 21, window_size=model["window_size"],
+                        index_head_dim=model["index_head_dim"])
+    assert [c for c, *_ in LADDER] == list(STANDARD_COMBINATIONS)
+    for combo, name, bpt, ratio in LADDER:
+        per = combination_geometry(base, combo).bytes_per_full_token()
+        assert combo.name == name
+        assert sum(per.values()) == pytest.approx(bpt)
+        assert round(7705.45 / sum(per.values()), 4) == ratio
+    per = combination_geometry(base, C4_SWA_C128_MXFP4_BF16).bytes_per_full_token()
+    assert per == pytest.approx({"swa": 0.1 * 328 * 43, "c4": 328 / 4 * 21, "c128": 328 / 128 * 20,
+                                 "c4_indexer": 68 / 4 * 21, "c4_state": 537.6, "c4_indexer_state": 134.4})
+
+
+def test_combinations_at_a_budget():
+    """Tokens follow the per-token ratio, but for bf16 state, which also halves the fixed
+    C128 state taken off the budget first (64 + 1 request slots: 8576 rows)."""
+    budget = 60 << 30
+    base = _geometry(584)
+    native = size_pools(base, budget).full_tokens
+    for combo, _, bpt, ratio in LADDER:
+        s = size_pools(combination_geometry(base, combo), budget)
+        if combo.state_dtype == "float32":
+            assert s.full_tokens / native == pytest.approx(ratio, abs=2e-4)
+            assert s.fixed_bytes["c128_state"] == 8576 * 4096 * 20
+        else:
+            assert s.fixed_bytes["c128_state"] == 8576 * 2048 * 20
+            assert s.full_tokens / native > ratio
+
+
+def test_combination_names_validation_and_served():
+    assert Combination(packed=("c128", "c4")).packed == ("c4", "c128")
+    assert Combination(packed=("c128", "c4")) == Combination(packed=("c4", "c128"))
+    assert [c.served for c in STANDARD_COMBINATIONS] == [True, True, False, False, False, False]
+    assert Combination(packed=("swa",), retention=128).name == "swa"
+    for kw, message in (({"packed": ("c4", "window")}, r"packed=\['c4', 'window'\] must name distinct parts of"),
+                        ({"packed": ("c4", "c4")}, "must name distinct parts"),
+                        ({"retention": 100}, "retention=100 is not allowed"),
+                        ({"index_keys": "fp4"}, "index_keys='fp4' is not allowed; allowed: fp8, mxfp4"),
+                        ({"state_dtype": "fp16"}, "state_dtype='fp16' is not allowed; allowed: float32, bfloat16")):
+        with pytest.raises(ValueError, match=message):
+            Combination(**kw)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"swa_record_bytes": 300}, "swa_record_bytes=300 is not a record size; allowed: 136, 200,"),
+    ({"c128_record_bytes": 600}, "c128_record_bytes=600 is not a record size"),
+    ({"index_key_bytes": 0}, "index_key_bytes=0 must be a positive number of bytes"),
+    ({"state_dtype_bytes": 3}, r"state_dtype_bytes=3 is not allowed; allowed: 4 \(float32\), 2 \(bfloat16\)"),
+])
+def test_bad_part(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _geometry(584, **kw)
