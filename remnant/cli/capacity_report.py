@@ -4,9 +4,11 @@
         --lengths 4096,32768,131072 --out capacity.json
 
 For the model's geometry (a conf/model preset, or --model-config FILE) it sizes the pools
-as SGLang 0.5.18 does for native records and for packed records at the retention given
-and writes the report (schema remnant/capacity) that remnant.engine.capacity_report
-computes.
+as SGLang 0.5.18 does for native records and for packed records at the retention given,
+and for each standard combination of stored parts (packed C4, window and C128 records at
+--combination-retention, MXFP4 indexer keys, bf16 compressor state; only native and C4
+serve today, the others are by the formula only), and writes the report (schema
+remnant/capacity) that remnant.engine.capacity_report computes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--swa-ratio", type=float, default=0.1)
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--combination-retention", type=int, default=256,
+                   help="R of every packed part in the standard combinations")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     from remnant.records.schema import write_validated
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.budget_gib <= 0:
             raise ValueError(f"--budget-gib={a.budget_gib} must be > 0")
         doc = report(model, int(a.budget_gib * (1 << 30)), lengths, retention, a.page_size, a.swa_ratio,
-                     a.max_running_requests)
+                     a.max_running_requests, a.combination_retention)
         path = write_validated(a.out, doc)
     except (ValueError, OSError) as exc:
         print(f"capacity: error: {exc}", file=sys.stderr)
@@ -53,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in doc["lengths"]:
         print(f"  L={row['request_tokens']}: {row['native']['requests']} -> {row['packed']['requests']} requests "
               f"(bound by {row['native']['bound_by']})", file=sys.stderr)
+    print(f"combinations at R={a.combination_retention}:", file=sys.stderr)
+    for c in doc["combinations"]:
+        print(f"  {c['name']}: {c['bytes_per_token_total']:.2f} bytes/token, capacity x{c['capacity_ratio']:.4f}, "
+              f"{c['max_total_num_tokens']} tokens{'' if c['served'] else ' (formula only)'}", file=sys.stderr)
     print(path)
     return 0
 

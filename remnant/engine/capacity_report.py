@@ -5,7 +5,10 @@ For the model's geometry (a conf/model preset, or --model-config FILE) it sizes 
 as SGLang 0.5.18 does (remnant.engine.capacity) for native records and for packed records
 at the retention given, and reports tokens, concurrent requests per request length and
 what bounds them, the bytes of each component, and the analytic ratio they must match
-(schema remnant/capacity).
+(schema remnant/capacity). Since v2 it also lists every standard combination of stored
+parts (remnant.engine.capacity.STANDARD_COMBINATIONS: packed C4, window and C128 records,
+MXFP4 indexer keys, bf16 compressor state) with its bytes per full token per component,
+its full tokens at the budget and its ratio to native; only native and C4 serve today.
 """
 
 from __future__ import annotations
@@ -15,8 +18,16 @@ from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 
-from remnant.engine.capacity import PoolGeometry, pool_bytes, request_capacity, size_pools
-from remnant.kv.formats import CSA_RATIO, HCA_RATIO, NATIVE_RECORD_BYTES, packed_record_bytes
+from remnant.engine.capacity import (
+    STANDARD_COMBINATIONS,
+    Combination,
+    PoolGeometry,
+    combination_geometry,
+    pool_bytes,
+    request_capacity,
+    size_pools,
+)
+from remnant.kv.formats import CSA_RATIO, HCA_RATIO, KERNEL_RETENTION, NATIVE_RECORD_BYTES, packed_record_bytes
 
 
 def load_model_preset(name: str | None = None, path: Path | None = None) -> dict:
@@ -42,9 +53,46 @@ def load_model_preset(name: str | None = None, path: Path | None = None) -> dict
     return dataclasses.asdict(ModelConfig(**raw))
 
 
+def combinations(native: PoolGeometry, budget_bytes: int, retention: int = KERNEL_RETENTION,
+                 chosen: tuple[Combination, ...] = STANDARD_COMBINATIONS) -> list[dict]:
+    """Each combination (at `retention` for its packed parts) sized at the budget: its part
+    sizes, bytes per full token per component, full tokens and ratios to native.
+
+    native: the model's geometry at the server's settings (its own parts are not used).
+    """
+    base = size_pools(combination_geometry(native, Combination(packed=())), budget_bytes)
+    base_bpt = sum(base.bytes_per_full_token.values())
+    rows = []
+    for given in chosen:
+        combo = dataclasses.replace(given, retention=retention)
+        g = combination_geometry(native, combo)
+        s = size_pools(g, budget_bytes)
+        bpt = sum(s.bytes_per_full_token.values())
+        rows.append({
+            "name": combo.name,
+            "packed": list(combo.packed),
+            "retention": combo.retention,
+            "index_keys": combo.index_keys,
+            "state_dtype": combo.state_dtype,
+            "served": combo.served,
+            "part_bytes": {"swa_record": g.swa_record_bytes, "c4_record": g.c4_record_bytes[0] if g.n_c4 else None,
+                           "c128_record": g.c128_record_bytes, "index_key": g.indexer_key_bytes(),
+                           "state_dtype": g.state_dtype_bytes},
+            "bytes_per_token": s.bytes_per_full_token,
+            "bytes_per_token_total": bpt,
+            "fixed_bytes": s.fixed_bytes,
+            "max_total_num_tokens": s.full_tokens,
+            "capacity_ratio": base_bpt / bpt,
+            "token_ratio": s.full_tokens / base.full_tokens if base.full_tokens else None,
+        })
+    return rows
+
+
 def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[int],
-           page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 64) -> dict:
-    """The remnant/capacity v1 document. retention: R per CSA layer for the packed side."""
+           page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 64,
+           combination_retention: int = KERNEL_RETENTION) -> dict:
+    """The remnant/capacity v2 document. retention: R per CSA layer for the packed side;
+    combination_retention: R of every packed part in the standard combinations."""
     ratios = model["compress_ratios"]
     n_csa = sum(1 for r in ratios if r == CSA_RATIO)
     if len(retention) == 1:
@@ -84,6 +132,7 @@ def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[i
     from remnant.records.provenance import sources
 
     c4_native = modes[0]["bytes_per_token"]["c4"]
+    combos = combinations(sides["native"], budget_bytes, combination_retention)
     return {
         **CAPACITY.header(),
         "created_at": datetime.now(timezone.utc).isoformat(),
@@ -92,7 +141,8 @@ def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[i
                   "index_head_dim": model["index_head_dim"], "csa_layers": n_csa,
                   "hca_layers": sum(1 for r in ratios if r == HCA_RATIO)},
         "settings": {"budget_bytes": budget_bytes, "page_size": page_size, "swa_ratio": swa_ratio,
-                     "max_running_requests": max_running_requests, "retention": retention},
+                     "max_running_requests": max_running_requests, "retention": retention,
+                     "combination_retention": combination_retention},
         "formula": {
             "expression": "capacity_ratio = bytes_per_token(native) / bytes_per_token(packed); "
                           "packing changes only the c4 term: sum over CSA layers of record_bytes / 4",
@@ -104,6 +154,7 @@ def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[i
         "token_ratio": sizes["packed"].full_tokens / sizes["native"].full_tokens if sizes["native"].full_tokens else None,
         "modes": modes,
         "lengths": per_length,
+        "combinations": combos,
         "notes": [
             "Record compression is not total memory savings: the C4 records are "
             f"{c4_native / bpt['native']:.1%} of the per-token KV bytes natively; the SWA window, C128 "
@@ -115,6 +166,12 @@ def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[i
             "pool; for long L the full tokens bound it and the requests ratio follows the token ratio "
             "(up to the floor of whole requests); for short L the SWA pool or the request slots bound "
             "it, and the SWA pool grows with the token capacity too.",
+            "Combinations: only native and packed C4 records (c4) are served today (the engine and the SGLang "
+            "plugin); packed window and C128 records, MXFP4 indexer keys and bf16 compressor state are by "
+            "SGLang's formula only, with no format, kernel or measured fidelity yet. SGLang 0.5.18 itself "
+            "counts 132 B per indexer key even with --enable-deepseek-v4-fp4-indexer (its pool then stores 68 B), "
+            "and counts the state dtype SGLANG_DSV4_COMPRESS_STATE_DTYPE sets (bf16 also halves the fixed "
+            "C128 state, so token_ratio exceeds capacity_ratio there).",
         ],
         "limits": [
             "analytic sizing with SGLang 0.5.18's DeepSeek-V4 formula, not a measurement on GPUs",

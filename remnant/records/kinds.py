@@ -73,7 +73,9 @@ COLLECTION = RecordKind("remnant/collection", 1)
 #: v4: v3 plus remnant/engine-bench (v3: v2 plus remnant/learned-scorer; v2: v1 plus
 #: remnant/client-bench).
 INDEX = RecordKind("remnant/index", 4)
-CAPACITY = RecordKind("remnant/capacity", 1)
+#: v2: v1 plus the standard combinations of stored parts (packed window and C128 records,
+#: MXFP4 indexer keys, bf16 compressor state) and settings.combination_retention.
+CAPACITY = RecordKind("remnant/capacity", 2)
 KERNEL_BENCH = RecordKind("remnant/kernel-bench", 12)
 CLIENT_BENCH = RecordKind("remnant/client-bench", 1)
 SESSIONS = RecordKind("remnant/sessions", 1)

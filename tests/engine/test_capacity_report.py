@@ -24,6 +24,33 @@ def test_v4_flash_report():
     by_len = {r["request_tokens"]: r for r in doc["lengths"]}
     assert by_len[131072]["native"]["bound_by"] == "full_tokens"
     assert by_len[131072]["packed"]["requests"] > by_len[131072]["native"]["requests"]
+    # Every standard combination at R = 256: the figures docs/kv.md states.
+    combos = {c["name"]: c for c in doc["combinations"]}
+    assert list(combos) == ["native", "c4", "c4+swa", "c4+swa+c128", "c4+swa+c128+mxfp4_index",
+                            "c4+swa+c128+mxfp4_index+bf16_state"]
+    assert {n: round(c["capacity_ratio"], 4) for n, c in combos.items()} == {
+        "native": 1.0, "c4": 1.2113, "c4+swa": 1.4647, "c4+swa+c128": 1.476, "c4+swa+c128+mxfp4_index": 1.5775,
+        "c4+swa+c128+mxfp4_index+bf16_state": 1.8291}
+    assert [n for n, c in combos.items() if c["served"]] == ["native", "c4"]
+    # The native and c4 combinations are the report's native and packed sides.
+    for name, mode in (("native", doc["modes"][0]), ("c4", doc["modes"][1])):
+        assert combos[name]["bytes_per_token"] == mode["bytes_per_token"]
+        assert combos[name]["max_total_num_tokens"] == mode["max_total_num_tokens"]
+    top = combos["c4+swa+c128+mxfp4_index+bf16_state"]
+    assert top["part_bytes"] == {"swa_record": 328, "c4_record": 328, "c128_record": 328, "index_key": 68,
+                                 "state_dtype": 2}
+    assert top["fixed_bytes"]["c128_state"] * 2 == combos["native"]["fixed_bytes"]["c128_state"]
+    assert top["token_ratio"] > top["capacity_ratio"]  # the halved fixed C128 state leaves more for tokens
+
+
+def test_combination_retention():
+    doc = report(load_model_preset("dsv4_flash_attn"), 40 << 30, [4096], [256], combination_retention=128)
+    validate(doc)
+    assert doc["settings"]["combination_retention"] == 128
+    c4_swa = next(c for c in doc["combinations"] if c["name"] == "c4+swa")
+    assert c4_swa["part_bytes"]["swa_record"] == 200
+    assert c4_swa["bytes_per_token"]["swa"] == pytest.approx(0.1 * 200 * 43)
+    assert doc["formula"]["capacity_ratio"] == pytest.approx(1.2113, abs=5e-5)  # the packed side keeps --retention
 
 
 def test_command_and_errors(tmp_path):
@@ -32,9 +59,14 @@ def test_command_and_errors(tmp_path):
     p = subprocess.run([*cmd, "--model", "tiny", "--budget-gib", "0.1", "--lengths", "512,4096", "--out", str(out)],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    validate(json.loads(out.read_text()))
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert (doc["schema"], doc["schema_version"]) == ("remnant/capacity", 2)
+    assert len(doc["combinations"]) == 6 and "c4+swa+c128+mxfp4_index+bf16_state: " in p.stderr
+    assert "(formula only)" in p.stderr
     for args, message in ((["--model", "huge"], "--model huge is not a model preset; allowed:"),
-                          (["--retention", "100"], "retention=100 is not allowed")):
+                          (["--retention", "100"], "retention=100 is not allowed"),
+                          (["--combination-retention", "100"], "retention=100 is not allowed")):
         p = subprocess.run([*cmd, *args, "--budget-gib", "1", "--out", str(tmp_path / "x.json")],
                            capture_output=True, text=True)
         assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
