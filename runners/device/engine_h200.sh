@@ -6,30 +6,13 @@
 #   timings runners/device/moe_topk_timings.py (the MoE launch grid, top-k against torch.topk)
 #   bench   python -m remnant.cli.engine_bench (decode step per mode beside its roofline, prefill)
 #   serve   remnant-run over the three modes at model=dsv4_flash_h200 (RUN_ARGS: workload)
-# Run from the repository root on the device machine with .whl/ in the call's carry list:
-# wheels for the device's Python 3.12 of what its image lacks, made where pip works with
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl sgl-flash-mla==1.0.0 hydra-core omegaconf orjson fastapi opentelemetry-api annotated-doc \
-#     starlette pydantic pydantic-core typing-inspection annotated-types typing-extensions uvicorn \
-#     jsonschema jsonschema-specifications referencing rpds-py docker
-#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # an sdist only
-# (the versions of the project's own environment). The device's copy has no .git, so pass
+# Run from the repository root on the device machine with .whl/ in the call's carry list
+# (runners/device/setup_h200.sh says how to make it). The device's copy has no .git, so pass
 # the commit for the records' provenance:
 #   REMNANT_GIT_COMMIT=<hash> STAGES="tests bench serve" bash runners/device/engine_h200.sh
 # Stage variables: TESTS_S TIMINGS_S BENCH_S SERVE_S (limits, s), GPU_TESTS, BENCH_ARGS, MODES, RUN_ARGS.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# An installed remnant maps conf/ and schemas/ to remnant.conf and remnant.schemas
-# (pyproject's package-dir); this copy is imported in place, so link them there.
-for d in conf schemas; do [ -e remnant/$d ] || ln -s ../$d remnant/$d; done
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
-python3 -c "import torch, triton, flash_mla; print('torch', torch.__version__, 'triton', triton.__version__)" || exit 1
-# remnant-serve's and remnant-run's imports (the wheels above complete them).
-python3 -c "import remnant.engine.server, remnant.cli, httpx, pandas" || exit 1
+source runners/device/setup_h200.sh || exit 1
 
 for stage in ${STAGES:-tests bench serve}; do
   t0=$(date +%s)
