@@ -129,6 +129,12 @@ class KVPools:
     """Every pool of the engine, allocated from PoolSizes (bytes counted exactly) on `device`."""
 
     def __init__(self, geometry: PoolGeometry, sizes: PoolSizes, device: torch.device | str = "cpu"):
+        beyond = geometry.parts_beyond_c4()
+        if beyond:
+            # The pools below store window and C128 records native, FP8 index keys and fp32
+            # state: a geometry sized for other forms would count bytes they do not hold.
+            raise ValueError(f"the engine's pools store only the C4 records packed; this geometry also sets "
+                             f"{', '.join(beyond)} (remnant.engine.capacity.Combination: by the formula only)")
         self.geometry, self.sizes = geometry, sizes
         self.device = torch.device(device)
         g = geometry

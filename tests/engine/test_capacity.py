@@ -208,3 +208,11 @@ def test_combination_names_validation_and_served():
 def test_bad_part(kw, message):
     with pytest.raises(ValueError, match=message):
         _geometry(584, **kw)
+
+
+def test_the_engines_pools_refuse_parts_they_do_not_store():
+    from remnant.engine.pools import KVPools
+
+    geometry = PoolGeometry([0, 4, 128], [584], state_dtype_bytes=2)
+    with pytest.raises(ValueError, match="state_dtype_bytes"):
+        KVPools(geometry, size_pools(geometry, 64 << 20))
