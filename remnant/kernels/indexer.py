@@ -1,5 +1,5 @@
-"""indexer: the lightning indexer's decode scores over FP8 index keys in their pages, and
-the top-k that picks a token's records from them.
+"""indexer: the lightning indexer's decode scores over index keys in their pages (FP8 or
+MXFP4), and the top-k that picks a token's records from them.
 
 For row b (one decode token) and each C4 record j the page table reaches,
 
@@ -22,6 +22,16 @@ a prefill's, where a sequence's tokens score the same keys, so a program reuses 
 block for BLOCK_T tokens. The torch path instead moves the gathered keys through memory
 four times (gather, widen, scale, cast) and rounds the product to the compute dtype.
 
+MXFP4 keys (key_format="mxfp4": 64 bytes of e2m1 codes, two a byte, and 4 UE8M0
+exponents, one per 32 coordinates; remnant.kv.index_keys) are read in place the same way:
+the program loads each code byte for both of its coordinates and each exponent for its 32,
+takes the nibble, widens it to its e2m1 value and multiplies by 2^(s - 127) before the
+product (the scale varies along the summed axis, so it cannot wait). Both factors are
+powers of two times at most 3 bits, so the dequantized key is exact in q's dtype and the
+product is again the dequantized one with float32 accumulation. The queries stay in q's
+dtype: SGLang's FP4 path also quantizes them to MXFP4 (DeepGEMM's fp8_fp4_paged_mqa_logits
+on SM100), which Remnant does not.
+
 `index_scores_reference` is the same function in float64 from dequantized keys (the
 ground truth the kernel is tested against). The selection from the scores is
 remnant.engine.ops.index_top_k.
@@ -34,25 +44,26 @@ import triton
 import triton.language as tl
 
 from remnant.kernels.common import interpreted
-from remnant.kv.index_keys import BLOCK, SCALE_BYTES, dequantize_index_keys
+from remnant.kv.index_keys import BLOCK, MX_BLOCK, IndexKeyFormat, index_key_format
 from remnant.kv.layout import PageLayout
 
-#: The kernel reads keys of one scale block (V4's index_head_dim: 128 coordinates).
+#: The kernel reads keys of one FP8 scale block (V4's index_head_dim: 128 coordinates).
 KEY_DIM = BLOCK
 
 
 def _check(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
-           counts: torch.Tensor, shared: bool) -> None:
+           counts: torch.Tensor, shared: bool, fmt: IndexKeyFormat) -> None:
     if q.ndim != 3 or q.shape[2] != KEY_DIM or q.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"q must be bfloat16 or float32 [B, heads, {KEY_DIM}], got {q.dtype} {tuple(q.shape)}")
     B, H, _ = q.shape
     if w.shape != (B, H):
         raise ValueError(f"w must be [B={B}, heads={H}], got {tuple(w.shape)}")
-    if layout.data_bytes != KEY_DIM or layout.tail_bytes != SCALE_BYTES:
-        raise ValueError(f"the indexer's pages hold {KEY_DIM} code bytes and a {SCALE_BYTES}-byte scale per key, "
-                         f"got data_bytes={layout.data_bytes}, tail_bytes={layout.tail_bytes}")
+    if layout.data_bytes != fmt.data_bytes or layout.tail_bytes != fmt.tail_bytes:
+        raise ValueError(f"the indexer's pages of {fmt.name} keys hold {fmt.data_bytes} code bytes and "
+                         f"{fmt.tail_bytes} scale bytes per key, got data_bytes={layout.data_bytes}, "
+                         f"tail_bytes={layout.tail_bytes}")
     layout.check(pages, "index key pages")
-    if layout.page_stride % 4 or (layout.per_page * KEY_DIM) % 4:
+    if fmt.name == "fp8" and (layout.page_stride % 4 or (layout.per_page * KEY_DIM) % 4):
         raise ValueError(f"index key pages must keep their float32 scales 4-byte aligned, got page_stride="
                          f"{layout.page_stride}")
     want = "[n]" if shared else f"[B={B}, n]"
@@ -65,18 +76,21 @@ def _check(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLa
         raise ValueError(f"the indexer's tensors must share one device, got {sorted(map(str, devices))}")
 
 
-def keys_at(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor) -> torch.Tensor:
+def keys_at(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
+            key_format: "str | IndexKeyFormat" = "fp8") -> torch.Tensor:
     """Dequantized keys float32 [*locs.shape, 128] at `locs` (-1 reads location 0)."""
-    return dequantize_index_keys(layout.read(pages, locs.clamp_min(0)))
+    return index_key_format(key_format, KEY_DIM).dequantize(layout.read(pages, locs.clamp_min(0)))
 
 
 def index_scores_reference(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
-                           locs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+                           locs: torch.Tensor, counts: torch.Tensor,
+                           key_format: "str | IndexKeyFormat" = "fp8") -> torch.Tensor:
     """The ground truth of `index_scores` (locs [B, n]) and `index_scores_shared` (locs
     [n]), in float64, returned as float32."""
     shared = locs.ndim == 1
-    _check(q, w, pages, layout, locs, counts, shared)
-    keys = keys_at(pages, layout, locs).double()
+    fmt = index_key_format(key_format, KEY_DIM)
+    _check(q, w, pages, layout, locs, counts, shared, fmt)
+    keys = keys_at(pages, layout, locs, fmt).double()
     spec = "bhd,nd->bhn" if shared else "bhd,bnd->bhn"
     logits = torch.relu(torch.einsum(spec, q.double(), keys))
     scores = torch.einsum("bh,bhn->bn", w.double(), logits).float()
@@ -103,25 +117,64 @@ def _load_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE: tl.
 
 
 @triton.jit
+def _load_mxfp4_keys(locs_ptr, pages_ptr, j, n, page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr,
+                     MX: tl.constexpr):
+    """Dequantized MXFP4 keys float32 [BLOCK_N, D] (exact) and usable bool [BLOCK_N] at
+    locations locs_ptr[j] (-1 or j >= n: unusable, zeros). A key's D / 2 code bytes sit at
+    slot * D / 2 in its page, its D / MX exponent bytes after the page's codes."""
+    loc = tl.load(locs_ptr + j, mask=j < n, other=-1)
+    usable = (j < n) & (loc >= 0)
+    safe = tl.where(usable, loc, 0)
+    page = (safe // PER_PAGE).to(tl.int64)
+    slot = safe % PER_PAGE
+    d = tl.arange(0, D)
+    base = pages_ptr + page[:, None] * page_stride
+    # Each byte is loaded for both of its coordinates, each exponent for its MX (cached).
+    byte = tl.load(base + slot[:, None] * (D // 2) + d[None, :] // 2, mask=usable[:, None], other=0).to(tl.int32)
+    nibble = (byte >> ((d[None, :] % 2) * 4)) & 0xF
+    exponent = tl.load(base + PER_PAGE * (D // 2) + slot[:, None] * (D // MX) + d[None, :] // MX,
+                       mask=usable[:, None], other=0).to(tl.int32)
+    # e2m1 magnitude index m -> 4 x value: 0, 2 (m < 2: subnormal 0, 0.5) and
+    # (2 + mantissa) << exponent field (1, 1.5, 2, 3, 4, 6 for m = 2..7).
+    m = nibble & 7
+    quarters = tl.where(m < 2, 2 * m, (2 + (m & 1)) << (m >> 1))
+    signed = tl.where(nibble >= 8, -quarters, quarters).to(tl.float32)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)        # 2^(s - 127): s is the exponent field
+    return signed * 0.25 * scale, usable
+
+
+@triton.jit
 def _scores_kernel(q_ptr, w_ptr, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, B, n, H, page_stride,
                    PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_T: tl.constexpr, SHARED: tl.constexpr, INTERPRETED: tl.constexpr):
+                   BLOCK_T: tl.constexpr, SHARED: tl.constexpr, INTERPRETED: tl.constexpr,
+                   MXFP4: tl.constexpr, MX: tl.constexpr):
     """Scores of rows [pid0 * BLOCK_T, +BLOCK_T) against keys [pid1 * BLOCK_N, +BLOCK_N).
     SHARED: every row reads the same locations locs [n], so the key block is loaded once;
-    else row b reads locs [b, :n]."""
+    else row b reads locs [b, :n]. MXFP4: the keys are MXFP4 (dequantized on load, scale
+    1 after the product) rather than FP8 codes with a float32 scale per key."""
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     h = tl.arange(0, BLOCK_H)
     if SHARED:
-        codes, scale, usable = _load_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE, D)
+        if MXFP4:
+            values, usable = _load_mxfp4_keys(locs_ptr, pages_ptr, j, n, page_stride, PER_PAGE, D, MX)
+        else:
+            codes, scale, usable = _load_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE, D)
     for r in range(BLOCK_T):
         b = tl.program_id(0) * BLOCK_T + r
         if b < B:
             if not SHARED:
-                codes, scale, usable = _load_keys(locs_ptr + b.to(tl.int64) * n, pages_ptr, scales_ptr, j, n,
-                                                  page_stride, PER_PAGE, D)
+                if MXFP4:
+                    values, usable = _load_mxfp4_keys(locs_ptr + b.to(tl.int64) * n, pages_ptr, j, n, page_stride,
+                                                      PER_PAGE, D, MX)
+                else:
+                    codes, scale, usable = _load_keys(locs_ptr + b.to(tl.int64) * n, pages_ptr, scales_ptr, j, n,
+                                                      page_stride, PER_PAGE, D)
             q = tl.load(q_ptr + (b.to(tl.int64) * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
-            keys = codes.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            if MXFP4:
+                keys = values.to(q.dtype)                             # exact: e2m1 x 2^k is a bf16 value
+            else:
+                keys = codes.to(tl.float8e4nv, bitcast=True).to(q.dtype)
             if INTERPRETED:
                 # Triton's interpreter returns garbage for tl.dot on bf16 operands (remnant.kernels.moe).
                 dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
@@ -130,12 +183,15 @@ def _scores_kernel(q_ptr, w_ptr, pages_ptr, scales_ptr, locs_ptr, counts_ptr, ou
             else:
                 dots = tl.dot(q, tl.trans(keys))                      # [BLOCK_H, BLOCK_N] float32
             wh = tl.load(w_ptr + b.to(tl.int64) * H + h, mask=h < H, other=0.0)
-            s = tl.sum(tl.maximum(dots * scale[None, :], 0.0) * wh[:, None], axis=0)
+            if MXFP4:
+                s = tl.sum(tl.maximum(dots, 0.0) * wh[:, None], axis=0)
+            else:
+                s = tl.sum(tl.maximum(dots * scale[None, :], 0.0) * wh[:, None], axis=0)
             seen = usable & (j < tl.load(counts_ptr + b))
             tl.store(out_ptr + b.to(tl.int64) * n + j, tl.where(seen, s, float("-inf")), mask=j < n)
 
 
-def _launch(q, w, pages, layout, locs, counts, block_t: int, block_n: int) -> torch.Tensor:
+def _launch(q, w, pages, layout, locs, counts, block_t: int, block_n: int, fmt: IndexKeyFormat) -> torch.Tensor:
     B, H, D = q.shape
     n = locs.shape[-1]
     out = torch.empty(B, n, dtype=torch.float32, device=q.device)
@@ -143,30 +199,35 @@ def _launch(q, w, pages, layout, locs, counts, block_t: int, block_n: int) -> to
         return out
     locs = locs.to(torch.int32).contiguous()
     grid = (triton.cdiv(B, block_t), triton.cdiv(n, block_n))
-    _scores_kernel[grid](q.contiguous(), w.float().contiguous(), pages, pages.view(torch.float32), locs,
+    mxfp4 = fmt.name == "mxfp4"
+    # FP8 pages are also read as float32 words (their scales); MXFP4 pages need no such view.
+    scales = pages if mxfp4 else pages.view(torch.float32)
+    _scores_kernel[grid](q.contiguous(), w.float().contiguous(), pages, scales, locs,
                          counts.to(torch.int32).contiguous(), out, B, n, H, layout.page_stride,
                          PER_PAGE=layout.per_page, D=D, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_N=block_n,
-                         BLOCK_T=block_t, SHARED=locs.ndim == 1, INTERPRETED=interpreted())
+                         BLOCK_T=block_t, SHARED=locs.ndim == 1, INTERPRETED=interpreted(), MXFP4=mxfp4, MX=MX_BLOCK)
     return out
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
-                 counts: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+                 counts: torch.Tensor, block_n: int = 64, key_format: "str | IndexKeyFormat" = "fp8") -> torch.Tensor:
     """A decode step's scores float32 [B, n]: row b's queries q [B, H, 128] (bfloat16 or
     float32) with head weights w float32 [B, H] against the keys at its own locations locs
     int [B, n]; -inf at column j >= counts[b] (int [B]: the records visible to the row) and
-    at location -1. pages: the indexer pool's uint8 [pages, page_stride] (`layout`: 128 code
-    bytes and a 4-byte scale per key). Nothing is read back to the host: a CUDA graph can
-    capture it."""
-    _check(q, w, pages, layout, locs, counts, shared=False)
-    return _launch(q, w, pages, layout, locs, counts, 1, block_n)
+    at location -1. pages: the indexer pool's uint8 [pages, page_stride] (`layout`: per key
+    128 code bytes and a 4-byte scale for key_format "fp8", 64 code bytes and 4 exponent
+    bytes for "mxfp4"). Nothing is read back to the host: a CUDA graph can capture it."""
+    fmt = index_key_format(key_format, KEY_DIM)
+    _check(q, w, pages, layout, locs, counts, False, fmt)
+    return _launch(q, w, pages, layout, locs, counts, 1, block_n, fmt)
 
 
 def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
                         locs: torch.Tensor, counts: torch.Tensor, block_t: int = 16,
-                        block_n: int = 64) -> torch.Tensor:
+                        block_n: int = 64, key_format: "str | IndexKeyFormat" = "fp8") -> torch.Tensor:
     """A prefill's scores float32 [T, n]: T tokens of one sequence against the same keys at
     locs int [n]; otherwise as index_scores. A program scores block_t tokens against one
     key block, so keys are read T / block_t times, not T."""
-    _check(q, w, pages, layout, locs, counts, shared=True)
-    return _launch(q, w, pages, layout, locs, counts, block_t, block_n)
+    fmt = index_key_format(key_format, KEY_DIM)
+    _check(q, w, pages, layout, locs, counts, True, fmt)
+    return _launch(q, w, pages, layout, locs, counts, block_t, block_n, fmt)

@@ -1,5 +1,5 @@
-"""remnant.kernels.indexer: the indexer's scores over FP8 keys in their pages against the
-float64 reference."""
+"""remnant.kernels.indexer: the indexer's scores over FP8 and MXFP4 keys in their pages
+against the float64 reference."""
 
 from __future__ import annotations
 
@@ -8,54 +8,63 @@ import torch
 
 from remnant.engine.ops import index_top_k
 from remnant.kernels.top_k import top_k_reference
-from remnant.kv.index_keys import quantize_index_keys
+from remnant.kv.index_keys import IndexKeyFormat, quantize_index_keys
 from remnant.engine.pools import SplitPages
 from remnant.kernels.indexer import index_scores, index_scores_reference, index_scores_shared, keys_at
 from tests.kernels.inputs import DEVICE, ON_GPU
 
 
-def _pool(gen: torch.Generator, pages: int, per_page: int) -> SplitPages:
-    """An indexer pool (the engine's layout) whose every slot holds a fresh quantized key."""
-    pool = SplitPages(pages, per_page, 132, 4, device=DEVICE)
+def _pool(gen: torch.Generator, pages: int, per_page: int, key_format: str = "fp8") -> SplitPages:
+    """An indexer pool (the engine's layout) whose every slot holds a fresh quantized key.
+    MXFP4 keys get a scale per 32 coordinates over 4 decades, so the kernel must pick each
+    coordinate's own exponent."""
+    fmt = IndexKeyFormat(key_format)
+    pool = SplitPages(pages, per_page, fmt.bytes_per_key, fmt.tail_bytes, device=DEVICE)
     keys = torch.randn(pages * per_page, 128, generator=gen) * torch.exp(torch.randn(pages * per_page, 1, generator=gen))
-    pool.layout.write(pool.buf, torch.arange(pages * per_page, device=DEVICE), quantize_index_keys(keys).to(DEVICE))
+    if key_format == "mxfp4":
+        keys = keys * torch.exp(2 * torch.randn(pages * per_page, 4, 1, generator=gen)).repeat_interleave(32, 1)[..., 0]
+    stored = quantize_index_keys(keys) if key_format == "fp8" else fmt.quantize(keys)
+    pool.layout.write(pool.buf, torch.arange(pages * per_page, device=DEVICE), stored.to(DEVICE))
     return pool
 
 
+@pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize(("heads", "dtype", "n"), [(8, torch.float32, 100), (64, torch.float32, 64),
                                                     (64, torch.bfloat16, 130)])
-def test_scores_are_the_reference(heads, dtype, n):
+def test_scores_are_the_reference(heads, dtype, n, key_format):
     gen = torch.Generator().manual_seed(heads + n)
     B, per_page = 3, 16
-    pool = _pool(gen, 12, per_page)
+    pool = _pool(gen, 12, per_page, key_format)
     locs = torch.randint(0, 12 * per_page, (B, n), generator=gen)
     locs[1, ::7] = -1                                    # padding columns
     counts = torch.tensor([n, n // 2, 0])
     q = torch.randn(B, heads, 128, generator=gen).to(DEVICE, dtype)
     w = torch.randn(B, heads, generator=gen).to(DEVICE)
     locs, counts = locs.to(DEVICE), counts.to(DEVICE)
-    got = index_scores(q, w, pool.buf, pool.layout, locs, counts)
-    want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts)
+    got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
+    want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
     _same_scores(got, want)
     assert torch.isneginf(got[2]).all() and torch.isneginf(got[1, n // 2:]).all() and torch.isneginf(got[1, ::7]).all()
 
 
+@pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize(("tokens", "block_t", "dtype"), [(1, 16, torch.float32), (37, 16, torch.float32),
                                                            (20, 4, torch.bfloat16)])
-def test_shared_scores_are_the_reference(tokens, block_t, dtype):
+def test_shared_scores_are_the_reference(tokens, block_t, dtype, key_format):
     # A prefill's tokens of one sequence against its keys: token t sees the first counts[t].
     gen = torch.Generator().manual_seed(tokens)
-    pool = _pool(gen, 10, 16)
+    pool = _pool(gen, 10, 16, key_format)
     n = 90
     locs = torch.randperm(160, generator=gen)[:n].to(DEVICE)
     counts = torch.randint(0, n + 1, (tokens,), generator=gen).to(DEVICE)
     q = torch.randn(tokens, 64, 128, generator=gen).to(DEVICE, dtype)
     w = torch.randn(tokens, 64, generator=gen).to(DEVICE)
-    got = index_scores_shared(q, w, pool.buf, pool.layout, locs, counts, block_t=block_t)
-    want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts)
+    got = index_scores_shared(q, w, pool.buf, pool.layout, locs, counts, block_t=block_t, key_format=key_format)
+    want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
     _same_scores(got, want)
     # The same as each token scoring its own copy of the locations.
-    torch.testing.assert_close(got, index_scores(q, w, pool.buf, pool.layout, locs.expand(tokens, n), counts))
+    torch.testing.assert_close(got, index_scores(q, w, pool.buf, pool.layout, locs.expand(tokens, n), counts,
+                                                 key_format=key_format))
 
 
 def _same_scores(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -68,16 +77,32 @@ def _same_scores(got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got[seen], want[seen], rtol=1e-5, atol=1e-4 * want[seen].abs().max().item())
 
 
-def test_scores_read_the_keys_where_the_layout_puts_them():
+@pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
+def test_scores_read_the_keys_where_the_layout_puts_them(key_format):
     # One key at a time: a score with one head and weight 1 is relu(q . key), the key as
     # keys_at dequantizes it from its page.
     gen = torch.Generator().manual_seed(5)
-    pool = _pool(gen, 4, 8)
+    pool = _pool(gen, 4, 8, key_format)
     locs = torch.tensor([[0, 7, 8, 31]], device=DEVICE)
     q = torch.randn(1, 1, 128, generator=gen).to(DEVICE)
-    got = index_scores(q, torch.ones(1, 1, device=DEVICE), pool.buf, pool.layout, locs, torch.tensor([4], device=DEVICE))
-    keys = keys_at(pool.buf, pool.layout, locs)[0]
+    got = index_scores(q, torch.ones(1, 1, device=DEVICE), pool.buf, pool.layout, locs, torch.tensor([4], device=DEVICE),
+                       key_format=key_format)
+    keys = keys_at(pool.buf, pool.layout, locs, key_format)[0]
     torch.testing.assert_close(got[0], torch.relu(keys @ q[0, 0]), rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_scores_take_each_coordinate_from_its_nibble_and_exponent():
+    # One coordinate at a time: q = e_c picks coordinate c of each key, so the scores are
+    # relu(key[c]) for every c: a swapped nibble or a neighbour's exponent shows here.
+    gen = torch.Generator().manual_seed(6)
+    pool = _pool(gen, 3, 4, "mxfp4")
+    locs = torch.tensor([[1, 6, 11]], device=DEVICE).expand(128, 3).contiguous()
+    eye = torch.eye(128, device=DEVICE)
+    keys = keys_at(pool.buf, pool.layout, locs[0], "mxfp4")                      # [3, 128]
+    for sign in (1.0, -1.0):
+        got = index_scores(sign * eye[:, None, :], torch.ones(128, 1, device=DEVICE), pool.buf, pool.layout, locs,
+                           torch.full((128,), 3, device=DEVICE), key_format="mxfp4")
+        assert torch.equal(got, torch.relu(sign * keys.T))
 
 
 def test_bad_arguments_name_the_argument():
@@ -95,22 +120,31 @@ def test_bad_arguments_name_the_argument():
     native = SplitPages(2, 4, 584, device=DEVICE)
     with pytest.raises(ValueError, match="128 code bytes"):
         index_scores(q, w, native.buf, native.layout, locs, counts)
+    # FP8 pages read as MXFP4 and the other way round: the layout does not match the format.
+    with pytest.raises(ValueError, match="mxfp4 keys hold 64 code bytes and 4 scale bytes"):
+        index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format="mxfp4")
+    mx = SplitPages(2, 4, 68, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="fp8 keys hold 128 code bytes"):
+        index_scores_shared(q, w, mx.buf, mx.layout, locs[0], counts)
+    with pytest.raises(ValueError, match="index key format='fp4' is unknown; allowed: fp8, mxfp4"):
+        index_scores(q, w, mx.buf, mx.layout, locs, counts, key_format="fp4")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled on the GPU; the interpreter runs the same function above")
 @pytest.mark.gpu
-def test_scores_at_v4_flash_shapes_on_gpu():
+@pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
+def test_scores_at_v4_flash_shapes_on_gpu(key_format):
     gen = torch.Generator().manual_seed(0)
-    pool = _pool(gen, 130, 64)
+    pool = _pool(gen, 130, 64, key_format)
     B, n = 32, 8192
     locs = torch.randperm(130 * 64, generator=gen)[:n].repeat(B, 1).to(DEVICE)
     counts = torch.randint(1, n + 1, (B,), generator=gen).to(DEVICE)
     q = torch.randn(B, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
     w = torch.randn(B, 64, generator=gen).to(DEVICE)
-    got = index_scores(q, w, pool.buf, pool.layout, locs, counts)
-    _same_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts))
-    shared = index_scores_shared(q, w, pool.buf, pool.layout, locs[0], counts)
-    _same_scores(shared, index_scores_reference(q, w, pool.buf, pool.layout, locs[0], counts))
+    got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
+    _same_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format))
+    shared = index_scores_shared(q, w, pool.buf, pool.layout, locs[0], counts, key_format=key_format)
+    _same_scores(shared, index_scores_reference(q, w, pool.buf, pool.layout, locs[0], counts, key_format=key_format))
     # The selection from them on the GPU: the stable sort's, ties and -inf included.
     for k in (1, 512, n):
         assert torch.equal(index_top_k(got, k)[1], top_k_reference(got, k)[1])
