@@ -57,9 +57,11 @@ from remnant.kv.formats import (
     CSA_RATIO,
     HCA_RATIO,
     HEAD_DIM,
+    INDEX_KEY_FORMATS,
     KERNEL_RETENTION,
     NATIVE_RECORD_BYTES,
     RETENTION_VALUES,
+    index_key_parts,
     packed_record_bytes,
 )
 
@@ -73,26 +75,15 @@ INDEXER_QUANT_BLOCK = 128
 
 #: Compressor state dtypes SGLANG_DSV4_COMPRESS_STATE_DTYPE takes, by their byte size.
 STATE_DTYPES = {"float32": 4, "bfloat16": 2}
-#: Indexer key formats: SGLang's default FP8 (one fp32 scale per 128 coordinates) and the
-#: MXFP4 of --enable-deepseek-v4-fp4-indexer (E2M1 codes, one UE8M0 byte per 32).
-INDEX_KEY_FORMATS = ("fp8", "mxfp4")
-MXFP4_BLOCK = 32
 #: Stored sizes a window (SWA) or C128 record may take: packed at a retention, or native.
 RECORD_BYTES = tuple(packed_record_bytes(r) for r in RETENTION_VALUES) + (NATIVE_RECORD_BYTES,)
 
 
 def index_key_bytes(key_format: str, index_head_dim: int) -> int:
-    """Bytes of one C4 indexer key of `index_head_dim` coordinates in `key_format`.
-
-    fp8: d codes + one fp32 scale per 128 (132 at d = 128, what SGLang's configurator counts);
-    mxfp4: d / 2 bytes of E2M1 code pairs + one UE8M0 byte per 32 (68 at d = 128, SGLang's
-    DeepSeekV4IndexerPool with the FP4 indexer: index_head_dim // 2 + 4).
-    """
-    if key_format == "fp8":
-        return index_head_dim + index_head_dim // INDEXER_QUANT_BLOCK * 4
-    if key_format == "mxfp4":
-        return index_head_dim // 2 + index_head_dim // MXFP4_BLOCK
-    raise ValueError(f"index_keys={key_format!r} is not an indexer key format; allowed: {', '.join(INDEX_KEY_FORMATS)}")
+    """Bytes of one C4 indexer key of `index_head_dim` coordinates in `key_format`
+    (remnant.kv.formats.index_key_parts): fp8 132 at d = 128, what SGLang's configurator
+    counts; mxfp4 68, SGLang's DeepSeekV4IndexerPool with the FP4 indexer."""
+    return sum(index_key_parts(key_format, index_head_dim))
 
 
 @dataclass

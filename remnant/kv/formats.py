@@ -79,3 +79,28 @@ def page_bytes(page_size: int, retention: int = HEAD_DIM) -> int:
     row = packed_data_bytes(retention)
     raw = page_size * (row + SCALE_BYTES)
     return -(-raw // row) * row
+
+
+#: The C4 indexer's key formats (remnant.kv.index_keys): fp8, e4m3 codes with one float32
+#: scale per FP8_KEY_BLOCK coordinates (SGLang's default); mxfp4, e2m1 codes two to a byte
+#: with one UE8M0 exponent byte per MX_KEY_BLOCK (SGLang's --enable-deepseek-v4-fp4-indexer).
+INDEX_KEY_FORMATS = ("fp8", "mxfp4")
+FP8_KEY_BLOCK = 128
+FP8_KEY_SCALE_BYTES = 4
+MX_KEY_BLOCK = 32
+FP4_PER_BYTE = 2
+
+
+def index_key_parts(key_format: str, dim: int) -> tuple[int, int]:
+    """(code bytes, scale bytes) of one indexer key of `dim` coordinates in `key_format`:
+    (d, 4 d / 128) for fp8 (132 bytes at V4's 128), (d / 2, d / 32) for mxfp4 (68). The
+    pools' split pages, the capacity formula and the codec all take their sizes here."""
+    if key_format not in INDEX_KEY_FORMATS:
+        raise ValueError(f"index key format={key_format!r} is unknown; allowed: {', '.join(INDEX_KEY_FORMATS)}")
+    block = FP8_KEY_BLOCK if key_format == "fp8" else MX_KEY_BLOCK
+    if dim < block or dim % block:
+        raise ValueError(f"index_head_dim={dim} must be a positive multiple of {block} for {key_format} index keys")
+    if key_format == "fp8":
+        return dim, dim // FP8_KEY_BLOCK * FP8_KEY_SCALE_BYTES
+    return dim // FP4_PER_BYTE, dim // MX_KEY_BLOCK
+

@@ -44,16 +44,24 @@ from dataclasses import dataclass
 
 import torch
 
-#: Coordinates per scale block, and the bytes of one block's float32 scale (fp8 keys).
-BLOCK = 128
-SCALE_BYTES = 4
-#: V4-Flash's index_head_dim, and the bytes of one key there in each format.
+from remnant.kv.formats import (
+    FP4_PER_BYTE,
+    FP8_KEY_BLOCK,
+    FP8_KEY_SCALE_BYTES,
+    MX_KEY_BLOCK,
+    index_key_parts,
+)
+
+#: Coordinates per scale block, and the bytes of one block's float32 scale (fp8 keys);
+#: MXFP4 (OCP MX): coordinates per UE8M0 exponent byte, FP4 codes per byte. One home for
+#: the sizes: remnant.kv.formats (plain Python, which the capacity formula takes too).
+BLOCK = FP8_KEY_BLOCK
+SCALE_BYTES = FP8_KEY_SCALE_BYTES
+MX_BLOCK = MX_KEY_BLOCK
+#: V4-Flash's index_head_dim, and the bytes of one key there in each format (132, 68).
 INDEX_HEAD_DIM = 128
-FP8_KEY_BYTES = INDEX_HEAD_DIM + INDEX_HEAD_DIM // BLOCK * SCALE_BYTES          # 132
-#: MXFP4 (OCP MX): coordinates per UE8M0 exponent byte, FP4 codes per byte.
-MX_BLOCK = 32
-FP4_PER_BYTE = 2
-MXFP4_KEY_BYTES = INDEX_HEAD_DIM // FP4_PER_BYTE + INDEX_HEAD_DIM // MX_BLOCK   # 68
+FP8_KEY_BYTES = sum(index_key_parts("fp8", INDEX_HEAD_DIM))
+MXFP4_KEY_BYTES = sum(index_key_parts("mxfp4", INDEX_HEAD_DIM))
 #: e2m1 magnitudes by 3-bit index; the largest; SGLang's floor on a block's amax.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -61,8 +69,6 @@ MXFP4_AMAX_FLOOR = 1e-4
 #: Rounding thresholds between consecutive magnitudes (a value above threshold i rounds to
 #: magnitude i + 1 or higher; exactly at one rounds toward zero, as SGLang's quant_fp4_e2m1).
 _E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-#: The key formats by name.
-INDEX_KEY_FORMATS = ("fp8", "mxfp4")
 
 
 def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
@@ -102,22 +108,17 @@ class IndexKeyFormat:
     dim: int = INDEX_HEAD_DIM
 
     def __post_init__(self):
-        if self.name not in INDEX_KEY_FORMATS:
-            raise ValueError(f"index key format={self.name!r} is unknown; allowed: {', '.join(INDEX_KEY_FORMATS)}")
-        block = BLOCK if self.name == "fp8" else MX_BLOCK
-        if self.dim < block or self.dim % block:
-            raise ValueError(f"index_head_dim={self.dim} must be a positive multiple of {block} for "
-                             f"{self.name} index keys")
+        index_key_parts(self.name, self.dim)  # a ValueError naming the format or the dimension
 
     @property
     def data_bytes(self) -> int:
         """Code bytes of one key: d (fp8) or d / 2 (mxfp4)."""
-        return self.dim if self.name == "fp8" else self.dim // FP4_PER_BYTE
+        return index_key_parts(self.name, self.dim)[0]
 
     @property
     def tail_bytes(self) -> int:
         """Scale bytes of one key: 4 per 128 coordinates (fp8) or 1 per 32 (mxfp4)."""
-        return self.dim // BLOCK * SCALE_BYTES if self.name == "fp8" else self.dim // MX_BLOCK
+        return index_key_parts(self.name, self.dim)[1]
 
     @property
     def bytes_per_key(self) -> int:

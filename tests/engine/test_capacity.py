@@ -129,7 +129,7 @@ def test_index_key_and_record_sizes():
     assert index_key_bytes("fp8", 128) == 132   # SGLang's configurator: d + 4 d / 128
     assert index_key_bytes("mxfp4", 128) == 68  # SGLang's FP4 indexer pool: d // 2 + 4
     assert index_key_bytes("fp8", 256) == 264 and index_key_bytes("mxfp4", 256) == 136
-    with pytest.raises(ValueError, match="index_keys='nvfp4' is not an indexer key format; allowed: fp8, mxfp4"):
+    with pytest.raises(ValueError, match="index key format='nvfp4' is unknown; allowed: fp8, mxfp4"):
         index_key_bytes("nvfp4", 128)
     g = combination_geometry(_geometry(584), C4_SWA_C128_MXFP4_BF16)
     assert (g.swa_record_bytes, g.c4_record_bytes, g.c128_record_bytes) == (328, [328] * 21, 328)
