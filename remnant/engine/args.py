@@ -29,6 +29,9 @@ ENGINE_DEVICES = ("cpu", "cuda")
 DECODE_PATHS = ("auto", "reference", "batched", "kernels")
 #: Values of EngineArgs.dtype: the compute dtype (auto: bfloat16 on cuda, float32 on cpu).
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
+#: The compressor state's dtypes, as SGLANG_DSV4_COMPRESS_STATE_DTYPE names them
+#: (remnant.engine.capacity.STATE_DTYPES gives their byte sizes).
+COMPRESSOR_STATE_DTYPES = ("float32", "bfloat16")
 NATIVE_DECODES = ("auto", "flashmla", "triton")
 
 
@@ -77,6 +80,14 @@ class EngineArgs:
     #: indexer's key codec and top-k keys) run through torch.compile (remnant.engine.
     #: step_ops); off: plain torch operations. Ignored on cpu.
     torch_compile: bool = field(default=True, metadata={"flag": "--disable-torch-compile"})
+    #: The compressors' state rows (the open blocks' content and gate, C4, indexer and C128):
+    #: float32 as SGLang keeps them by default, or bfloat16, as SGLang's
+    #: SGLANG_DSV4_COMPRESS_STATE_DTYPE=bfloat16 keeps them (half the state's bytes; the
+    #: pools' budget and capacity count it, remnant.engine.capacity).
+    compressor_state_dtype: str = field(default="float32", metadata={
+        "choices": COMPRESSOR_STATE_DTYPES,
+        "help": "compressor state rows: float32 (SGLang's default) or bfloat16 "
+                "(SGLANG_DSV4_COMPRESS_STATE_DTYPE=bfloat16)"})
     #: The largest decode batch captured in a CUDA graph; larger batches run eagerly.
     cuda_graph_max_bs: int = field(default=128, metadata={"help": "largest decode batch captured in a CUDA graph"})
     #: Which kernel decode steps on the kernels path run over native records (native and

@@ -166,9 +166,11 @@ def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[i
             "pool; for long L the full tokens bound it and the requests ratio follows the token ratio "
             "(up to the floor of whole requests); for short L the SWA pool or the request slots bound "
             "it, and the SWA pool grows with the token capacity too.",
-            "Combinations: only native and packed C4 records (c4) are served today (the engine and the SGLang "
-            "plugin); packed window and C128 records, MXFP4 indexer keys and bf16 compressor state are by "
-            "SGLang's formula only, with no format, kernel or measured fidelity yet. SGLang 0.5.18 itself "
+            "Combinations: served today are native or packed C4 records (c4; the engine and the SGLang "
+            "plugin) with the compressor state in float32 or bfloat16 (the engine's "
+            "host.compressor_state_dtype; SGLang's SGLANG_DSV4_COMPRESS_STATE_DTYPE); packed window and C128 "
+            "records are by SGLang's formula only, and MXFP4 indexer keys have a codec and an indexer kernel "
+            "but no pool yet. SGLang 0.5.18 itself "
             "counts 132 B per indexer key even with --enable-deepseek-v4-fp4-indexer (its pool then stores 68 B), "
             "and counts the state dtype SGLANG_DSV4_COMPRESS_STATE_DTYPE sets (bf16 also halves the fixed "
             "C128 state, so token_ratio exceeds capacity_ratio there).",

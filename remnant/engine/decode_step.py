@@ -196,14 +196,15 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
 
 
 def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioSlots) -> None:
-    """The token joins its compressor's open block (fp32 state rows, as SGLang keeps them);
+    """The token joins its compressor's open block (state rows in the pools' state dtype);
     where it completes the block, the block becomes a record (and, on CSA layers, an index
     key) at record index pos // ratio; elsewhere those writes go to the padding page."""
     csa = layer.ratio == CSA_RATIO
     state = pools.c4_state[li] if csa else pools.c128_state[li]
-    # Content and gate are adjacent columns of the projections: one write of both.
-    state[slots.state_row, :, :HEAD_DIM] = torch.stack([p.c, p.g], dim=1).float()
-    block = state[slots.block_rows, :, :HEAD_DIM]  # [B, ratio, 2, 512]: one gather for content and gate
+    # Content and gate are adjacent columns of the projections: one write of both, in the
+    # state's dtype (float32, or bfloat16 with compressor_state_dtype); read back in float32.
+    state[slots.state_row, :, :HEAD_DIM] = torch.stack([p.c, p.g], dim=1).to(state.dtype)
+    block = state[slots.block_rows, :, :HEAD_DIM].float()  # [B, ratio, 2, 512]: one gather for both
     latents = model.compress(layer, block[:, :, 0], block[:, :, 1], slots.index)
     target = pools.c4[li] if csa else pools.c128[li]
     store(latents, target.buf, target.layout, slots.write_locs, model.c4_formats[li].columns if csa else None)
@@ -215,8 +216,8 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioS
     if csa:
         d = model.args.index_head_dim
         index_state = pools.c4_index_state[li]
-        index_state[slots.state_row, 0, :d] = p.ik.float()
-        keys = index_state[slots.block_rows, 0, :d].mean(1)
+        index_state[slots.state_row, 0, :d] = p.ik.to(index_state.dtype)
+        keys = index_state[slots.block_rows, 0, :d].float().mean(1)
         indexer = pools.indexer[li]
         indexer.layout.write(indexer.buf, slots.write_locs, model.ops.quantize_index_keys(keys))
 

@@ -752,12 +752,15 @@ class Model:
         length = seq.length
         state = pools.c4_state[li] if r == CSA_RATIO else pools.c128_state[li]
         open_rows = pools.state_rows(r, seq.slot, length % r)
-        pc = torch.cat([state[open_rows, 0, :HEAD_DIM], st.c])
-        pg = torch.cat([state[open_rows, 1, :HEAD_DIM], st.g])
+        # Every token enters the compressor as its state holds it (the pools' state dtype:
+        # float32, or bfloat16 with compressor_state_dtype), computed on in float32.
+        sd = state.dtype
+        pc = torch.cat([state[open_rows, 0, :HEAD_DIM], st.c.to(sd)]).float()
+        pg = torch.cat([state[open_rows, 1, :HEAD_DIM], st.g.to(sd)]).float()
         pik = None
         if r == CSA_RATIO:
             d = self.args.index_head_dim
-            pik = torch.cat([pools.c4_index_state[li][open_rows, 0, :d], st.ik])
+            pik = torch.cat([pools.c4_index_state[li][open_rows, 0, :d], st.ik.to(sd)]).float()
         full = pc.shape[0] // r
         first = length // r
         if full:
@@ -772,10 +775,10 @@ class Model:
                 pools.indexer[li].write(pages, index, self.ops.quantize_index_keys(keys))
         left = pc.shape[0] - full * r
         rows = pools.state_rows(r, seq.slot, left)
-        state[rows, 0, :HEAD_DIM] = pc[full * r :]
-        state[rows, 1, :HEAD_DIM] = pg[full * r :]
+        state[rows, 0, :HEAD_DIM] = pc[full * r :].to(sd)
+        state[rows, 1, :HEAD_DIM] = pg[full * r :].to(sd)
         if pik is not None:
-            pools.c4_index_state[li][rows, 0, : pik.shape[1]] = pik[full * r :]
+            pools.c4_index_state[li][rows, 0, : pik.shape[1]] = pik[full * r :].to(sd)
         return first + full
 
     def _write_records(self, li: int, layer: Layer, pools, pages: torch.Tensor, index: torch.Tensor,

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from remnant.engine.capacity import C4_RING, C128_RING, PoolGeometry, PoolSizes, pool_bytes
+from remnant.engine.capacity import C4_RING, C128_RING, STATE_DTYPES, PoolGeometry, PoolSizes, pool_bytes
 from remnant.kv.formats import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
 from remnant.kv.index_keys import SCALE_BYTES as INDEX_SCALE_BYTES
 from remnant.kv.layout import PageLayout
+
+#: The compressor state's torch dtype by its byte size (remnant.engine.capacity.STATE_DTYPES).
+STATE_TORCH_DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
 
 class FreeList:
@@ -129,12 +132,13 @@ class KVPools:
     """Every pool of the engine, allocated from PoolSizes (bytes counted exactly) on `device`."""
 
     def __init__(self, geometry: PoolGeometry, sizes: PoolSizes, device: torch.device | str = "cpu"):
-        beyond = geometry.parts_beyond_c4()
+        beyond = [part for part in geometry.parts_beyond_c4() if part != "state_dtype_bytes"]
         if beyond:
-            # The pools below store window and C128 records native, FP8 index keys and fp32
-            # state: a geometry sized for other forms would count bytes they do not hold.
-            raise ValueError(f"the engine's pools store only the C4 records packed; this geometry also sets "
-                             f"{', '.join(beyond)} (remnant.engine.capacity.Combination: by the formula only)")
+            # The pools below store window and C128 records native and FP8 index keys: a
+            # geometry sized for other forms would count bytes they do not hold.
+            raise ValueError(f"the engine's pools store only the C4 records packed and the compressor state in "
+                             f"float32 or bfloat16; this geometry also sets {', '.join(beyond)} "
+                             f"(remnant.engine.capacity.Combination: by the formula only)")
         self.geometry, self.sizes = geometry, sizes
         self.device = torch.device(device)
         g = geometry
@@ -157,21 +161,25 @@ class KVPools:
         self.swa_blocks = FreeList(sizes.swa_tokens // g.window_size, "swa block")
         self.pad_block = self.swa_blocks.n
         self.swa = SwaPool(len(g.compress_ratios), self.swa_blocks.n + 1, g.window_size, device=dev)
-        # Compressor state, fp32 rows of (content, gate): C4_RING rows per request slot in
-        # every CSA layer (sized from the SWA pool, as SGLang sizes c4_state_pool_size) and
-        # C128_RING rows per slot in every HCA layer (the fixed c128_state rows); the
-        # indexer keys' open block rides in the C4 indexer state rows.
+        # Compressor state, rows of (content, gate) in float32 or bfloat16 (the geometry's
+        # state dtype): C4_RING rows per request slot in every CSA layer (sized from the SWA
+        # pool, as SGLang sizes c4_state_pool_size) and C128_RING rows per slot in every HCA
+        # layer (the fixed c128_state rows); the indexer keys' open block rides in the C4
+        # indexer state rows.
         self.slots = FreeList(min(self.swa_blocks.n, g.max_running_requests), "request slot")
         self.pad_slot = self.slots.n
         # The accounted rows, then the padding slot's past the last slot either may use.
-        self._state_rows = (sizes.c4_state_slots, g.c128_state_fixed_bytes() // (2 * HEAD_DIM * 4 * max(g.n_c128, 1)))
+        self.state_dtype = STATE_TORCH_DTYPES[g.state_dtype_bytes]
+        self._state_rows = (sizes.c4_state_slots,
+                            g.c128_state_fixed_bytes() // (2 * HEAD_DIM * g.state_dtype_bytes * max(g.n_c128, 1)))
         rows4 = max(sizes.c4_state_slots, (self.pad_slot + 1) * C4_RING)
         rows128 = max(self._state_rows[1], (self.pad_slot + 1) * C128_RING)
-        # A C4 state row holds (content, gate) for two overlapping blocks (2 x 2 x 512 fp32,
-        # as SGLang sizes it); the engine's compressor uses the first block's half.
-        self.c4_state = {li: torch.zeros(rows4, 2, 2 * HEAD_DIM, device=dev) for li in csa}
-        self.c4_index_state = {li: torch.zeros(rows4, 2, 2 * g.index_head_dim, device=dev) for li in csa}
-        self.c128_state = {i: torch.zeros(rows128, 2, HEAD_DIM, device=dev) for i in self.c128}
+        # A C4 state row holds (content, gate) for two overlapping blocks (2 x 2 x 512, as
+        # SGLang sizes it); the engine's compressor uses the first block's half.
+        st = self.state_dtype
+        self.c4_state = {li: torch.zeros(rows4, 2, 2 * HEAD_DIM, device=dev, dtype=st) for li in csa}
+        self.c4_index_state = {li: torch.zeros(rows4, 2, 2 * g.index_head_dim, device=dev, dtype=st) for li in csa}
+        self.c128_state = {i: torch.zeros(rows128, 2, HEAD_DIM, device=dev, dtype=st) for i in self.c128}
 
     def state_rows(self, ratio: int, slot: int, count: int) -> torch.Tensor:
         """Rows of request slot `slot`'s compressor state for the first `count` open tokens."""
@@ -192,12 +200,12 @@ class KVPools:
             "c4": sum(p.buf[: self.num_pages].numel() for p in self.c4.values()),
             "c128": sum(p.buf[: self.num_pages].numel() for p in self.c128.values()),
             "c4_indexer": sum(p.buf[: self.num_pages].numel() for p in self.indexer.values()),
-            "c4_state": sum(t[:rows4].numel() * 4 for t in self.c4_state.values()),
-            "c4_indexer_state": sum(t[:rows4].numel() * 4 for t in self.c4_index_state.values()),
-            "c128_state": sum(t[:rows128].numel() * 4 for t in self.c128_state.values()),
+            "c4_state": sum(t[:rows4].nbytes for t in self.c4_state.values()),
+            "c4_indexer_state": sum(t[:rows4].nbytes for t in self.c4_index_state.values()),
+            "c128_state": sum(t[:rows128].nbytes for t in self.c128_state.values()),
         }
         every = (self.swa.numel() + sum(p.buf.numel() for d in (self.c4, self.c128, self.indexer) for p in d.values())
-                 + sum(t.numel() * 4 for d in (self.c4_state, self.c4_index_state, self.c128_state)
+                 + sum(t.nbytes for d in (self.c4_state, self.c4_index_state, self.c128_state)
                        for t in d.values()))
         return {**held, "padding": every - sum(held.values())}
 
@@ -218,9 +226,13 @@ class KVPools:
 __all__ = ["FreeList", "KVPools", "SplitPages", "SwaPool", "page_bytes"]
 
 
-def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 32) -> PoolGeometry:
-    """Pool geometry of an engine model (remnant.engine.model.Model) in its current mode."""
+def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 32,
+                state_dtype: str = "float32") -> PoolGeometry:
+    """Pool geometry of an engine model (remnant.engine.model.Model) in its current mode,
+    with compressor state rows of `state_dtype` (float32 or bfloat16)."""
     a = model.args
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"compressor_state_dtype={state_dtype!r} is not allowed; allowed: {', '.join(STATE_DTYPES)}")
     return PoolGeometry(
         compress_ratios=list(a.compress_ratios),
         c4_record_bytes=[model.c4_formats[i].record_bytes for i in model.csa_layers],
@@ -229,15 +241,16 @@ def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running
         page_size=page_size,
         swa_ratio=swa_ratio,
         max_running_requests=max_running_requests,
+        state_dtype_bytes=STATE_DTYPES[state_dtype],
     )
 
 
-def scratch_pools(model, tokens: int, sequences: int = 1) -> KVPools:
+def scratch_pools(model, tokens: int, sequences: int = 1, state_dtype: str = "float32") -> KVPools:
     """Pools just big enough for `sequences` sequences of `tokens` tokens (tests, calibration),
-    on the model's device."""
+    on the model's device, compressor state in `state_dtype`."""
     from remnant.engine.capacity import size_pools
 
-    geometry = geometry_of(model, swa_ratio=1.0, max_running_requests=sequences)
+    geometry = geometry_of(model, swa_ratio=1.0, max_running_requests=sequences, state_dtype=state_dtype)
     per_token = sum(geometry.bytes_per_full_token().values())
     pages = sequences * -(-tokens // geometry.page_size) + sequences
     budget = int(pages * geometry.page_size * per_token) + geometry.c128_state_fixed_bytes() + 1

@@ -239,10 +239,12 @@ def _compress(model, li: int, layer, pools, rp: RatioPlan, p) -> None:
     r = layer.ratio
     csa = r == CSA_RATIO
     state = pools.c4_state[li] if csa else pools.c128_state[li]
-    c, g = p.c.float(), p.g.float()
+    # The open blocks' rows and the chunk's own tokens, both as the state holds them (its
+    # dtype: float32, or bfloat16 with compressor_state_dtype), computed on in float32.
+    c, g = p.c.to(state.dtype), p.g.to(state.dtype)
     if rp.gather.shape[0]:
-        pc = torch.cat([state[rp.state_rows, 0, :HEAD_DIM], c])[rp.gather]
-        pg = torch.cat([state[rp.state_rows, 1, :HEAD_DIM], g])[rp.gather]
+        pc = torch.cat([state[rp.state_rows, 0, :HEAD_DIM], c])[rp.gather].float()
+        pg = torch.cat([state[rp.state_rows, 1, :HEAD_DIM], g])[rp.gather].float()
         latents = model.compress(layer, pc, pg, rp.block_index).float()
         if model.recorder is not None and csa and model.recorder.wants(li, "latents"):
             model.recorder.add_latents(li, latents)
@@ -252,9 +254,9 @@ def _compress(model, li: int, layer, pools, rp: RatioPlan, p) -> None:
     if csa:
         d = model.args.index_head_dim
         index_state = pools.c4_index_state[li]
-        ik = p.ik.float()
+        ik = p.ik.to(index_state.dtype)
         if rp.gather.shape[0]:
-            keys = torch.cat([index_state[rp.state_rows, 0, :d], ik])[rp.gather].mean(1)
+            keys = torch.cat([index_state[rp.state_rows, 0, :d], ik])[rp.gather].float().mean(1)
             indexer = pools.indexer[li]
             indexer.layout.write(indexer.buf, rp.record_locs, model.ops.quantize_index_keys(keys))
         index_state[rp.tail_rows, 0, :d] = ik[rp.tail_tokens]

@@ -138,7 +138,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         raise ValueError(f"{tokenizer_path} does not exist; the model directory needs a tokenizer")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
 
-    geometry = geometry_of(model, engine_args.page_size, engine_args.swa_ratio, engine_args.max_running_requests)
+    geometry = geometry_of(model, engine_args.page_size, engine_args.swa_ratio, engine_args.max_running_requests,
+                           engine_args.compressor_state_dtype)
     sizes = size_pools(geometry, engine_args.kv_budget_bytes)
     if sizes.full_tokens == 0 or sizes.swa_tokens < geometry.window_size:
         raise ValueError(
@@ -185,6 +186,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         "disable_cuda_graph": model.graphs is None,
         # The elementwise chains: "compiled" (torch.compile, on cuda) or "plain".
         "remnant_step_ops": model.ops.name,
+        # The compressors' state rows: float32 or bfloat16 (SGLang: SGLANG_DSV4_COMPRESS_STATE_DTYPE).
+        "compressor_state_dtype": engine_args.compressor_state_dtype,
         # Which kernel decode steps ran over native records, and why not FlashMLA.
         "remnant_native_decode": {"kernel": model.native_decode, "reason": model.native_decode_reason,
                                   "flashmla_version": _flashmla_version(model.native_decode)},

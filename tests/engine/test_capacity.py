@@ -189,6 +189,11 @@ def test_combination_names_validation_and_served():
     assert Combination(packed=("c128", "c4")).packed == ("c4", "c128")
     assert Combination(packed=("c128", "c4")) == Combination(packed=("c4", "c128"))
     assert [c.served for c in STANDARD_COMBINATIONS] == [True, True, False, False, False, False]
+    # bf16 state is served (the engine's host.compressor_state_dtype): C4 with it, 1.3543x.
+    c4_bf16 = Combination(packed=("c4",), state_dtype="bfloat16")
+    assert c4_bf16.served and c4_bf16.name == "c4+bf16_state"
+    geometry = combination_geometry(_geometry(584), c4_bf16)
+    assert round(7705.45 / sum(geometry.bytes_per_full_token().values()), 4) == 1.3543
     assert Combination(packed=("swa",), retention=128).name == "swa"
     for kw, message in (({"packed": ("c4", "window")}, r"packed=\['c4', 'window'\] must name distinct parts of"),
                         ({"packed": ("c4", "c4")}, "must name distinct parts"),
@@ -211,8 +216,13 @@ def test_bad_part(kw, message):
 
 
 def test_the_engines_pools_refuse_parts_they_do_not_store():
+    import torch
+
     from remnant.engine.pools import KVPools
 
-    geometry = PoolGeometry([0, 4, 128], [584], state_dtype_bytes=2)
-    with pytest.raises(ValueError, match="state_dtype_bytes"):
-        KVPools(geometry, size_pools(geometry, 64 << 20))
+    for part in ({"swa_record_bytes": 328}, {"c128_record_bytes": 328}, {"index_key_bytes": 68}):
+        geometry = PoolGeometry([0, 4, 128], [584], **part)
+        with pytest.raises(ValueError, match=next(iter(part))):
+            KVPools(geometry, size_pools(geometry, 64 << 20))
+    bf16_state = PoolGeometry([0, 4, 128], [328], state_dtype_bytes=2)  # served: the pools hold it
+    assert KVPools(bf16_state, size_pools(bf16_state, 64 << 20)).c4_state[1].dtype == torch.bfloat16

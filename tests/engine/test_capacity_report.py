@@ -75,15 +75,23 @@ def test_command_and_errors(tmp_path):
 @pytest.mark.slow
 def test_engine_capacity_matches_the_formula(tiny_model_dir, tmp_path):
     """remnant-serve sizes its pools from the budget: packed/native tokens = the analytic ratio."""
-    infos = {}
-    for mode in ("native", "kernel"):
-        (tmp_path / mode).mkdir()
-        s = start_server(tiny_model_dir, tmp_path / mode, "--mode", mode, "--retention", "256",
-                         "--kv-budget-mib", "512", "--max-running-requests", "8")
+    infos, state_dtypes = {}, {}
+    for name, mode, state in (("native", "native", "float32"), ("kernel", "kernel", "float32"),
+                              ("kernel_bf16_state", "kernel", "bfloat16")):
+        (tmp_path / name).mkdir()
+        s = start_server(tiny_model_dir, tmp_path / name, "--mode", mode, "--retention", "256",
+                         "--kv-budget-mib", "512", "--max-running-requests", "8", "--compressor-state-dtype", state)
         try:
-            infos[mode] = httpx.get(f"{s.base_url}/server_info", timeout=10).json()["capacity"]
+            info = httpx.get(f"{s.base_url}/server_info", timeout=10).json()
+            infos[name], state_dtypes[name] = info["capacity"], info["compressor_state_dtype"]
         finally:
             stop_server(s)
+    assert state_dtypes == {"native": "float32", "kernel": "float32", "kernel_bf16_state": "bfloat16"}
+    # bf16 state halves the state's bytes a token and the fixed C128 state: more tokens.
+    bf16 = infos["kernel_bf16_state"]
+    for part in ("c4_state", "c4_indexer_state"):
+        assert bf16["bytes_per_token"][part] == infos["kernel"]["bytes_per_token"][part] / 2
+    assert bf16["max_total_num_tokens"] > infos["kernel"]["max_total_num_tokens"]
     ratio = infos["kernel"]["max_total_num_tokens"] / infos["native"]["max_total_num_tokens"]
     native_bpt = sum(infos["native"]["bytes_per_token"].values())
     packed_bpt = sum(infos["kernel"]["bytes_per_token"].values())
