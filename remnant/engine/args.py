@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from remnant.config import RetentionConfig
 from remnant.config_errors import ConfigError, at_least, positive_finite
+from remnant.kv.formats import INDEX_KEY_FORMATS
 
 if TYPE_CHECKING:
     from remnant.calibration.capture_recorder import CaptureSettings
@@ -88,6 +89,12 @@ class EngineArgs:
         "choices": COMPRESSOR_STATE_DTYPES,
         "help": "compressor state rows: float32 (SGLang's default) or bfloat16 "
                 "(SGLANG_DSV4_COMPRESS_STATE_DTYPE=bfloat16)"})
+    #: How the indexer's keys are stored: fp8 (SGLang's default, 132 bytes a key at V4's
+    #: index_head_dim) or mxfp4 (SGLang's --enable-deepseek-v4-fp4-indexer, 68 bytes;
+    #: remnant.kv.index_keys). The pools' budget and capacity count it.
+    index_key_format: str = field(default="fp8", metadata={
+        "choices": INDEX_KEY_FORMATS,
+        "help": "indexer keys: fp8 (SGLang's default) or mxfp4 (--enable-deepseek-v4-fp4-indexer)"})
     #: The largest decode batch captured in a CUDA graph; larger batches run eagerly.
     cuda_graph_max_bs: int = field(default=128, metadata={"help": "largest decode batch captured in a CUDA graph"})
     #: Which kernel decode steps on the kernels path run over native records (native and

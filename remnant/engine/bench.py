@@ -68,7 +68,6 @@ def _sync(device: torch.device) -> None:
 def fill_pools(model, pools, seed: int = 0) -> None:
     """Every page, window block and index key of `pools` holds a valid record of `model`'s
     formats (one page of quantized random latents, copied to every page)."""
-    from remnant.kv.index_keys import quantize_index_keys
     from remnant.kv.codec import quantize
 
     gen = torch.Generator().manual_seed(seed)
@@ -81,7 +80,7 @@ def fill_pools(model, pools, seed: int = 0) -> None:
         pages.buf[1:] = pages.buf[0]
     for li, pages in pools.indexer.items():
         per = pages.layout.per_page
-        keys = quantize_index_keys(torch.randn(per, model.args.index_head_dim, generator=gen))
+        keys = model.quantize_index_keys(torch.randn(per, model.args.index_head_dim, generator=gen).to(model.device))
         pages.layout.write(pages.buf, torch.arange(per, device=pages.buf.device), keys.to(pages.buf.device))
         pages.buf[1:] = pages.buf[0]
     window = pools.swa.layout.per_page

@@ -30,9 +30,10 @@ each defaulting to what SGLang 0.5.18 stores, so a geometry that names none of t
 exactly as before. A Combination names which parts are stored how (packed window, C4 or
 C128 records at a retention, MXFP4 indexer keys, bf16 compressor state);
 combination_geometry gives the geometry of a model with it. Served today: packed C4
-records (the engine and the SGLang plugin) and bf16 compressor state (the engine's
-host.compressor_state_dtype, SGLang's own SGLANG_DSV4_COMPRESS_STATE_DTYPE); every other
-part is by this formula only.
+records (the engine and the SGLang plugin), MXFP4 index keys and bf16 compressor state (the
+engine's host.index_key_format and host.compressor_state_dtype; SGLang's own
+--enable-deepseek-v4-fp4-indexer and SGLANG_DSV4_COMPRESS_STATE_DTYPE); packed window and
+C128 records are by this formula only.
 What SGLang 0.5.18 does with each part:
 - window (SWA) and C128 records: the same 584-byte pool class as C4
   (mem_cache/deepseek_v4_memory_pool.py, DeepSeekV4SingleKVPool asserts 584); the
@@ -95,7 +96,8 @@ class PoolGeometry:
     c4_record_bytes: stored bytes of one C4 record per CSA layer (584 native, R + 72 packed).
     The stored size of every other part, each defaulting to what SGLang 0.5.18 stores (so
     a geometry naming none of them sizes as SGLang does; the engine's pools hold the C4
-    part packed and the state in either dtype, the others are by the formula only):
+    part packed, either key format and either state dtype; packed window and C128 records
+    are by the formula only):
     swa_record_bytes: one window (SWA) record, every layer (584 native, R + 72 packed).
     c128_record_bytes: one C128 record, every HCA layer (584 native, R + 72 packed).
     index_key_bytes: one C4 indexer key; None: SGLang's FP8 keys at index_head_dim (132 at
@@ -279,8 +281,8 @@ class Combination:
         R + 72 bytes a record).
     index_keys: the C4 indexer keys' format, one of INDEX_KEY_FORMATS.
     state_dtype: the compressors' state dtype, one of STATE_DTYPES.
-    Served today: native or packed C4 records with FP8 index keys, the state in either
-    dtype (Combination.served); the other parts are by the formula only.
+    Served today: native or packed C4 records, index keys in either format, the state in
+    either dtype (Combination.served); packed window and C128 records are by the formula only.
     """
 
     packed: tuple[str, ...] = ("c4",)
@@ -312,10 +314,10 @@ class Combination:
 
     @property
     def served(self) -> bool:
-        """Whether Remnant serves this combination today: native or packed C4 records, FP8
-        index keys, the compressor state in either dtype (the engine's
-        host.compressor_state_dtype; SGLang's SGLANG_DSV4_COMPRESS_STATE_DTYPE)."""
-        return set(self.packed) <= {"c4"} and self.index_keys == "fp8"
+        """Whether Remnant serves this combination today: native or packed C4 records, index
+        keys in either format and the compressor state in either dtype (the engine's
+        host.index_key_format and host.compressor_state_dtype)."""
+        return set(self.packed) <= {"c4"}
 
 
 def combination_geometry(geometry: PoolGeometry, combination: Combination) -> PoolGeometry:

@@ -33,7 +33,6 @@ from remnant.engine.ops import SCRATCH_PER_PAGE, decode_config
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
 from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.codec import dequantize
-from remnant.kv.index_keys import dequantize_index_keys
 from remnant.kv.layout import PageLayout
 
 
@@ -219,7 +218,7 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioS
         index_state[slots.state_row, 0, :d] = p.ik.to(index_state.dtype)
         keys = index_state[slots.block_rows, 0, :d].float().mean(1)
         indexer = pools.indexer[li]
-        indexer.layout.write(indexer.buf, slots.write_locs, model.ops.quantize_index_keys(keys))
+        indexer.layout.write(indexer.buf, slots.write_locs, model.quantize_index_keys(keys))
 
 
 def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor, slots: RatioSlots,
@@ -236,9 +235,10 @@ def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor
         from remnant.kernels.indexer import index_scores
 
         qi, wi = model.index_queries(layer, iw, q_lora)
-        scores = index_scores(qi.contiguous(), wi, indexer.buf, indexer.layout, all_locs, slots.counts)
+        scores = index_scores(qi.contiguous(), wi, indexer.buf, indexer.layout, all_locs, slots.counts,
+                              key_format=model.index_key_format)
     else:
-        keys = dequantize_index_keys(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
+        keys = model.index_key_format.dequantize(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
         scores = model.index_scores_batched(layer, iw, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))
         scores = scores.masked_fill(~slots.visible, float("-inf"))
     values, indices = model.ops.index_top_k(scores, min(model.args.index_topk, all_locs.shape[1]))

@@ -53,7 +53,7 @@ from remnant.kv.modes import mode_of
 from remnant.kv.paged import dequantize_kept_first, quantize_kept_first
 from remnant.engine.ops import decode_config
 from remnant.engine.step_ops import PLAIN_OPS, compiled_ops
-from remnant.kv.index_keys import dequantize_index_keys
+from remnant.kv.index_keys import IndexKeyFormat
 
 
 
@@ -365,13 +365,14 @@ class Model:
     dtype: the compute dtype (resolve_dtype). cuda_graph: decode steps on cuda replay CUDA
     graphs (remnant.engine.graphs) of batches up to cuda_graph_max_bs. torch_compile: on cuda,
     the elementwise chains run compiled (remnant.engine.step_ops; not on decode_path=reference,
-    the ground truth).
+    the ground truth). index_key_format: how the indexer's keys are stored, "fp8" (SGLang's
+    default) or "mxfp4" (its --enable-deepseek-v4-fp4-indexer; remnant.kv.index_keys).
     """
 
     def __init__(self, args: ModelArgs, c4_formats: dict[int, C4Format] | None = None,
                  device: str = "cpu", decode_path: str = "auto", native_decode: str = "auto",
                  dtype: str = "auto", cuda_graph: bool = True, cuda_graph_max_bs: int = 128,
-                 torch_compile: bool = True):
+                 torch_compile: bool = True, index_key_format: str = "fp8"):
         for i, r in enumerate(args.compress_ratios):
             if r not in (0, CSA_RATIO, HCA_RATIO):
                 raise ValueError(f"compress_ratios[{i}]={r}; allowed: 0, {CSA_RATIO}, {HCA_RATIO}")
@@ -387,6 +388,8 @@ class Model:
         self.native_decode, self.native_decode_reason = resolve_native_decode(
             native_decode, self.device, self.decode_path, args.num_attention_heads)
         self.csa_layers = [i for i, r in enumerate(args.compress_ratios) if r == CSA_RATIO]
+        #: The indexer keys' stored form (the pools' indexer pages hold it).
+        self.index_key_format = IndexKeyFormat(index_key_format, args.index_head_dim)
         #: The elementwise chains' functions: compiled on cuda (remnant.engine.step_ops).
         self.ops = PLAIN_OPS
         if torch_compile and self.device.type == "cuda" and self.decode_path != "reference":
@@ -546,6 +549,13 @@ class Model:
         return h + low.reshape(o.shape[0], -1) @ layer.wo_b
 
     # Indexer (CSA layers) -------------------------------------------------------------
+
+    def quantize_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Index keys float [k, d] -> as the indexer pages store them (index_key_format): FP8
+        through the step ops (compiled on cuda), MXFP4 through its codec."""
+        if self.index_key_format.name == "fp8":
+            return self.ops.quantize_index_keys(keys)
+        return self.index_key_format.quantize(keys)
 
     def index_scores(
         self, layer: Layer, iw: torch.Tensor, q_lora: torch.Tensor, keys: torch.Tensor
@@ -736,7 +746,7 @@ class Model:
         visible = rec_end[None, :] <= st.pos[:, None]  # [T, n]
         if layer.ratio == CSA_RATIO:
             pages = seq.page_tensor(self.device)
-            index_keys = dequantize_index_keys(pools.indexer[li].read(pages, torch.arange(n, device=self.device)))
+            index_keys = self.index_key_format.dequantize(pools.indexer[li].read(pages, torch.arange(n, device=self.device)))
             scores = self.index_scores(layer, st.iw, st.q_lora, index_keys)
             scores = scores.masked_fill(~visible, float("-inf"))
             top = self.ops.index_top_k(scores, min(self.args.index_topk, n))[1]
@@ -772,7 +782,7 @@ class Model:
             self._write_records(li, layer, pools, pages, index, latents)
             if r == CSA_RATIO:
                 keys = pik[: full * r].view(full, r, -1).mean(1)
-                pools.indexer[li].write(pages, index, self.ops.quantize_index_keys(keys))
+                pools.indexer[li].write(pages, index, self.quantize_index_keys(keys))
         left = pc.shape[0] - full * r
         rows = pools.state_rows(r, seq.slot, left)
         state[rows, 0, :HEAD_DIM] = pc[full * r :].to(sd)

@@ -22,10 +22,21 @@ from __future__ import annotations
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING, STATE_DTYPES, PoolGeometry, PoolSizes, pool_bytes
-from remnant.kv.formats import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES, SCALE_BYTES, page_bytes
-from remnant.kv.index_keys import SCALE_BYTES as INDEX_SCALE_BYTES
+from remnant.kv.formats import (
+    CSA_RATIO,
+    HCA_RATIO,
+    HEAD_DIM,
+    NATIVE_RECORD_BYTES,
+    SCALE_BYTES,
+    index_key_format_of,
+    index_key_parts,
+    page_bytes,
+)
 from remnant.kv.layout import PageLayout
 
+#: The parts beyond C4 (PoolGeometry.parts_beyond_c4) the pools hold: the compressor state
+#: in bfloat16 and MXFP4 index keys. Packed window and C128 records are by the formula only.
+SERVED_PARTS = ("state_dtype_bytes", "index_key_bytes")
 #: The compressor state's torch dtype by its byte size (remnant.engine.capacity.STATE_DTYPES).
 STATE_TORCH_DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
@@ -132,13 +143,12 @@ class KVPools:
     """Every pool of the engine, allocated from PoolSizes (bytes counted exactly) on `device`."""
 
     def __init__(self, geometry: PoolGeometry, sizes: PoolSizes, device: torch.device | str = "cpu"):
-        beyond = [part for part in geometry.parts_beyond_c4() if part != "state_dtype_bytes"]
+        beyond = [part for part in geometry.parts_beyond_c4() if part not in SERVED_PARTS]
         if beyond:
-            # The pools below store window and C128 records native and FP8 index keys: a
-            # geometry sized for other forms would count bytes they do not hold.
-            raise ValueError(f"the engine's pools store only the C4 records packed and the compressor state in "
-                             f"float32 or bfloat16; this geometry also sets {', '.join(beyond)} "
-                             f"(remnant.engine.capacity.Combination: by the formula only)")
+            # The pools below store window and C128 records native: a geometry sized for
+            # other forms would count bytes they do not hold.
+            raise ValueError(f"the engine's pools store the window and C128 records native; this geometry sets "
+                             f"{', '.join(beyond)} (remnant.engine.capacity.Combination: by the formula only)")
         self.geometry, self.sizes = geometry, sizes
         self.device = torch.device(device)
         g = geometry
@@ -151,8 +161,9 @@ class KVPools:
         dev = self.device
         pages = self.num_pages + 1
         self.c4 = {li: SplitPages(pages, per4, rb, device=dev) for li, rb in zip(csa, g.c4_record_bytes)}
-        self.indexer = {li: SplitPages(pages, per4, g.indexer_key_bytes(), INDEX_SCALE_BYTES, device=dev)
-                        for li in csa}
+        # Index keys in either format (FP8 or MXFP4: remnant.kv.index_keys), codes then scales.
+        codes, scales = index_key_parts(index_key_format_of(g.indexer_key_bytes(), g.index_head_dim), g.index_head_dim)
+        self.indexer = {li: SplitPages(pages, per4, codes + scales, scales, device=dev) for li in csa}
         self.c128 = {i: SplitPages(pages, per128, NATIVE_RECORD_BYTES, row_bytes=576, device=dev)
                      for i, r in enumerate(g.compress_ratios) if r == HCA_RATIO}
         # SWA: blocks of `window` slots, a page each; a running request rings through one, a
@@ -228,8 +239,8 @@ __all__ = ["FreeList", "KVPools", "SplitPages", "SwaPool", "page_bytes"]
 
 def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 32,
                 state_dtype: str = "float32") -> PoolGeometry:
-    """Pool geometry of an engine model (remnant.engine.model.Model) in its current mode,
-    with compressor state rows of `state_dtype` (float32 or bfloat16)."""
+    """Pool geometry of an engine model (remnant.engine.model.Model) in its current mode and
+    index key format, with compressor state rows of `state_dtype` (float32 or bfloat16)."""
     a = model.args
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"compressor_state_dtype={state_dtype!r} is not allowed; allowed: {', '.join(STATE_DTYPES)}")
@@ -242,6 +253,7 @@ def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running
         swa_ratio=swa_ratio,
         max_running_requests=max_running_requests,
         state_dtype_bytes=STATE_DTYPES[state_dtype],
+        index_key_bytes=model.index_key_format.bytes_per_key,
     )
 
 

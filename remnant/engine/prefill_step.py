@@ -36,7 +36,6 @@ from remnant.engine.ops import SCRATCH_PER_PAGE
 from remnant.kernels.dispatch import store
 from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.codec import dequantize
-from remnant.kv.index_keys import dequantize_index_keys
 from remnant.kv.layout import PageLayout
 
 #: Elements of the largest float32 intermediate a tile may make (the indexer's [tokens,
@@ -258,7 +257,7 @@ def _compress(model, li: int, layer, pools, rp: RatioPlan, p) -> None:
         if rp.gather.shape[0]:
             keys = torch.cat([index_state[rp.state_rows, 0, :d], ik])[rp.gather].float().mean(1)
             indexer = pools.indexer[li]
-            indexer.layout.write(indexer.buf, rp.record_locs, model.ops.quantize_index_keys(keys))
+            indexer.layout.write(indexer.buf, rp.record_locs, model.quantize_index_keys(keys))
         index_state[rp.tail_rows, 0, :d] = ik[rp.tail_tokens]
     state[rp.tail_rows, 0, :HEAD_DIM] = c[rp.tail_tokens]
     state[rp.tail_rows, 1, :HEAD_DIM] = g[rp.tail_tokens]
@@ -294,14 +293,14 @@ def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, iw: torch.T
             # Scores and the top-k's int64 keys are [tile, count]: 3 x 4 bytes an element.
             tile = max(1, TILE_ELEMENTS // count)
         else:
-            keys = dequantize_index_keys(indexer.layout.read(indexer.buf, locs))
+            keys = model.index_key_format.dequantize(indexer.layout.read(indexer.buf, locs))
             tile = max(1, TILE_ELEMENTS // (heads * count))
         for t in range(a, a + n, tile):
             e = min(t + tile, a + n)
             visible_count = torch.clamp((plan.pos[t:e] + 1) // CSA_RATIO, max=count)
             if kernels:
                 scores = index_scores_shared(qi[t - a: e - a].contiguous(), wi[t - a: e - a], indexer.buf,
-                                             indexer.layout, locs, visible_count)
+                                             indexer.layout, locs, visible_count, key_format=model.index_key_format)
             else:
                 scores = model.index_scores(layer, iw[t:e], q_lora[t:e], keys)
                 visible = torch.arange(count, device=iw.device)[None, :] < visible_count[:, None]

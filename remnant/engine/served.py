@@ -125,7 +125,7 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     model = Model(args, device=engine_args.device, decode_path=engine_args.decode_path,
                   native_decode=engine_args.native_decode, dtype=engine_args.dtype,
                   cuda_graph=engine_args.cuda_graph, cuda_graph_max_bs=engine_args.cuda_graph_max_bs,
-                  torch_compile=engine_args.torch_compile)
+                  torch_compile=engine_args.torch_compile, index_key_format=engine_args.index_key_format)
     served_name = hf.get("remnant", {}).get("preset") or model_dir.name
     rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
                            retention.map_path, retention.policy)
@@ -188,6 +188,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         "remnant_step_ops": model.ops.name,
         # The compressors' state rows: float32 or bfloat16 (SGLang: SGLANG_DSV4_COMPRESS_STATE_DTYPE).
         "compressor_state_dtype": engine_args.compressor_state_dtype,
+        # The indexer keys' format: fp8 or mxfp4 (SGLang: --enable-deepseek-v4-fp4-indexer).
+        "index_key_format": model.index_key_format.name,
         # Which kernel decode steps ran over native records, and why not FlashMLA.
         "remnant_native_decode": {"kernel": model.native_decode, "reason": model.native_decode_reason,
                                   "flashmla_version": _flashmla_version(model.native_decode)},

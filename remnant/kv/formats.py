@@ -104,3 +104,13 @@ def index_key_parts(key_format: str, dim: int) -> tuple[int, int]:
         return dim, dim // FP8_KEY_BLOCK * FP8_KEY_SCALE_BYTES
     return dim // FP4_PER_BYTE, dim // MX_KEY_BLOCK
 
+
+def index_key_format_of(key_bytes: int, dim: int) -> str:
+    """The indexer key format whose keys of `dim` coordinates take `key_bytes` bytes."""
+    for name in INDEX_KEY_FORMATS:
+        if sum(index_key_parts(name, dim)) == key_bytes:
+            return name
+    sizes = ", ".join(f"{n} {sum(index_key_parts(n, dim))}" for n in INDEX_KEY_FORMATS)
+    raise ValueError(f"index keys of {key_bytes} bytes at index_head_dim={dim} are no indexer key format; "
+                     f"allowed: {sizes}")
+

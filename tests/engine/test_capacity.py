@@ -189,11 +189,14 @@ def test_combination_names_validation_and_served():
     assert Combination(packed=("c128", "c4")).packed == ("c4", "c128")
     assert Combination(packed=("c128", "c4")) == Combination(packed=("c4", "c128"))
     assert [c.served for c in STANDARD_COMBINATIONS] == [True, True, False, False, False, False]
-    # bf16 state is served (the engine's host.compressor_state_dtype): C4 with it, 1.3543x.
-    c4_bf16 = Combination(packed=("c4",), state_dtype="bfloat16")
-    assert c4_bf16.served and c4_bf16.name == "c4+bf16_state"
-    geometry = combination_geometry(_geometry(584), c4_bf16)
-    assert round(7705.45 / sum(geometry.bytes_per_full_token().values()), 4) == 1.3543
+    # bf16 state and MXFP4 keys are served (host.compressor_state_dtype, host.index_key_format):
+    # C4 with bf16 state 1.3543x, with MXFP4 keys too 1.4393x (docs/kv.md).
+    for combination, name, ratio in ((Combination(packed=("c4",), state_dtype="bfloat16"), "c4+bf16_state", 1.3543),
+                                     (Combination(packed=("c4",), state_dtype="bfloat16", index_keys="mxfp4"),
+                                      "c4+mxfp4_index+bf16_state", 1.4393)):
+        assert combination.served and combination.name == name
+        geometry = combination_geometry(_geometry(584), combination)
+        assert round(7705.45 / sum(geometry.bytes_per_full_token().values()), 4) == ratio
     assert Combination(packed=("swa",), retention=128).name == "swa"
     for kw, message in (({"packed": ("c4", "window")}, r"packed=\['c4', 'window'\] must name distinct parts of"),
                         ({"packed": ("c4", "c4")}, "must name distinct parts"),
@@ -220,9 +223,15 @@ def test_the_engines_pools_refuse_parts_they_do_not_store():
 
     from remnant.engine.pools import KVPools
 
-    for part in ({"swa_record_bytes": 328}, {"c128_record_bytes": 328}, {"index_key_bytes": 68}):
+    for part in ({"swa_record_bytes": 328}, {"c128_record_bytes": 328}):
         geometry = PoolGeometry([0, 4, 128], [584], **part)
         with pytest.raises(ValueError, match=next(iter(part))):
             KVPools(geometry, size_pools(geometry, 64 << 20))
-    bf16_state = PoolGeometry([0, 4, 128], [328], state_dtype_bytes=2)  # served: the pools hold it
-    assert KVPools(bf16_state, size_pools(bf16_state, 64 << 20)).c4_state[1].dtype == torch.bfloat16
+    odd_keys = PoolGeometry([0, 4, 128], [584], index_key_bytes=100)
+    with pytest.raises(ValueError, match="index keys of 100 bytes at index_head_dim=128 are no indexer key format"):
+        KVPools(odd_keys, size_pools(odd_keys, 64 << 20))
+    # Served: the pools hold bf16 state and MXFP4 keys (64 code bytes, then 4 exponents).
+    served = PoolGeometry([0, 4, 128], [328], state_dtype_bytes=2, index_key_bytes=68)
+    pools = KVPools(served, size_pools(served, 64 << 20))
+    assert pools.c4_state[1].dtype == torch.bfloat16
+    assert (pools.indexer[1].layout.data_bytes, pools.indexer[1].layout.tail_bytes) == (64, 4)

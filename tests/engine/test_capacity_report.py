@@ -75,23 +75,26 @@ def test_command_and_errors(tmp_path):
 @pytest.mark.slow
 def test_engine_capacity_matches_the_formula(tiny_model_dir, tmp_path):
     """remnant-serve sizes its pools from the budget: packed/native tokens = the analytic ratio."""
-    infos, state_dtypes = {}, {}
-    for name, mode, state in (("native", "native", "float32"), ("kernel", "kernel", "float32"),
-                              ("kernel_bf16_state", "kernel", "bfloat16")):
+    infos, parts = {}, {}
+    for name, mode, state, keys in (("native", "native", "float32", "fp8"), ("kernel", "kernel", "float32", "fp8"),
+                                    ("kernel_parts", "kernel", "bfloat16", "mxfp4")):
         (tmp_path / name).mkdir()
         s = start_server(tiny_model_dir, tmp_path / name, "--mode", mode, "--retention", "256",
-                         "--kv-budget-mib", "512", "--max-running-requests", "8", "--compressor-state-dtype", state)
+                         "--kv-budget-mib", "512", "--max-running-requests", "8", "--compressor-state-dtype", state,
+                         "--index-key-format", keys)
         try:
             info = httpx.get(f"{s.base_url}/server_info", timeout=10).json()
-            infos[name], state_dtypes[name] = info["capacity"], info["compressor_state_dtype"]
+            infos[name], parts[name] = info["capacity"], (info["compressor_state_dtype"], info["index_key_format"])
         finally:
             stop_server(s)
-    assert state_dtypes == {"native": "float32", "kernel": "float32", "kernel_bf16_state": "bfloat16"}
-    # bf16 state halves the state's bytes a token and the fixed C128 state: more tokens.
-    bf16 = infos["kernel_bf16_state"]
+    assert parts["kernel_parts"] == ("bfloat16", "mxfp4") and parts["native"] == ("float32", "fp8")
+    # bf16 state halves the state's bytes a token (and the fixed C128 state), MXFP4 keys
+    # take 68 bytes for FP8's 132: more tokens.
+    more, kernel = infos["kernel_parts"]["bytes_per_token"], infos["kernel"]["bytes_per_token"]
     for part in ("c4_state", "c4_indexer_state"):
-        assert bf16["bytes_per_token"][part] == infos["kernel"]["bytes_per_token"][part] / 2
-    assert bf16["max_total_num_tokens"] > infos["kernel"]["max_total_num_tokens"]
+        assert more[part] == kernel[part] / 2
+    assert more["c4_indexer"] / kernel["c4_indexer"] == pytest.approx(68 / 132)
+    assert infos["kernel_parts"]["max_total_num_tokens"] > infos["kernel"]["max_total_num_tokens"]
     ratio = infos["kernel"]["max_total_num_tokens"] / infos["native"]["max_total_num_tokens"]
     native_bpt = sum(infos["native"]["bytes_per_token"].values())
     packed_bpt = sum(infos["kernel"]["bytes_per_token"].values())
