@@ -138,16 +138,21 @@ def mask_by_length(indices: torch.Tensor, lengths: torch.Tensor | None) -> torch
 
 
 def decode_c4_packed(
-    q: torch.Tensor, buffer: torch.Tensor, layout: PageLayout, keep: torch.Tensor,
+    q: torch.Tensor, buffer: torch.Tensor, layout: PageLayout, keep: "torch.Tensor | KeptColumns",
     c4_indices: torch.Tensor, c4_lengths: torch.Tensor | None,
     swa: torch.Tensor, swa_per_page: int, swa_indices: torch.Tensor, swa_lengths: torch.Tensor | None,
-    sink: torch.Tensor, scale: float,
+    sink: torch.Tensor, scale: float, *, columns: str = "natural", window_columns: str = "natural",
 ) -> torch.Tensor:
     """Kernel mode: one CSA layer's attention straight over packed C4 records.
 
     q: [T, H, 512]; c4_indices int [T, K] and swa_indices int [T, W]: FlashMLA's C4 and
-    window indices (-1 = none) with their valid lengths [T]; swa: SGLang's native window
-    pool pages (`swa_per_page` tokens per page); sink: [H]. Returns [T, H, 512] in q's dtype.
+    window indices (-1 = none) with their valid lengths [T]; swa: SGLang's window pool
+    pages (`swa_per_page` tokens per page); sink: [H]. Returns [T, H, 512] in q's dtype.
+
+    columns: "natural", q and out in the model's column order; "kept_first", both in
+    KeptColumns.order (the plugin's folded wq_b / wo_a: fold.py). window_columns: the
+    window records' form, "natural" (SGLang's store) or "kept_first" (store_window_kept_first).
+    The folded call (both "kept_first") is the one the SM90 kernel takes (decode.plan.choose).
     """
     c4_locs = mask_by_length(c4_indices, c4_lengths)
     win_locs = mask_by_length(swa_indices, swa_lengths)
@@ -156,13 +161,38 @@ def decode_c4_packed(
     if q.is_cuda:
         from remnant.kernels.decode import decode
 
-        return decode(q, buffer, layout, c4_locs, swa, native_layout(swa_per_page), win_locs, sink, keep, scale)
+        return decode(q, buffer, layout, c4_locs, swa, native_layout(swa_per_page), win_locs, sink, keep, scale,
+                      columns=columns, window_columns=window_columns)
     # Off the GPU (SGLang's CPU tests) the float64 reference, as for the store and reconstruct.
-    from remnant.kernels.decode.reference import decode_packed_reference
+    # It takes q in natural order: a kept-first q is put back, and the output permuted again.
+    from remnant.kernels.decode.reference import check_window_columns, decode_packed_reference
 
-    out = decode_packed_reference(q, buffer, layout, c4_locs, keep, swa, native_layout(swa_per_page), win_locs, sink,
-                                  scale)
+    check_window_columns(window_columns)
+    if columns not in ("natural", "kept_first"):
+        raise ValueError(f"columns={columns!r} is not allowed; allowed: 'natural', 'kept_first'")
+    cols = KeptColumns.of(keep, q.device)
+    if columns == "kept_first":
+        q = q.index_select(-1, cols.inverse.long())
+    out = decode_packed_reference(q, buffer, layout, c4_locs, cols, swa, native_layout(swa_per_page), win_locs, sink,
+                                  scale, window_columns=window_columns)
+    if columns == "kept_first":
+        out = out.index_select(-1, cols.order.long())
     return out.to(q.dtype)
+
+
+def store_window_kept_first(latents: torch.Tensor, swa: torch.Tensor, swa_per_page: int, locs: torch.Tensor,
+                            keep: "torch.Tensor | KeptColumns") -> None:
+    """Kernel mode's window store of a CSA layer: latents bf16 [n, 512] (after SGLang's kv
+    norm and RoPE) quantized in kept-first order (remnant.kv.paged.quantize_kept_first) and
+    written at window locations `locs` [n] of SGLang's window pool pages `swa` (native
+    584-byte layout, `swa_per_page` tokens per page; uint8 or its FP8 view).
+    remnant.kernels.dispatch.store_kept_first: the Triton store on CUDA, the reference
+    elsewhere."""
+    from remnant.kernels.dispatch import store_kept_first
+
+    if swa.dtype != torch.uint8:
+        swa = swa.view(torch.uint8)
+    store_kept_first(latents, swa, native_layout(swa_per_page), locs, keep)
 
 
 __all__ = [
@@ -176,4 +206,5 @@ __all__ = [
     "reconstruct_rows",
     "stage_selected",
     "store_native",
+    "store_window_kept_first",
 ]

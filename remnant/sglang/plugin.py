@@ -19,7 +19,19 @@ computes). In triton and kernel mode it registers (TARGETS):
   stock forward on them; kernel mode attends the packed records directly
   (remnant.kernels.decode.decode). Window-only and C128 layers run unchanged.
 - dequantize_k_cache_paged (AROUND), the sparse-prefill path (both modes): the C4
-  records a prefill chunk reads are reconstructed into native pages first.
+  records a prefill chunk reads are reconstructed into native pages first. In kernel
+  mode the dequantized columns are put in the order of the layer's q: kept-first where
+  its weights were folded (C4 records permuted, kept-first window records as they are),
+  natural where not (window records permuted back).
+- Kernel mode only (the hooks pass everything through in triton mode):
+  DeepseekV4ForCausalLM.load_weights (AROUND): the checkpoint's CSA-layer wq_b and wo_a
+  folded with the kept-first column order (remnant.sglang.fold), so q and the attention
+  output come out kept-first and decode makes the folded call (the SM90 kernel's);
+  DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope and
+  set_swa_key_buffer_radix_fused (AROUND): CSA layers' window records stored kept-first
+  (remnant.kernels.dispatch.store_kept_first); set_swa_key_buffer, set_swa_key_buffer_radix
+  (already-quantized natural records) and get_swa_raw_buffer (HIP / unified-KV fused
+  stores) refused on CSA layers with an error, since they would write natural records.
 - ServerArgs.check_server_args (AFTER): HiCache, HiSparse, context parallelism and
   sparse prefill against the mode and retention.
 """
@@ -43,6 +55,12 @@ _COMPRESSOR = "sglang.srt.layers.attention.dsv4.compressor_v2.CompressorBackendM
 _BACKEND = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
 _DEQUANT = "sglang.kernels.ops.attention.dsv4.dequant_k_cache.dequantize_k_cache_paged"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_MODEL = "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM"
+
+#: Model layers of this process whose wq_b and wo_a kernel mode folded (fold_weights):
+#: their q and attention output are kept-first. A loader that bypasses load_weights (dummy
+#: weights) leaves a layer natural, and the hooks then keep natural q/out order for it.
+_FOLDED: set[int] = set()
 
 #: The settings the hooks act on; set by register().
 _settings: Settings | None = None
@@ -168,11 +186,13 @@ def make_kv_pool(original, pool, **kwargs):
     stage = stage_csa_layers(pool)
     if len(stage) != kwargs["layer_num"]:
         raise RuntimeError(f"remnant: C4 pool of {kwargs['layer_num']} layers, but the stage has CSA layers {stage}")
-    return PackedC4Pool(
+    packed = PackedC4Pool(
         kwargs["size"], kwargs["page_size"], kwargs["dtype"], pool.qk_nope_head_dim, pool.qk_rope_head_dim,
         kwargs["layer_num"], kwargs["device"], kwargs["enable_memory_saver"],
         retentions=[values[i] for i in stage], keeps=[keeps[i] for i in stage], mode=settings().mode,
     )
+    packed.model_layers = list(stage)  # C4 layer -> model layer (dequantize_paged asks whether it is folded)
+    return packed
 
 
 def check_token_pool(result, pool, *args, **kwargs):
@@ -180,6 +200,7 @@ def check_token_pool(result, pool, *args, **kwargs):
     from remnant.sglang.pool import PackedC4Pool
 
     has_csa = any(r == CSA_RATIO for r in pool.compression_ratios[pool._stage_start:pool._stage_end])
+    _token_pools().add(pool)
     if has_csa and not isinstance(pool.c4_kv_pool, PackedC4Pool):
         raise RuntimeError(f"remnant: REMNANT_MODE={settings().mode} needs SGLang's paged C4 pool, but this KV pool "
                            f"has c4_kv_pool={type(pool.c4_kv_pool).__name__} (unified KV layout?)")
@@ -301,6 +322,9 @@ def attention_forward(original, backend, q, k, v, layer, forward_batch, compress
             kv.get_swa_key_buffer_radix(layer.layer_id), kv.swa_kv_pool.page_size,
             _rows(meta.swa_page_indices, n, 0), _rows(meta.swa_topk_lengths, n, 1),
             attn_sink, backend.softmax_scale,
+            # Window records of kernel-mode CSA layers are kept-first (window_store_*); q and
+            # the output are kept-first where fold_weights folded the layer: the folded call.
+            columns="kept_first" if folded(layer.layer_id) else "natural", window_columns="kept_first",
         )
     layout = native_layout(pool.page_size)
     pages = math.ceil(indices.numel() / pool.page_size)
@@ -317,17 +341,172 @@ def attention_forward(original, backend, q, k, v, layer, forward_batch, compress
 
 
 def dequantize_paged(original, quant_k_cache, page_table_1_flattened, page_size, out=None):
-    """dequantize_k_cache_paged: a packed C4 buffer is first reconstructed into native pages."""
+    """dequantize_k_cache_paged (sparse prefill): a packed C4 buffer is first reconstructed
+    into native pages. In kernel mode the result is put in the order of the layer's q:
+    C4 columns permuted to kept-first where the layer's weights were folded, and a CSA
+    layer's kept-first window records (which dequantize to kept-first columns) permuted
+    back to natural order where they were not."""
     from remnant.sglang.buffers import reconstruct_rows
     from remnant.sglang.pool import pool_of
 
     found = pool_of(quant_k_cache)
-    if found is None:
-        return original(quant_k_cache, page_table_1_flattened, page_size, out=out)
-    pool, layer = found
-    pages, ids = reconstruct_rows(pool.kv_buffer[layer], pool.layouts[layer], pool.keeps[layer],
-                                  page_table_1_flattened, page_size)
-    return original(pages, ids, page_size, out=out)
+    if found is not None:
+        pool, layer = found
+        pages, ids = reconstruct_rows(pool.kv_buffer[layer], pool.layouts[layer], pool.keeps[layer],
+                                      page_table_1_flattened, page_size)
+        result = original(pages, ids, page_size, out=out)
+        model_layers = getattr(pool, "model_layers", None)
+        if mode_of(pool.mode).direct_decode and model_layers is not None and folded(model_layers[layer]):
+            _permute_columns(result, pool.keeps[layer].order)
+        return result
+    window = _window_of(quant_k_cache)
+    result = original(quant_k_cache, page_table_1_flattened, page_size, out=out)
+    if window is not None and not folded(window[1]):
+        _permute_columns(result, window_columns_of(*window).inverse)
+    return result
+
+# ---------------------------------------------------------------------------------------
+# Kernel mode: folded weights, kept-first window records
+
+
+def kernel_mode() -> bool:
+    return mode_of(settings().mode).direct_decode
+
+
+def folded(layer_id: int) -> bool:
+    """Whether model layer `layer_id`'s wq_b and wo_a were folded (q and out kept-first)."""
+    return layer_id in _FOLDED
+
+
+def fold_weights(original, model, weights, *args, is_nextn=False, **kwargs):
+    """DeepseekV4ForCausalLM.load_weights: in kernel mode, each CSA layer's wq_b (output rows)
+    and wo_a (input columns) folded per head with its kept-first order as the checkpoint
+    streams in (remnant.sglang.fold.CheckpointFold), before SGLang shards, quantizes or
+    re-lays them out. The MTP draft (is_nextn) has no CSA layer and is left alone."""
+    if args:
+        is_nextn = args[0]
+    if is_nextn or not kernel_mode():
+        return original(model, weights, is_nextn=is_nextn, **kwargs)
+    import torch
+
+    from remnant.kv.layout import KeptColumns
+    from remnant.sglang.fold import CheckpointFold
+
+    _, keeps = retention_plan(settings(), list(model.config.compress_ratios))
+    fold = CheckpointFold({i: KeptColumns.of(keep, torch.device("cpu")).order for i, keep in keeps.items()})
+    result = original(model, fold(weights), is_nextn=is_nextn, **kwargs)
+    _FOLDED.update(fold.layers())
+    logger.info("remnant: kernel mode folded the kept-first column order into wq_b and wo_a of CSA layers %s",
+                fold.layers())
+    return result
+
+
+#: DeepSeek-V4 token pools of this process (check_token_pool adds them): the window buffer
+#: a prefill dequantize reads is found among theirs.
+_TOKEN_POOLS = None
+
+
+def _token_pools():
+    global _TOKEN_POOLS
+    if _TOKEN_POOLS is None:
+        import weakref
+
+        _TOKEN_POOLS = weakref.WeakSet()
+    return _TOKEN_POOLS
+
+
+def window_columns_of(pool, layer_id: int):
+    """The KeptColumns of model layer `layer_id`'s window records where kernel mode stores
+    them kept-first (a CSA layer of a packed kernel-mode pool), else None."""
+    from remnant.sglang.pool import PackedC4Pool
+
+    c4 = getattr(pool, "c4_kv_pool", None)
+    if not isinstance(c4, PackedC4Pool) or not mode_of(c4.mode).direct_decode:
+        return None
+    item = pool.layer_mapping[layer_id]
+    if item is None or item.compress_ratio != CSA_RATIO:
+        return None
+    return c4.keeps[item.compress_layer_id]
+
+
+def _window_pages(pool, layer_id: int):
+    """(uint8 pages, tokens per page) of model layer `layer_id`'s window records."""
+    return pool.swa_kv_pool.kv_buffer[pool._swa_local_layer_id(layer_id)], pool.swa_kv_pool.page_size
+
+
+def window_store_norm_rope(original, pool, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions):
+    """DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope (the CUDA path's
+    window write, MQALayer._compute_kv_to_cache): on a kernel-mode CSA layer, SGLang's own
+    norm + RoPE (fused_norm_rope_inplace_triton, in float32 as the fused kernel keeps its
+    registers) and then a kept-first store, instead of its fused native store."""
+    cols = window_columns_of(pool, layer_id)
+    if cols is None:
+        return original(pool, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions)
+    import torch
+    from sglang.kernels.ops.attention.deepseek_v4_rope import fused_norm_rope_inplace_triton
+
+    from remnant.sglang.buffers import store_window_kept_first
+
+    latents = kv.to(torch.float32).contiguous()  # a new tensor: the kernel writes in place
+    if latents.data_ptr() == kv.data_ptr():
+        latents = latents.clone()
+    fused_norm_rope_inplace_triton(latents, kv_weight, eps, freqs_cis, positions)
+    pages, per_page = _window_pages(pool, layer_id)
+    store_window_kept_first(latents, pages, per_page, swa_loc, cols)
+
+
+def window_store_fused(original, pool, layer_id, swa_loc, cache_k):
+    """DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused (the backend's store_cache:
+    SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE, the attention forward's save_kv_cache): bf16
+    latents stored kept-first on a kernel-mode CSA layer."""
+    cols = window_columns_of(pool, layer_id)
+    if cols is None:
+        return original(pool, layer_id, swa_loc, cache_k)
+    from remnant.sglang.buffers import store_window_kept_first
+
+    pages, per_page = _window_pages(pool, layer_id)
+    store_window_kept_first(cache_k, pages, per_page, swa_loc, cols)
+
+
+def window_store_quantized(original, pool, layer_id, loc, cache_nope_fp8_rope_bf16_pack):
+    """DeepSeekV4TokenToKVPool.set_swa_key_buffer(_radix): already-quantized natural records
+    (no CUDA serving path of sglang 0.5.18 calls them); refused on kernel-mode CSA layers,
+    whose window records are kept-first: re-quantizing them would round twice."""
+    if window_columns_of(pool, layer_id) is None:
+        return original(pool, layer_id, loc, cache_nope_fp8_rope_bf16_pack)
+    raise RuntimeError(f"remnant: REMNANT_MODE=kernel stores CSA layer {layer_id}'s window records kept-first from "
+                       f"bf16 latents; this SGLang path writes quantized natural records "
+                       f"(set_swa_key_buffer / set_swa_key_buffer_radix) and is not supported")
+
+
+def window_raw_buffer(original, pool, layer_id):
+    """DeepSeekV4TokenToKVPool.get_swa_raw_buffer: only the fused q/kv norm-rope-store of
+    HIP (SGLANG_OPT_USE_FUSED_QK_NORM_ROPE) reads it, to write natural window records;
+    refused on kernel-mode CSA layers."""
+    if window_columns_of(pool, layer_id) is None:
+        return original(pool, layer_id)
+    raise RuntimeError(f"remnant: REMNANT_MODE=kernel stores CSA layer {layer_id}'s window records kept-first; "
+                       f"SGLang's fused q/kv norm-rope-store (HIP, SGLANG_OPT_USE_FUSED_QK_NORM_ROPE) writes them "
+                       f"natively and is not supported")
+
+
+def _window_of(tensor):
+    """(token pool, model layer) whose kernel-mode kept-first window buffer `tensor` views."""
+    for pool in list(_token_pools()):
+        if getattr(pool, "swa_kv_pool", None) is None:
+            continue
+        for layer_id in range(pool._stage_start, pool._stage_end):
+            if window_columns_of(pool, layer_id) is not None and \
+                    _window_pages(pool, layer_id)[0].data_ptr() == tensor.data_ptr():
+                return pool, layer_id
+    return None
+
+
+def _permute_columns(x, index) -> None:
+    """x [..., 512] with its last dim taken at `index` [512], in place."""
+    import torch
+
+    x.copy_(x.index_select(-1, index.to(device=x.device, dtype=torch.long)))
 
 
 def check_server_args(result, server_args, *args, **kwargs):
@@ -359,4 +538,10 @@ TARGETS = [
     (f"{_BACKEND}.forward", attention_forward, "around"),
     (_DEQUANT, dequantize_paged, "around"),
     (f"{_SERVER_ARGS}.check_server_args", check_server_args, "after"),
+    (f"{_MODEL}.load_weights", fold_weights, "around"),
+    (f"{_POOL}.set_swa_key_buffer_radix_fused_norm_rope", window_store_norm_rope, "around"),
+    (f"{_POOL}.set_swa_key_buffer_radix_fused", window_store_fused, "around"),
+    (f"{_POOL}.set_swa_key_buffer_radix", window_store_quantized, "around"),
+    (f"{_POOL}.set_swa_key_buffer", window_store_quantized, "around"),
+    (f"{_POOL}.get_swa_raw_buffer", window_raw_buffer, "around"),
 ]

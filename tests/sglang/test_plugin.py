@@ -23,7 +23,7 @@ def test_entry_point_is_in_sglangs_group():
 def test_every_patched_symbol_exists():
     from remnant.sglang.plugin import TARGETS
 
-    assert len(TARGETS) == 7
+    assert len(TARGETS) == 13
     for target, hook, kind in TARGETS:
         assert callable(pkgutil.resolve_name(target)), target
         assert callable(hook) and kind in ("around", "after")
