@@ -182,9 +182,75 @@ def capture_server_check(*flags: str) -> dict:
     return {"error": None}
 
 
+def window() -> dict:
+    """Kernel mode's window hooks on SGLang's own token pool (CPU; SGLang's Triton norm + RoPE
+    under the interpreter): a CSA layer's window records kept-first, a window-only layer
+    left to SGLang, natural-record writers refused, sparse-prefill dequantize in the order
+    of the layer's q (folded or not)."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    server_args(TINY_RATIOS)
+    import torch
+    from sglang.kernels.ops.attention.dsv4.dequant_k_cache import dequantize_k_cache_paged
+
+    from remnant.kv.paged import dequantize_kept_first, gather
+    from remnant.sglang import fold, plugin
+    from remnant.sglang.buffers import native_layout
+
+    from remnant.kv.layout import KeptColumns
+
+    p = token_pool()
+    g = torch.Generator().manual_seed(0)
+    csa, window_only = 2, 0  # TINY_RATIOS: layer 2 is CSA, layer 0 window-only
+    # A scattered keep (without a map the plugin keeps the prefix, whose order is the identity).
+    keep = torch.randperm(448, generator=g)[:192].sort().values
+    p.c4_kv_pool.keeps[p.layer_mapping[csa].compress_layer_id] = KeptColumns.of(keep, torch.device("cpu"))
+    n, pos, locs = 20, torch.arange(5, 25), torch.arange(3, 23, dtype=torch.int32)
+    kv = torch.randn(n, 512, generator=g).to(torch.bfloat16)
+    weight = (torch.rand(512, generator=g) + 0.5).to(torch.bfloat16)
+    table = torch.polar(torch.ones(64, 32), torch.rand(64, 32, generator=g) * 6)
+    p.set_swa_key_buffer_radix_fused_norm_rope(csa, locs, kv, weight, 1e-6, table, pos)
+    cols = plugin.window_columns_of(p, csa)
+    pages = p.swa_kv_pool.kv_buffer[csa]
+    got = dequantize_kept_first(gather(pages, native_layout(p.swa_kv_pool.page_size), locs.long()), cols)
+    want = fold.rms_norm_rope_reference(kv, weight, 1e-6, table, pos)
+    err = ((got - want).abs() / want.abs().clamp_min(1.0)).max().item()
+    untouched = plugin.window_columns_of(p, window_only) is None
+    refused = []
+    for name, call in (("set_swa_key_buffer_radix", lambda: p.set_swa_key_buffer_radix(csa, locs, None)),
+                       ("get_swa_raw_buffer", lambda: p.get_swa_raw_buffer(csa))):
+        try:
+            call()
+        except RuntimeError as e:
+            if "REMNANT_MODE=kernel" in str(e):
+                refused.append(name)
+    # Sparse prefill reads the window through SGLang's dequantize: kept-first records give
+    # kept-first columns, which a folded layer's q matches; an unfolded layer's are put back.
+    ids = locs.long()
+    read = lambda: dequantize_k_cache_paged(p.get_swa_key_buffer_radix(csa), ids, p.swa_kv_pool.page_size)
+    plugin._FOLDED.add(csa)
+    folded_read = read().float().reshape(n, 512)
+    plugin._FOLDED.discard(csa)
+    natural_read = read().float().reshape(n, 512)
+    order = cols.order.long()
+    assert not torch.equal(order, torch.arange(512))
+    return {
+        "csa_kept_first_max_err": err,
+        "native_window_layer_untouched": untouched,
+        "refused": refused,
+        "prefill_folded_equal": bool(torch.allclose(folded_read, got[:, order], rtol=1e-2, atol=1e-2)),
+        "prefill_natural_equal": bool(torch.allclose(natural_read, got, rtol=1e-2, atol=1e-2)),
+    }
+
+
 if __name__ == "__main__":
     check, *args = sys.argv[1:]
     fn = {"patched": patched, "pool": pool, "configurator": configurator, "server_check": server_check,
-          "capture_patched": capture_patched, "capture_server_check": capture_server_check}[check]
+          "capture_patched": capture_patched, "capture_server_check": capture_server_check,
+          "window": window}[check]
     result = fn(*[int(a) if a.isdigit() else a for a in args])
     print("PROBE " + json.dumps(result))
