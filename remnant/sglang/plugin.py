@@ -43,9 +43,22 @@ import math
 
 from remnant.config_errors import ConfigError
 from remnant.kv.formats import CSA_RATIO
-from remnant.kv.modes import check_packed_rules, mode_of
-from remnant.sglang.layers import csa_layers, stage_csa_layers
-from remnant.sglang.settings import ENV_RETENTION, Settings, capture_from_env, check_sglang_version, from_env
+from remnant.kv.modes import mode_of
+from remnant.sglang.kernel_mode import (
+    fold_weights,
+    folded,
+    permute_columns,
+    token_pools,
+    window_columns_of,
+    window_of,
+    window_raw_buffer,
+    window_store_fused,
+    window_store_norm_rope,
+    window_store_quantized,
+)
+from remnant.sglang.layers import stage_csa_layers
+from remnant.sglang.retention_plan import packed_c4_bytes, retention_plan
+from remnant.sglang.settings import activate, active, capture_from_env, check_sglang_version, from_env
 
 logger = logging.getLogger(__name__)
 
@@ -56,21 +69,6 @@ _BACKEND = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBacken
 _DEQUANT = "sglang.kernels.ops.attention.dsv4.dequant_k_cache.dequantize_k_cache_paged"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _MODEL = "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM"
-
-#: Model layers of this process whose wq_b and wo_a kernel mode folded (fold_weights):
-#: their q and attention output are kept-first. A loader that bypasses load_weights (dummy
-#: weights) leaves a layer natural, and the hooks then keep natural q/out order for it.
-_FOLDED: set[int] = set()
-
-#: The settings the hooks act on; set by register().
-_settings: Settings | None = None
-
-
-def settings() -> Settings:
-    if _settings is None:
-        raise RuntimeError("the Remnant plugin is not registered (remnant.sglang.plugin.register was not called)")
-    return _settings
-
 
 def installed_sglang_version() -> str:
     from importlib.metadata import version
@@ -93,7 +91,7 @@ def register() -> None:
             check_sglang_version(installed_sglang_version())
     except (ConfigError, RuntimeError) as e:
         raise SystemExit(f"remnant: {e}") from None
-    configure(s)
+    activate(s)
     if capture is not None:
         from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -116,54 +114,12 @@ def register() -> None:
                 ",".join(map(str, s.retention)), s.map_path, len(TARGETS))
 
 
-def configure(s: Settings) -> None:
-    """Set the settings the hooks act on (register() does this from the environment)."""
-    global _settings
-    _settings = s
-
-
 def targets() -> list[tuple[str, object, object]]:
     """(dotted target, hook, HookType) of every hook, as HookRegistry.register takes them."""
     from sglang.srt.plugins.hook_registry import HookType
 
     kinds = {"around": HookType.AROUND, "after": HookType.AFTER}
     return [(target, hook, kinds[kind]) for target, hook, kind in TARGETS]
-
-
-# ---------------------------------------------------------------------------------------
-# Retention per CSA layer
-
-
-def retention_plan(s: Settings, compression_ratios: list[int]) -> tuple[dict[int, int], dict[int, "object"]]:
-    """R and kept NoPE indices (int64 [R - 64]) per CSA model layer.
-
-    From the retention map when one is given (its R must agree with an explicit
-    REMNANT_RETENTION), else R from the profile and the `prefix` baseline's coordinates.
-    """
-    import os
-
-    import torch
-
-    from remnant.calibration.retention import RetentionMap
-
-    csa = csa_layers(compression_ratios)
-    if s.map_path is not None:
-        rmap = RetentionMap.load(s.map_path)
-        rmap.check(csa)
-        values = {i: rmap.retention(i) for i in csa}
-        if os.environ.get(ENV_RETENTION, "").strip():
-            wanted = s.values(len(csa))
-            if wanted != [values[i] for i in csa]:
-                raise ConfigError(f"retention map {s.map_path} keeps R={[values[i] for i in csa]} per CSA layer; "
-                                  f"{ENV_RETENTION} asks for {wanted}")
-        check_packed_rules(s.mode, list(values.values()), False, s.map_path)
-        keeps = {i: rmap.keep_tensor(i) for i in csa}
-    else:
-        values = dict(zip(csa, s.values(len(csa))))
-        logger.warning("remnant: no REMNANT_RETENTION_MAP: CSA layers keep the first R - 64 NoPE coordinates "
-                       "(the `prefix` baseline); give a calibrated map for real runs")
-        keeps = {i: torch.arange(r - 64, dtype=torch.int64) for i, r in values.items()}
-    return values, keeps
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,16 +136,16 @@ def make_kv_pool(original, pool, **kwargs):
 
     if kwargs["cls"] is not DeepSeekV4SingleKVPool:
         raise ConfigError(f"remnant: the C4 pool class {kwargs['cls'].__name__} (HiSparse) is not supported with "
-                          f"REMNANT_MODE={settings().mode}; allowed: SGLang's DeepSeekV4SingleKVPool")
+                          f"REMNANT_MODE={active().mode}; allowed: SGLang's DeepSeekV4SingleKVPool")
     ratios = list(pool.compression_ratios)
-    values, keeps = retention_plan(settings(), ratios)
+    values, keeps = retention_plan(active(), ratios)
     stage = stage_csa_layers(pool)
     if len(stage) != kwargs["layer_num"]:
         raise RuntimeError(f"remnant: C4 pool of {kwargs['layer_num']} layers, but the stage has CSA layers {stage}")
     packed = PackedC4Pool(
         kwargs["size"], kwargs["page_size"], kwargs["dtype"], pool.qk_nope_head_dim, pool.qk_rope_head_dim,
         kwargs["layer_num"], kwargs["device"], kwargs["enable_memory_saver"],
-        retentions=[values[i] for i in stage], keeps=[keeps[i] for i in stage], mode=settings().mode,
+        retentions=[values[i] for i in stage], keeps=[keeps[i] for i in stage], mode=active().mode,
     )
     packed.model_layers = list(stage)  # C4 layer -> model layer (dequantize_paged asks whether it is folded)
     return packed
@@ -200,31 +156,10 @@ def check_token_pool(result, pool, *args, **kwargs):
     from remnant.sglang.pool import PackedC4Pool
 
     has_csa = any(r == CSA_RATIO for r in pool.compression_ratios[pool._stage_start:pool._stage_end])
-    _token_pools().add(pool)
+    token_pools().add(pool)
     if has_csa and not isinstance(pool.c4_kv_pool, PackedC4Pool):
-        raise RuntimeError(f"remnant: REMNANT_MODE={settings().mode} needs SGLang's paged C4 pool, but this KV pool "
+        raise RuntimeError(f"remnant: REMNANT_MODE={active().mode} needs SGLang's paged C4 pool, but this KV pool "
                            f"has c4_kv_pool={type(pool.c4_kv_pool).__name__} (unified KV layout?)")
-
-
-def packed_c4_bytes(compression_ratios: list[int], s: Settings) -> list[int]:
-    """Stored bytes of one C4 record per CSA layer of this stage (R + 72)."""
-    from remnant.kv.formats import packed_record_bytes
-
-    n = sum(1 for r in compression_ratios if r == CSA_RATIO)
-    if s.map_path is not None:
-        from remnant.calibration.retention import RetentionMap
-
-        rmap = RetentionMap.load(s.map_path)
-        values = [rmap.retention(i) for i in rmap.csa_layers]
-    else:
-        values = s.values(n) if len(s.retention) == 1 or len(s.retention) == n else list(s.retention)
-    if len(set(values)) == 1:
-        values = [values[0]] * n
-    elif len(values) != n:
-        raise ConfigError(f"remnant: a per-layer retention ({len(values)} CSA layers) cannot be split across "
-                          f"pipeline stages here ({n} CSA layers in this stage); use a uniform retention with "
-                          f"pipeline parallelism")
-    return [packed_record_bytes(v) for v in values]
 
 
 def bytes_per_full_token(original, configurator):
@@ -235,7 +170,7 @@ def bytes_per_full_token(original, configurator):
         return bpt
     native = configurator.qk_nope_head_dim + configurator.qk_rope_head_dim * 2 + 8
     c4_frac = 1 / (CSA_RATIO * configurator.c4_shrink_factor)
-    packed = packed_c4_bytes(list(configurator.compression_ratios), settings())
+    packed = packed_c4_bytes(list(configurator.compression_ratios), active())
     return bpt - c4_frac * (native * n_c4 - sum(packed))
 
 
@@ -357,163 +292,19 @@ def dequantize_paged(original, quant_k_cache, page_table_1_flattened, page_size,
         result = original(pages, ids, page_size, out=out)
         model_layers = getattr(pool, "model_layers", None)
         if mode_of(pool.mode).direct_decode and model_layers is not None and folded(model_layers[layer]):
-            _permute_columns(result, pool.keeps[layer].order)
+            permute_columns(result, pool.keeps[layer].order)
         return result
-    window = _window_of(quant_k_cache)
+    window = window_of(quant_k_cache)
     result = original(quant_k_cache, page_table_1_flattened, page_size, out=out)
     if window is not None and not folded(window[1]):
-        _permute_columns(result, window_columns_of(*window).inverse)
+        permute_columns(result, window_columns_of(*window).inverse)
     return result
-
-# ---------------------------------------------------------------------------------------
-# Kernel mode: folded weights, kept-first window records
-
-
-def kernel_mode() -> bool:
-    return mode_of(settings().mode).direct_decode
-
-
-def folded(layer_id: int) -> bool:
-    """Whether model layer `layer_id`'s wq_b and wo_a were folded (q and out kept-first)."""
-    return layer_id in _FOLDED
-
-
-def fold_weights(original, model, weights, *args, is_nextn=False, **kwargs):
-    """DeepseekV4ForCausalLM.load_weights: in kernel mode, each CSA layer's wq_b (output rows)
-    and wo_a (input columns) folded per head with its kept-first order as the checkpoint
-    streams in (remnant.sglang.fold.CheckpointFold), before SGLang shards, quantizes or
-    re-lays them out. The MTP draft (is_nextn) has no CSA layer and is left alone."""
-    if args:
-        is_nextn = args[0]
-    if is_nextn or not kernel_mode():
-        return original(model, weights, is_nextn=is_nextn, **kwargs)
-    import torch
-
-    from remnant.kv.layout import KeptColumns
-    from remnant.sglang.fold import CheckpointFold
-
-    _, keeps = retention_plan(settings(), list(model.config.compress_ratios))
-    fold = CheckpointFold({i: KeptColumns.of(keep, torch.device("cpu")).order for i, keep in keeps.items()})
-    result = original(model, fold(weights), is_nextn=is_nextn, **kwargs)
-    _FOLDED.update(fold.layers())
-    logger.info("remnant: kernel mode folded the kept-first column order into wq_b and wo_a of CSA layers %s",
-                fold.layers())
-    return result
-
-
-#: DeepSeek-V4 token pools of this process (check_token_pool adds them): the window buffer
-#: a prefill dequantize reads is found among theirs.
-_TOKEN_POOLS = None
-
-
-def _token_pools():
-    global _TOKEN_POOLS
-    if _TOKEN_POOLS is None:
-        import weakref
-
-        _TOKEN_POOLS = weakref.WeakSet()
-    return _TOKEN_POOLS
-
-
-def window_columns_of(pool, layer_id: int):
-    """The KeptColumns of model layer `layer_id`'s window records where kernel mode stores
-    them kept-first (a CSA layer of a packed kernel-mode pool), else None."""
-    from remnant.sglang.pool import PackedC4Pool
-
-    c4 = getattr(pool, "c4_kv_pool", None)
-    if not isinstance(c4, PackedC4Pool) or not mode_of(c4.mode).direct_decode:
-        return None
-    item = pool.layer_mapping[layer_id]
-    if item is None or item.compress_ratio != CSA_RATIO:
-        return None
-    return c4.keeps[item.compress_layer_id]
-
-
-def _window_pages(pool, layer_id: int):
-    """(uint8 pages, tokens per page) of model layer `layer_id`'s window records."""
-    return pool.swa_kv_pool.kv_buffer[pool._swa_local_layer_id(layer_id)], pool.swa_kv_pool.page_size
-
-
-def window_store_norm_rope(original, pool, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions):
-    """DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope (the CUDA path's
-    window write, MQALayer._compute_kv_to_cache): on a kernel-mode CSA layer, SGLang's own
-    norm + RoPE (fused_norm_rope_inplace_triton, in float32 as the fused kernel keeps its
-    registers) and then a kept-first store, instead of its fused native store."""
-    cols = window_columns_of(pool, layer_id)
-    if cols is None:
-        return original(pool, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions)
-    import torch
-    from sglang.kernels.ops.attention.deepseek_v4_rope import fused_norm_rope_inplace_triton
-
-    from remnant.sglang.buffers import store_window_kept_first
-
-    latents = kv.to(torch.float32).contiguous()  # a new tensor: the kernel writes in place
-    if latents.data_ptr() == kv.data_ptr():
-        latents = latents.clone()
-    fused_norm_rope_inplace_triton(latents, kv_weight, eps, freqs_cis, positions)
-    pages, per_page = _window_pages(pool, layer_id)
-    store_window_kept_first(latents, pages, per_page, swa_loc, cols)
-
-
-def window_store_fused(original, pool, layer_id, swa_loc, cache_k):
-    """DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused (the backend's store_cache:
-    SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE, the attention forward's save_kv_cache): bf16
-    latents stored kept-first on a kernel-mode CSA layer."""
-    cols = window_columns_of(pool, layer_id)
-    if cols is None:
-        return original(pool, layer_id, swa_loc, cache_k)
-    from remnant.sglang.buffers import store_window_kept_first
-
-    pages, per_page = _window_pages(pool, layer_id)
-    store_window_kept_first(cache_k, pages, per_page, swa_loc, cols)
-
-
-def window_store_quantized(original, pool, layer_id, loc, cache_nope_fp8_rope_bf16_pack):
-    """DeepSeekV4TokenToKVPool.set_swa_key_buffer(_radix): already-quantized natural records
-    (no CUDA serving path of sglang 0.5.18 calls them); refused on kernel-mode CSA layers,
-    whose window records are kept-first: re-quantizing them would round twice."""
-    if window_columns_of(pool, layer_id) is None:
-        return original(pool, layer_id, loc, cache_nope_fp8_rope_bf16_pack)
-    raise RuntimeError(f"remnant: REMNANT_MODE=kernel stores CSA layer {layer_id}'s window records kept-first from "
-                       f"bf16 latents; this SGLang path writes quantized natural records "
-                       f"(set_swa_key_buffer / set_swa_key_buffer_radix) and is not supported")
-
-
-def window_raw_buffer(original, pool, layer_id):
-    """DeepSeekV4TokenToKVPool.get_swa_raw_buffer: only the fused q/kv norm-rope-store of
-    HIP (SGLANG_OPT_USE_FUSED_QK_NORM_ROPE) reads it, to write natural window records;
-    refused on kernel-mode CSA layers."""
-    if window_columns_of(pool, layer_id) is None:
-        return original(pool, layer_id)
-    raise RuntimeError(f"remnant: REMNANT_MODE=kernel stores CSA layer {layer_id}'s window records kept-first; "
-                       f"SGLang's fused q/kv norm-rope-store (HIP, SGLANG_OPT_USE_FUSED_QK_NORM_ROPE) writes them "
-                       f"natively and is not supported")
-
-
-def _window_of(tensor):
-    """(token pool, model layer) whose kernel-mode kept-first window buffer `tensor` views."""
-    for pool in list(_token_pools()):
-        if getattr(pool, "swa_kv_pool", None) is None:
-            continue
-        for layer_id in range(pool._stage_start, pool._stage_end):
-            if window_columns_of(pool, layer_id) is not None and \
-                    _window_pages(pool, layer_id)[0].data_ptr() == tensor.data_ptr():
-                return pool, layer_id
-    return None
-
-
-def _permute_columns(x, index) -> None:
-    """x [..., 512] with its last dim taken at `index` [512], in place."""
-    import torch
-
-    x.copy_(x.index_select(-1, index.to(device=x.device, dtype=torch.long)))
-
 
 def check_server_args(result, server_args, *args, **kwargs):
     """ServerArgs.check_server_args: what the packed modes need of the server."""
     from sglang.srt.environ import envs
 
-    s = settings()
+    s = active()
     try:
         s.check_hicache(bool(server_args.enable_hierarchical_cache))
     except ConfigError as e:

@@ -175,3 +175,23 @@ def check_sglang_version(version: str) -> None:
             f"sglang=={version} is not supported by the Remnant plugin; supported: "
             f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} (its hooks patch that release's internals)"
         )
+
+
+#: The settings the plugin's hooks act on in this process; set by
+#: remnant.sglang.plugin.register (activate).
+_active: Settings | None = None
+
+
+def active() -> Settings:
+    """The settings the hooks act on (activate's); RuntimeError before the plugin registered."""
+    if _active is None:
+        raise RuntimeError("the Remnant plugin is not registered (remnant.sglang.plugin.register was not called)")
+    return _active
+
+
+def activate(s: Settings) -> None:
+    """Set the settings the hooks act on (remnant.sglang.plugin.register does this from the
+    environment)."""
+    global _active
+    _active = s
+

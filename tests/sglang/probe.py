@@ -198,7 +198,7 @@ def window() -> dict:
     from sglang.kernels.ops.attention.dsv4.dequant_k_cache import dequantize_k_cache_paged
 
     from remnant.kv.paged import dequantize_kept_first, gather
-    from remnant.sglang import fold, plugin
+    from remnant.sglang import fold, kernel_mode
     from remnant.sglang.buffers import native_layout
 
     from remnant.kv.layout import KeptColumns
@@ -214,12 +214,12 @@ def window() -> dict:
     weight = (torch.rand(512, generator=g) + 0.5).to(torch.bfloat16)
     table = torch.polar(torch.ones(64, 32), torch.rand(64, 32, generator=g) * 6)
     p.set_swa_key_buffer_radix_fused_norm_rope(csa, locs, kv, weight, 1e-6, table, pos)
-    cols = plugin.window_columns_of(p, csa)
+    cols = kernel_mode.window_columns_of(p, csa)
     pages = p.swa_kv_pool.kv_buffer[csa]
     got = dequantize_kept_first(gather(pages, native_layout(p.swa_kv_pool.page_size), locs.long()), cols)
     want = fold.rms_norm_rope_reference(kv, weight, 1e-6, table, pos)
     err = ((got - want).abs() / want.abs().clamp_min(1.0)).max().item()
-    untouched = plugin.window_columns_of(p, window_only) is None
+    untouched = kernel_mode.window_columns_of(p, window_only) is None
     refused = []
     for name, call in (("set_swa_key_buffer_radix", lambda: p.set_swa_key_buffer_radix(csa, locs, None)),
                        ("get_swa_raw_buffer", lambda: p.get_swa_raw_buffer(csa))):
@@ -232,9 +232,9 @@ def window() -> dict:
     # kept-first columns, which a folded layer's q matches; an unfolded layer's are put back.
     ids = locs.long()
     read = lambda: dequantize_k_cache_paged(p.get_swa_key_buffer_radix(csa), ids, p.swa_kv_pool.page_size)
-    plugin._FOLDED.add(csa)
+    kernel_mode._FOLDED.add(csa)
     folded_read = read().float().reshape(n, 512)
-    plugin._FOLDED.discard(csa)
+    kernel_mode._FOLDED.discard(csa)
     natural_read = read().float().reshape(n, 512)
     order = cols.order.long()
     assert not torch.equal(order, torch.arange(512))
