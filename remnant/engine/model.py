@@ -551,11 +551,11 @@ class Model:
     # Indexer (CSA layers) -------------------------------------------------------------
 
     def quantize_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """Index keys float [k, d] -> as the indexer pages store them (index_key_format): FP8
-        through the step ops (compiled on cuda), MXFP4 through its codec."""
+        """Index keys float [k, d] -> as the indexer pages store them (index_key_format),
+        through the step ops (compiled on cuda)."""
         if self.index_key_format.name == "fp8":
             return self.ops.quantize_index_keys(keys)
-        return self.index_key_format.quantize(keys)
+        return self.ops.quantize_index_keys_mxfp4(keys)
 
     def index_scores(
         self, layer: Layer, iw: torch.Tensor, q_lora: torch.Tensor, keys: torch.Tensor

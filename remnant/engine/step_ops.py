@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from remnant.engine.ops import compress_latents, index_top_k, rms_norm, rope
-from remnant.kv.index_keys import index_key_codes, join_index_keys, quantize_index_keys
+from remnant.kv.index_keys import index_key_codes, join_index_keys, quantize_index_keys, quantize_index_keys_mxfp4
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,16 @@ class StepOps:
     compress_latents: Callable
     quantize_index_keys: Callable
     index_top_k: Callable
+    #: MXFP4 index keys' codec (Model.quantize_index_keys picks it for index_key_format mxfp4).
+    quantize_index_keys_mxfp4: Callable
     #: The MoE's routing (remnant.engine.moe.route_tokens) and its pairs' sort by expert
     #: (remnant.kernels.moe.align); None: the plain ones.
     moe_route: Callable | None = None
     moe_align: Callable | None = None
 
 
-PLAIN_OPS = StepOps("plain", rms_norm, rope, compress_latents, quantize_index_keys, index_top_k)
+PLAIN_OPS = StepOps("plain", rms_norm, rope, compress_latents, quantize_index_keys, index_top_k,
+                    quantize_index_keys_mxfp4)
 
 
 def _dynamic(fn: Callable, dims: dict[int, tuple[int, ...]], backend: str) -> Callable:
@@ -100,6 +103,7 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
         quantize_index_keys=_joined(_dynamic(index_key_codes, {0: (0,)}, backend)),
         # Not torch.compile's: a radix select, a tenth of torch.topk's time.
         index_top_k=top_k,
+        quantize_index_keys_mxfp4=_dynamic(quantize_index_keys_mxfp4, {0: (0,)}, backend),
         moe_route=_dynamic(route_tokens, {0: (0,)}, backend),
         moe_align=_dynamic(align, {0: (0,)}, backend),
     )

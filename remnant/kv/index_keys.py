@@ -159,9 +159,11 @@ def index_key_codes_mxfp4(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
     inverse = ((254 - exponent) << 23).view(torch.float32)           # 2^(127 - s), exact
     y = x * inverse[..., None]
-    thresholds = torch.tensor(_E2M1_THRESHOLDS, device=keys.device)
-    # bucketize(right=False) counts the thresholds strictly below |y|: ties go toward zero.
-    magnitude = torch.bucketize(y.abs().clamp_max(E2M1_MAX), thresholds).to(torch.uint8)
+    # The magnitude index counts the thresholds strictly below |y|: ties go toward zero. Seven
+    # comparisons with constants, not a bucketize over a threshold tensor: a tensor made from
+    # a list copies from the host, which a CUDA graph capture (the decode step's) refuses.
+    a = y.abs()
+    magnitude = sum((a > t).to(torch.uint8) for t in _E2M1_THRESHOLDS)
     nibble = magnitude | (((y < 0) & (magnitude != 0)).to(torch.uint8) << 3)
     nibble = nibble.reshape(k, d)
     return nibble[:, 0::2] | (nibble[:, 1::2] << 4), exponent.to(torch.uint8)

@@ -30,6 +30,7 @@ def _calls(rows: int, device: str, dtype: torch.dtype, seed: int = 0):
         ("compress_latents", (r(rows, 4, 512, dt=torch.float32), r(rows, 4, 512, dt=torch.float32), r(4, 512),
                               r(512), pos // 4, 4, 1e-6, 160000.0)),
         ("quantize_index_keys", (r(rows, 128, dt=torch.float32),)),
+        ("quantize_index_keys_mxfp4", (r(rows, 128, dt=torch.float32) * 3,)),
         ("index_top_k", (scores, 512)),
         ("moe_route", (r(rows, 256), r(256, 32), 6, 2.5)),
         ("moe_align", (torch.randint(0, 32, (rows, 6), generator=g).to(device), 32, 16)),
@@ -54,7 +55,7 @@ def _assert_same(name, got, want):
         order = got[1].sort(-1)
         assert torch.equal(order.values, want[1].sort(-1).values)
         assert torch.equal(got[0].gather(-1, order.indices), want[0].gather(-1, want[1].sort(-1).indices))
-    elif name == "quantize_index_keys":  # codes: exact
+    elif name in ("quantize_index_keys", "quantize_index_keys_mxfp4"):  # codes: exact
         assert torch.equal(got, want), name
     else:
         torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5,
