@@ -178,7 +178,12 @@ def dequantize_index_keys_mxfp4(stored: torch.Tensor) -> torch.Tensor:
     d = width * MX_BLOCK // (MX_BLOCK // FP4_PER_BYTE + 1)
     packed = stored[..., : d // 2]
     nibble = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, d).long()
-    magnitude = torch.tensor(E2M1_VALUES, device=stored.device)[nibble & 7]
+    # e2m1 magnitude index m -> value, by arithmetic (no table tensor: that would be a host
+    # copy, which a CUDA graph capture refuses): m < 2 is 0 or 0.5, else (1 + (m & 1) / 2)
+    # x 2^((m >> 1) - 1), i.e. 1, 1.5, 2, 3, 4, 6 (E2M1_VALUES).
+    m = nibble & 7
+    quarters = torch.where(m < 2, 2 * m, (2 + (m & 1)) << (m >> 1))
+    magnitude = quarters.float() * 0.25
     value = torch.where(nibble >= 8, -magnitude, magnitude)
     scale = (stored[..., d // 2 :].int() << 23).view(torch.float32)  # 2^(s - 127) as float32 bits
     return (value.view(*lead, d // MX_BLOCK, MX_BLOCK) * scale[..., None]).reshape(*lead, d)
