@@ -100,14 +100,20 @@ def index_scores_reference(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor
 
 
 @triton.jit
-def _load_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr):
-    """Codes uint8 [BLOCK_N, D], scales float32 [BLOCK_N] and usable bool [BLOCK_N] of the
-    keys at locations locs_ptr[j] (-1 or j >= n: unusable, zeros)."""
+def _key_slots(locs_ptr, j, n, PER_PAGE: tl.constexpr):
+    """(page int64, slot, usable bool) [BLOCK_N] of the keys at locations locs_ptr[j]; -1 or
+    j >= n is unusable, and reads page 0, slot 0 (masked by the caller)."""
     loc = tl.load(locs_ptr + j, mask=j < n, other=-1)
     usable = (j < n) & (loc >= 0)
     safe = tl.where(usable, loc, 0)
-    page = (safe // PER_PAGE).to(tl.int64)
-    slot = safe % PER_PAGE
+    return (safe // PER_PAGE).to(tl.int64), safe % PER_PAGE, usable
+
+
+@triton.jit
+def _load_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr):
+    """Codes uint8 [BLOCK_N, D], scales float32 [BLOCK_N] and usable bool [BLOCK_N] of the
+    keys at locations locs_ptr[j] (-1 or j >= n: unusable, zeros)."""
+    page, slot, usable = _key_slots(locs_ptr, j, n, PER_PAGE)
     d = tl.arange(0, D)
     codes = tl.load(pages_ptr + page[:, None] * page_stride + slot[:, None] * D + d[None, :],
                     mask=usable[:, None], other=0)
@@ -122,11 +128,7 @@ def _load_mxfp4_keys(locs_ptr, pages_ptr, j, n, page_stride, PER_PAGE: tl.conste
     """Dequantized MXFP4 keys float32 [BLOCK_N, D] (exact) and usable bool [BLOCK_N] at
     locations locs_ptr[j] (-1 or j >= n: unusable, zeros). A key's D / 2 code bytes sit at
     slot * D / 2 in its page, its D / MX exponent bytes after the page's codes."""
-    loc = tl.load(locs_ptr + j, mask=j < n, other=-1)
-    usable = (j < n) & (loc >= 0)
-    safe = tl.where(usable, loc, 0)
-    page = (safe // PER_PAGE).to(tl.int64)
-    slot = safe % PER_PAGE
+    page, slot, usable = _key_slots(locs_ptr, j, n, PER_PAGE)
     d = tl.arange(0, D)
     base = pages_ptr + page[:, None] * page_stride
     # Each byte is loaded for both of its coordinates, each exponent for its MX (cached).
