@@ -41,6 +41,18 @@ def stream_generate(handler: BaseHTTPRequestHandler, n: int, prompt_tokens: int,
     handler.wfile.write(b"data: [DONE]\n\n")
 
 
+def generate_request(handler: BaseHTTPRequestHandler) -> dict | None:
+    """The JSON body of a POST to /generate; any other POST path is answered 200 with an
+    empty body (flush_cache and the like) and gives None."""
+    req = json.loads(handler.rfile.read(int(handler.headers.get("Content-Length", 0))) or b"{}")
+    if handler.path == "/generate":
+        return req
+    handler.send_response(200)
+    handler.send_header("Content-Length", "0")
+    handler.end_headers()
+    return None
+
+
 class GenerateServer(BaseHTTPRequestHandler):
     """A quiet SGLang stand-in: GET /server_info answers {}, other GETs "ok"; POST /generate
     streams max_new_tokens frames (stream_generate), other POSTs (/flush_cache) answer 200.
@@ -60,14 +72,10 @@ class GenerateServer(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_POST(self):  # noqa: N802
-        req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        if self.path != "/generate":
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        stream_generate(self, req["sampling_params"]["max_new_tokens"], prompt_tokens=len(req["input_ids"]),
-                        incremental=False)
+        req = generate_request(self)
+        if req is not None:
+            stream_generate(self, req["sampling_params"]["max_new_tokens"], prompt_tokens=len(req["input_ids"]),
+                            incremental=False)
 
     def log_message(self, *args):
         pass

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopback import GenerateServer, loopback_server, stream_generate
+from tests.loopback import GenerateServer, generate_request, loopback_server, stream_generate
 from tests.signals import default_sigint
 
 BIN = Path(sys.executable).parent
@@ -453,11 +453,8 @@ class _FailsHalf(_GenerateNotImplemented):
     calls = 0
 
     def do_POST(self):  # noqa: N802
-        req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        if self.path != "/generate":
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+        req = generate_request(self)
+        if req is None:
             return
         type(self).calls += 1
         if type(self).calls % 2:
