@@ -350,6 +350,8 @@ class Layer:
         and a partial wave for a few megabytes), as SGLang fuses V4's q_a and kv_a."""
         names = [n for n in self.INPUTS if getattr(self, n, None) is not None]
         self.w_in = torch.cat([getattr(self, n) for n in names], dim=1)
+        #: The projections w_in holds, in its column order, and their widths.
+        self.input_names = names
         self.input_widths = [getattr(self, n).shape[1] for n in names]
         for name, view in zip(names, self.w_in.split(self.input_widths, dim=1)):
             setattr(self, name, view)
@@ -456,8 +458,7 @@ class Model:
 
     def project(self, layer: Layer, x: torch.Tensor) -> "Projections":
         """x [T, hidden] normed through every input projection of `layer` at once (w_in)."""
-        parts = dict(zip([n for n in Layer.INPUTS if getattr(layer, n, None) is not None],
-                         (x @ layer.w_in).split(layer.input_widths, dim=-1)))
+        parts = dict(zip(layer.input_names, (x @ layer.w_in).split(layer.input_widths, dim=-1)))
         return Projections(*(parts.get(n) for n in Layer.INPUTS))
 
     def queries(self, layer: Layer, p: "Projections", pos: torch.Tensor, folded: FoldedWeights | None = None):
