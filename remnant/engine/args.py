@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from remnant.config import RetentionConfig
 from remnant.config_errors import ConfigError, at_least, positive_finite
+from remnant.engine.capacity import STATE_DTYPES
 from remnant.kv.formats import INDEX_KEY_FORMATS
 
 if TYPE_CHECKING:
@@ -30,9 +31,6 @@ ENGINE_DEVICES = ("cpu", "cuda")
 DECODE_PATHS = ("auto", "reference", "batched", "kernels")
 #: Values of EngineArgs.dtype: the compute dtype (auto: bfloat16 on cuda, float32 on cpu).
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
-#: The compressor state's dtypes, as SGLANG_DSV4_COMPRESS_STATE_DTYPE names them
-#: (remnant.engine.capacity.STATE_DTYPES gives their byte sizes).
-COMPRESSOR_STATE_DTYPES = ("float32", "bfloat16")
 NATIVE_DECODES = ("auto", "flashmla", "triton")
 
 
@@ -86,7 +84,7 @@ class EngineArgs:
     #: SGLANG_DSV4_COMPRESS_STATE_DTYPE=bfloat16 keeps them (half the state's bytes; the
     #: pools' budget and capacity count it, remnant.engine.capacity).
     compressor_state_dtype: str = field(default="float32", metadata={
-        "choices": COMPRESSOR_STATE_DTYPES,
+        "choices": tuple(STATE_DTYPES),
         "help": "compressor state rows: float32 (SGLang's default) or bfloat16 "
                 "(SGLANG_DSV4_COMPRESS_STATE_DTYPE=bfloat16)"})
     #: How the indexer's keys are stored: fp8 (SGLang's default, 132 bytes a key at V4's
