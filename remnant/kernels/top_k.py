@@ -1,18 +1,17 @@
 """top_k: the indexer's top-k, one program per row, by radix select.
 
 A decode step picks, per CSA layer and sequence, the 512 best-scoring C4 records of up to
-n = context / 4 (8,192 at 32k, 32,768 at 128k). torch.topk takes 50-110 us a call on the
-H200 whatever the batch (benchmarks of h200-facts: a sort network over the whole row), and
-the engine's tie-exact form of it (remnant.engine.ops.index_top_k: int64 keys) 140 us:
-21 calls a step, 3 ms of a 23 ms step at batch 1. Selection needs no sort. Each score
-becomes a 32-bit key ordered as the float (-0 as +0); four passes over the row, one per
-byte from the top, histogram the keys that match the bytes found so far and find the byte
-of the k-th largest key; then the threshold T (the k-th largest key) and how many of the
-keys equal to T are taken are known, and one last pass writes, for each row, the keys
-above T (in index order) then the lowest-index keys equal to T (ties go to the lower
-index, as a stable descending sort's first k: top_k_reference). Five reads of a row of
-32 KB (at n = 8192), from L2, in one program: a few microseconds, and a batch's rows run
-side by side.
+n = context / 4 (8,192 at 32k, 32,768 at 128k). torch.topk sorts the whole row, and the
+engine's tie-exact form of it (remnant.engine.ops.index_top_k: int64 keys) took 143 us a
+call on the H200 (benchmarks/engine-h200-profile/), 21 calls a step, 3 ms of a 23 ms step
+at batch 1. Selection needs no sort. Each score becomes a 32-bit key ordered as the float
+(-0 as +0); four passes over the row, one per byte from the top, histogram the keys that
+match the bytes found so far and find the byte of the k-th largest key; then the threshold
+T (the k-th largest key) and how many of the keys equal to T are taken are known, and one
+last pass writes, for each row, the keys above T (in index order) then the lowest-index
+keys equal to T (ties go to the lower index, as a stable descending sort's first k:
+top_k_reference). Five reads of a row of 32 KB (at n = 8192), from L2, in one program: a
+few microseconds, and a batch's rows run side by side.
 
 Order: the chosen k come out as above (all keys above T by index, then the ties), not by
 score; the decode step and prefill treat them as a set. `top_k_reference` is a stable sort
