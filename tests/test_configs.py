@@ -156,6 +156,16 @@ def test_retention_map_path_and_policy(tmp_path):
     assert _compose(["mode=kernel", "retention.policy=prefix"]).retention.policy == "prefix"
 
 
+def test_window_records():
+    assert _compose(["mode=kernel"]).retention.window_records == "native"
+    assert _compose(["mode=kernel", "retention.window_records=packed_csa"]).retention.window_records == "packed_csa"
+    with pytest.raises(ConfigError, match="retention.window_records=packed is not allowed; allowed: native, packed_csa"):
+        _compose(["mode=triton", "retention.window_records=packed"])
+    with pytest.raises(ConfigError, match="retention.window_records=packed_csa is served by host=embedded only; "
+                                          "host=local stores native window records"):
+        _compose(["mode=kernel", "host=local", "host.server=embedded", "retention.window_records=packed_csa"])
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("workload.request_timeout_s=inf", "workload.request_timeout_s=inf must be a finite number > 0"),
     ("workload.flush_timeout_s=0", "workload.flush_timeout_s=0.0 must be a finite number > 0"),

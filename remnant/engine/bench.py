@@ -83,12 +83,10 @@ def fill_pools(model, pools, seed: int = 0) -> None:
         keys = model.quantize_index_keys(torch.randn(per, model.args.index_head_dim, generator=gen).to(model.device))
         pages.layout.write(pages.buf, torch.arange(per, device=pages.buf.device), keys.to(pages.buf.device))
         pages.buf[1:] = pages.buf[0]
-    window = pools.swa.layout.per_page
-    for li in range(pools.swa.buf.shape[0]):
-        fmt = model.ring_format(li)
-        records = fmt.ring_records(torch.randn(window, 512, generator=gen).to(model.device))
-        pools.swa.layout.write(pools.swa.buf[li], torch.arange(window, device=model.device), records)
-        pools.swa.buf[li, 1:] = pools.swa.buf[li, 0]
+    for li, (layout, buf) in enumerate(zip(pools.swa.layouts, pools.swa.bufs)):
+        records = model.ring_format(li).ring_records(torch.randn(layout.per_page, 512, generator=gen).to(model.device))
+        layout.write(buf, torch.arange(layout.per_page, device=model.device), records)
+        buf[1:] = buf[0]
 
 
 def time_step(model, pools, seqs: list, steps: int) -> tuple[float, "StepProfile | None"]:

@@ -98,7 +98,9 @@ class PoolGeometry:
     a geometry naming none of them sizes as SGLang does; the engine's pools hold the C4
     part packed, either key format and either state dtype; packed window and C128 records
     are by the formula only):
-    swa_record_bytes: one window (SWA) record, every layer (584 native, R + 72 packed).
+    swa_record_bytes: one window (SWA) record (584 native, R + 72 packed): one size for every
+        layer, or a list of one per layer (the engine's retention.window_records=packed_csa
+        packs only CSA layers' windows).
     c128_record_bytes: one C128 record, every HCA layer (584 native, R + 72 packed).
     index_key_bytes: one C4 indexer key; None: SGLang's FP8 keys at index_head_dim (132 at
         128; index_key_bytes("mxfp4", 128) = 68).
@@ -113,7 +115,7 @@ class PoolGeometry:
     page_size: int = DSV4_PAGE_SIZE
     swa_ratio: float = DSV4_SWA_RATIO
     max_running_requests: int = 64
-    swa_record_bytes: int = NATIVE_RECORD_BYTES
+    swa_record_bytes: int | list[int] = NATIVE_RECORD_BYTES
     c128_record_bytes: int = NATIVE_RECORD_BYTES
     index_key_bytes: int | None = None
     state_dtype_bytes: int = STATE_DTYPE_BYTES
@@ -129,9 +131,13 @@ class PoolGeometry:
         if not 0 < self.swa_ratio <= 1:
             raise ValueError(f"swa_ratio={self.swa_ratio} must be in (0, 1]")
         allowed = ", ".join(map(str, RECORD_BYTES))
-        for name in ("swa_record_bytes", "c128_record_bytes"):
-            if getattr(self, name) not in RECORD_BYTES:
-                raise ValueError(f"{name}={getattr(self, name)} is not a record size; allowed: {allowed} "
+        if isinstance(self.swa_record_bytes, list) and len(self.swa_record_bytes) != self.n_layers:
+            raise ValueError(f"swa_record_bytes has {len(self.swa_record_bytes)} values; the model has "
+                             f"{self.n_layers} layers (or give one size for all)")
+        for name, value in (*(("swa_record_bytes", b) for b in self.window_record_bytes()),
+                            ("c128_record_bytes", self.c128_record_bytes)):
+            if value not in RECORD_BYTES:
+                raise ValueError(f"{name}={value} is not a record size; allowed: {allowed} "
                                  f"(packed_record_bytes(R) = R + 72, or native {NATIVE_RECORD_BYTES})")
         if self.index_key_bytes is not None and (isinstance(self.index_key_bytes, bool)
                                                  or not isinstance(self.index_key_bytes, int)
@@ -154,6 +160,12 @@ class PoolGeometry:
     def n_c128(self) -> int:
         return sum(1 for r in self.compress_ratios if r == HCA_RATIO)
 
+    def window_record_bytes(self) -> list[int]:
+        """One window record's stored bytes in each layer (swa_record_bytes per layer)."""
+        if isinstance(self.swa_record_bytes, list):
+            return list(self.swa_record_bytes)
+        return [self.swa_record_bytes] * self.n_layers
+
     def indexer_key_bytes(self) -> int:
         """One C4 indexer key as stored: index_key_bytes, or by default FP8 codes plus one fp32
         scale per 128 coordinates (132 B)."""
@@ -164,10 +176,10 @@ class PoolGeometry:
     def parts_beyond_c4(self) -> list[str]:
         """The fields naming a part stored unlike SGLang 0.5.18 other than the C4 records:
         what neither the engine nor the SGLang plugin serves yet (empty: servable)."""
-        default = {"swa_record_bytes": NATIVE_RECORD_BYTES, "c128_record_bytes": NATIVE_RECORD_BYTES,
+        default = {"swa_record_bytes": [NATIVE_RECORD_BYTES] * self.n_layers, "c128_record_bytes": NATIVE_RECORD_BYTES,
                    "index_key_bytes": index_key_bytes("fp8", self.index_head_dim),
                    "state_dtype_bytes": STATE_DTYPE_BYTES}
-        got = {"swa_record_bytes": self.swa_record_bytes, "c128_record_bytes": self.c128_record_bytes,
+        got = {"swa_record_bytes": self.window_record_bytes(), "c128_record_bytes": self.c128_record_bytes,
                "index_key_bytes": self.indexer_key_bytes(), "state_dtype_bytes": self.state_dtype_bytes}
         return [name for name in default if got[name] != default[name]]
 
@@ -177,7 +189,7 @@ class PoolGeometry:
         state4 = 2 * 2 * HEAD_DIM * self.state_dtype_bytes
         idx_state4 = 2 * 2 * self.index_head_dim * self.state_dtype_bytes
         return {
-            "swa": r * self.swa_record_bytes * self.n_layers,
+            "swa": r * sum(self.window_record_bytes()),
             "c4": sum(self.c4_record_bytes) / CSA_RATIO,
             "c128": self.c128_record_bytes * self.n_c128 / HCA_RATIO,
             "c4_indexer": self.indexer_key_bytes() * self.n_c4 / CSA_RATIO,
@@ -241,7 +253,7 @@ def pool_bytes(geometry: PoolGeometry, sizes: PoolSizes) -> dict[str, int]:
     state4 = 2 * 2 * HEAD_DIM * geometry.state_dtype_bytes
     idx_state4 = 2 * 2 * geometry.index_head_dim * geometry.state_dtype_bytes
     return {
-        "swa": sizes.swa_tokens * geometry.swa_record_bytes * geometry.n_layers,
+        "swa": sizes.swa_tokens * sum(geometry.window_record_bytes()),
         "c4": sizes.c4_records * sum(geometry.c4_record_bytes),
         "c128": sizes.c128_records * geometry.c128_record_bytes * geometry.n_c128,
         "c4_indexer": sizes.c4_records * geometry.indexer_key_bytes() * geometry.n_c4,
@@ -267,8 +279,9 @@ def request_capacity(geometry: PoolGeometry, sizes: PoolSizes, request_tokens: i
 
 
 #: The parts a Combination may store packed, by their component name: the C4 records, the
-#: window (SWA) records, the C128 records.
-PACKABLE_PARTS = ("c4", "swa", "c128")
+#: window (SWA) records of the CSA layers only (with each layer's C4 map: what the engine
+#: serves), the window records of every layer, the C128 records.
+PACKABLE_PARTS = ("c4", "csa_swa", "swa", "c128")
 
 
 @dataclass(frozen=True)
@@ -276,13 +289,14 @@ class Combination:
     """Which parts of the per-token KV bytes are stored how (docs/kv.md, "Capacity beyond C4").
 
     packed: the parts whose records are packed at `retention` (a subset of PACKABLE_PARTS;
-        the others stay native, 584 B).
+        the others stay native, 584 B; "csa_swa" and "swa" exclude each other).
     retention: R, coordinates kept of 512 by every packed part (packed_record_bytes(R) =
         R + 72 bytes a record).
     index_keys: the C4 indexer keys' format, one of INDEX_KEY_FORMATS.
     state_dtype: the compressors' state dtype, one of STATE_DTYPES.
-    Served today: native or packed C4 records, index keys in either format, the state in
-    either dtype (Combination.served); packed window and C128 records are by the formula only.
+    Served today (Combination.served): native or packed C4 records, the CSA layers' window
+    records packed with them, index keys in either format, the state in either dtype; every
+    layer's window records and the C128 records packed are by the formula only.
     """
 
     packed: tuple[str, ...] = ("c4",)
@@ -294,6 +308,12 @@ class Combination:
         unknown = [p for p in self.packed if p not in PACKABLE_PARTS]
         if unknown or len(set(self.packed)) != len(self.packed):
             raise ValueError(f"packed={list(self.packed)} must name distinct parts of: {', '.join(PACKABLE_PARTS)}")
+        if {"csa_swa", "swa"} <= set(self.packed):
+            raise ValueError(f"packed={list(self.packed)} names both csa_swa (the CSA layers' window records) and swa "
+                             "(every layer's): give one")
+        if "csa_swa" in self.packed and "c4" not in self.packed:
+            raise ValueError(f"packed={list(self.packed)}: csa_swa packs the CSA layers' window records with their "
+                             "C4 maps, so it needs c4 packed too")
         # One order whatever order given, so equal combinations compare and name alike.
         object.__setattr__(self, "packed", tuple(p for p in PACKABLE_PARTS if p in self.packed))
         packed_record_bytes(self.retention)  # a ValueError naming retention= and the allowed values
@@ -304,7 +324,8 @@ class Combination:
 
     @property
     def name(self) -> str:
-        """native, or the parts stored unlike SGLang joined by "+" (c4+swa+c128+mxfp4_index+bf16_state)."""
+        """native, or the parts stored unlike SGLang joined by "+" (c4+swa+c128+mxfp4_index+bf16_state,
+        c4+csa_swa)."""
         parts = list(self.packed)
         if self.index_keys != "fp8":
             parts.append(f"{self.index_keys}_index")
@@ -314,10 +335,11 @@ class Combination:
 
     @property
     def served(self) -> bool:
-        """Whether Remnant serves this combination today: native or packed C4 records, index
-        keys in either format and the compressor state in either dtype (the engine's
-        host.index_key_format and host.compressor_state_dtype)."""
-        return set(self.packed) <= {"c4"}
+        """Whether Remnant's engine serves this combination today: native or packed C4
+        records, the CSA layers' window records packed with them (retention.window_records=
+        packed_csa), index keys in either format and the compressor state in either dtype
+        (host.index_key_format, host.compressor_state_dtype)."""
+        return set(self.packed) <= {"c4", "csa_swa"}
 
 
 def combination_geometry(geometry: PoolGeometry, combination: Combination) -> PoolGeometry:
@@ -328,10 +350,14 @@ def combination_geometry(geometry: PoolGeometry, combination: Combination) -> Po
     def part(name: str) -> int:
         return record if name in combination.packed else NATIVE_RECORD_BYTES
 
+    if "csa_swa" in combination.packed:
+        swa = [record if ratio == CSA_RATIO else NATIVE_RECORD_BYTES for ratio in geometry.compress_ratios]
+    else:
+        swa = part("swa")
     return dataclasses.replace(
         geometry,
         c4_record_bytes=[part("c4")] * geometry.n_c4,
-        swa_record_bytes=part("swa"),
+        swa_record_bytes=swa,
         c128_record_bytes=part("c128"),
         index_key_bytes=index_key_bytes(combination.index_keys, geometry.index_head_dim),
         state_dtype_bytes=STATE_DTYPES[combination.state_dtype],
@@ -345,6 +371,13 @@ C4_SWA = Combination(packed=("c4", "swa"))
 C4_SWA_C128 = Combination(packed=("c4", "swa", "c128"))
 C4_SWA_C128_MXFP4 = Combination(packed=("c4", "swa", "c128"), index_keys="mxfp4")
 C4_SWA_C128_MXFP4_BF16 = Combination(packed=("c4", "swa", "c128"), index_keys="mxfp4", state_dtype="bfloat16")
-#: The standard combinations, in the order the report lists them: native first.
-STANDARD_COMBINATIONS = (NATIVE, C4_ONLY, C4_SWA, C4_SWA_C128, C4_SWA_C128_MXFP4, C4_SWA_C128_MXFP4_BF16)
+# What the engine serves beyond C4: the CSA layers' windows packed with their C4 maps, then
+# the index keys and the state (the other layers' windows have no map yet).
+C4_CSA_SWA = Combination(packed=("c4", "csa_swa"))
+C4_CSA_SWA_BF16 = Combination(packed=("c4", "csa_swa"), state_dtype="bfloat16")
+C4_CSA_SWA_MXFP4_BF16 = Combination(packed=("c4", "csa_swa"), index_keys="mxfp4", state_dtype="bfloat16")
+#: The standard combinations, in the order the report lists them: native first, the issue's
+#: ladder, then the served one.
+STANDARD_COMBINATIONS = (NATIVE, C4_ONLY, C4_SWA, C4_SWA_C128, C4_SWA_C128_MXFP4, C4_SWA_C128_MXFP4_BF16,
+                         C4_CSA_SWA, C4_CSA_SWA_BF16, C4_CSA_SWA_MXFP4_BF16)
 

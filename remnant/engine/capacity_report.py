@@ -68,6 +68,7 @@ def combinations(native: PoolGeometry, budget_bytes: int, retention: int = KERNE
         g = combination_geometry(native, combo)
         s = size_pools(g, budget_bytes)
         bpt = sum(s.bytes_per_full_token.values())
+        packed_windows = [b for b in g.window_record_bytes() if b != NATIVE_RECORD_BYTES]
         rows.append({
             "name": combo.name,
             "packed": list(combo.packed),
@@ -75,7 +76,11 @@ def combinations(native: PoolGeometry, budget_bytes: int, retention: int = KERNE
             "index_keys": combo.index_keys,
             "state_dtype": combo.state_dtype,
             "served": combo.served,
-            "part_bytes": {"swa_record": g.swa_record_bytes, "c4_record": g.c4_record_bytes[0] if g.n_c4 else None,
+            # The window records' packed size and how many layers pack them (csa_swa: the CSA
+            # layers; swa: all), or 584 and 0.
+            "part_bytes": {"swa_record": packed_windows[0] if packed_windows else NATIVE_RECORD_BYTES,
+                           "swa_packed_layers": len(packed_windows),
+                           "c4_record": g.c4_record_bytes[0] if g.n_c4 else None,
                            "c128_record": g.c128_record_bytes, "index_key": g.indexer_key_bytes(),
                            "state_dtype": g.state_dtype_bytes},
             "bytes_per_token": s.bytes_per_full_token,

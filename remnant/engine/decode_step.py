@@ -175,11 +175,11 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
     q, q_lora = model.queries(layer, p, batch.pos, folded)
     kv = model.window_latents(layer, p, batch.pos).float()
     ring = model.ring_format(li)
-    ring_pages, ring_layout = pools.swa.pages(li), pools.swa.layout
+    ring_pages, ring_layout = pools.swa.pages(li), pools.swa.layouts[li]
     if ring.window_kept_first:
         store_kept_first(kv, ring_pages, ring_layout, window_locs[:, -1], ring.columns)
-    else:
-        store(kv, ring_pages, ring_layout, window_locs[:, -1])
+    else:  # native records, or packed ones as the layer's C4 records are
+        store(kv, ring_pages, ring_layout, window_locs[:, -1], ring.columns if ring.window_form == "packed" else None)
     locs = None
     if layer.ratio:
         _compress(model, li, layer, pools, batch, p, slots)
@@ -248,7 +248,7 @@ def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor
 def _ring(pools, li: int, ring: tuple | None) -> tuple:
     """(pages, layout) of the window records the attention reads: layer li's ring, or the
     scratch ring a prefill step fills (remnant.engine.prefill_step)."""
-    return (pools.swa.pages(li), pools.swa.layout) if ring is None else ring
+    return (pools.swa.pages(li), pools.swa.layouts[li]) if ring is None else ring
 
 
 def attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
@@ -260,7 +260,8 @@ def attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: tor
     fmt = model.ring_format(li)
     ring_pages, ring_layout = _ring(pools, li, ring)
     window = ring_layout.read(ring_pages, window_locs.clamp_min(0))
-    key_sets = [(fmt.ring_keys(window.flatten(0, 1)).view(B, W, HEAD_DIM), None, window_locs >= 0)]
+    window_keys, window_cols = fmt.ring_keys(window.flatten(0, 1))
+    key_sets = [(window_keys.view(B, W, -1), window_cols, window_locs >= 0)]
     if locs is not None and locs.shape[1]:
         target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
         stored = target.layout.read(target.buf, locs.clamp_min(0)).flatten(0, 1)
@@ -278,8 +279,8 @@ def attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: t
     layers with folded_weights). ring: as attend_torch."""
     from remnant.kernels.decode import DecodeConfig, decode
 
-    ring_pages, ring_layout = _ring(pools, li, ring)
-    fmt = model.ring_format(li)
+    ring_pages, ring_layout, window_locs, window_form = _window_for_kernels(model, li, _ring(pools, li, ring),
+                                                                            window_locs)
     if locs is None:
         # Window-only layer: an empty record set (the ring stands in for its pages, which the
         # kernel never reads).
@@ -289,13 +290,37 @@ def attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: t
         c4, c4_layout, locs, columns = _records_for_kernels(model, li, layer, pools, locs)
     folded = li in model.folded_weights
     config = decode_config(q.shape[1])
-    if not columns.packed and not fmt.window_kept_first and not folded:
+    if not columns.packed and window_form == "natural" and not folded:
         # Native records in natural order: the kernel the model chose for them (FlashMLA's
         # where it runs), so that what /server_info reports is what ran.
         config = replace(config or DecodeConfig(), kernel=model.native_decode)
     return decode(q, c4, c4_layout, locs, ring_pages, ring_layout, window_locs, layer.sink, columns, model.scale,
                   columns="kept_first" if folded else "natural",
-                  window_columns="kept_first" if fmt.window_kept_first else "natural", config=config)
+                  window_columns=window_form, config=config)
+
+
+def _window_for_kernels(model, li: int, ring: tuple, window_locs: torch.Tensor):
+    """The window records as the decode kernels take them: (pages, layout, locations [B, W]
+    with -1, window_columns). A packed ring in triton mode is rebuilt into native scratch
+    records first, as its C4 records are (_records_for_kernels); kernel mode reads it
+    packed."""
+    fmt = model.ring_format(li)
+    pages, layout = ring
+    if fmt.window_form != "packed" or not fmt.rules.reconstructs:
+        return pages, layout, window_locs, fmt.window_form
+    scratch, scratch_layout, rows = _scratch_records(window_locs)
+    reconstruct(pages, layout, window_locs.clamp_min(0).flatten(), fmt.columns, scratch, scratch_layout, rows)
+    return scratch, scratch_layout, torch.where(window_locs >= 0, rows.view_as(window_locs), -1), "natural"
+
+
+def _scratch_records(locs: torch.Tensor) -> tuple[torch.Tensor, PageLayout, torch.Tensor]:
+    """Native scratch pages for one record per entry of `locs` [B, K], their layout and the
+    rows int64 [B * K] the entries map to, in order."""
+    count = locs.numel()
+    layout = PageLayout.sglang(SCRATCH_PER_PAGE)
+    scratch = torch.empty(max(-(-count // SCRATCH_PER_PAGE), 1), layout.page_stride, dtype=torch.uint8,
+                          device=locs.device)
+    return scratch, layout, torch.arange(count, device=locs.device)
 
 
 def _records_for_kernels(model, li: int, layer, pools, locs: torch.Tensor):
@@ -310,11 +335,7 @@ def _records_for_kernels(model, li: int, layer, pools, locs: torch.Tensor):
         return target.buf, target.layout, locs, model.native_columns
     if fmt.mode == "kernel":
         return target.buf, target.layout, locs, fmt.columns
-    count = locs.numel()
-    scratch_layout = PageLayout.sglang(SCRATCH_PER_PAGE)
-    scratch = torch.empty(max(-(-count // SCRATCH_PER_PAGE), 1), scratch_layout.page_stride, dtype=torch.uint8,
-                          device=locs.device)
-    rows = torch.arange(count, device=locs.device)
+    scratch, scratch_layout, rows = _scratch_records(locs)
     reconstruct(target.buf, target.layout, locs.clamp_min(0).flatten(), fmt.columns, scratch, scratch_layout, rows)
     scratch_locs = torch.where(locs >= 0, rows.view_as(locs), -1)
     return scratch, scratch_layout, scratch_locs, model.native_columns

@@ -382,7 +382,7 @@ class Engine:
         """(view, copy) of what a step of `seq` reads and overwrites in place: its window
         ring in every layer and its compressor state rows. Its records go to fresh places."""
         pools = self.pools
-        views = [pools.swa.buf[:, seq.swa_block]]
+        views = pools.swa.block_views(seq.swa_block)
         for states, ring in ((pools.c4_state, C4_RING), (pools.c4_index_state, C4_RING),
                              (pools.c128_state, C128_RING)):
             views += [t[seq.slot * ring : (seq.slot + 1) * ring] for t in states.values()]

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from remnant.config import BlockShapes
 from remnant.engine.args import DECODE_PATHS, ENGINE_DEVICES, ENGINE_DTYPES, NATIVE_DECODES, kernels_need_interpreter
-from remnant.kv import CSA_RATIO, HCA_RATIO, HEAD_DIM, NOPE_DIM, ROPE_DIM
+from remnant.kv import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, ROPE_DIM
 from remnant.kv.attention import packed_keys
 from remnant.kv.codec import dequantize, quantize
 from remnant.kv.packing import check_keep, pack, unpack
@@ -170,32 +170,39 @@ def resolve_decode_path(decode_path: str, device: torch.device) -> str:
 
 
 class C4Format:
-    """How one CSA layer stores and reads its C4 records (docs/kv.md).
+    """How one CSA layer stores and reads its C4 records and its window ring (docs/kv.md).
 
     native: 584-byte records, read whole. triton: packed R + 72-byte records (packed at
     the KV write), reconstructed to native for attention. kernel: packed records read
     directly: only kept coordinates enter scores and output; on the kernels decode path
     the model folds the kernel's kept-first column order into the layer's wq_b and wo
-    (FoldedWeights).
+    (FoldedWeights). pack_window (packed modes; retention.window_records=packed_csa): the
+    layer's window ring holds packed records too, with the same kept columns, stored and
+    read as the C4 records are.
     """
 
     def __init__(self, mode: str = "native", keep: torch.Tensor | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", pack_window: bool = False):
         rules = mode_of(mode)
         if rules.keeps_retention == (keep is None):
             raise ValueError(f"mode={mode} {'needs a' if rules.keeps_retention else 'takes no'} retention keep list")
+        if pack_window and not rules.packed:
+            raise ValueError(f"mode={mode} stores native records: it packs no window records")
         if keep is not None:
             check_keep(keep)
         #: The mode's name (as the batched decode step compares it) and what it does.
         self.mode, self.rules = mode, rules
         self.keep, self.device = keep, torch.device(device)
+        self.pack_window = pack_window
         self.cols = None if keep is None else torch.cat([keep.cpu(), torch.arange(NOPE_DIM, HEAD_DIM)]).to(device)
         #: The kept columns as the kernels read them, on `device`, built once (None: native).
         self.columns = None if keep is None else KeptColumns.of(keep, self.device)
 
     def to(self, device: torch.device | str) -> "C4Format":
         """The same format with its column tables on `device` (keep stays as given)."""
-        return self if torch.device(device) == self.device else C4Format(self.mode, self.keep, device)
+        if torch.device(device) == self.device:
+            return self
+        return C4Format(self.mode, self.keep, device, self.pack_window)
 
     @property
     def retention(self) -> int:
@@ -218,23 +225,50 @@ class C4Format:
         return packed_keys(stored, self.keep), self.cols
 
     @property
+    def window_form(self) -> str:
+        """How this layer's window ring holds its records, as decode's window_columns names
+        it: "packed" (pack_window: the C4 records' packed form, R + 72 bytes), "kept_first"
+        (kernel mode otherwise: remnant.kv.paged.quantize_kept_first, codes in kept-first
+        order, scale tiles of 64 kept-first positions, which the packed decode kernel reads
+        with word loads and scales found from positions; benchmarks/kernels/NOTES.md) or
+        "natural" (native records). With all 448 coordinates kept every form is the native
+        record: the ring is native and the native decode kernel reads that layer."""
+        if self.columns is None or not self.columns.packed:
+            return "natural"
+        if self.pack_window:
+            return "packed"
+        return "kept_first" if self.rules.direct_decode else "natural"
+
+    @property
     def window_kept_first(self) -> bool:
-        """Kernel mode keeps this layer's window ring as kept-first window records
-        (remnant.kv.paged.quantize_kept_first: codes in kept-first order, scale tiles of 64
-        kept-first positions), which the packed decode kernel reads with word loads and
-        scales found from positions (window_columns="kept_first"; benchmarks/kernels/
-        NOTES.md). The torch reference writes and reads the ring in the same form. With
-        all 448 coordinates kept the two forms are one (the order is the natural one), and
-        the ring is native: the native decode kernel reads that layer."""
-        return self.rules.direct_decode and self.columns is not None and self.columns.packed
+        return self.window_form == "kept_first"
+
+    @property
+    def ring_retention(self) -> int:
+        """R of this layer's window ring records: the layer's where the ring is packed, else
+        512 (whole records)."""
+        return self.retention if self.window_form == "packed" else HEAD_DIM
+
+    @property
+    def ring_record_bytes(self) -> int:
+        """Bytes of one record of this layer's window ring."""
+        return self.columns.record_bytes if self.window_form == "packed" else NATIVE_RECORD_BYTES
 
     def ring_records(self, latents: torch.Tensor) -> torch.Tensor:
-        """Window latents float [n, 512] -> uint8 [n, 584] as this layer's ring stores them."""
-        return quantize_kept_first(latents, self.columns) if self.window_kept_first else quantize(latents)
+        """Window latents float [n, 512] -> uint8 [n, ring_record_bytes] as this layer's ring
+        stores them."""
+        form = self.window_form
+        if form == "packed":
+            return pack(quantize(latents), self.keep)
+        return quantize_kept_first(latents, self.columns) if form == "kept_first" else quantize(latents)
 
-    def ring_keys(self, stored: torch.Tensor) -> torch.Tensor:
-        """Records read from this layer's ring -> keys float32 [n, 512] in natural order."""
-        return dequantize_kept_first(stored, self.columns) if self.window_kept_first else dequantize(stored)
+    def ring_keys(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Records read from this layer's ring -> (keys float32 [n, D], output columns [D] or
+        None for all 512 in natural order), as read gives C4 records'."""
+        form = self.window_form
+        if form == "packed":
+            return self.read(stored)
+        return (dequantize_kept_first(stored, self.columns) if form == "kept_first" else dequantize(stored)), None
 
 
 NATIVE_RING = C4Format()  # the ring of a layer without a C4 format (HCA, window-only): natural order
@@ -694,12 +728,12 @@ class Model:
         kv = ring.ring_records(st.kv)
         prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length, device=self.device)
         prev = pools.swa.read(li, pools.swa_slots(seq.swa_block, prev_pos))
-        keys = ring.ring_keys(torch.cat([prev, kv]))
+        window_keys = ring.ring_keys(torch.cat([prev, kv]))
         kpos = torch.cat([prev_pos, st.pos])
         win_mask = (kpos[None, :] <= st.pos[:, None]) & (kpos[None, :] > st.pos[:, None] - a.window_size)
         tail = slice(max(0, kv.shape[0] - a.window_size), None)
         pools.swa.write(li, pools.swa_slots(seq.swa_block, st.pos[tail]), kv[tail])
-        key_sets, masks = [(keys, None)], [win_mask]
+        key_sets, masks = [window_keys], [win_mask]
 
         selected = self._select_records(li, layer, seq, pools, st)
         if selected is not None:

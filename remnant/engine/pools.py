@@ -34,9 +34,11 @@ from remnant.kv.formats import (
 )
 from remnant.kv.layout import PageLayout
 
-#: The parts beyond C4 (PoolGeometry.parts_beyond_c4) the pools hold: the compressor state
-#: in bfloat16 and MXFP4 index keys. Packed window and C128 records are by the formula only.
-SERVED_PARTS = ("state_dtype_bytes", "index_key_bytes")
+#: The parts beyond C4 (PoolGeometry.parts_beyond_c4) the pools hold: packed window records
+#: (the model packs only CSA layers' windows, retention.window_records=packed_csa), the
+#: compressor state in bfloat16 and MXFP4 index keys. Packed C128 records are by the
+#: formula only.
+SERVED_PARTS = ("swa_record_bytes", "state_dtype_bytes", "index_key_bytes")
 #: The compressor state's torch dtype by its byte size (remnant.engine.capacity.STATE_DTYPES).
 STATE_TORCH_DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
@@ -104,39 +106,49 @@ class SplitPages:
 
 
 class SwaPool:
-    """Every layer's sliding-window records: per layer, blocks of `window` native records,
-    each block one page of SGLang's split layout (PageLayout.sglang(window), padded to a
-    multiple of 576 bytes), as SGLang keeps its SWA pool and as FlashMLA and the decode
-    kernels read it. A request's ring is one block: position p sits at slot
-    block * window + p % window (KVPools.swa_slots), a flat location of `layout`."""
+    """Every layer's sliding-window records: per layer, blocks of `window` records, each block
+    one page of SGLang's split layout (PageLayout.sglang(window, R): native 584-byte records,
+    padded to a multiple of 576 bytes, as SGLang keeps its SWA pool and as FlashMLA and the
+    decode kernels read it, or packed R + 72-byte ones where a CSA layer packs its window).
+    A request's ring is one block: position p sits at slot block * window + p % window
+    (KVPools.swa_slots), a flat location of the layer's layout. Layers whose records differ
+    in size have pages of different strides, so each layer has its own buffer."""
 
-    def __init__(self, layers: int, blocks: int, window: int, device: torch.device | str = "cpu"):
-        self.layout = PageLayout.sglang(window)
-        self.buf = torch.zeros(layers, blocks, self.layout.page_stride, dtype=torch.uint8, device=device)
+    def __init__(self, retentions: list[int], blocks: int, window: int, device: torch.device | str = "cpu"):
+        #: Each layer's page layout and pages, uint8 [blocks, page_stride].
+        self.layouts = [PageLayout.sglang(window, r) for r in retentions]
+        self.bufs = [torch.zeros(blocks, layout.page_stride, dtype=torch.uint8, device=device)
+                     for layout in self.layouts]
 
     def pages(self, li: int) -> torch.Tensor:
-        """Layer li's pages, uint8 [blocks, page_stride] (a contiguous view)."""
-        return self.buf[li]
+        """Layer li's pages, uint8 [blocks, page_stride] (contiguous)."""
+        return self.bufs[li]
 
     def read(self, li: int, slots: torch.Tensor) -> torch.Tensor:
-        """uint8 [k, 584] records at `slots` [k] of layer li."""
-        return self.layout.read(self.buf[li], slots)
+        """uint8 [k, record_bytes] records at `slots` [k] of layer li."""
+        return self.layouts[li].read(self.bufs[li], slots)
 
     def write(self, li: int, slots: torch.Tensor, records: torch.Tensor) -> None:
-        """records uint8 [k, 584] to `slots` [k] of layer li."""
-        self.layout.write(self.buf[li], slots, records)
+        """records uint8 [k, record_bytes] to `slots` [k] of layer li."""
+        self.layouts[li].write(self.bufs[li], slots, records)
+
+    def block_views(self, block: int) -> list[torch.Tensor]:
+        """Block `block`'s page in every layer (views)."""
+        return [buf[block] for buf in self.bufs]
 
     def copy_block(self, dst: int, src: int) -> None:
         """Block `src`'s records (every layer) to block `dst`: a ring checkpoint or its resumption."""
-        self.buf[:, dst] = self.buf[:, src]
+        for buf in self.bufs:
+            buf[dst] = buf[src]
 
     def __getitem__(self, li: int) -> torch.Tensor:
-        """Every slot of layer li as uint8 [blocks * window, 584] (a copy: for checks)."""
-        slots = torch.arange(self.layout.capacity(self.buf[li]), device=self.buf.device)
+        """Every slot of layer li as uint8 [blocks * window, record_bytes] (a copy: for checks)."""
+        slots = torch.arange(self.layouts[li].capacity(self.bufs[li]), device=self.bufs[li].device)
         return self.read(li, slots)
 
-    def numel(self) -> int:
-        return self.buf.numel()
+    def numel(self, blocks: int | None = None) -> int:
+        """Bytes of every layer's pages (of the first `blocks` blocks only, if given)."""
+        return sum(buf[:blocks].numel() for buf in self.bufs)
 
 
 class KVPools:
@@ -145,9 +157,9 @@ class KVPools:
     def __init__(self, geometry: PoolGeometry, sizes: PoolSizes, device: torch.device | str = "cpu"):
         beyond = [part for part in geometry.parts_beyond_c4() if part not in SERVED_PARTS]
         if beyond:
-            # The pools below store window and C128 records native: a geometry sized for
-            # other forms would count bytes they do not hold.
-            raise ValueError(f"the engine's pools store the window and C128 records native; this geometry sets "
+            # The pools below store C128 records native: a geometry sized for other forms
+            # would count bytes they do not hold.
+            raise ValueError(f"the engine's pools store the C128 records native; this geometry sets "
                              f"{', '.join(beyond)} (remnant.engine.capacity.Combination: by the formula only)")
         self.geometry, self.sizes = geometry, sizes
         self.device = torch.device(device)
@@ -171,7 +183,8 @@ class KVPools:
         self.window = g.window_size
         self.swa_blocks = FreeList(sizes.swa_tokens // g.window_size, "swa block")
         self.pad_block = self.swa_blocks.n
-        self.swa = SwaPool(len(g.compress_ratios), self.swa_blocks.n + 1, g.window_size, device=dev)
+        self.swa = SwaPool([_retention_of_record(b) for b in g.window_record_bytes()], self.swa_blocks.n + 1,
+                           g.window_size, device=dev)
         # Compressor state, rows of (content, gate) in float32 or bfloat16 (the geometry's
         # state dtype): C4_RING rows per request slot in every CSA layer (sized from the SWA
         # pool, as SGLang sizes c4_state_pool_size) and C128_RING rows per slot in every HCA
@@ -207,7 +220,7 @@ class KVPools:
         the padding page, block and slot apart ("padding": they hold no token)."""
         rows4, rows128 = self._state_rows
         held = {
-            "swa": self.swa.buf[:, : self.pad_block].numel(),
+            "swa": self.swa.numel(self.pad_block),
             "c4": sum(p.buf[: self.num_pages].numel() for p in self.c4.values()),
             "c128": sum(p.buf[: self.num_pages].numel() for p in self.c128.values()),
             "c4_indexer": sum(p.buf[: self.num_pages].numel() for p in self.indexer.values()),
@@ -237,6 +250,11 @@ class KVPools:
 __all__ = ["FreeList", "KVPools", "SplitPages", "SwaPool", "page_bytes"]
 
 
+def _retention_of_record(record_bytes: int) -> int:
+    """R of a record of `record_bytes` (R + 72 packed; 584 native is R = 512)."""
+    return HEAD_DIM if record_bytes == NATIVE_RECORD_BYTES else record_bytes - (NATIVE_RECORD_BYTES - HEAD_DIM)
+
+
 def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 32,
                 state_dtype: str = "float32") -> PoolGeometry:
     """Pool geometry of an engine model (remnant.engine.model.Model) in its current mode and
@@ -247,6 +265,7 @@ def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running
     return PoolGeometry(
         compress_ratios=list(a.compress_ratios),
         c4_record_bytes=[model.c4_formats[i].record_bytes for i in model.csa_layers],
+        swa_record_bytes=[model.ring_format(i).ring_record_bytes for i in range(len(a.compress_ratios))],
         window_size=a.window_size,
         index_head_dim=a.index_head_dim,
         page_size=page_size,

@@ -193,11 +193,16 @@ def prefill_step(model, pools, plan: PrefillPlan, attention: str) -> torch.Tenso
     Returns float32 [N, vocab] logits at each chunk's last token. Sequences' lengths are
     the caller's to advance."""
     h = model.embed[plan.ids]
-    scratch_layout = PageLayout.sglang(SCRATCH_PER_PAGE)
+    # One scratch ring per window record size (packed windows are smaller), reused by
+    # every layer of that size.
+    scratches = {}
     pages = max(-(-plan.scratch_records // SCRATCH_PER_PAGE), 1)
-    scratch = torch.zeros(pages, scratch_layout.page_stride, dtype=torch.uint8, device=h.device)
     for li, layer in enumerate(model.layers):
-        h = _layer(model, li, layer, pools, plan, h, (scratch, scratch_layout), attention)
+        retention = model.ring_format(li).ring_retention
+        if retention not in scratches:
+            layout = PageLayout.sglang(SCRATCH_PER_PAGE, retention)
+            scratches[retention] = (torch.zeros(pages, layout.page_stride, dtype=torch.uint8, device=h.device), layout)
+        h = _layer(model, li, layer, pools, plan, h, scratches[retention], attention)
     last = torch.tensor([a + n - 1 for a, n in zip(plan.starts, plan.sizes)], device=h.device)
     return model.logits(h[last]).float()
 
@@ -321,7 +326,7 @@ def _attend_torch(model, li: int, layer, pools, plan: PrefillPlan, q: torch.Tens
     each visible to the tokens that chose it."""
     fmt = model.ring_format(li)
     pages, layout = scratch
-    window = fmt.ring_keys(layout.read(pages, torch.arange(plan.scratch_records, device=q.device)))
+    window, window_cols = fmt.ring_keys(layout.read(pages, torch.arange(plan.scratch_records, device=q.device)))
     records = cols = None
     width = rp.visible_locs.shape[1] if chosen is not None else 0
     if chosen is not None:
@@ -343,7 +348,7 @@ def _attend_torch(model, li: int, layer, pools, plan: PrefillPlan, q: torch.Tens
             lo, hi = plan.span(t, e)
             span = torch.arange(lo, hi, device=q.device)
             visible = (span[None, :] >= first[t:e, None]) & (span[None, :] <= own[t:e, None])
-            key_sets = [(window[lo:hi], None, visible)]
+            key_sets = [(window[lo:hi], window_cols, visible)]
             if count:
                 picked = chosen[t:e]
                 mask = torch.zeros(e - t, count + 1, dtype=torch.bool, device=q.device)

@@ -18,7 +18,7 @@ from remnant.calibration.retention import RetentionMap, profile_values
 from remnant.config import RetentionConfig
 from remnant.engine.model import C4Format, Model
 from remnant.engine.pools import new_sequence, scratch_pools
-from remnant.kv.formats import CSA_RATIO
+from remnant.kv.formats import CSA_RATIO, WINDOW_RECORDS
 from remnant.kv.modes import mode_of
 
 CALIBRATION_TOKENS = 512
@@ -57,8 +57,13 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
 
 def setup_retention(model: Model, mode: str, model_id: str, retention: int | None = None,
                     per_layer: list[int] | None = None, map_path: str | None = None,
-                    policy: str = RetentionConfig.policy) -> RetentionMap | None:
-    """Set the model's C4 formats for `mode`; returns the retention map used (None: native)."""
+                    policy: str = RetentionConfig.policy,
+                    window_records: str = RetentionConfig.window_records) -> RetentionMap | None:
+    """Set the model's C4 formats for `mode` (window_records packed_csa: each CSA layer's
+    window ring packed with its map too); returns the retention map used (None: native,
+    which stores every record native whatever window_records says)."""
+    if window_records not in WINDOW_RECORDS:
+        raise ValueError(f"window_records={window_records!r} is not allowed; allowed: {', '.join(WINDOW_RECORDS)}")
     rules = mode_of(mode)
     if not rules.keeps_retention:
         model.set_c4_formats({i: C4Format() for i in model.csa_layers})
@@ -78,5 +83,6 @@ def setup_retention(model: Model, mode: str, model_id: str, retention: int | Non
         values = profile_values(None if per_layer else retention, per_layer or None, len(model.csa_layers))
         rmap = build_map(calibration_captures(model, model_id), policy, values)
     rules.check_retention(rmap.retention(i) for i in model.csa_layers)
-    model.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in model.csa_layers})
+    pack_window = window_records == "packed_csa"
+    model.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i), pack_window=pack_window) for i in model.csa_layers})
     return rmap

@@ -5,14 +5,24 @@ from __future__ import annotations
 import torch
 
 from remnant.kv.codec import dequantize
+from remnant.kv.packing import unpack
 
 
-def assert_same_ring(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Rings uint8 [slots, 584] (SwaPool[layer]) hold records in the same slots, with the same
+def ring_keep(model, li: int) -> torch.Tensor | None:
+    """The kept columns layer li's ring records are packed with (None: 584-byte records)."""
+    fmt = model.ring_format(li)
+    return fmt.keep if fmt.window_form == "packed" else None
+
+
+def assert_same_ring(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+    """Rings uint8 [slots, 584] (SwaPool[layer]; packed with `keep`, [slots, R + 72], which are
+    compared unpacked) hold records in the same slots, with the same
     values up to one rounding step: a decode step computes its token's latent in a batch of
     other shapes than the reference's (BLAS blocks differ), so a bf16 RoPE value may move
     by one ulp and an FP8 code by one step (2^-3 relative, or 2^-9 of its tile's scale)."""
     assert torch.equal((got != 0).any(1), (want != 0).any(1)), "records in other slots"
+    if keep is not None:
+        got, want = unpack(got, keep), unpack(want, keep)
     a, b = dequantize(got), dequantize(want)
     scale = torch.maximum(a.abs(), b.abs()).amax(1, keepdim=True)
     assert bool(((a - b).abs() <= 2.0**-3 * torch.maximum(a.abs(), b.abs()) + 2.0**-9 * scale).all())

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from remnant.engine.capacity import (
+    C4_CSA_SWA,
+    C4_CSA_SWA_BF16,
+    C4_CSA_SWA_MXFP4_BF16,
     C4_ONLY,
     C4_SWA,
     C4_SWA_C128,
@@ -147,6 +150,10 @@ LADDER = [
     (C4_SWA_C128, "c4+swa+c128", 5220.65, 1.4760),
     (C4_SWA_C128_MXFP4, "c4+swa+c128+mxfp4_index", 4884.65, 1.5775),
     (C4_SWA_C128_MXFP4_BF16, "c4+swa+c128+mxfp4_index+bf16_state", 4212.65, 1.8291),
+    # Served: the CSA layers' windows packed (21 of 43 layers' 0.1 x 584 -> 328).
+    (C4_CSA_SWA, "c4+csa_swa", 5823.85, 1.3231),
+    (C4_CSA_SWA_BF16, "c4+csa_swa+bf16_state", 5151.85, 1.4957),
+    (C4_CSA_SWA_MXFP4_BF16, "c4+csa_swa+mxfp4_index+bf16_state", 4815.85, 1.6000),
 ]
 
 
@@ -188,7 +195,7 @@ def test_combinations_at_a_budget():
 def test_combination_names_validation_and_served():
     assert Combination(packed=("c128", "c4")).packed == ("c4", "c128")
     assert Combination(packed=("c128", "c4")) == Combination(packed=("c4", "c128"))
-    assert [c.served for c in STANDARD_COMBINATIONS] == [True, True, False, False, False, False]
+    assert [c.served for c in STANDARD_COMBINATIONS] == [True, True, False, False, False, False, True, True, True]
     # bf16 state and MXFP4 keys are served (host.compressor_state_dtype, host.index_key_format):
     # C4 with bf16 state 1.3543x, with MXFP4 keys too 1.4393x (docs/kv.md).
     for combination, name, ratio in ((Combination(packed=("c4",), state_dtype="bfloat16"), "c4+bf16_state", 1.3543),
@@ -202,7 +209,9 @@ def test_combination_names_validation_and_served():
                         ({"packed": ("c4", "c4")}, "must name distinct parts"),
                         ({"retention": 100}, "retention=100 is not allowed"),
                         ({"index_keys": "fp4"}, "index_keys='fp4' is not allowed; allowed: fp8, mxfp4"),
-                        ({"state_dtype": "fp16"}, "state_dtype='fp16' is not allowed; allowed: float32, bfloat16")):
+                        ({"state_dtype": "fp16"}, "state_dtype='fp16' is not allowed; allowed: float32, bfloat16"),
+                        ({"packed": ("c4", "csa_swa", "swa")}, "names both csa_swa .* and swa"),
+                        ({"packed": ("csa_swa",)}, "csa_swa packs the CSA layers' window records with their C4 maps")):
         with pytest.raises(ValueError, match=message):
             Combination(**kw)
 
@@ -210,6 +219,8 @@ def test_combination_names_validation_and_served():
 @pytest.mark.parametrize(("kw", "message"), [
     ({"swa_record_bytes": 300}, "swa_record_bytes=300 is not a record size; allowed: 136, 200,"),
     ({"c128_record_bytes": 600}, "c128_record_bytes=600 is not a record size"),
+    ({"swa_record_bytes": [584, 300]}, "swa_record_bytes has 2 values; the model has 43 layers"),
+    ({"swa_record_bytes": [584] * 42 + [300]}, "swa_record_bytes=300 is not a record size"),
     ({"index_key_bytes": 0}, "index_key_bytes=0 must be a positive number of bytes"),
     ({"state_dtype_bytes": 3}, r"state_dtype_bytes=3 is not allowed; allowed: 4 \(float32\), 2 \(bfloat16\)"),
 ])
@@ -223,10 +234,9 @@ def test_the_engines_pools_refuse_parts_they_do_not_store():
 
     from remnant.engine.pools import KVPools
 
-    for part in ({"swa_record_bytes": 328}, {"c128_record_bytes": 328}):
-        geometry = PoolGeometry([0, 4, 128], [584], **part)
-        with pytest.raises(ValueError, match=next(iter(part))):
-            KVPools(geometry, size_pools(geometry, 64 << 20))
+    geometry = PoolGeometry([0, 4, 128], [584], c128_record_bytes=328)
+    with pytest.raises(ValueError, match="store the C128 records native; this geometry sets c128_record_bytes"):
+        KVPools(geometry, size_pools(geometry, 64 << 20))
     odd_keys = PoolGeometry([0, 4, 128], [584], index_key_bytes=100)
     with pytest.raises(ValueError, match="index keys of 100 bytes at index_head_dim=128 are no indexer key format"):
         KVPools(odd_keys, size_pools(odd_keys, 64 << 20))
@@ -235,3 +245,12 @@ def test_the_engines_pools_refuse_parts_they_do_not_store():
     pools = KVPools(served, size_pools(served, 64 << 20))
     assert pools.c4_state[1].dtype == torch.bfloat16
     assert (pools.indexer[1].layout.data_bytes, pools.indexer[1].layout.tail_bytes) == (64, 4)
+    # Packed window records, per layer: each layer's ring pages in its own record size, the
+    # bytes the formula counts allocated, plus each page's padding to whole data rows (the
+    # split layout's, as SGLang pads: 128 x 584 -> 130 x 576, 128 x 328 -> 132 x 320).
+    windows = PoolGeometry([0, 4, 128], [328], swa_record_bytes=[584, 328, 584])
+    pools = KVPools(windows, size_pools(windows, 64 << 20))
+    assert [layout.record_bytes for layout in pools.swa.layouts] == [584, 328, 584]
+    blocks = pools.swa_blocks.n
+    assert pools.allocated_bytes()["swa"] == blocks * (2 * 130 * 576 + 132 * 320)
+    assert pools.accounted_bytes()["swa"] == blocks * 128 * (584 + 328 + 584)

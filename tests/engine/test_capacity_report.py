@@ -27,17 +27,22 @@ def test_v4_flash_report():
     # Every standard combination at R = 256: the figures docs/kv.md states.
     combos = {c["name"]: c for c in doc["combinations"]}
     assert list(combos) == ["native", "c4", "c4+swa", "c4+swa+c128", "c4+swa+c128+mxfp4_index",
-                            "c4+swa+c128+mxfp4_index+bf16_state"]
+                            "c4+swa+c128+mxfp4_index+bf16_state", "c4+csa_swa", "c4+csa_swa+bf16_state",
+                            "c4+csa_swa+mxfp4_index+bf16_state"]
     assert {n: round(c["capacity_ratio"], 4) for n, c in combos.items()} == {
         "native": 1.0, "c4": 1.2113, "c4+swa": 1.4647, "c4+swa+c128": 1.476, "c4+swa+c128+mxfp4_index": 1.5775,
-        "c4+swa+c128+mxfp4_index+bf16_state": 1.8291}
-    assert [n for n, c in combos.items() if c["served"]] == ["native", "c4"]
+        "c4+swa+c128+mxfp4_index+bf16_state": 1.8291, "c4+csa_swa": 1.3231, "c4+csa_swa+bf16_state": 1.4957,
+        "c4+csa_swa+mxfp4_index+bf16_state": 1.6}
+    assert [n for n, c in combos.items() if c["served"]] == ["native", "c4", "c4+csa_swa", "c4+csa_swa+bf16_state",
+                                                              "c4+csa_swa+mxfp4_index+bf16_state"]
+    assert [(c["part_bytes"]["swa_record"], c["part_bytes"]["swa_packed_layers"]) for c in combos.values()] == [
+        (584, 0), (584, 0), (328, 43), (328, 43), (328, 43), (328, 43), (328, 21), (328, 21), (328, 21)]
     # The native and c4 combinations are the report's native and packed sides.
     for name, mode in (("native", doc["modes"][0]), ("c4", doc["modes"][1])):
         assert combos[name]["bytes_per_token"] == mode["bytes_per_token"]
         assert combos[name]["max_total_num_tokens"] == mode["max_total_num_tokens"]
     top = combos["c4+swa+c128+mxfp4_index+bf16_state"]
-    assert top["part_bytes"] == {"swa_record": 328, "c4_record": 328, "c128_record": 328, "index_key": 68,
+    assert top["part_bytes"] == {"swa_record": 328, "swa_packed_layers": 43, "c4_record": 328, "c128_record": 328, "index_key": 68,
                                  "state_dtype": 2}
     assert top["fixed_bytes"]["c128_state"] * 2 == combos["native"]["fixed_bytes"]["c128_state"]
     assert top["token_ratio"] > top["capacity_ratio"]  # the halved fixed C128 state leaves more for tokens
@@ -62,7 +67,7 @@ def test_command_and_errors(tmp_path):
     doc = json.loads(out.read_text())
     validate(doc)
     assert (doc["schema"], doc["schema_version"]) == ("remnant/capacity", 2)
-    assert len(doc["combinations"]) == 6 and "c4+swa+c128+mxfp4_index+bf16_state: " in p.stderr
+    assert len(doc["combinations"]) == 9 and "c4+swa+c128+mxfp4_index+bf16_state: " in p.stderr
     assert "(formula only)" in p.stderr
     for args, message in ((["--model", "huge"], "--model huge is not a model preset; allowed:"),
                           (["--retention", "100"], "retention=100 is not allowed"),

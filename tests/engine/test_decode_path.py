@@ -21,7 +21,7 @@ from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
 from remnant.kv.codec import dequantize
-from tests.engine.rings import assert_same_ring
+from tests.engine.rings import assert_same_ring, ring_keep
 from remnant.kv.formats import NOPE_DIM
 from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
 from remnant.kv.paged import dequantize_kept_first
@@ -40,8 +40,12 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 ATOL = 5e-2
 
 # Retention as the engine builds it (calibrated keep lists); triton with two widths.
-MODES = [pytest.param(mode, retention, id=mode) for mode, retention in
-         [("native", {}), ("triton", {"per_layer": [128, 384]}), ("kernel", {"retention": 256})]]
+MODES = [pytest.param(mode, retention, id=name) for name, mode, retention in
+         [("native", "native", {}), ("triton", "triton", {"per_layer": [128, 384]}),
+          ("kernel", "kernel", {"retention": 256}),
+          # The CSA layers' windows packed with their maps (retention.window_records=packed_csa).
+          ("triton-packed-window", "triton", {"per_layer": [128, 384], "window_records": "packed_csa"}),
+          ("kernel-packed-window", "kernel", {"retention": 256, "window_records": "packed_csa"})]]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def _models(args: ModelArgs, device: str, mode: str, retention: dict) -> tuple[M
     rmap = setup_retention(reference, mode, "tiny", **retention)
     kernels = Model(args, device=device, decode_path="kernels")
     if rmap is not None:
-        kernels.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in kernels.csa_layers})
+        kernels.set_c4_formats(reference.c4_formats)
     return reference, kernels
 
 
@@ -234,8 +238,8 @@ def test_kernels_path_prefill_reads_the_reference_key_sets(args, mode, retention
         (want, want_pools), (got, got_pools) = out
         rel = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
         assert rel <= 5e-4, rel
-        for li in range(want_pools.swa.buf.shape[0]):
-            assert_same_ring(got_pools.swa[li], want_pools.swa[li])
+        for li in range(len(want_pools.swa.bufs)):
+            assert_same_ring(got_pools.swa[li], want_pools.swa[li], ring_keep(reference, li))
 
 
 def test_kernel_mode_folds_the_kept_first_order_into_the_projections(args):
@@ -351,7 +355,7 @@ def test_flashmla_decodes_native_records_as_the_reference_on_gpu(args, mode, ret
     kernels = Model(args, device="cuda", decode_path="kernels", native_decode="flashmla", cuda_graph=False)
     assert (kernels.native_decode, kernels.native_decode_reason) == ("flashmla", None)
     if rmap is not None:
-        kernels.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in kernels.csa_layers})
+        kernels.set_c4_formats(reference.c4_formats)
     calls = []
     real = flashmla.decode
     monkeypatch.setattr(flashmla, "decode", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))

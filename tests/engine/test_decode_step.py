@@ -24,7 +24,7 @@ import torch
 from remnant.config import ModelConfig
 from remnant.engine.decode_step import DecodeBatch, decode_step
 from remnant.engine.engine import Engine, Request, SamplingParams
-from remnant.engine.model import C4Format, Model, ModelArgs
+from remnant.engine.model import Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.prefix_cache import PrefixCache
 from remnant.engine.retention_setup import setup_retention
@@ -34,8 +34,12 @@ from tests.engine.rings import assert_same_ring
 FLOAT32_ATOL = 1e-4
 BF16_REL = 0.016
 
-MODES = [pytest.param(mode, retention, id=mode) for mode, retention in
-         [("native", {}), ("triton", {"per_layer": [128, 384]}), ("kernel", {"retention": 256})]]
+MODES = [pytest.param(mode, retention, id=name) for name, mode, retention in
+         [("native", "native", {}), ("triton", "triton", {"per_layer": [128, 384]}),
+          ("kernel", "kernel", {"retention": 256}),
+          # The CSA layers' windows packed with their maps (retention.window_records=packed_csa).
+          ("triton-packed-window", "triton", {"per_layer": [128, 384], "window_records": "packed_csa"}),
+          ("kernel-packed-window", "kernel", {"retention": 256, "window_records": "packed_csa"})]]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,7 @@ def _pair(args: ModelArgs, mode: str, retention: dict, dtype: str = "float32") -
     batched = Model(args, decode_path="batched", dtype=dtype)
     batched.batched_prefill = False
     if rmap is not None:
-        batched.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in batched.csa_layers})
+        batched.set_c4_formats(reference.c4_formats)
     return reference, batched
 
 
@@ -164,7 +168,7 @@ def test_moe_model_with_grouped_output_projection(args):
 
 def _pool_tensors(pools) -> dict[str, torch.Tensor]:
     """Every pool buffer, without its padding page, block or slot, by name."""
-    out = {"swa": pools.swa.buf[:, : pools.pad_block]}
+    out = {f"swa{li}": buf[: pools.pad_block] for li, buf in enumerate(pools.swa.bufs)}
     for name in ("c4", "c128", "indexer"):
         out |= {f"{name}{li}": p.buf[: pools.num_pages] for li, p in getattr(pools, name).items()}
     for name, ring in (("c4_state", 8), ("c4_index_state", 8), ("c128_state", 128)):

@@ -23,15 +23,19 @@ import torch
 
 import remnant.engine.prefill_step as prefill_step
 from remnant.config import ModelConfig
-from remnant.engine.model import C4Format, Model, ModelArgs
+from remnant.engine.model import Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
-from tests.engine.rings import assert_same_ring
+from tests.engine.rings import assert_same_ring, ring_keep
 
 REL = 5e-4
 
-MODES = [pytest.param(mode, retention, id=mode) for mode, retention in
-         [("native", {}), ("triton", {"per_layer": [128, 384]}), ("kernel", {"retention": 256})]]
+MODES = [pytest.param(mode, retention, id=name) for name, mode, retention in
+         [("native", "native", {}), ("triton", "triton", {"per_layer": [128, 384]}),
+          ("kernel", "kernel", {"retention": 256}),
+          # The CSA layers' windows packed with their maps (retention.window_records=packed_csa).
+          ("triton-packed-window", "triton", {"per_layer": [128, 384], "window_records": "packed_csa"}),
+          ("kernel-packed-window", "kernel", {"retention": 256, "window_records": "packed_csa"})]]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def _pair(args: ModelArgs, mode: str, retention: dict) -> tuple[Model, Model]:
     rmap = setup_retention(reference, mode, "tiny", **retention)
     batched = Model(args, decode_path="batched")
     if rmap is not None:
-        batched.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i)) for i in batched.csa_layers})
+        batched.set_c4_formats(reference.c4_formats)
     assert batched.batched_prefill and not reference.batched_prefill
     return reference, batched
 
@@ -88,11 +92,13 @@ def _open_rows(seqs: list, ratio: int, ring: int) -> torch.Tensor:
     return torch.cat([s.slot * ring + torch.arange(s.length % ratio) for s in seqs])
 
 
-def _assert_same_pools(got, want, mode: str, seqs: list) -> None:
-    """The same records in the same slots to one rounding step (native records; packed C4
-    records are compared through the rings and logits), the same open compressor state."""
-    for li in range(want.swa.buf.shape[0]):
-        assert_same_ring(got.swa[li], want.swa[li])
+def _assert_same_pools(got, want, model: Model, seqs: list) -> None:
+    """The same records in the same slots to one rounding step (native records and window
+    rings; packed C4 records are compared through the rings and logits), the same open
+    compressor state."""
+    mode = model.c4_formats[model.csa_layers[0]].mode
+    for li in range(len(want.swa.bufs)):
+        assert_same_ring(got.swa[li], want.swa[li], ring_keep(model, li))
     for li in want.c128:
         assert_same_ring(_records(got.c128[li], want.num_pages), _records(want.c128[li], want.num_pages))
     for li in want.c4:
@@ -122,7 +128,7 @@ def test_batched_prefill_is_the_reference(args, mode, retention, schedule):
     got, got_pools, _ = _prefill(batched, PROMPTS, schedule)
     assert _rel(got, want) <= REL
     assert (got.argmax(-1) == want.argmax(-1)).all()
-    _assert_same_pools(got_pools, want_pools, mode, seqs)
+    _assert_same_pools(got_pools, want_pools, reference, seqs)
 
 
 def test_tiles_change_nothing(args, monkeypatch):
@@ -134,7 +140,7 @@ def test_tiles_change_nothing(args, monkeypatch):
     monkeypatch.setattr(prefill_step, "TILE_ELEMENTS", 1 << 15)  # tiles of 8 to 14 tokens
     got, got_pools, _ = _prefill(batched, PROMPTS, CHUNKED)
     assert _rel(got, want) <= REL
-    _assert_same_pools(got_pools, want_pools, "native", seqs)
+    _assert_same_pools(got_pools, want_pools, batched, seqs)
 
 
 def test_plan_puts_each_window_where_the_ring_holds_it(args):

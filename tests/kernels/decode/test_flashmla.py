@@ -141,11 +141,11 @@ def test_flashmla_reads_the_engines_pools():
     from remnant.engine.pools import SplitPages, SwaPool
 
     gen = torch.Generator().manual_seed(3)
-    swa = SwaPool(layers=2, blocks=3, window=128, device=DEVICE)
+    swa = SwaPool(retentions=[512, 512], blocks=3, window=128, device=DEVICE)
     c4 = SplitPages(pages=12, per_page=64, record_bytes=584, device=DEVICE)
     c128 = SplitPages(pages=40, per_page=2, record_bytes=584, row_bytes=576, device=DEVICE)
     slots = torch.arange(3 * 128, device=DEVICE)
-    store(latents(3 * 128, gen).to(DEVICE), swa.pages(1), swa.layout, slots)
+    store(latents(3 * 128, gen).to(DEVICE), swa.pages(1), swa.layouts[1], slots)
     store(latents(12 * 64, gen).to(DEVICE), c4.buf, c4.layout, torch.arange(12 * 64, device=DEVICE))
     store(latents(80, gen).to(DEVICE), c128.buf, c128.layout, torch.arange(80, device=DEVICE))
     batch = 3
@@ -155,9 +155,9 @@ def test_flashmla_reads_the_engines_pools():
     win_locs[2, :100] = -1  # a ring not yet full
     for records, k in ((c4, 512), (c128, 37)):
         locs = _locs(batch, k, records.layout.capacity(records.buf), gen, 0)
-        want = decode_native_reference(q, records.buf, records.layout, locs, swa.pages(1), swa.layout, win_locs,
+        want = decode_native_reference(q, records.buf, records.layout, locs, swa.pages(1), swa.layouts[1], win_locs,
                                        sink)
-        got = flashmla.decode(q, records.buf, records.layout, locs, swa.pages(1), swa.layout, win_locs, sink,
+        got = flashmla.decode(q, records.buf, records.layout, locs, swa.pages(1), swa.layouts[1], win_locs, sink,
                               SOFTMAX_SCALE)
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < TOLERANCE, f"{records.layout}: relative error {err:.2e}"
