@@ -134,19 +134,20 @@ def resolve_native_decode(native_decode: str, device: torch.device, decode_path:
 
 
 def resolve_packed_decode(device: torch.device, decode_path: str, heads: int, n_kept: int | None,
-                          dtype: torch.dtype) -> tuple[str | None, str | None]:
+                          dtype: torch.dtype, window_columns: str = "kept_first") -> tuple[str | None, str | None]:
     """The kernel that kernel mode's decode steps run over packed records (the folded call:
-    q, out and the window ring in kept-first order): ("sm90", None), the SM90 Gluon kernel;
-    ("triton", why not it); ("reference", why) on the torch reference path; (None, None)
-    where no layer holds packed records (n_kept None)."""
+    q and out in kept-first order, the window ring in `window_columns` form: kept-first
+    records, or packed ones): ("sm90", None), the SM90 Gluon kernel; ("triton", why not
+    it); ("reference", why) on the torch reference path; (None, None) where no layer holds
+    packed records (n_kept None)."""
     if n_kept is None:
         return None, None
     if decode_path in TORCH_DECODE_PATHS:
         return TORCH_DECODE_PATHS[decode_path]
     from remnant.kernels.decode import DecodeConfig, choose
 
-    return choose(device, heads, True, n_kept=n_kept, columns="kept_first", window_columns="kept_first", q_dtype=dtype,
-                  config=decode_config(heads) or DecodeConfig())
+    return choose(device, heads, True, n_kept=n_kept, columns="kept_first", window_columns=window_columns,
+                  q_dtype=dtype, config=decode_config(heads) or DecodeConfig())
 
 
 #: What decode steps run instead of a kernel on the paths that attend in torch: (name, why).
@@ -475,12 +476,13 @@ class Model:
         if sorted(formats) != self.csa_layers:
             raise ValueError(f"C4 formats given for layers {sorted(formats)}; the model's CSA layers are {self.csa_layers}")
         self.c4_formats = {i: f.to(self.device) for i, f in formats.items()}
-        kept = [f.columns.n_kept for f in self.c4_formats.values()
-                if f.rules.direct_decode and f.columns.packed]
+        packed = [f for f in self.c4_formats.values() if f.rules.direct_decode and f.columns.packed]
         #: The kernel of kernel mode's packed decode steps, and why not the SM90 kernel
         #: (None, None without packed kernel-mode layers).
         self.packed_decode, self.packed_decode_reason = resolve_packed_decode(
-            self.device, self.decode_path, self.args.num_attention_heads, kept[0] if kept else None, self.dtype)
+            self.device, self.decode_path, self.args.num_attention_heads,
+            packed[0].columns.n_kept if packed else None, self.dtype,
+            packed[0].window_form if packed else "kept_first")
         #: Kernel-mode CSA layer -> its FoldedWeights, on the kernels decode path only: the
         #: reference path reads natural q and would gain nothing.
         self.folded_weights = {i: FoldedWeights.of(self.layers[i], f.columns) for i, f in self.c4_formats.items()

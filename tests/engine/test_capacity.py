@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 
 from remnant.engine.capacity import (
@@ -254,3 +255,31 @@ def test_the_engines_pools_refuse_parts_they_do_not_store():
     blocks = pools.swa_blocks.n
     assert pools.allocated_bytes()["swa"] == blocks * (2 * 130 * 576 + 132 * 320)
     assert pools.accounted_bytes()["swa"] == blocks * 128 * (584 + 328 + 584)
+
+
+def test_the_engines_pools_serve_1_6x_at_v4_flash_shapes():
+    """The served combination (C4 and the CSA layers' windows packed at R = 256, MXFP4 keys,
+    bf16 state) in the engine's own pools at V4-Flash's shapes: 1.6000x native's bytes per
+    token, and the pools hold the tokens the formula sizes, here 1.78x native's (in 384
+    MiB with 4 request slots the fixed C128 state, which bf16 halves, is a sixth of the
+    budget; at 60 GiB the token ratio is 1.61x)."""
+    from remnant.engine.pools import KVPools
+
+    budget = 384 << 20
+    base = dataclasses.replace(_geometry(584), max_running_requests=4)
+    tokens, per_token = {}, {}
+    for combo in (NATIVE, C4_CSA_SWA_MXFP4_BF16):
+        geometry = combination_geometry(base, combo)
+        sizes = size_pools(geometry, budget)
+        pools = KVPools(geometry, sizes)
+        tokens[combo.name] = pools.num_pages * geometry.page_size
+        assert tokens[combo.name] == sizes.full_tokens
+        per_token[combo.name] = sum(geometry.bytes_per_full_token().values())
+        held = pools.allocated_bytes()
+        assert sum(held.values()) - held["padding"] <= budget
+    served = "c4+csa_swa+mxfp4_index+bf16_state"
+    assert round(per_token["native"] / per_token[served], 4) == 1.6
+    assert tokens == {"native": 42496, served: 75776}
+    at_60 = {c.name: size_pools(combination_geometry(_geometry(584), c), 60 << 30).full_tokens
+             for c in (NATIVE, C4_CSA_SWA_MXFP4_BF16)}
+    assert 1.60 < at_60[served] / at_60["native"] < 1.62
