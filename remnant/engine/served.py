@@ -105,7 +105,7 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     import torch
     from tokenizers import Tokenizer
 
-    from remnant.engine.capacity import size_pools
+    from remnant.engine.capacity import NATIVE, combination_geometry, size_pools
     from remnant.engine.chat_template import ChatTemplate
     from remnant.engine.model import Model, ModelArgs
     from remnant.engine.pools import KVPools, geometry_of
@@ -147,6 +147,7 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
             f"{sizes.swa_tokens} window slots after {sum(sizes.fixed_bytes.values())} fixed bytes; "
             f"raise the budget or lower max_running_requests"
         )
+    native_tokens = size_pools(combination_geometry(geometry, NATIVE), engine_args.kv_budget_bytes).full_tokens
     pools = KVPools(geometry, sizes, model.device)
     engine = Engine(model, hf["eos_token_id"], pools, PrefixCache(pools, engine_args.prefix_cache),
                     engine_args.chunked_prefill_size)
@@ -163,6 +164,10 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         "c4_records": sizes.c4_records,
         "c128_records": sizes.c128_records,
         "max_running_requests": pools.slots.n,
+        # What SGLang's defaults (native records, FP8 index keys, float32 state) would hold
+        # in the same budget, and this server's KV tokens over it (remnant.engine.capacity).
+        "native_max_total_num_tokens": native_tokens,
+        "capacity_ratio": sizes.full_tokens / native_tokens if native_tokens else None,
     }
     started = time.time()
     server_environment = environment()

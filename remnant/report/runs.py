@@ -20,6 +20,14 @@ METRIC_COLUMNS = {
 }
 
 
+
+def retention_label(ret: dict) -> str:
+    """A packed run's retention as the report groups it: the profile's name, "+csa_swa"
+    where the CSA layers' windows were packed too (retention.window_records=packed_csa; the
+    capacity formula's name for that part), so the two never pool into one cell."""
+    name = ret.get("name", "?")
+    return name + "+csa_swa" if ret.get("window_records", "native") == "packed_csa" else name
+
 def server_devices(doc: dict) -> tuple[int, str | None]:
     """(devices, assumption): the GPUs the run's server used, and None where the record
     says so, else the sentence that names what was assumed.
@@ -98,7 +106,7 @@ def load_runs(paths: list[Path]) -> pd.DataFrame:
             "error": f"{error['stage']}: {error['message']}" if error else None,
             "cell": cell_key(cfg),
             "mode": cfg["mode"]["name"],
-            "retention": ret.get("name", "?") if mode_of(cfg["mode"]["name"]).keeps_retention else "-",
+            "retention": retention_label(ret) if mode_of(cfg["mode"]["name"]).keeps_retention else "-",
             "workload": doc["workload"]["name"],
             "seed": doc["workload"]["seed"],
             "fingerprint": doc["workload"]["fingerprint"],
@@ -113,6 +121,8 @@ def load_runs(paths: list[Path]) -> pd.DataFrame:
             "completed": m.get("completed"),
             "failed": m.get("failed"),
             "max_total_num_tokens": cap.get("max_total_num_tokens"),
+            # KV tokens over SGLang's defaults' in the same budget (engine runs; None elsewhere).
+            "capacity_ratio": cap.get("capacity_ratio"),
             "devices": devices,
             "devices_assumed": devices_assumed,
             "limits": doc["limits"],

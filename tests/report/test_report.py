@@ -139,3 +139,11 @@ def test_report_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     p = _run("remnant-report", str(tmp_path / "empty"), cwd=tmp_path)
     assert p.returncode == 2 and "no run.json under" in p.stderr
+
+
+def test_packed_windows_are_their_own_retention_cell():
+    from remnant.report.runs import retention_label
+
+    assert retention_label({"name": "r256"}) == "r256"
+    assert retention_label({"name": "r256", "window_records": "native"}) == "r256"
+    assert retention_label({"name": "r256", "window_records": "packed_csa"}) == "r256+csa_swa"
