@@ -3,8 +3,8 @@
 One decode token: H query heads (64 in V4-Flash) attend, through one softmax with a
 per-head attention sink, to the sliding-window tokens (native records) and the top-k C4
 records the indexer selected, with V = K (the same 512-vector). Three paths over record
-rows for one token, the ground truth for every kernel (remnant.kv.paged runs them token
-by token over pages: decode_native_reference, decode_packed_reference):
+rows for one token, the ground truth for every kernel (remnant.kernels.decode.reference
+runs them token by token over pages: decode_native_reference, decode_packed_reference):
 
 - `attend_native`: over native C4 records (stock storage, stock attention);
 - `attend_reconstructed`: packed records unpacked to native (dropped codes = FP8 zero),
@@ -12,10 +12,14 @@ by token over pages: decode_native_reference, decode_packed_reference):
 - `attend_packed`: directly over packed records, reading only kept coordinates; dropped
   coordinates add nothing to scores and give zero output coordinates (the kernel mode).
 
+The packed paths also take a packed window (window_packed): window records packed with
+the C4 records' keep list, which then count as C4 records do (kept coordinates only), so
+that the dropped output coordinates are exactly zero.
+
 All three compute the window part and the C4 part of the scores and of the output
 separately, with the same operations, so keeping all 448 NoPE coordinates makes
-`attend_packed` equal `attend_native` exactly, and any retention makes
-`attend_reconstructed` and `attend_packed` agree to float rounding.
+`attend_packed` equal `attend_native` exactly (a packed window too), and any retention
+makes `attend_reconstructed` and `attend_packed` agree to float rounding.
 """
 
 from __future__ import annotations
@@ -25,17 +29,22 @@ import math
 import torch
 
 from remnant.kv.codec import dequantize, dequantize_ordered
-from remnant.kv.formats import HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, NUM_TILES, ROPE_BYTES, TILE, UE8M0_BIAS
+from remnant.kv.formats import (HEAD_DIM, NATIVE_RECORD_BYTES, NOPE_DIM, NUM_TILES, ROPE_BYTES, SCALE_BYTES, TILE,
+                                UE8M0_BIAS)
 from remnant.kv.packing import check_keep, unpack
 
 SOFTMAX_SCALE = 1.0 / math.sqrt(HEAD_DIM)
 
 
-def _check_inputs(q: torch.Tensor, window: torch.Tensor, sink: torch.Tensor) -> None:
+def _check_inputs(q: torch.Tensor, window: torch.Tensor, sink: torch.Tensor,
+                  window_keep: torch.Tensor | None = None) -> None:
+    """window_keep: the keep list the window records are packed with (None: native records)."""
     if q.ndim != 2 or q.shape[1] != HEAD_DIM or not q.is_floating_point():
         raise ValueError(f"q must be float [heads, {HEAD_DIM}], got {q.dtype} {tuple(q.shape)}")
-    if window.dtype != torch.uint8 or window.ndim != 2 or window.shape[1] != NATIVE_RECORD_BYTES:
-        raise ValueError(f"window must be uint8 [W, {NATIVE_RECORD_BYTES}] native records, got {window.dtype} {tuple(window.shape)}")
+    width, form = ((NATIVE_RECORD_BYTES, "native") if window_keep is None else
+                   (window_keep.numel() + ROPE_BYTES + SCALE_BYTES, "packed"))
+    if window.dtype != torch.uint8 or window.ndim != 2 or window.shape[1] != width:
+        raise ValueError(f"window must be uint8 [W, {width}] {form} records, got {window.dtype} {tuple(window.shape)}")
     if sink.shape != (q.shape[0],):
         raise ValueError(f"sink must be [heads] = [{q.shape[0]}], got {tuple(sink.shape)}")
 
@@ -54,28 +63,36 @@ def _combine(
     q: torch.Tensor,
     sink: torch.Tensor,
     window_keys: torch.Tensor,
-    c4_q: torch.Tensor,
+    window_cols: torch.Tensor | None,
     c4_keys: torch.Tensor,
-    c4_scatter: torch.Tensor | None,
+    c4_cols: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """softmax([sink | q.window | c4_q.c4]) with V = K; the sink takes mass, gives no value.
+    """softmax([sink | q.window | q.c4]) with V = K; the sink takes mass, gives no value.
 
-    c4_keys: [k, D] keys in the coordinates c4_q covers; c4_scatter maps those D output
-    coordinates into 512 (None: D = 512 in order).
+    window_keys [W, D], c4_keys [k, D']: keys in the coordinates window_cols and c4_cols
+    list (None: all 512 in order); each part's scores read q there and its output lands
+    there, zero elsewhere.
     """
-    s_win = (q @ window_keys.T) * scale
-    s_c4 = (c4_q @ c4_keys.T) * scale
+    s_win = (_columns(q, window_cols) @ window_keys.T) * scale
+    s_c4 = (_columns(q, c4_cols) @ c4_keys.T) * scale
     logits = torch.cat([sink[:, None], s_win, s_c4], dim=1)
     p = torch.softmax(logits, dim=1)
     p_win, p_c4 = p[:, 1 : 1 + s_win.shape[1]], p[:, 1 + s_win.shape[1] :]
-    out = p_win @ window_keys
-    part = p_c4 @ c4_keys
-    if c4_scatter is None:
-        return out + part
-    full = torch.zeros_like(out)
-    full[:, c4_scatter] = part
-    return out + full
+    return _scattered(p_win @ window_keys, window_cols) + _scattered(p_c4 @ c4_keys, c4_cols)
+
+
+def _columns(q: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
+    return q if cols is None else q[:, cols]
+
+
+def _scattered(part: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
+    """part [H, D] placed in coordinates cols of [H, 512] (None: part itself, D = 512)."""
+    if cols is None:
+        return part
+    full = part.new_zeros(part.shape[0], HEAD_DIM)
+    full[:, cols] = part
+    return full
 
 
 def attend_native(
@@ -96,8 +113,7 @@ def attend_native(
     _check_inputs(q, window, sink)
     idx = selected(indices, c4.shape[0])
     keys = dequantize(c4[idx]).to(dtype)
-    qd = q.to(dtype)
-    return _combine(qd, sink.to(dtype), dequantize(window).to(dtype), qd, keys, None, scale)
+    return _combine(q.to(dtype), sink.to(dtype), dequantize(window).to(dtype), None, keys, None, scale)
 
 
 def attend_reconstructed(
@@ -109,12 +125,19 @@ def attend_reconstructed(
     sink: torch.Tensor,
     scale: float = SOFTMAX_SCALE,
     dtype: torch.dtype = torch.float64,
+    *,
+    window_packed: bool = False,
 ) -> torch.Tensor:
     """The triton mode: unpack the selected packed records to native, then native math.
 
-    c4_packed: uint8 [n, R + 72]; keep: int64 [R - 64] kept NoPE indices. Other arguments
-    and the result as in attend_native.
+    c4_packed: uint8 [n, R + 72]; keep: int64 [R - 64] kept NoPE indices. window_packed:
+    `window` is uint8 [W, R + 72], records packed with `keep` (unpacked to native too);
+    else native records. Other arguments and the result as in attend_native.
     """
+    if window_packed:
+        check_keep(keep)
+        _check_inputs(q, window, sink, keep)
+        window = unpack(window, keep)
     idx = selected(indices, c4_packed.shape[0])
     native = unpack(c4_packed[idx], keep)
     return attend_native(q, window, native, torch.arange(idx.numel()), sink, scale, dtype)
@@ -146,6 +169,8 @@ def attend_packed(
     scale: float = SOFTMAX_SCALE,
     dtype: torch.dtype = torch.float64,
     window_order: torch.Tensor | None = None,
+    *,
+    window_packed: bool = False,
 ) -> torch.Tensor:
     """The kernel mode: attention read directly from packed records.
 
@@ -153,13 +178,20 @@ def attend_packed(
     output lands in those coordinates and is zero in the dropped ones. Arguments and result
     as in attend_reconstructed. window_order: int [512], the natural column of each column
     of the window records when they were quantized in another order (kernel mode's
-    kept-first rings: KeptColumns.order); None: native records.
+    kept-first rings: KeptColumns.order); None: native records. window_packed: `window`
+    holds records packed with `keep`, read as the C4 records are (their output in the kept
+    coordinates only: with no dropped coordinate left anywhere, those of the result are 0).
     """
-    _check_inputs(q, window, sink)
     check_keep(keep)
+    if window_packed and window_order is not None:
+        raise ValueError("window_order is for native window records in another column order; a packed window has none")
+    _check_inputs(q, window, sink, keep if window_packed else None)
     idx = selected(indices, c4_packed.shape[0])
     cols = torch.cat([keep, torch.arange(NOPE_DIM, HEAD_DIM)]).to(q.device)
     keys = packed_keys(c4_packed[idx], keep).to(dtype)
-    window_keys = dequantize(window) if window_order is None else dequantize_ordered(window, window_order)
-    qd = q.to(dtype)
-    return _combine(qd, sink.to(dtype), window_keys.to(dtype), qd[:, cols], keys, cols, scale)
+    if window_packed:
+        window_keys, window_cols = packed_keys(window, keep), cols
+    else:
+        window_keys = dequantize(window) if window_order is None else dequantize_ordered(window, window_order)
+        window_cols = None
+    return _combine(q.to(dtype), sink.to(dtype), window_keys.to(dtype), window_cols, keys, cols, scale)

@@ -46,6 +46,11 @@ def test_all_coordinates_kept_equals_native_exactly(dtype):
     assert torch.equal(attend_reconstructed(q, win, packed, keep, idx, sink, dtype=dtype), native)
     assert torch.equal(attend_packed(q, win, packed, keep, idx, sink, dtype=dtype), native)
     assert native.dtype == dtype and native.shape == (64, 512)
+    # A window packed with that keep list too.
+    packed_win = pack(win, keep)
+    assert torch.equal(attend_reconstructed(q, packed_win, packed, keep, idx, sink, dtype=dtype, window_packed=True),
+                       native)
+    assert torch.equal(attend_packed(q, packed_win, packed, keep, idx, sink, dtype=dtype, window_packed=True), native)
 
 
 def test_native_equals_the_definition():
@@ -67,6 +72,38 @@ def test_triton_math_equals_kernel_math(retention, dtype, tol):
     # And both are the native definition over records with dropped coordinates zeroed.
     zeroed = unpack(packed, keep)
     torch.testing.assert_close(a.double(), _naive(q, win, zeroed, idx, sink), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("retention", [64, 192, 256, 448])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_a_packed_window_counts_as_c4_records(retention, dtype, tol):
+    # Window records packed with the C4 records' keep list: the triton and kernel math agree
+    # to float rounding, both are the definition over window and C4 records with their
+    # dropped coordinates zeroed, and no dropped output coordinate gets anything.
+    q, win, c4, idx, sink, g = _case(heads=16, records=300, topk=200, seed=retention + 9)
+    keep = _keep(retention, g)
+    packed_win, packed = pack(win, keep), pack(c4, keep)
+    a = attend_reconstructed(q, packed_win, packed, keep, idx, sink, dtype=dtype, window_packed=True)
+    b = attend_packed(q, packed_win, packed, keep, idx, sink, dtype=dtype, window_packed=True)
+    atol = tol * float(a.abs().max())
+    torch.testing.assert_close(b, a, rtol=0, atol=atol)
+    torch.testing.assert_close(a.double(), _naive(q, unpack(packed_win, keep), unpack(packed, keep), idx, sink), rtol=0,
+                               atol=atol)
+    dropped = torch.ones(448, dtype=torch.bool)
+    dropped[keep] = False
+    assert (a[:, :448][:, dropped] == 0).all() and (b[:, :448][:, dropped] == 0).all()
+
+
+def test_a_packed_window_is_checked_against_the_keep_list():
+    q, win, c4, idx, sink, g = _case()
+    keep = _keep(256, g)
+    for attend in (attend_packed, attend_reconstructed):
+        with pytest.raises(ValueError, match=r"window must be uint8 \[W, 328\] packed records, got torch.uint8 "
+                                             r"\(128, 584\)"):
+            attend(q, win, pack(c4, keep), keep, idx, sink, window_packed=True)
+    with pytest.raises(ValueError, match="window_order is for native window records in another column order"):
+        attend_packed(q, pack(win, keep), pack(c4, keep), keep, idx, sink, window_order=torch.arange(512),
+                      window_packed=True)
 
 
 def test_dropped_coordinates_of_c4_output_come_from_the_window_only():

@@ -72,17 +72,23 @@ def decode_packed_reference(
 
     As decode_native_reference, with c4 holding packed records (R + 72 bytes) and keep
     int64 [N] the layer's kept NoPE indices. window_columns: the window records' form,
-    "natural" (native records) or "kept_first" (quantize_kept_first's, as kernel mode
-    keeps its rings).
+    "natural" (native records), "kept_first" (quantize_kept_first's, as kernel mode
+    keeps its rings) or "packed" (R + 72-byte records packed with `keep`, as the C4
+    records are: they add nothing to the dropped columns).
     """
     check_window_columns(window_columns)
     kept = keep_tensor(keep)
     window_order = KeptColumns.of(keep, torch.device("cpu")).order if window_columns == "kept_first" else None
     return _per_token(q, c4, c4_layout, c4_locs, window, window_layout, window_locs,
                       lambda qb, win, rows: attend_packed(qb, win, rows, kept, torch.arange(rows.shape[0]), sink,
-                                                          scale, dtype, window_order))
+                                                          scale, dtype, window_order,
+                                                          window_packed=window_columns == "packed"))
+
+
+WINDOW_COLUMNS = ("natural", "kept_first", "packed")
 
 
 def check_window_columns(window_columns: str) -> None:
-    if window_columns not in ("natural", "kept_first"):
-        raise ValueError(f"window_columns={window_columns!r} is not allowed; allowed: 'natural', 'kept_first'")
+    if window_columns not in WINDOW_COLUMNS:
+        raise ValueError(f"window_columns={window_columns!r} is not allowed; allowed: "
+                         f"{', '.join(map(repr, WINDOW_COLUMNS))}")
