@@ -73,10 +73,14 @@ def decode(
     that make q and read out, once at load time. Native records ignore it.
 
     window_columns (packed records): the window records' form, "natural" (native records,
-    as the stock store writes them) or "kept_first" (kept-first window records, written by
+    as the stock store writes them), "kept_first" (kept-first window records, written by
     remnant.kernels.store.store_kept_first: the latent quantized in KeptColumns.order, so
     that the kernel reads both column sets with word loads and finds each code's scale from
-    its position). Native records refuse "kept_first".
+    its position) or "packed" (records packed with `keep`, R + 72 bytes, written as the C4
+    records are by remnant.kernels.dispatch.store with the keep list: the window then
+    counts as C4 records do, its output in the kept columns only, so the dropped columns of
+    the output are 0; the window layout holds R + 72-byte records). Native records refuse
+    both others; only the Triton kernel reads a packed window.
 
     How to run it. config: a DecodeConfig (its kernel, else choose's, and its None fields
     chosen by plan_decode for this call) or a DecodePlan made by plan_decode (run as it is;
@@ -106,7 +110,8 @@ def decode(
     if q.stride(2) != 1:
         q = q.contiguous()
     _check_layout(c4_layout, c4, cols.record_bytes, "c4")
-    _check_layout(window_layout, window, NATIVE_RECORD_BYTES, "window")
+    _check_layout(window_layout, window, cols.record_bytes if window_columns == "packed" else NATIVE_RECORD_BYTES,
+                  "window")
     if c4_locs.ndim != 2 or c4_locs.shape[0] != batch or window_locs.ndim != 2 or window_locs.shape[0] != batch:
         raise ValueError(f"c4_locs and window_locs must be [B={batch}, *], got {tuple(c4_locs.shape)} and {tuple(window_locs.shape)}")
     if sink.shape != (heads,):

@@ -2,7 +2,7 @@
 that says why) and, for Remnant's kernels, how it runs (plan_decode, a frozen DecodePlan).
 
 A decode call is its data (q, the records and their layouts, the selected locations, the
-sink, the kept columns, the softmax scale, the column orders of q and of the window) and
+sink, the kept columns, the softmax scale, q's column order and the window's form) and
 how to run it: which kernel, its launch settings, how many programs share a token's
 records (splits), whether the window gets a program of its own, the partials' dtype, how
 the splits share the records and how they are joined. `DecodeConfig` holds the second
@@ -29,6 +29,7 @@ import torch
 import triton
 
 from remnant.kernels.common import interpreted
+from remnant.kernels.decode.reference import WINDOW_COLUMNS
 
 #: The decode kernels, as DecodeConfig.kernel names them: "triton" (remnant.kernels.decode.
 #: triton, which reads every record form on every GPU and in the interpreter), "sm90"
@@ -53,9 +54,11 @@ JOINS = ("kernel", "exchange")
 # How many C4 steps one window step costs when splits are cut by cost (split_plan
 # "by_cost"). Packed: its window step (32 tokens, four column sets) against its C4 step (64
 # records), the fastest weight measured at 8 splits. Native: both loops step over 32
-# native records the same way.
+# native records the same way. A packed window (window_columns="packed") is read by the C4
+# loop itself, at as many records per step by default: its step is a C4 step.
 PACKED_WINDOW_STEP_COST = 2
 NATIVE_WINDOW_STEP_COST = 1
+PACKED_RECORDS_WINDOW_STEP_COST = 1
 # The fewest splits at which decode cuts the folded call's by cost unless told, and the
 # split counts at which it cuts the native kernel's so (split_plan_for).
 BY_COST_FROM_SPLITS = 8
@@ -73,6 +76,11 @@ DEFAULT_CONFIGS = {
     # the packed kernel's C4 loop.
     "packed, window apart": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=32,
                                  window_scores_transposed=True),
+    # A packed window (window_columns="packed") runs the C4 loop over the window records:
+    # the C4 loop's settings for both (not tuned apart), so that a window step is a C4 step
+    # (PACKED_RECORDS_WINDOW_STEP_COST).
+    "packed, packed window": dict(block_n=64, num_stages=3, scores_transposed=False, window_block_n=64,
+                                  window_scores_transposed=False),
 }
 LOOP_SETTINGS = tuple(DEFAULT_CONFIGS["native"])
 
@@ -123,9 +131,9 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class DecodePlan:
     """One decode call's choices, all resolved (plan_decode), with the call form they were
-    made for (packed records, q/out and window column orders). decode runs a plan as it
-    is, whatever the batch: a plan made once per shape serves every call of that shape
-    (and the benchmark's checks run the timed call's plan on a smaller batch)."""
+    made for (packed records, q/out column order, the window records' form). decode runs a
+    plan as it is, whatever the batch: a plan made once per shape serves every call of that
+    shape (and the benchmark's checks run the timed call's plan on a smaller batch)."""
 
     kernel: str
     packed: bool
@@ -153,6 +161,11 @@ class DecodePlan:
     def window_kept_first(self) -> bool:
         return self.packed and self.window_columns == "kept_first"
 
+    @property
+    def window_packed(self) -> bool:
+        """The window records are packed with the C4 records' keep list (read as C4 records)."""
+        return self.packed and self.window_columns == "packed"
+
     def loops(self) -> dict:
         """The loop settings (DEFAULT_CONFIGS' keys) as a dict."""
         return {name: getattr(self, name) for name in LOOP_SETTINGS}
@@ -178,8 +191,9 @@ def choose(device: torch.device, heads: int, packed: bool, *, n_kept: int | None
            field: str | None = None) -> KernelChoice:
     """Which kernel serves a decode call of `heads` query heads over packed (a keep list of
     n_kept columns) or native records on `device`, q and out in `columns` order, the window
-    records in `window_columns` order, q of `q_dtype` and the C4 and window PageLayouts
-    `layouts` (each checked where given), and why.
+    records of form `window_columns` (WINDOW_COLUMNS: native records in natural or
+    kept-first order, or records packed with the keep list), q of `q_dtype` and the C4 and
+    window PageLayouts `layouts` (each checked where given), and why.
 
     config.kernel where it names one (a ValueError where that kernel cannot take the call
     or the config sets the Triton kernel's own launch choices); else the first kernel of
@@ -189,10 +203,10 @@ def choose(device: torch.device, heads: int, packed: bool, *, n_kept: int | None
     (the engine's native_decode); None: the config's kernel."""
     config = config or DecodeConfig()
     _allowed("columns", columns, COLUMN_ORDERS)
-    _allowed("window_columns", window_columns, COLUMN_ORDERS)
-    if window_columns == "kept_first" and not packed:
-        raise ValueError("window_columns='kept_first' needs packed C4 records (a keep list): the native kernel reads "
-                         "window records in natural order")
+    _allowed("window_columns", window_columns, WINDOW_COLUMNS)
+    if window_columns != "natural" and not packed:
+        raise ValueError(f"window_columns={window_columns!r} needs packed C4 records (a keep list): the native kernel "
+                         "reads native window records in natural order")
     call = (device, heads, packed, n_kept, columns, window_columns, q_dtype, layouts)
     pinned = _pinned(config)
     asked = config.kernel
@@ -230,6 +244,8 @@ def _why_not(kernel: str, device: torch.device, heads: int, packed: bool, n_kept
     if kernel == "triton":
         return None
     if kernel == "sm90":
+        if window_columns == "packed":
+            return "it reads native window records in kept-first order, not packed ones"
         if not (packed and columns == "kept_first" and window_columns == "kept_first"):
             return "it runs the folded call only (packed records, q, out and the window in kept-first order)"
         if q_dtype is not None and q_dtype != torch.bfloat16:
@@ -287,7 +303,7 @@ def plan_decode(batch: int, heads: int, window: int, topk: int, packed: bool, de
     """The plan of a call to one of Remnant's kernels (PLANNED) of `batch` tokens, `heads`
     query heads, `window` window locations and `topk` C4 locations per token, over packed
     (a keep list) or native C4 records on `device`, q and out in `columns` order and the
-    window records in `window_columns` order (see remnant.kernels.decode.decode). config:
+    window records of form `window_columns` (see remnant.kernels.decode.decode). config:
     the choices made by the caller (None: all chosen here). n_kept, q_dtype, layouts (the C4
     and window PageLayouts): what decides whether the SM90 kernel can take the call (choose)."""
     kernel = choose(device, heads, packed, n_kept=n_kept, columns=columns, window_columns=window_columns,
@@ -307,8 +323,9 @@ def plan_for(kernel: str, batch: int, heads: int, window: int, topk: int, packed
     window_apart = window_apart_for(config.window_apart, packed, columns, window_columns, window, config.splits,
                                     programs, device)
     window_kept_first = packed and window_columns == "kept_first"
+    window_packed = packed and window_columns == "packed"
     form = ("native" if not packed else "packed, kept-first window" if window_kept_first
-            else "packed, window apart" if window_apart else "packed")
+            else "packed, packed window" if window_packed else "packed, window apart" if window_apart else "packed")
     given = {name: getattr(config, name) for name in LOOP_SETTINGS}
     loops = {name: DEFAULT_CONFIGS[form][name] if value is None else value for name, value in given.items()}
     splits = split_count(config.splits, programs, window, topk, loops["block_n"], loops["window_block_n"], device,
@@ -317,7 +334,7 @@ def plan_for(kernel: str, batch: int, heads: int, window: int, topk: int, packed
         kernel=config.kernel or "triton", packed=packed, columns=columns, window_columns=window_columns,
         h_block=config.h_block, num_warps=config.num_warps, **loops, splits=splits, window_apart=window_apart,
         partials=partials_for(config.partials, splits),
-        split_plan=split_plan_for(config.split_plan, splits, packed, window_kept_first, window_apart),
+        split_plan=split_plan_for(config.split_plan, splits, packed, window_kept_first or window_packed, window_apart),
         join=join_for(config.join, splits, packed and columns == "natural", window_apart, device))
 
 
@@ -411,21 +428,23 @@ def partials_for(partials: str | None, splits: int) -> str | None:
     return "float16" if splits <= 2 else "float32"
 
 
-def split_plan_for(split_plan: str | None, splits: int, packed: bool, window_kept_first: bool,
+def split_plan_for(split_plan: str | None, splits: int, packed: bool, window_words: bool,
                    window_apart: bool) -> str | None:
     """How a token's splits share the window and the C4 records: None for one split;
     "even", each split a like share of each (with the window apart: of the C4 records); or
     "by_cost", each split a contiguous range of the window's steps then the C4 records',
     cut at equal cost (decode's _split_step), so that most splits run one loop. None
-    chooses "by_cost" for the packed program with a kept-first window at
-    BY_COST_FROM_SPLITS splits or more (at 2 and 4 the even plan was faster), and for the
-    native kernel at NATIVE_BY_COST_SPLITS (at 4 and 16 it was slower, at 8 even)."""
+    chooses "by_cost" for the packed program with a window read as runs of words
+    (window_words: kept-first or packed window records) at BY_COST_FROM_SPLITS splits or
+    more (measured with a kept-first window; at 2 and 4 the even plan was faster; a packed
+    window, whose steps are C4 steps, is not measured apart), and for the native kernel at
+    NATIVE_BY_COST_SPLITS (at 4 and 16 it was slower, at 8 even)."""
     if splits == 1:
         return None
     if split_plan is None:
         if not packed:
             return "by_cost" if splits in NATIVE_BY_COST_SPLITS else "even"
-        return "by_cost" if window_kept_first and not window_apart and splits >= BY_COST_FROM_SPLITS else "even"
+        return "by_cost" if window_words and not window_apart and splits >= BY_COST_FROM_SPLITS else "even"
     if split_plan == "by_cost" and window_apart:
         raise ValueError("split_plan='by_cost' cannot take the window apart: its program is split 0 by construction; "
                          "pass window_apart=False or split_plan='even'")
@@ -466,7 +485,10 @@ def join_for(join: str | None, splits: int, permute: bool, window_apart: bool, d
     return join
 
 
-def window_step_cost(packed: bool) -> int:
+def window_step_cost(packed: bool, window_columns: str = "natural") -> int:
     """How many C4 steps one window step weighs when splits are cut by cost (split_plan
-    "by_cost"; decode's _split_step): PACKED_ or NATIVE_WINDOW_STEP_COST."""
-    return PACKED_WINDOW_STEP_COST if packed else NATIVE_WINDOW_STEP_COST
+    "by_cost"; decode's _split_step): PACKED_ or NATIVE_WINDOW_STEP_COST, and
+    PACKED_RECORDS_WINDOW_STEP_COST for a packed window (window_columns="packed")."""
+    if not packed:
+        return NATIVE_WINDOW_STEP_COST
+    return PACKED_RECORDS_WINDOW_STEP_COST if window_columns == "packed" else PACKED_WINDOW_STEP_COST

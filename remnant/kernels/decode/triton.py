@@ -8,8 +8,9 @@ programs, each over a share of the records, their partial outputs written in flo
 row-scaled float16 and joined by their log-sum-exp: by _combine_kernel, or, for two splits
 launched as one cluster of two CTAs, by the splits themselves) runs one online
 softmax over the attention sink, W window tokens and K selected C4 records, V = K (the same
-512-vector), as DeepSeek-V4's sparse MLA decode does. Window tokens are native records;
-C4 records are native (the stock baseline) or packed (kernel mode).
+512-vector), as DeepSeek-V4's sparse MLA decode does. C4 records are native (the stock
+baseline) or packed (kernel mode); window tokens are native records or, with packed C4
+records, records packed with the same keep list (window_columns="packed").
 
 Both variants share this code and its care: native and packed C4 records are read once
 per program as vector loads of 4-byte words (16-byte vectors on SGLang's pages, 8-byte on
@@ -26,10 +27,14 @@ C4 records use the kept columns and RoPE only and add to acc_kept; window record
 acc_kept and acc_drop: native ones with their codes read by column index into both sets,
 or kept-first window records (window_columns="kept_first": remnant.kv.paged.
 quantize_kept_first, codes in kept-first order and scale tiles of 64 kept-first
-positions) as runs of words, each code's scale found from its position. (A kept set
-whose size is not a power of two is a block and a tail, each with its own accumulator:
-kept_column_blocks.) Every output column has exactly one accumulator and is rounded to
-bf16 once. The wrapper permutes q and out to and from that order (permute_columns) unless the caller
+positions) as runs of words, each code's scale found from its position. Packed window
+records (window_columns="packed": the C4 format, stored with the layer's keep list) are
+read by the C4 loop itself over the window's range and add to acc_kept only: no record
+then holds a dropped column, and those output columns are 0. (A kept set whose size is
+not a power of two is a block and a tail, each with its own accumulator:
+kept_column_blocks.) Every output column has exactly one accumulator (with a packed
+window the dropped ones none: they are written as 0) and is rounded to bf16 once. The
+wrapper permutes q and out to and from that order (permute_columns) unless the caller
 passes them in it (columns="kept_first": the permutation folded into the model's
 projections).
 
@@ -344,14 +349,49 @@ def _q_columns(idx, cols_ptr, Q_GATHER: tl.constexpr):
 
 
 @triton.jit
+def _packed_loop(ptr, locs, lo, hi, STEP: tl.constexpr, PER_PAGE: tl.constexpr, ALIGN: tl.constexpr, stride,
+                 kept_starts_ptr, q_kept, q_kept_t, q_tail, q_tail_t, q_rope, q_rope_t, sel_kept, sel_tail,
+                 qk_scale, m, l, acc_kept, acc_tail, acc_rope, N: tl.constexpr, KA: tl.constexpr,
+                 KA_N: tl.constexpr, KT: tl.constexpr, SCORES_T: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Packed records at locs[lo:hi], STEP per step, into the kept columns' accumulators
+    (acc_kept; acc_tail where KT, else None, as q_tail, q_tail_t and sel_tail): the C4
+    records, and a packed window (window_columns="packed"), which is read as they are.
+    Their kept codes are runs of words; each code's scale is its kept column's (natural
+    tiles: the selectors sel_kept and sel_tail, or the kept list's tile starts)."""
+    j = tl.arange(0, KA)
+    n_off = tl.arange(0, STEP)
+    loc = _locations(locs, lo + n_off, hi)
+    for start in range(lo, hi, STEP):
+        loc_next = _locations(locs, start + STEP + n_off, hi)
+        valid, data, rope, scales = _load_records(ptr, loc, PER_PAGE, stride, N + 128, ALIGN, N)
+        loc = loc_next
+        k_rope = rope.to(tl.bfloat16)
+        k_kept = _dequant(_code_bytes(_load_words(data, valid, KA_N // 4, KA // 4)),
+                          _set_scales(scales, j, sel_kept, kept_starts_ptr, not SCORES_T, INTERPRETED))
+        s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
+        if KT:
+            t = tl.arange(0, KT)
+            k_tail = _dequant(_code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4)),
+                              _set_scales(scales, KA + t, sel_tail, kept_starts_ptr, not SCORES_T, INTERPRETED))
+            s += _qk(q_tail, q_tail_t, k_tail, SCORES_T, INTERPRETED)
+        m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
+        acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
+        acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
+        if KT:
+            acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
+        m = m_new
+    return m, l, acc_kept, acc_tail, acc_rope
+
+
+@triton.jit
 def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
                     win_ptr, win_locs, win_lo, win_hi, win_stride, c4_ptr, c4_locs, c4_lo, c4_hi, c4_stride,
                     kept_ptr, dropped_ptr, kept_starts_ptr, dropped_starts_ptr,
                     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr,
                     C4_ALIGN: tl.constexpr, N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr,
                     DP: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr,
-                    WIN_KEPT_FIRST: tl.constexpr, WITH_WINDOW: tl.constexpr, Q_GATHER: tl.constexpr,
-                    SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
+                    WIN_KEPT_FIRST: tl.constexpr, WIN_PACKED: tl.constexpr, WITH_WINDOW: tl.constexpr,
+                    Q_GATHER: tl.constexpr, SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
                     SCALED: tl.constexpr, INTERPRETED: tl.constexpr):
     """Packed C4 records, then (WITH_WINDOW) window tokens, in kept-first column order.
     Returns the running max and sum, and the scale of the partial it wrote (SCALED: float16
@@ -368,7 +408,9 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
     is not a power of two, a block of KA = KA_N columns and a tail of KT (N = 192: 128 and
     64, not 256 with 64 of padding in every product and accumulator). Without the window
     (WITH_WINDOW False: it has a program of its own) no dropped column is written: the
-    join reads none of this program's.
+    join reads none of this program's. A packed window (WIN_PACKED: records packed with
+    the C4 records' keep list) runs the C4 loop over its own range (_packed_loop): no
+    record adds to the dropped columns then, and they are written as 0, no acc_drop held.
     """
     r = tl.arange(0, 64)
     j = tl.arange(0, KA)
@@ -386,27 +428,32 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
         q_tail, q_tail_t = _load_q(q_row, h_ok, _q_columns(KA + t, kept_ptr, Q_GATHER), tail_ok)
         acc_tail = tl.zeros((H_BLOCK, KT), dtype=tl.float32)
         sel_tail = _selectors(tl.load(kept_ptr + KA + t))
-    n_off = tl.arange(0, BN)
-    loc = _locations(c4_locs, c4_lo + n_off, c4_hi)
-    for start in range(c4_lo, c4_hi, BN):
-        loc_next = _locations(c4_locs, start + BN + n_off, c4_hi)
-        valid, data, rope, scales = _load_records(c4_ptr, loc, C4_PER_PAGE, c4_stride, N + 128, C4_ALIGN, N)
-        loc = loc_next
-        k_rope = rope.to(tl.bfloat16)
-        k_kept = _dequant(_code_bytes(_load_words(data, valid, KA_N // 4, KA // 4)),
-                          _set_scales(scales, j, sel_kept, kept_starts_ptr, not SCORES_T, INTERPRETED))
-        s = _qk(q_kept, q_kept_t, k_kept, SCORES_T, INTERPRETED) + _qk(q_rope, q_rope_t, k_rope, SCORES_T, INTERPRETED)
-        if KT:
-            k_tail = _dequant(_code_bytes(_load_words(data + KA, valid, (N - KA) // 4, KT // 4)),
-                              _set_scales(scales, KA + t, sel_tail, kept_starts_ptr, not SCORES_T, INTERPRETED))
-            s += _qk(q_tail, q_tail_t, k_tail, SCORES_T, INTERPRETED)
-        m_new, alpha, pb, l = _softmax_step(s, valid, qk_scale, m, l)
-        acc_rope = acc_rope * alpha[:, None] + _mma(pb, k_rope, INTERPRETED)
-        acc_kept = acc_kept * alpha[:, None] + _mma(pb, k_kept, INTERPRETED)
-        if KT:
-            acc_tail = acc_tail * alpha[:, None] + _mma(pb, k_tail, INTERPRETED)
-        m = m_new
+    else:  # no tail: _packed_loop takes None for its operands
+        q_tail, q_tail_t, acc_tail, sel_tail = None, None, None, None
+    m, l, acc_kept, acc_tail, acc_rope = _packed_loop(
+        ptr=c4_ptr, locs=c4_locs, lo=c4_lo, hi=c4_hi, STEP=BN, PER_PAGE=C4_PER_PAGE, ALIGN=C4_ALIGN,
+        stride=c4_stride, kept_starts_ptr=kept_starts_ptr, q_kept=q_kept, q_kept_t=q_kept_t, q_tail=q_tail,
+        q_tail_t=q_tail_t, q_rope=q_rope, q_rope_t=q_rope_t, sel_kept=sel_kept, sel_tail=sel_tail,
+        qk_scale=qk_scale, m=m, l=l, acc_kept=acc_kept, acc_tail=acc_tail, acc_rope=acc_rope, N=N, KA=KA, KA_N=KA_N,
+        KT=KT, SCORES_T=SCORES_T, INTERPRETED=INTERPRETED)
     if WITH_WINDOW:
+        i = tl.arange(0, DP)
+        dropped_ok = i < 448 - N
+    if WITH_WINDOW and WIN_PACKED:
+        # Window records packed as the C4 records are: the same loop over the window's
+        # range, q loaded again where the two loops take scores in different forms.
+        if WIN_SCORES_T != SCORES_T:
+            q_kept, q_kept_t = _load_q(q_row, h_ok, _q_columns(j, kept_ptr, Q_GATHER), kept_ok)
+            q_rope, q_rope_t = _load_q(q_row + 448, h_ok, r, r < 64)
+            if KT:
+                q_tail, q_tail_t = _load_q(q_row, h_ok, _q_columns(KA + t, kept_ptr, Q_GATHER), tail_ok)
+        m, l, acc_kept, acc_tail, acc_rope = _packed_loop(
+            ptr=win_ptr, locs=win_locs, lo=win_lo, hi=win_hi, STEP=WIN_BN, PER_PAGE=WIN_PER_PAGE, ALIGN=WIN_ALIGN,
+            stride=win_stride, kept_starts_ptr=kept_starts_ptr, q_kept=q_kept, q_kept_t=q_kept_t, q_tail=q_tail,
+            q_tail_t=q_tail_t, q_rope=q_rope, q_rope_t=q_rope_t, sel_kept=sel_kept, sel_tail=sel_tail,
+            qk_scale=qk_scale, m=m, l=l, acc_kept=acc_kept, acc_tail=acc_tail, acc_rope=acc_rope, N=N, KA=KA,
+            KA_N=KA_N, KT=KT, SCORES_T=WIN_SCORES_T, INTERPRETED=INTERPRETED)
+    elif WITH_WINDOW:
         # Window tokens: native records. In natural order their codes are read by native
         # column index into both sets; the index loads hold a pointer per byte, so this
         # loop runs best at 16 records per step (its registers bound the whole kernel's),
@@ -414,8 +461,6 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
         # (hence window_apart). WIN_KEPT_FIRST:
         # kept-first window records (store_kept_first), read as runs of words.
         tl.static_assert(not Q_GATHER, "q through the kept columns is for programs without the window")
-        i = tl.arange(0, DP)
-        dropped_ok = i < 448 - N
         acc_drop = tl.zeros((H_BLOCK, DP), dtype=tl.float32)
         if WIN_KEPT_FIRST:
             # Their scale tiles are of 64 kept-first positions, so a column's selector
@@ -486,7 +531,7 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
         top = tl.maximum(_row_max(acc_kept), _row_max(acc_rope))
         if KT:
             top = tl.maximum(top, _row_max(acc_tail))
-        if WITH_WINDOW:
+        if WITH_WINDOW and not WIN_PACKED:
             top = tl.maximum(top, _row_max(acc_drop))
         row_scale = _row_scale(top * inv_l)
         inv_l = inv_l / row_scale
@@ -495,7 +540,10 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
     if KT:
         tl.store(o_row[:, None] + KA + t[None, :], (acc_tail * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & tail_ok[None, :])
-    if WITH_WINDOW:
+    if WITH_WINDOW and WIN_PACKED:  # no record holds a dropped column
+        tl.store(o_row[:, None] + N + i[None, :], tl.zeros((H_BLOCK, DP), dtype=out_ty),
+                 mask=h_ok[:, None] & dropped_ok[None, :])
+    elif WITH_WINDOW:
         tl.store(o_row[:, None] + N + i[None, :], (acc_drop * inv_l[:, None]).to(out_ty),
                  mask=h_ok[:, None] & dropped_ok[None, :])
     tl.store(o_row[:, None] + 448 + r[None, :], (acc_rope * inv_l[:, None]).to(out_ty), mask=h_ok[:, None])
@@ -527,9 +575,9 @@ def _decode_kernel(
     WIN_PER_PAGE: tl.constexpr, WIN_ALIGN: tl.constexpr, C4_PER_PAGE: tl.constexpr, C4_ALIGN: tl.constexpr,
     N: tl.constexpr, KA: tl.constexpr, KA_N: tl.constexpr, KT: tl.constexpr, DP: tl.constexpr,
     PACKED: tl.constexpr, H_BLOCK: tl.constexpr, BN: tl.constexpr, WIN_BN: tl.constexpr, WIN_KEPT_FIRST: tl.constexpr,
-    SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
-    WINDOW_APART: tl.constexpr, BY_COST: tl.constexpr, WIN_STEP_COST: tl.constexpr, EXCHANGE: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    WIN_PACKED: tl.constexpr, SCORES_T: tl.constexpr, WIN_SCORES_T: tl.constexpr, SPLIT: tl.constexpr,
+    SCALED: tl.constexpr, WINDOW_APART: tl.constexpr, BY_COST: tl.constexpr, WIN_STEP_COST: tl.constexpr,
+    EXCHANGE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Head blocks of one token are adjacent in launch order, so they run together and the
     # second and later blocks read the token's records from L2, not memory. EXCHANGE: the
@@ -585,8 +633,8 @@ def _decode_kernel(
                 dropped_starts_ptr=dropped_starts_ptr,
                 WIN_PER_PAGE=WIN_PER_PAGE, WIN_ALIGN=WIN_ALIGN, C4_PER_PAGE=C4_PER_PAGE, C4_ALIGN=C4_ALIGN,
                 N=N, KA=KA, KA_N=KA_N, KT=KT, DP=DP, H_BLOCK=H_BLOCK, BN=BN, WIN_BN=WIN_BN,
-                WIN_KEPT_FIRST=WIN_KEPT_FIRST, WITH_WINDOW=False, Q_GATHER=True, SCORES_T=SCORES_T,
-                WIN_SCORES_T=WIN_SCORES_T, SPLIT=SPLIT, SCALED=SCALED, INTERPRETED=INTERPRETED)
+                WIN_KEPT_FIRST=WIN_KEPT_FIRST, WIN_PACKED=WIN_PACKED, WITH_WINDOW=False, Q_GATHER=True,
+                SCORES_T=SCORES_T, WIN_SCORES_T=WIN_SCORES_T, SPLIT=SPLIT, SCALED=SCALED, INTERPRETED=INTERPRETED)
     else:
         # This program's share of the window and of the C4 records (all of them unless
         # SPLIT): a share of each (split_plan "even"), or BY_COST steps p0..p1 of the
@@ -615,8 +663,8 @@ def _decode_kernel(
                 dropped_starts_ptr=dropped_starts_ptr,
                 WIN_PER_PAGE=WIN_PER_PAGE, WIN_ALIGN=WIN_ALIGN, C4_PER_PAGE=C4_PER_PAGE, C4_ALIGN=C4_ALIGN,
                 N=N, KA=KA, KA_N=KA_N, KT=KT, DP=DP, H_BLOCK=H_BLOCK, BN=BN, WIN_BN=WIN_BN,
-                WIN_KEPT_FIRST=WIN_KEPT_FIRST, WITH_WINDOW=True, Q_GATHER=False, SCORES_T=SCORES_T,
-                WIN_SCORES_T=WIN_SCORES_T, SPLIT=SPLIT, SCALED=SCALED, INTERPRETED=INTERPRETED)
+                WIN_KEPT_FIRST=WIN_KEPT_FIRST, WIN_PACKED=WIN_PACKED, WITH_WINDOW=True, Q_GATHER=False,
+                SCORES_T=SCORES_T, WIN_SCORES_T=WIN_SCORES_T, SPLIT=SPLIT, SCALED=SCALED, INTERPRETED=INTERPRETED)
         else:
             m, l, row_scale = _native_program(
                 q_row=q_row, h_ok=h_ok, o_row=o_row, m=m, l=l, qk_scale=qk_scale,
@@ -785,10 +833,10 @@ def run(plan: DecodePlan, q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayo
         C4_PER_PAGE=c4_layout.per_page, C4_ALIGN=alignment(c4_layout, "c4"),
         N=cols.n_kept, KA=kept_blocks[0], KA_N=min(cols.n_kept, kept_blocks[0]), KT=kept_blocks[1],
         DP=cols.dropped.numel(), PACKED=cols.packed, H_BLOCK=plan.h_block, BN=plan.block_n,
-        WIN_BN=plan.window_block_n, WIN_KEPT_FIRST=plan.window_kept_first,
+        WIN_BN=plan.window_block_n, WIN_KEPT_FIRST=plan.window_kept_first, WIN_PACKED=plan.window_packed,
         SCORES_T=plan.scores_transposed, WIN_SCORES_T=plan.window_scores_transposed,
         SPLIT=splits > 1, SCALED=scaled, WINDOW_APART=plan.window_apart, BY_COST=plan.split_plan == "by_cost",
-        WIN_STEP_COST=window_step_cost(cols.packed), EXCHANGE=exchange, INTERPRETED=interpreted(),
+        WIN_STEP_COST=window_step_cost(cols.packed, plan.window_columns), EXCHANGE=exchange, INTERPRETED=interpreted(),
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     try:
         if exchange:  # compiled first, so that its first launch is already in pairs

@@ -9,7 +9,7 @@ import torch
 
 from remnant.kernels.decode import DecodeConfig, KernelChoice, choose, decode, flashmla, plan_decode, sm90
 from remnant.kernels.decode.plan import (DEFAULT_CONFIGS, join_for, partials_for, split_count, split_plan_for,
-                                         splits_for, window_apart_for)
+                                         splits_for, window_apart_for, window_step_cost)
 from remnant.kv.layout import PageLayout
 
 CPU = torch.device("cpu")
@@ -70,6 +70,47 @@ def test_choose_takes_flashmla_for_native_records_in_natural_order_only(flashmla
     assert plan_decode(3, 64, 128, 512, False, CPU).kernel == "triton"
     with pytest.raises(ValueError, match="not among the kernels planned here \\(triton, sm90; FlashMLA"):
         plan_decode(3, 64, 128, 512, False, CPU, config=DecodeConfig(kernel="flashmla"))
+
+
+def test_a_packed_window_is_the_triton_kernels_alone(sm90_runs, flashmla_runs):
+    # Window records packed with the C4 records' keep list: neither the SM90 kernel nor
+    # FlashMLA reads them, and native C4 records have no keep list to pack them with.
+    packed_window = dict(FOLDED, window_columns="packed")
+    assert choose(CPU, 64, True, **packed_window) == (
+        "triton", "the SM90 Gluon kernel cannot take it: it reads native window records in kept-first order, not "
+                  "packed ones")
+    with pytest.raises(ValueError, match="decode kernel='sm90' cannot run this call: it reads native window records in "
+                                         "kept-first order, not packed ones"):
+        choose(CPU, 64, True, **packed_window, config=DecodeConfig(kernel="sm90"))
+    with pytest.raises(ValueError, match="decode kernel='flashmla' cannot run this call: FlashMLA's V4 decode reads "
+                                         "native records, not packed ones"):
+        choose(CPU, 64, True, **packed_window, config=DecodeConfig(kernel="flashmla"))
+    with pytest.raises(ValueError, match="window_columns='packed' needs packed C4 records \\(a keep list\\)"):
+        choose(CPU, 64, False, window_columns="packed")
+    with pytest.raises(ValueError, match="window_columns='packed' needs packed C4 records"):
+        plan_decode(3, 64, 128, 512, False, CPU, window_columns="packed")
+    with pytest.raises(ValueError, match="window_columns='ring' is not allowed; allowed: 'natural', 'kept_first', "
+                                         "'packed'"):
+        choose(CPU, 64, True, window_columns="ring")
+
+
+def test_a_packed_window_is_planned_as_more_c4_records():
+    # The C4 loop's settings for both loops, no window apart (the window is read in
+    # kept-first sets already), a window step weighing one C4 step, and the folded call's
+    # split plans.
+    plan = plan_decode(3, 64, 128, 512, True, CPU, window_columns="packed")
+    assert (plan.window_apart, plan.window_packed, plan.window_kept_first) == (False, True, False)
+    assert plan.loops() == DEFAULT_CONFIGS["packed, packed window"]
+    assert plan.block_n == plan.window_block_n and plan.scores_transposed == plan.window_scores_transposed
+    assert window_step_cost(True, "packed") == 1 and window_step_cost(True, "kept_first") == 2
+    eight = plan_decode(3, 64, 128, 512, True, CPU, window_columns="packed", config=DecodeConfig(splits=8))
+    two = plan_decode(3, 64, 128, 512, True, CPU, columns="kept_first", window_columns="packed",
+                      config=DecodeConfig(splits=2))
+    assert (eight.split_plan, two.split_plan) == ("by_cost", "even")
+    assert not window_apart_for(None, True, "natural", "packed", 128, None, 9, CPU)
+    with pytest.raises(ValueError, match="window_apart needs packed C4 records with q, out and the window in natural "
+                                         "order .* window_columns='packed'"):
+        plan_decode(3, 64, 128, 512, True, CPU, window_columns="packed", config=DecodeConfig(window_apart=True))
 
 
 def test_decode_runs_flashmla_where_choose_takes_it_and_hands_it_out_as_given(flashmla_runs, monkeypatch):

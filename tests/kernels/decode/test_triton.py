@@ -39,14 +39,17 @@ def set_magnitude(pool: torch.Tensor, layout: PageLayout, scale_byte: int | tupl
 
 
 def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_first=False, window_kept_first=False,
-                 q_scale=2.0, sink_shift=0.0, pad_byte=0, scale_byte=None, per_tile=False, window_apart=False,
-                 **config) -> float:
+                 window_packed=False, window_padding=False, q_scale=2.0, sink_shift=0.0, pad_byte=0, scale_byte=None,
+                 per_tile=False, window_apart=False, **config) -> float:
     """q_scale, sink_shift: the records' scales span 6 decades, so at q_scale 2 the softmax
     is nearly one-hot and the sink carries no mass; small q and a sink near log(records)
     give every term weight (the sink about a quarter of it at 0.02 and 3).
     kept_first: q and out in kept-first column order (columns="kept_first");
     window_kept_first: the window holds kept-first window records (store_kept_first: codes
-    in that order, scale tiles of 64 kept-first positions; window_columns="kept_first").
+    in that order, scale tiles of 64 kept-first positions; window_columns="kept_first");
+    window_packed: the window holds records packed with the C4 records' keep list, in the C4
+    records' layout (window_columns="packed"), and the output's dropped NoPE columns must
+    be exactly 0; window_padding: the last token's window all padding (-1).
     rows: plain [n, record_bytes] tensors (8-byte aligned records, as the engine's window
     ring and triton-mode scratch) instead of SGLang's pages of 64 (16-byte aligned).
     pad_byte: the value of every record's pad byte (set_pad_bytes).
@@ -60,9 +63,9 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
     per_page = 1 if rows else 64
     c4_layout = PageLayout.rows(PageLayout.sglang(1, retention).record_bytes) if rows else PageLayout.sglang(64, retention)
     c4 = filled_pool(c4_layout, -(-4 * topk // per_page) + 1, keep, gen)
-    win_layout = PageLayout.rows(584) if rows else PageLayout.sglang(64)
-    win = filled_pool(win_layout, -(-2 * max(window, 1) // per_page) + 1, keep if window_kept_first else None, gen,
-                      kept_first=window_kept_first)
+    win_layout = c4_layout if window_packed else PageLayout.rows(584) if rows else PageLayout.sglang(64)
+    win = filled_pool(win_layout, -(-2 * max(window, 1) // per_page) + 1,
+                      keep if window_kept_first or window_packed else None, gen, kept_first=window_kept_first)
     set_pad_bytes(c4, c4_layout, pad_byte)
     set_pad_bytes(win, win_layout, pad_byte)
     if scale_byte is not None:
@@ -74,20 +77,23 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
         c4_locs[0, -3:] = -1  # the indexer pads short selections with -1
     if window > 2 and batch > 1:
         win_locs[1, :2] = -1
+    if window_padding:
+        win_locs[-1] = -1
     c4_locs, win_locs = c4_locs.to(DEVICE), win_locs.to(DEVICE)
     q = (torch.randn(batch, heads, 512, generator=gen) * q_scale).to(torch.bfloat16).to(DEVICE)
     sink = (torch.randn(heads, generator=gen) + sink_shift).to(DEVICE)
 
     args = (c4_locs, win, win_layout, win_locs, sink)
     orders = {"columns": config.pop("columns", "natural"), "window_columns": config.pop("window_columns", "natural")}
+    window_form = "kept_first" if window_kept_first else "packed" if window_packed else "natural"
     if keep is None:
         want = decode_native_reference(q, c4, c4_layout, *args)
     else:
         want = decode_packed_reference(q, c4, c4_layout, c4_locs, keep, win, win_layout, win_locs, sink,
-                                       window_columns="kept_first" if window_kept_first else "natural")
+                                       window_columns=window_form)
     out = torch.full_like(q, float("nan"))
-    if window_kept_first:
-        orders["window_columns"] = "kept_first"
+    if window_form != "natural":
+        orders["window_columns"] = window_form
     config = DecodeConfig(window_apart=window_apart, **config)
     if kept_first:  # q in, out back in KeptColumns.order, as with the order folded into the weights
         order = KeptColumns.of(keep, q.device).order
@@ -99,6 +105,10 @@ def check_decode(batch, heads, topk, window, retention, seed, rows=False, kept_f
         decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, keep, out=out, check_range=True, **orders,
                config=config)
     assert not out.isnan().any(), "an output element was not written (or is NaN)"
+    if window_packed:  # no record holds a dropped column
+        dropped = torch.ones(448, dtype=torch.bool, device=out.device)
+        dropped[keep.to(out.device)] = False
+        assert (out[:, :, :448][:, :, dropped] == 0).all(), "a dropped output column is not 0"
     err = ((out.double() - want).norm() / want.norm()).item()
     assert err < TOLERANCE, f"relative error {err:.2e}"
     if per_tile:  # natural columns: tiles 0-6 of the NoPE part, then RoPE
@@ -151,6 +161,38 @@ def test_decode_over_a_kept_first_window_whose_dropped_set_is_padded_past_448(sc
     # of scale byte 0, an infinite scale where that byte is >= 128 (0 x inf: NaN).
     check_decode(batch=2, heads=20, topk=9, window=21, retention=128, seed=30, kept_first=True,
                  window_kept_first=True, scale_byte=scale_byte, **SMALL)
+
+
+# A packed window: the C4 records' format and keep list, read by the C4 loop over the
+# window's range. R = 256 and 448 have a kept tail (N = 192: 128 + 64; 384: 256 + 128), R =
+# 192 none (N = 128). Window 21 and top-k 37 at 16 per step are 2 and 3 steps: three splits
+# by cost (a window step is a C4 step) cut at 0, 1, 3, 5, so split 1 runs a step of each
+# loop; even, each split takes a share of both. The last token's window is all padding.
+@pytest.mark.parametrize(("retention", "rows", "kept_first", "splits", "split_plan"), [
+    (256, False, False, 1, None), (192, True, False, 1, None), (448, False, True, 1, None), (256, True, True, 1, None),
+    (256, False, True, 3, "by_cost"), (192, False, False, 3, "even"), (448, True, False, 2, "by_cost"),
+    (256, True, False, 2, "even")])
+def test_decode_over_a_packed_window(retention, rows, kept_first, splits, split_plan):
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + splits + 50, rows=rows,
+                 kept_first=kept_first, window_packed=True, window_padding=True, splits=splits, split_plan=split_plan,
+                 window_block_n=16, **SOFT, **SMALL)
+
+
+@pytest.mark.parametrize("retention", [256, 192])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_decode_over_a_packed_window_in_its_own_score_form(retention, transposed):
+    # The window loop in the other score form than the C4 loop's (q loaded again for it),
+    # at twice its records per step, with the plan's own splits.
+    check_decode(batch=3, heads=20, topk=37, window=21, retention=retention, seed=retention + 60, window_packed=True,
+                 scores_transposed=transposed, window_scores_transposed=not transposed, window_block_n=32, **SOFT,
+                 **SMALL)
+
+
+def test_decode_over_a_packed_window_with_float16_partials_far_from_float16s_range():
+    # Two splits' float16 partials, each row scaled with no dropped accumulator in it.
+    for scale_byte in MAGNITUDES:
+        check_decode(batch=3, heads=20, topk=37, window=21, retention=256, seed=8, splits=2, partials="float16",
+                     window_packed=True, scale_byte=scale_byte, window_block_n=16, **SOFT, **SMALL)
 
 
 @pytest.mark.slow
@@ -354,9 +396,10 @@ def test_decode_refuses_an_unknown_column_order():
         check_decode(batch=1, heads=16, topk=4, window=2, retention=256, seed=0, window_columns="permuted")
 
 
-def test_decode_refuses_a_kept_first_window_with_native_records():
-    with pytest.raises(ValueError, match="window_columns='kept_first' needs packed C4 records"):
-        check_decode(batch=1, heads=16, topk=4, window=2, retention=512, seed=0, window_columns="kept_first")
+@pytest.mark.parametrize("window_columns", ["kept_first", "packed"])
+def test_decode_refuses_a_window_of_the_keep_list_with_native_records(window_columns):
+    with pytest.raises(ValueError, match=f"window_columns='{window_columns}' needs packed C4 records"):
+        check_decode(batch=1, heads=16, topk=4, window=2, retention=512, seed=0, window_columns=window_columns)
 
 
 def test_decode_refuses_an_out_of_other_shape():
@@ -398,6 +441,12 @@ def test_decode_refuses_a_window_of_packed_records():
     with pytest.raises(ValueError, match="window layout holds 328-byte records, expected 584"):
         decode(torch.zeros(1, 16, 512, device=DEVICE), pool, layout, locs, pool, layout, locs,
                torch.zeros(16, device=DEVICE), torch.arange(192))
+    # ... unless it says so, and then its records are the C4 records' width.
+    native = PageLayout.sglang(64)
+    native_pool = torch.zeros(1, native.page_stride, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="window layout holds 584-byte records, expected 328"):
+        decode(torch.zeros(1, 16, 512, device=DEVICE), pool, layout, locs, native_pool, native, locs,
+               torch.zeros(16, device=DEVICE), torch.arange(192), window_columns="packed")
 
 
 @pytest.mark.gpu
@@ -412,6 +461,18 @@ def test_decode_refuses_a_window_of_packed_records():
                                     dict(h_block=64, block_n=32, num_warps=8, num_stages=2, splits=1)])
 def test_decode_on_gpu_at_v4_shape(retention, config):
     check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=7 + retention, **config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("retention", "kept_first"), [(256, True), (256, False), (192, True), (448, False)])
+@pytest.mark.parametrize(("splits", "split_plan"), [(None, None), (2, None), (8, "by_cost"), (8, "even")])
+def test_decode_on_gpu_over_a_packed_window(retention, kept_first, splits, split_plan):
+    # At V4's shape with the plan's own loop settings (two splits with q and out in
+    # kept-first order join by the exchange).
+    check_decode(batch=9, heads=64, topk=512, window=128, retention=retention, seed=40 + retention,
+                 kept_first=kept_first, window_packed=True, window_padding=True, splits=splits,
+                 split_plan=split_plan, per_tile=True)
 
 
 @pytest.mark.gpu
