@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from remnant.engine.bench import row_line, run
+from remnant.kv.formats import INDEX_KEY_FORMATS, WINDOW_RECORDS
 from remnant.kv.modes import MODE_NAMES
 from remnant.records.schema import write_validated
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false")
     p.add_argument("--disable-torch-compile", dest="torch_compile", action="store_false",
                    help="plain torch operations for the elementwise chains (remnant.engine.step_ops)")
+    p.add_argument("--index-key-format", default="fp8", choices=INDEX_KEY_FORMATS,
+                   help="the indexer keys' format (host.index_key_format)")
+    p.add_argument("--window-records", default="native", choices=WINDOW_RECORDS,
+                   help="packed modes' window records (retention.window_records)")
     p.add_argument("--out", type=Path, required=True, help="JSON to write")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
               [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
               [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write,
-              torch_compile=a.torch_compile)
+              torch_compile=a.torch_compile, index_key_format=a.index_key_format, window_records=a.window_records)
     write(doc)
     for row in doc["rows"]:
         print(row_line(row))

@@ -4,9 +4,11 @@ A step of B tokens at context L (tokens each sequence holds) reads, per layer: t
 attention weights (all of them), the feed-forward weights it touches (a dense block whole;
 a routed MoE's router, shared experts and the distinct routed experts B tokens hit, their
 expected number under uniform routing: remnant.engine.moe.expected_distinct_experts), and
-per token its window records, on CSA layers every visible C4 index key and the top-k C4
-records (packed ones in triton and kernel modes; triton mode also writes and reads back
-their native reconstruction), on HCA layers every visible C128 record. Its matrix FLOPs
+per token its window records (packed ones on CSA layers with window_records=packed_csa),
+on CSA layers every visible C4 index key (FP8 or MXFP4) and the top-k C4 records (packed
+ones in triton and kernel modes; triton mode also writes and reads back the native
+reconstruction of each, and of packed window records), on HCA layers every visible C128
+record. Its matrix FLOPs
 are the weights' 2 x B x (weights a token multiplies) plus attention's scores and outputs
 and the indexer's scores. The roofline time is the larger of bytes / copy bandwidth and
 FLOPs / matmul peak, both measured on the device where the step runs.
@@ -16,10 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remnant.kv.formats import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES
+from remnant.kv.formats import CSA_RATIO, HCA_RATIO, HEAD_DIM, NATIVE_RECORD_BYTES, index_key_parts
 from remnant.kv.modes import mode_of
 
-INDEX_KEY_BYTES_PER_DIM = 132 / 128  # FP8 codes + an fp32 scale per 128 coordinates
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
@@ -42,10 +43,11 @@ class StepCost:
 
 
 def step_cost(args, batch: int, context: int, mode: str = "native", retention: int = 256,
-              dtype: str = "bfloat16") -> StepCost:
+              dtype: str = "bfloat16", index_key_format: str = "fp8", window_records: str = "native") -> StepCost:
     """The cost of a decode step of `batch` tokens at `context` tokens each, for `args`
     (remnant.engine.model.ModelArgs) in `mode` with `retention` (packed modes), weights in
-    `dtype` (routed experts in args.expert_dtype)."""
+    `dtype` (routed experts in args.expert_dtype), index keys in `index_key_format` and
+    window records as `window_records` says (remnant.kv.formats.WINDOW_RECORDS)."""
     from remnant.engine.moe import expected_distinct_experts
 
     a, wb = args, DTYPE_BYTES[dtype]
@@ -82,14 +84,17 @@ def step_cost(args, batch: int, context: int, mode: str = "native", retention: i
     c128 = context // HCA_RATIO
     rules = mode_of(mode)
     record = rules.record_bytes(retention)
+    rebuilt = 2 * NATIVE_RECORD_BYTES if rules.reconstructs else 0  # triton mode's reconstruction, written and read
+    key_bytes = sum(index_key_parts(index_key_format, a.index_head_dim))
     per_token = {"window": 0.0, "index_keys": 0.0, "c4_records": 0.0, "c128_records": 0.0}
     attn_flops = 0.0
     for ratio in a.compress_ratios:
-        per_token["window"] += window * NATIVE_RECORD_BYTES
+        packed_window = ratio == CSA_RATIO and rules.packed and window_records == "packed_csa"
+        per_token["window"] += window * (record + rebuilt if packed_window else NATIVE_RECORD_BYTES)
         keys = window
         if ratio == CSA_RATIO:
-            per_token["index_keys"] += c4 * a.index_head_dim * INDEX_KEY_BYTES_PER_DIM
-            per_token["c4_records"] += top * (record + (2 * NATIVE_RECORD_BYTES if rules.reconstructs else 0))
+            per_token["index_keys"] += c4 * key_bytes
+            per_token["c4_records"] += top * (record + rebuilt)
             attn_flops += 2 * a.index_n_heads * a.index_head_dim * c4
             keys += top
         elif ratio == HCA_RATIO:

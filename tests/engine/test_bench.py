@@ -35,6 +35,12 @@ def test_roofline_of_the_h200_model_by_hand():
     assert one.kv_bytes - packed.kv_bytes == pytest.approx(21 * 512 * (584 - 328))
     assert step_cost(a, 1, 32768, "triton").kv_bytes > one.kv_bytes  # reconstruction written and read
     assert one.seconds(4.2e12, 7.9e14) == pytest.approx(one.bytes / 4.2e12)
+    # MXFP4 keys (68 B) and, in kernel mode, the CSA layers' windows packed (328 B).
+    mxfp4 = step_cost(a, 1, 32768, "native", index_key_format="mxfp4")
+    assert one.kv_bytes - mxfp4.kv_bytes == pytest.approx(21 * 8192 * (132 - 68))
+    windows = step_cost(a, 1, 32768, "kernel", window_records="packed_csa")
+    assert packed.kv_bytes - windows.kv_bytes == pytest.approx(21 * 128 * (584 - 328))
+    assert step_cost(a, 1, 32768, "native", window_records="packed_csa").kv_bytes == one.kv_bytes
 
 
 @pytest.mark.slow

@@ -129,7 +129,7 @@ def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed,
     constants = dict(WIN_PER_PAGE=64, WIN_ALIGN=16, C4_PER_PAGE=64, C4_ALIGN=16, N=192 if packed else 448,
                      KA=128 if packed else 512, KA_N=128 if packed else 448, KT=64 if packed else 0,
                      DP=256 if packed else 64, PACKED=packed, H_BLOCK=64, BN=config["block_n"],
-                     WIN_BN=config["window_block_n"], WIN_KEPT_FIRST=packed, SCORES_T=config["scores_transposed"],
+                     WIN_BN=config["window_block_n"], WIN_KEPT_FIRST=packed, WIN_PACKED=False, SCORES_T=config["scores_transposed"],
                      WIN_SCORES_T=config["window_scores_transposed"], SPLIT=True, SCALED=True, WINDOW_APART=False,
                      BY_COST=not packed, WIN_STEP_COST=2 if packed else 1, EXCHANGE=True, INTERPRETED=False)
     listing = _listing("remnant.kernels.decode.triton:_decode_kernel", DECODE, constants, 8, tmp_path)
