@@ -13,7 +13,7 @@ from remnant.engine.decode_step import DecodeBatch, decode_step
 from remnant.engine.graphs import batch_buckets, page_bucket
 from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
-from tests.engine.rings import assert_same_ring
+from tests.engine.rings import assert_same_ring, ring_keep
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,8 +36,10 @@ def _ids(n: int, seed: int) -> list[int]:
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["native", "triton", "kernel"])
-def test_graph_replay_is_the_eager_step_as_batches_change(mode):
+@pytest.mark.parametrize(("mode", "pack_window"), [("native", False), ("triton", False), ("kernel", False),
+                                                   ("triton", True), ("kernel", True)],
+                         ids=["native", "triton", "kernel", "triton-packed-window", "kernel-packed-window"])
+def test_graph_replay_is_the_eager_step_as_batches_change(mode, pack_window):
     # Two copies of the same sequences, one stepped through captured graphs, one eagerly:
     # batches of 3, 1, 5 and 2 rows (other buckets, padding rows) and growing contexts
     # (other page buckets) give the same logits and the same pools.
@@ -46,7 +48,7 @@ def test_graph_replay_is_the_eager_step_as_batches_change(mode):
     for cuda_graph in (True, False):
         model = Model(_args(), device="cuda", dtype="bfloat16", cuda_graph=cuda_graph, cuda_graph_max_bs=8)
         if mode != "native":
-            model.set_c4_formats({i: C4Format(mode, keep) for i in model.csa_layers})
+            model.set_c4_formats({i: C4Format(mode, keep, pack_window=pack_window) for i in model.csa_layers})
         pools = scratch_pools(model, 900, sequences=5)
         seqs = [new_sequence(pools, 900) for _ in range(5)]
         logits = []
@@ -64,7 +66,7 @@ def test_graph_replay_is_the_eager_step_as_batches_change(mode):
         torch.testing.assert_close(g, e, atol=5e-2, rtol=0)
         assert (g.argmax(-1) == e.argmax(-1)).float().mean() >= 0.8
     for li in range(len(a.swa.bufs)):
-        assert_same_ring(a.swa[li][: a.pad_block * 128], b.swa[li][: b.pad_block * 128])
+        assert_same_ring(a.swa[li][: a.pad_block * 128], b.swa[li][: b.pad_block * 128], ring_keep(model, li))
 
 
 @needs_gpu
