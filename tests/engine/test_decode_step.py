@@ -121,10 +121,12 @@ def test_batched_bfloat16_within_the_stated_bound(args, mode, retention):
 
 
 @pytest.mark.slow
-def test_prefix_cache_hits_serve_as_the_reference(args):
+@pytest.mark.parametrize(("mode", "retention"), [MODES[0], MODES[-1]])
+def test_prefix_cache_hits_serve_as_the_reference(args, mode, retention):
     # Through the engine: requests sharing a 512-token prefix (two full pages) hit the
-    # prefix cache and resume from its window checkpoint; the batched step must answer the
-    # reference's greedy tokens for every one of them.
+    # prefix cache and resume from its window checkpoint (with packed windows: packed ring
+    # records, copied per layer); the batched step must answer the reference's greedy
+    # tokens for every one of them.
     prefix = _ids(512, 11)
     prompts = [prefix + _ids(n, 20 + n) for n in (5, 40, 130)]
 
@@ -147,8 +149,10 @@ def test_prefix_cache_hits_serve_as_the_reference(args):
         return [events[str(i)][-1].output_ids for i in range(len(prompts))], \
             [events[str(i)][-1].cached_tokens for i in range(len(prompts))]
 
-    want, want_hits = serve(Model(args, decode_path="reference"))
-    got, got_hits = serve(Model(args, decode_path="batched"))
+    reference, batched = _pair(args, mode, retention)
+    batched.batched_prefill = True  # as the engine runs it
+    want, want_hits = serve(reference)
+    got, got_hits = serve(batched)
     assert got_hits == want_hits and got_hits[1:] == [512, 512]
     assert got == want
 
