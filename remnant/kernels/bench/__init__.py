@@ -17,5 +17,6 @@ FLOPs count the tensor-core work the kernel issues (padding included: a packed k
 R = 384 multiplies its 320 kept columns as blocks of 256 and 64, and 64 RoPE columns, per
 C4 record, and for window tokens the kept blocks, the dropped columns padded to a power of
 two, and RoPE, or, with the window in a program of its own, the native program's 512 and
-64). The JSON (remnant.records.kinds.KERNEL_BENCH) is validated before it is written.
+64, or, with the window packed as the C4 records, a C4 record's). The JSON
+(remnant.records.kinds.KERNEL_BENCH) is validated before it is written.
 """

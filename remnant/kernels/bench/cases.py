@@ -42,7 +42,7 @@ class DecodeCase:
     topk: int
     window: int
     columns: str = "natural"  # packed: q and out in the model's order, or "kept_first" (decode's columns)
-    window_columns: str = "natural"  # packed: the window records' form, native or kept-first (decode's window_columns)
+    window_columns: str = "natural"  # packed: the window records' form, native, kept-first or packed (decode's)
     splits: int | None = None  # programs per token and head block (decode's splits); None: auto_splits
     window_apart: bool | None = None  # packed, all orders natural: the window in a program of its own (decode's)
     split_plan: str | None = None  # how splits share the records (decode's split_plan); None: split_plan_for
@@ -64,13 +64,17 @@ class DecodeCase:
 
 def decode_bytes_flops(case: DecodeCase, window_apart: bool = False) -> tuple[int, float]:
     rb = 584 if case.variant == "native" else case.retention + 72
+    # A packed window (window_columns="packed") holds records of the C4 records' format;
+    # every other window form is native records.
+    window_rb = rb if case.window_columns == "packed" else 584
     io = 2 * case.batch * HEADS * 512 * 2  # q read, out written (bf16)
-    nbytes = case.batch * (case.topk * (rb + 4) + case.window * (584 + 4)) + io
+    nbytes = case.batch * (case.topk * (rb + 4) + case.window * (window_rb + 4)) + io
     # Multiply-adds the kernel issues per (head, record), padding included (x 2 FLOPs):
     # native: 512 + 64 columns for the score and for P.V. Packed C4 records: the kept
     # column blocks (remnant.kernels.decode.triton.kept_column_blocks), plus RoPE, for both.
-    # Packed window tokens: kept blocks, dropped columns padded to a power of two, plus
-    # RoPE, for both; with the window apart (the native program reads it), as native.
+    # Window tokens of packed calls: kept blocks, dropped columns padded to a power of two,
+    # plus RoPE, for both; with the window apart (the native program reads it), as native;
+    # packed window records (read by the C4 loop), as C4 records.
     if case.variant == "native":
         c4_macs = win_macs = 2 * (512 + 64)
     else:
@@ -82,7 +86,10 @@ def decode_bytes_flops(case: DecodeCase, window_apart: bool = False) -> tuple[in
         kept = case.retention - 64
         kept_macs = sum(kept_column_blocks(kept, padded(kept)))
         c4_macs = 2 * (kept_macs + 64)
-        win_macs = 2 * (512 + 64) if window_apart else 2 * (kept_macs + padded(448 - kept) + 64)
+        if case.window_columns == "packed":
+            win_macs = c4_macs
+        else:
+            win_macs = 2 * (512 + 64) if window_apart else 2 * (kept_macs + padded(448 - kept) + 64)
     flops = 2 * case.batch * HEADS * (case.topk * c4_macs + case.window * win_macs)
     return nbytes, float(flops)
 
@@ -149,6 +156,10 @@ def decode_cases(quick: bool, multiprocessors: int | None = None, sm90: bool = F
             if sm90:  # the same folded call on the SM90 kernel (it reads kept-first windows only)
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "kept_first",
                                         kernel="sm90"))
+            # The folded call over a window packed as the C4 records (the engine's packed_csa;
+            # Triton only); without a window it is the folded row above.
+            if window:
+                cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "packed"))
             if batch >= 64 and window:  # each of the two orders alone
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first"))
                 if batch in (64, 128):
@@ -164,6 +175,7 @@ def decode_cases(quick: bool, multiprocessors: int | None = None, sm90: bool = F
     for batch in ([64, 128] if not quick else [64]):
         cases.append(DecodeCase("native", 512, batch, 0, WINDOW))
         cases.append(DecodeCase("packed", KERNEL_R, batch, 0, WINDOW, "kept_first", "kept_first"))
+        cases.append(DecodeCase("packed", KERNEL_R, batch, 0, WINDOW, "kept_first", "packed"))
     # Splits against auto_splits' choice (which the rows above use): each kernel at fixed
     # split counts, at batches below, at and above the multiprocessor count.
     for batch in ([16, 64, 128] if not quick else [64]):
@@ -198,9 +210,10 @@ def flashmla_cases(quick: bool) -> list[FlashMLACase]:
 
 # What is tuned, each for its own best config (equal care): native records, and packed
 # records with the window in each code order (the window loop differs: by index or by
-# words) or, in natural order, in a program of its own (decode's window_apart).
+# words) or, in natural order, in a program of its own (decode's window_apart), or packed
+# as the C4 records are (the C4 loop reads it).
 TUNED = [("native", "natural", False), ("packed", "natural", False), ("packed", "natural", True),
-         ("packed", "kept_first", False)]
+         ("packed", "kept_first", False), ("packed", "packed", False)]
 
 
 # Per tuned kind, the loop forms in the sweep: (C4 loop records per step, its scores
@@ -209,12 +222,15 @@ TUNED = [("native", "natural", False), ("packed", "natural", False), ("packed", 
 # fourth round's probes (the window apart: the sixth's; benchmarks/kernels/NOTES.md),
 # which also measured and dropped: 16-warp programs (+35-60%), two 32-head programs per SM
 # (+55-60%), and for native records 64 records per step with transposed scores (+35-90%:
-# spills).
+# spills). A packed window's forms are not from a probe (none has run): the packed C4
+# loop's forms, each taken by both loops (the window's is the C4 loop), so that a window
+# step stays one C4 step (plan.PACKED_RECORDS_WINDOW_STEP_COST).
 DECODE_FORMS = {
     ("native", "natural", False): [(32, True, 32, True), (64, False, 32, True), (16, True, 16, True)],
     ("packed", "natural", False): [(64, False, 16, True), (32, True, 16, True), (64, True, 16, True)],
     ("packed", "natural", True): [(64, False, 32, True), (64, False, 16, True), (32, False, 32, True)],
     ("packed", "kept_first", False): [(64, False, 32, False), (64, False, 16, True), (32, True, 32, True)],
+    ("packed", "packed", False): [(64, False, 64, False), (32, True, 32, True), (64, True, 64, True)],
 }
 
 
@@ -224,7 +240,8 @@ DECODE_STAGES = (1, 2, 3)
 # The decode defaults (remnant.kernels.decode.plan.DEFAULT_CONFIGS) of each tuned kind.
 DEFAULT_OF_KIND = {("native", "natural", False): "native", ("packed", "natural", False): "packed",
                    ("packed", "natural", True): "packed, window apart",
-                   ("packed", "kept_first", False): "packed, kept-first window"}
+                   ("packed", "kept_first", False): "packed, kept-first window",
+                   ("packed", "packed", False): "packed, packed window"}
 
 
 def decode_configs(kind: tuple[str, str, bool], quick: bool, defaults: bool = False) -> list[dict]:

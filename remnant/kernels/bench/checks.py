@@ -50,29 +50,29 @@ def check_decode(inputs: "DecodeInputs", case: DecodeCase, plan) -> float:
     from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
 
     layout, pool, keep = inputs.pool(512 if case.variant == "native" else case.retention)
-    batch = 4
-    q = torch.randn(batch, HEADS, 512, device="cuda", dtype=torch.bfloat16)
-    c4_locs = torch.randint(0, inputs.c4_records, (batch, case.topk), device="cuda")
+    window, window_layout = inputs.window_pool(case)
+    batch, device = 4, inputs.device
+    q = torch.randn(batch, HEADS, 512, device=device, dtype=torch.bfloat16)
+    c4_locs = torch.randint(0, inputs.c4_records, (batch, case.topk), device=device)
     c4_locs[0, -5:] = -1
-    base = torch.randint(0, inputs.window_layout.capacity(inputs.window) - case.window, (batch, 1), device="cuda")
-    win_locs = base + torch.arange(case.window, device="cuda")
-    sink = torch.randn(HEADS, device="cuda")
+    base = torch.randint(0, inputs.window_records - case.window, (batch, 1), device=device)
+    win_locs = base + torch.arange(case.window, device=device)
+    sink = torch.randn(HEADS, device=device)
     out = torch.full_like(q, float("nan"))
-    window = inputs.window
     # The timed case's plan (its splits, whatever this check's batch would choose).
     orders = dict(columns=case.columns, window_columns=case.window_columns, config=plan)
     if case.columns == "kept_first":  # q in and out back in kept-first order, compared in the model's
         got = torch.full_like(q, float("nan"))
-        decode(q[:, :, keep.order], pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep,
+        decode(q[:, :, keep.order], pool, layout, c4_locs, window, window_layout, win_locs, sink, keep,
                out=got, **orders)
         out[:, :, keep.order] = got
     else:
-        decode(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink, keep, out=out, **orders)
+        decode(q, pool, layout, c4_locs, window, window_layout, win_locs, sink, keep, out=out, **orders)
     if case.variant == "native":
-        ref = decode_native_reference(q, pool, layout, c4_locs, window, inputs.window_layout, win_locs, sink)
+        ref = decode_native_reference(q, pool, layout, c4_locs, window, window_layout, win_locs, sink)
     else:
         keep_idx = keep.kept[: keep.n_kept].long().cpu()
-        ref = decode_packed_reference(q, pool, layout, c4_locs, keep_idx, window, inputs.window_layout, win_locs,
+        ref = decode_packed_reference(q, pool, layout, c4_locs, keep_idx, window, window_layout, win_locs,
                                       sink, window_columns=case.window_columns)
     if out.isnan().any():
         return float("inf")

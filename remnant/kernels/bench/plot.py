@@ -19,6 +19,7 @@ DECODE_LINES = {
     ("packed", "kept_first", "natural", "triton"): "packed, kept-first q/out",
     ("packed", "kept_first", "kept_first", "triton"): "packed, kept-first q/out and window (folded, Triton)",
     ("packed", "kept_first", "kept_first", "sm90"): "packed, folded, SM90 Gluon kernel",
+    ("packed", "kept_first", "packed", "triton"): "packed, kept-first q/out, packed window (engine's packed_csa)",
 }
 
 
@@ -49,17 +50,19 @@ def ratio_series(doc: dict, window: int, topk: int, retention: int) -> dict[str,
             if any(b in stock for b, _ in points)}
 
 
-def flashmla_targets(doc: dict) -> dict[float, int]:
-    """{limit: the smallest batch it holds at} of the record's kernel-mode targets over
-    FlashMLA's time below parity (remnant.kernels.bench.targets writes them as "decode
-    packed (...)/FlashMLA V4 time, batch N, ..." with target "<= limit"); none in a record
-    from before FlashMLA was timed."""
-    limits: dict[float, int] = {}
+def flashmla_targets(doc: dict) -> dict[float, tuple[int, list[str]]]:
+    """{limit: (the smallest batch it holds at, the calls it is for)} of the record's
+    kernel-mode targets over FlashMLA's time below parity (remnant.kernels.bench.targets
+    writes them as "decode packed (call)/FlashMLA V4 time, batch N, ..." with target "<=
+    limit"; the packed window's limit is not the other calls'); none in a record from
+    before FlashMLA was timed."""
+    limits: dict[float, tuple[int, list[str]]] = {}
     for target in doc.get("targets", []):
-        batch = re.search(r"/FlashMLA V4 time, batch (\d+),", target["name"])
+        name = re.fullmatch(r"decode packed \((.+)\)/FlashMLA V4 time, batch (\d+),.*", target["name"])
         limit = re.fullmatch(r"<= ([0-9.]+)", target["target"])
-        if batch and limit and float(limit[1]) < 1.0:
-            limits[float(limit[1])] = min(limits.get(float(limit[1]), int(batch[1])), int(batch[1]))
+        if name and limit and float(limit[1]) < 1.0:
+            batch, calls = limits.get(float(limit[1]), (int(name[2]), []))
+            limits[float(limit[1])] = (min(batch, int(name[2])), sorted({*calls, name[1]}))
     return limits
 
 
@@ -120,9 +123,10 @@ def plot(doc: dict, out: Path, topk: int = 512, retention: int = 256) -> Path:
             ax.plot([b for b, _ in points], [r for _, r in points], marker="o", color=f"C{labels.index(label)}",
                     label=label)
         ax.axhline(1.0, color="black", linewidth=1)
-        for limit, batch in sorted(flashmla_targets(doc).items()):
+        for limit, (batch, calls) in sorted(flashmla_targets(doc).items()):
+            only = f" ({calls[0]})" if len(calls) == 1 else ""  # a limit of one call names it
             ax.axhline(limit, color="gray", linestyle="--", linewidth=1,
-                       label=f"kernel-mode target at batch >= {batch}: {limit}")
+                       label=f"kernel-mode target at batch >= {batch}: {limit}{only}")
         _finish(ax, "batch (decode tokens)", "time / FlashMLA V4's time", f"against FlashMLA, top-k {topk}, window 128")
     ax = axes[next_panel]
     for kernel in ("store", "reconstruct"):

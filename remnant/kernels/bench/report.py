@@ -12,7 +12,8 @@ def table(doc: dict) -> str:
                      f"{r['achieved_gbps']:7.0f} GB/s  {100 * r['fraction_of_copy_bandwidth']:5.1f}% copy")
     for r in doc["decode"]:
         variant = r["variant"] + ("*" if r.get("columns") == "kept_first" else "") + (
-            "w" if r.get("window_columns") == "kept_first" else "") + ("@sm90" if r.get("kernel") == "sm90" else "")
+            {"kept_first": "w", "packed": "p"}.get(r.get("window_columns"), "")) + (
+            "@sm90" if r.get("kernel") == "sm90" else "")
         splits = f"s={r['splits']}" + ("" if r["auto_splits"] else "!") if "splits" in r else ""  # (v3: no splits)
         splits += "a" if r.get("window_apart") else ""
         splits += "c" if r.get("split_plan") == "by_cost" else ""
@@ -28,6 +29,8 @@ def table(doc: dict) -> str:
     if any(r.get("columns") == "kept_first" for r in doc["decode"]):
         lines.append("packed*: q and out in kept-first column order (the permutation folded into the projections); "
                      "packed..w: window records written in kept-first order")
+    if any(r.get("window_columns") == "packed" for r in doc["decode"]):
+        lines.append("packed..p: window records packed with the keep list, as the C4 records (read by the C4 loop)")
     if any(r.get("kernel") == "sm90" for r in doc["decode"]):
         lines.append("@sm90: the SM90 Gluon kernel (remnant.kernels.decode.sm90); every other decode row: Triton")
     lines.append("s=N: programs per token and head block (auto_splits); s=N!: fixed, the split sweep; "

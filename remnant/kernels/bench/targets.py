@@ -6,6 +6,7 @@ The record carries them, so that its table and plot read them from it."""
 from __future__ import annotations
 
 from remnant.kernels.bench.cases import KERNEL_R, TOPK, WINDOW, other_split_plan
+from remnant.kernels.decode.reference import WINDOW_COLUMNS
 
 
 # Kernel mode's decode against FlashMLA's (issue "Direct packed decode that beats stock
@@ -15,6 +16,13 @@ KERNEL_VS_FLASHMLA_FROM_64 = 0.65
 
 
 KERNEL_VS_FLASHMLA = 1.0
+
+
+# The engine's folded call over a window packed as its C4 records (retention.window_records
+# = packed_csa, the combination that reaches 1.6x KV capacity) against FlashMLA's (issue 44,
+# "Decode that reads every new format"): at most this fraction of its time at batch 64 and
+# above, and no slower (KERNEL_VS_FLASHMLA) at any batch.
+PACKED_WINDOW_VS_FLASHMLA_FROM_64 = 0.8
 
 
 def against_flashmla(decode_rows: list[dict], flashmla_rows: list[dict]) -> list[dict]:
@@ -69,7 +77,10 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                 if not (flash and packed):
                     continue
                 ratio = packed["time_us"] / flash["time_us"]
-                limit = KERNEL_VS_FLASHMLA_FROM_64 if batch >= 64 else KERNEL_VS_FLASHMLA
+                limit = KERNEL_VS_FLASHMLA
+                if batch >= 64:
+                    packed_window = window_columns == "packed"
+                    limit = PACKED_WINDOW_VS_FLASHMLA_FROM_64 if packed_window else KERNEL_VS_FLASHMLA_FROM_64
                 if kernel == "sm90":
                     how = ("the SM90 Gluon kernel (remnant.kernels.decode.sm90): q, out and the window in kept-first "
                            "order")
@@ -82,6 +93,9 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                     how = "q and out in kept-first order: the permutation folded into the projections"
                 if window_columns == "kept_first" and kernel != "sm90":
                     how += "; window records written in kept-first order"
+                elif window_columns == "packed":
+                    how += (f"; window records packed with the keep list ({KERNEL_R + 72} bytes), read by the C4 "
+                            "loop")
                 note = (f"FlashMLA V4 {flash['time_us']:.1f} us, packed {packed['time_us']:.1f} us ({how}); "
                         f"byte ratio against FlashMLA's call {packed['bytes'] / flash['bytes']:.3f} (C4 records "
                         f"alone: {(KERNEL_R + 72) / 584:.3f})")
@@ -105,7 +119,7 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                             "value": f, "target": ">= 0.80", "met": f >= 0.80, "note": ""})
     for r in decode_rows:
         if (r["batch"] >= 64 and r["topk"] == TOPK and r["window"] == WINDOW
-                and orders(r) in (("natural", "natural"), ("kept_first", "kept_first"))):
+                and orders(r) in (("natural", "natural"), ("kept_first", "kept_first"), ("kept_first", "packed"))):
             f = r["fraction_of_copy_bandwidth"]
             bound = (f"floor is {r['floor_bound']}: {r['floor_us']:.2f} us; "
                      f"tensor-core fraction {r['fraction_of_matmul_rate']:.2f}")
@@ -124,12 +138,13 @@ def _kernel_label(row: dict) -> str:
 
 def _orders_label(columns: str, window_columns: str) -> str:
     label = f"{columns} columns"
-    return label + (", kept-first window" if window_columns == "kept_first" else "")
+    return label + {"natural": "", "kept_first": ", kept-first window", "packed": ", packed window"}[window_columns]
 
 
-def _order_rank(orders: tuple[str, str]) -> tuple[bool, bool]:
-    """As served today first (natural, natural), the kernel alone last."""
-    return orders[0] == "kept_first", orders[1] == "kept_first"
+def _order_rank(orders: tuple[str, str]) -> tuple[bool, int]:
+    """As served today first (natural, natural), the kernel alone last; the window's forms
+    in WINDOW_COLUMNS' order."""
+    return orders[0] == "kept_first", WINDOW_COLUMNS.index(orders[1])
 
 
 def _shared_cost(by: dict, batch: int, window: int, orders: tuple[str, str], native: dict, packed: dict) -> str:
