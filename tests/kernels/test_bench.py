@@ -209,7 +209,7 @@ def test_targets_are_ratios_to_flashmla_in_this_run():
 def _with_packed_window(doc: dict, us: float = 11.0, batch: int = 64) -> dict:
     """doc with the folded call over a packed window (its full call taking `us`, and 9.5 us
     without C4 records, at the auto rows' splits), every row at `batch`, its ratios and
-    targets made again. Not validated: schema kernel-bench v12 has no packed window."""
+    targets made again."""
     ceil = Ceilings(copy_gbps=4000.0, matmul_tflops=800.0, l2_bytes=60 << 20)
     config = dict(h_block=64, block_n=64, num_warps=8, num_stages=3, scores_transposed=False)
     decode = doc["decode"] + [_decode_row(ceil, config, "packed", 256, "kept_first", "packed", us),
@@ -224,6 +224,7 @@ def test_packed_window_has_the_issue_44_targets_against_flashmla(tmp_path):
     from remnant.kernels.bench.plot import decode_series, flashmla_targets, plot, ratio_series
 
     doc = _with_packed_window(_doc())
+    validate(doc)  # kernel-bench v13: the packed window form
     name = "decode packed (kept_first columns, packed window)/FlashMLA V4 time, batch 64, top-k 512, window 128"
     packed = next(t for t in doc["targets"] if t["name"] == name)
     # 0.8 of FlashMLA's time at batch >= 64, beside the other calls' 0.65.
