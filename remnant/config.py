@@ -26,7 +26,7 @@ from typing import Any
 from remnant.calibration.capture_recorder import DEFAULT_RECORDS, DEFAULT_TOKENS
 from remnant.calibration.retention import POLICIES, profile_values
 from remnant.config_errors import ConfigError, at_least, positive_finite
-from remnant.kv.formats import CSA_RATIO, HCA_RATIO, RETENTION_VALUES, WINDOW_RECORDS
+from remnant.kv.formats import C128_RECORDS, CSA_RATIO, HCA_RATIO, RETENTION_VALUES, WINDOW_RECORDS
 from remnant.kv.modes import check_packed_rules, mode_of
 
 #: OmegaConf's marker for a value the user must give (kept literal: no OmegaConf import here).
@@ -51,9 +51,17 @@ class RetentionConfig:
     #: at load and `policy` chooses the kept coordinates.
     map_path: str | None = None
     policy: str = "attention"
-    #: The window records of packed modes (remnant.kv.formats.WINDOW_RECORDS): native, or
-    #: packed_csa (each CSA layer's window packed with its C4 map; docs/kv.md).
+    #: The window records of packed modes (remnant.kv.formats.WINDOW_RECORDS): native,
+    #: packed_csa (each CSA layer's window packed with its C4 map) or packed (every layer's;
+    #: docs/kv.md).
     window_records: str = "native"
+    #: The HCA layers' C128 records in packed modes (remnant.kv.formats.C128_RECORDS).
+    c128_records: str = "native"
+
+    def packs_other_layers(self) -> bool:
+        """Whether HCA or window-only layers pack a part (they then need maps of their own,
+        at one uniform R)."""
+        return self.window_records == "packed" or self.c128_records == "packed"
 
     def values(self) -> list[int]:
         return list(self.per_layer) if self.per_layer else [self.retention]
@@ -240,13 +248,18 @@ def validate(cfg: RunConfig) -> None:
             profile_values(None, list(ret.per_layer), n_csa)
         except ValueError as exc:
             raise ConfigError(f"retention.{exc}") from None
-    if ret.window_records not in WINDOW_RECORDS:
-        raise ConfigError(f"retention.window_records={ret.window_records} is not allowed; allowed: "
-                          f"{', '.join(WINDOW_RECORDS)}")
-    if ret.window_records != "native" and cfg.host.kind != "embedded":
-        # Only the embedded engine's pools and attention hold packed window records.
-        raise ConfigError(f"retention.window_records={ret.window_records} is served by host=embedded only; "
-                          f"host={cfg.host.kind} stores native window records")
+    for name, allowed in (("window_records", WINDOW_RECORDS), ("c128_records", C128_RECORDS)):
+        value = getattr(ret, name)
+        if value not in allowed:
+            raise ConfigError(f"retention.{name}={value} is not allowed; allowed: {', '.join(allowed)}")
+        if value != "native" and cfg.host.kind != "embedded":
+            # Only the embedded engine's pools and attention hold packed window and C128 records.
+            raise ConfigError(f"retention.{name}={value} is served by host=embedded only; "
+                              f"host={cfg.host.kind} stores them native")
+    if ret.packs_other_layers() and ret.per_layer is not None:
+        raise ConfigError(f"retention.window_records={ret.window_records} retention.c128_records={ret.c128_records} "
+                          "pack HCA or window-only layers, which take one uniform R: give retention, not "
+                          "retention.per_layer")
     if ret.map_path is not None and not os.path.isfile(ret.map_path):
         raise ConfigError(f"retention.map_path={ret.map_path} is not a file")
     if ret.policy not in POLICIES:

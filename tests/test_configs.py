@@ -159,11 +159,18 @@ def test_retention_map_path_and_policy(tmp_path):
 def test_window_records():
     assert _compose(["mode=kernel"]).retention.window_records == "native"
     assert _compose(["mode=kernel", "retention.window_records=packed_csa"]).retention.window_records == "packed_csa"
-    with pytest.raises(ConfigError, match="retention.window_records=packed is not allowed; allowed: native, packed_csa"):
-        _compose(["mode=triton", "retention.window_records=packed"])
+    with pytest.raises(ConfigError, match="retention.window_records=all is not allowed; allowed: native, packed_csa, "
+                                          "packed"):
+        _compose(["mode=triton", "retention.window_records=all"])
+    with pytest.raises(ConfigError, match="retention.c128_records=csa is not allowed; allowed: native, packed"):
+        _compose(["mode=triton", "retention.c128_records=csa"])
     with pytest.raises(ConfigError, match="retention.window_records=packed_csa is served by host=embedded only; "
-                                          "host=local stores native window records"):
+                                          "host=local stores them native"):
         _compose(["mode=kernel", "host=local", "host.server=embedded", "retention.window_records=packed_csa"])
+    with pytest.raises(ConfigError, match="pack HCA or window-only layers, which take one uniform R"):
+        _compose(["mode=triton", "retention.c128_records=packed", "retention.per_layer=[128,384]"])
+    cfg = _compose(["mode=triton", "retention.window_records=packed", "retention.c128_records=packed"])
+    assert cfg.retention.packs_other_layers()
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -6,8 +6,8 @@
 For the model's geometry (a conf/model preset, or --model-config FILE) it sizes the pools
 as SGLang 0.5.18 does for native records and for packed records at the retention given,
 and for each standard combination of stored parts (packed C4, window and C128 records at
---combination-retention, MXFP4 indexer keys, bf16 compressor state; only native and C4
-serve today, the others are by the formula only), and writes the report (schema
+--combination-retention, MXFP4 indexer keys, bf16 compressor state; the engine serves each
+of them, the SGLang plugin native and C4 alone), and writes the report (schema
 remnant/capacity) that remnant.engine.capacity_report computes.
 """
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"combinations at R={a.combination_retention}:", file=sys.stderr)
     for c in doc["combinations"]:
         print(f"  {c['name']}: {c['bytes_per_token_total']:.2f} bytes/token, capacity x{c['capacity_ratio']:.4f}, "
-              f"{c['max_total_num_tokens']} tokens{'' if c['served'] else ' (formula only)'}", file=sys.stderr)
+              f"{c['max_total_num_tokens']} tokens{'' if c['served'] else ' (not served)'}", file=sys.stderr)
     print(path)
     return 0
 

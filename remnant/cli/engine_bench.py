@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from remnant.engine.bench import row_line, run
-from remnant.kv.formats import INDEX_KEY_FORMATS, WINDOW_RECORDS
+from remnant.kv.formats import C128_RECORDS, INDEX_KEY_FORMATS, WINDOW_RECORDS
 from remnant.kv.modes import MODE_NAMES
 from remnant.records.schema import write_validated
 
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the indexer keys' format (host.index_key_format)")
     p.add_argument("--window-records", default="native", choices=WINDOW_RECORDS,
                    help="packed modes' window records (retention.window_records)")
+    p.add_argument("--c128-records", default="native", choices=C128_RECORDS,
+                   help="packed modes' C128 records (retention.c128_records)")
     p.add_argument("--out", type=Path, required=True, help="JSON to write")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
               [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
               [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write,
-              torch_compile=a.torch_compile, index_key_format=a.index_key_format, window_records=a.window_records)
+              torch_compile=a.torch_compile, index_key_format=a.index_key_format, window_records=a.window_records,
+              c128_records=a.c128_records)
     write(doc)
     for row in doc["rows"]:
         print(row_line(row))

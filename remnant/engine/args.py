@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from remnant.config import RetentionConfig
 from remnant.config_errors import ConfigError, at_least, positive_finite
 from remnant.engine.capacity import STATE_DTYPES
-from remnant.kv.formats import INDEX_KEY_FORMATS, WINDOW_RECORDS
+from remnant.kv.formats import C128_RECORDS, INDEX_KEY_FORMATS, WINDOW_RECORDS
 
 if TYPE_CHECKING:
     from remnant.calibration.capture_recorder import CaptureSettings
@@ -176,13 +176,14 @@ class RetentionArgs:
     map_path: str | None = None
     policy: str = RetentionConfig.policy  # one default, the run config's
     window_records: str = RetentionConfig.window_records
+    c128_records: str = RetentionConfig.c128_records
 
     @classmethod
     def of(cls, ret: RetentionConfig) -> RetentionArgs:
         """A run config's retention as remnant-serve takes it; the map's path made absolute,
         since the server runs in another working directory."""
         return cls(None if ret.per_layer else ret.retention, list(ret.per_layer) if ret.per_layer else None,
-                   str(Path(ret.map_path).resolve()) if ret.map_path else None, ret.policy, ret.window_records)
+                   str(Path(ret.map_path).resolve()) if ret.map_path else None, ret.policy, ret.window_records, ret.c128_records)
 
     def to_argv(self) -> list[str]:
         argv = []
@@ -192,7 +193,8 @@ class RetentionArgs:
             argv += ["--retention", str(self.retention)]
         if self.map_path:
             argv += ["--retention-map", self.map_path]
-        return argv + ["--retention-policy", self.policy, "--retention-window-records", self.window_records]
+        return argv + ["--retention-policy", self.policy, "--retention-window-records", self.window_records,
+                       "--retention-c128-records", self.c128_records]
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,14 +206,17 @@ class RetentionArgs:
                             default=RetentionArgs.policy, help="policy that chooses kept coordinates when no map is given")
         parser.add_argument("--retention-window-records", dest="window_records", choices=WINDOW_RECORDS,
                             default=RetentionArgs.window_records,
-                            help="window records of packed modes: native, or packed_csa (CSA layers' windows packed "
-                                 "with their C4 map)")
+                            help="window records of packed modes: native, packed_csa (CSA layers' windows packed "
+                                 "with their C4 map) or packed (every layer's)")
+        parser.add_argument("--retention-c128-records", dest="c128_records", choices=C128_RECORDS,
+                            default=RetentionArgs.c128_records,
+                            help="HCA layers' C128 records in packed modes: native or packed")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RetentionArgs:
         """ValueError where --retention-per-layer is not integers."""
         per_layer = [int(v) for v in ns.retention_per_layer.split(",")] if ns.retention_per_layer else None
-        return cls(ns.retention, per_layer, ns.map_path, ns.policy, ns.window_records)
+        return cls(ns.retention, per_layer, ns.map_path, ns.policy, ns.window_records, ns.c128_records)
 
 
 def capture_argv(capture: CaptureSettings | None) -> list[str]:

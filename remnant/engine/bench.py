@@ -84,7 +84,7 @@ def fill_pools(model, pools, seed: int = 0) -> None:
         pages.layout.write(pages.buf, torch.arange(per, device=pages.buf.device), keys.to(pages.buf.device))
         pages.buf[1:] = pages.buf[0]
     for li, (layout, buf) in enumerate(zip(pools.swa.layouts, pools.swa.bufs)):
-        records = model.ring_format(li).ring_records(torch.randn(layout.per_page, 512, generator=gen).to(model.device))
+        records = model.layer_format(li).ring_records(torch.randn(layout.per_page, 512, generator=gen).to(model.device))
         layout.write(buf, torch.arange(layout.per_page, device=model.device), records)
         buf[1:] = buf[0]
 
@@ -200,11 +200,12 @@ def profile_step(step, device: torch.device, steps: int = 3) -> StepProfile:
 def run(model_name: str, device: str, modes: list[str], batches: list[int], contexts: list[int],
         steps: int, cuda_graph: bool = True, prefill_contexts: list[int] | None = None, chunk: int = 8192,
         on_row=None, torch_compile: bool = True, index_key_format: str = "fp8",
-        window_records: str = "native") -> dict:
+        window_records: str = "native", c128_records: str = "native") -> dict:
     """The benchmark document (see the module docstring). `on_row(doc)` is called after each
     row with the document so far (main writes it: a run stopped part-way keeps its rows).
-    index_key_format and window_records: the KV parts beyond C4 (host.index_key_format,
-    retention.window_records), recorded in the document's kv_parts."""
+    index_key_format, window_records and c128_records: the KV parts beyond C4
+    (host.index_key_format, retention.window_records, retention.c128_records), recorded in
+    the document's kv_parts."""
     import dataclasses
 
     from remnant.config import ModelConfig
@@ -229,14 +230,15 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "model": model_name, "device": device, "dtype": dtype, "steps": steps, "peaks": peaks,
            "environment": environment(), "sources": sources(), "rows": rows, "prefill": prefill,
-           "kv_parts": {"index_key_format": index_key_format, "window_records": window_records},
+           "kv_parts": {"index_key_format": index_key_format, "window_records": window_records,
+                        "c128_records": c128_records},
            "limits": ["random weights; records filled with quantized random latents, not a prefill",
                       "packed modes keep the prefix policy's columns (a step reads the same bytes for any map)",
                       "MoE bytes assume uniform routing (expected distinct experts)"]}
     for mode in modes:
         # Every packed mode at the one retention they all serve.
         retention = KERNEL_RETENTION if mode_of(mode).keeps_retention else None
-        setup_retention(model, mode, model_name, retention, None, None, "prefix", window_records)
+        setup_retention(model, mode, model_name, retention, None, None, "prefix", window_records, c128_records)
         for context in contexts:
             for batch in batches:
                 pools = scratch_pools(model, context + 1, sequences=batch)
@@ -246,7 +248,8 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                     s.length = context
                     s.token_ids = [0] * context
                 seconds, profile = time_step(model, pools, seqs, steps)
-                cost = step_cost(args, batch, context, mode, KERNEL_RETENTION, dtype, index_key_format, window_records)
+                cost = step_cost(args, batch, context, mode, KERNEL_RETENTION, dtype, index_key_format, window_records,
+                                 c128_records)
                 roof = cost.seconds(peaks["copy_bytes_per_s"], peaks["matmul_flops_per_s"])
                 rows.append({"mode": mode, "batch": batch, "context": context, "step_ms": seconds * 1e3,
                              "roofline_ms": roof * 1e3, "step_over_roofline": seconds / roof,

@@ -30,10 +30,11 @@ each defaulting to what SGLang 0.5.18 stores, so a geometry that names none of t
 exactly as before. A Combination names which parts are stored how (packed window, C4 or
 C128 records at a retention, MXFP4 indexer keys, bf16 compressor state);
 combination_geometry gives the geometry of a model with it. Served today: packed C4
-records (the engine and the SGLang plugin), MXFP4 index keys and bf16 compressor state (the
-engine's host.index_key_format and host.compressor_state_dtype; SGLang's own
---enable-deepseek-v4-fp4-indexer and SGLANG_DSV4_COMPRESS_STATE_DTYPE); packed window and
-C128 records are by this formula only.
+records (the engine and the SGLang plugin); with them, by the engine only, packed window
+records (the CSA layers' or every layer's: retention.window_records) and packed C128 records
+(retention.c128_records); MXFP4 index keys and bf16 compressor state (the engine's
+host.index_key_format and host.compressor_state_dtype; SGLang's own
+--enable-deepseek-v4-fp4-indexer and SGLANG_DSV4_COMPRESS_STATE_DTYPE).
 What SGLang 0.5.18 does with each part:
 - window (SWA) and C128 records: the same 584-byte pool class as C4
   (mem_cache/deepseek_v4_memory_pool.py, DeepSeekV4SingleKVPool asserts 584); the
@@ -95,9 +96,8 @@ class PoolGeometry:
 
     c4_record_bytes: stored bytes of one C4 record per CSA layer (584 native, R + 72 packed).
     The stored size of every other part, each defaulting to what SGLang 0.5.18 stores (so
-    a geometry naming none of them sizes as SGLang does; the engine's pools hold the C4
-    part packed, either key format and either state dtype; packed window and C128 records
-    are by the formula only):
+    a geometry naming none of them sizes as SGLang does; the engine's pools hold every
+    part in every size given here):
     swa_record_bytes: one window (SWA) record (584 native, R + 72 packed): one size for every
         layer, or a list of one per layer (the engine's retention.window_records=packed_csa
         packs only CSA layers' windows).
@@ -172,16 +172,6 @@ class PoolGeometry:
         if self.index_key_bytes is not None:
             return self.index_key_bytes
         return index_key_bytes("fp8", self.index_head_dim)
-
-    def parts_beyond_c4(self) -> list[str]:
-        """The fields naming a part stored unlike SGLang 0.5.18 other than the C4 records:
-        what neither the engine nor the SGLang plugin serves yet (empty: servable)."""
-        default = {"swa_record_bytes": [NATIVE_RECORD_BYTES] * self.n_layers, "c128_record_bytes": NATIVE_RECORD_BYTES,
-                   "index_key_bytes": index_key_bytes("fp8", self.index_head_dim),
-                   "state_dtype_bytes": STATE_DTYPE_BYTES}
-        got = {"swa_record_bytes": self.window_record_bytes(), "c128_record_bytes": self.c128_record_bytes,
-               "index_key_bytes": self.indexer_key_bytes(), "state_dtype_bytes": self.state_dtype_bytes}
-        return [name for name in default if got[name] != default[name]]
 
     def bytes_per_full_token(self) -> dict[str, float]:
         """Cost of one full token per component, in bytes (SGLang's _get_bytes_per_full_token)."""
@@ -294,9 +284,10 @@ class Combination:
         R + 72 bytes a record).
     index_keys: the C4 indexer keys' format, one of INDEX_KEY_FORMATS.
     state_dtype: the compressors' state dtype, one of STATE_DTYPES.
-    Served today (Combination.served): native or packed C4 records, the CSA layers' window
-    records packed with them, index keys in either format, the state in either dtype; every
-    layer's window records and the C128 records packed are by the formula only.
+    Served by the engine (Combination.served): every combination that packs the C4 records
+    or nothing (its packed modes always pack the C4 records; retention.window_records and
+    retention.c128_records pack the rest, host.index_key_format and
+    host.compressor_state_dtype set the others).
     """
 
     packed: tuple[str, ...] = ("c4",)
@@ -335,11 +326,9 @@ class Combination:
 
     @property
     def served(self) -> bool:
-        """Whether Remnant's engine serves this combination today: native or packed C4
-        records, the CSA layers' window records packed with them (retention.window_records=
-        packed_csa), index keys in either format and the compressor state in either dtype
-        (host.index_key_format, host.compressor_state_dtype)."""
-        return set(self.packed) <= {"c4", "csa_swa"}
+        """Whether Remnant's engine serves this combination: it packs the C4 records, or
+        nothing (a packed mode packs the other parts only beside its C4 records)."""
+        return not self.packed or "c4" in self.packed
 
 
 def combination_geometry(geometry: PoolGeometry, combination: Combination) -> PoolGeometry:
@@ -371,13 +360,13 @@ C4_SWA = Combination(packed=("c4", "swa"))
 C4_SWA_C128 = Combination(packed=("c4", "swa", "c128"))
 C4_SWA_C128_MXFP4 = Combination(packed=("c4", "swa", "c128"), index_keys="mxfp4")
 C4_SWA_C128_MXFP4_BF16 = Combination(packed=("c4", "swa", "c128"), index_keys="mxfp4", state_dtype="bfloat16")
-# What the engine serves beyond C4: the CSA layers' windows packed with their C4 maps, then
-# the index keys and the state (the other layers' windows have no map yet).
+# The CSA layers' windows packed with their C4 maps (the other layers' windows native,
+# so no map beyond the C4 maps), then the state and the index keys.
 C4_CSA_SWA = Combination(packed=("c4", "csa_swa"))
 C4_CSA_SWA_BF16 = Combination(packed=("c4", "csa_swa"), state_dtype="bfloat16")
 C4_CSA_SWA_MXFP4_BF16 = Combination(packed=("c4", "csa_swa"), index_keys="mxfp4", state_dtype="bfloat16")
 #: The standard combinations, in the order the report lists them: native first, the issue's
-#: ladder, then the served one.
+#: ladder, then the CSA layers' windows alone.
 STANDARD_COMBINATIONS = (NATIVE, C4_ONLY, C4_SWA, C4_SWA_C128, C4_SWA_C128_MXFP4, C4_SWA_C128_MXFP4_BF16,
                          C4_CSA_SWA, C4_CSA_SWA_BF16, C4_CSA_SWA_MXFP4_BF16)
 

@@ -171,10 +171,11 @@ def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[i
             "pool; for long L the full tokens bound it and the requests ratio follows the token ratio "
             "(up to the floor of whole requests); for short L the SWA pool or the request slots bound "
             "it, and the SWA pool grows with the token capacity too.",
-            "Combinations: served today are native or packed C4 records (c4; the engine and the SGLang "
-            "plugin) with index keys in FP8 or MXFP4 and the compressor state in float32 or bfloat16 (the "
-            "engine's host.index_key_format and host.compressor_state_dtype); packed window and C128 records "
-            "are by SGLang's formula only. SGLang 0.5.18 itself "
+            "Combinations: the engine serves each one that packs the C4 records (the SGLang plugin: C4 "
+            "alone): window records packed with retention.window_records (packed_csa: the CSA layers', "
+            "packed: every layer's), C128 records with retention.c128_records, index keys in FP8 or MXFP4 "
+            "and the compressor state in float32 or bfloat16 with host.index_key_format and "
+            "host.compressor_state_dtype. SGLang 0.5.18 itself "
             "counts 132 B per indexer key even with --enable-deepseek-v4-fp4-indexer (its pool then stores 68 B), "
             "and counts the state dtype SGLANG_DSV4_COMPRESS_STATE_DTYPE sets (bf16 also halves the fixed "
             "C128 state, so token_ratio exceeds capacity_ratio there).",

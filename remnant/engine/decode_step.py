@@ -32,7 +32,6 @@ from remnant.engine.capacity import C4_RING, C128_RING
 from remnant.engine.ops import SCRATCH_PER_PAGE, decode_config
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
 from remnant.kv import CSA_RATIO, HEAD_DIM
-from remnant.kv.codec import dequantize
 from remnant.kv.layout import PageLayout
 
 
@@ -174,7 +173,7 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
     p = model.project(layer, x)
     q, q_lora = model.queries(layer, p, batch.pos, folded)
     kv = model.window_latents(layer, p, batch.pos).float()
-    ring = model.ring_format(li)
+    ring = model.layer_format(li)
     ring_pages, ring_layout = pools.swa.pages(li), pools.swa.layouts[li]
     if ring.window_kept_first:
         store_kept_first(kv, ring_pages, ring_layout, window_locs[:, -1], ring.columns)
@@ -206,7 +205,7 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioS
     block = state[slots.block_rows, :, :HEAD_DIM].float()  # [B, ratio, 2, 512]: one gather for both
     latents = model.compress(layer, block[:, :, 0], block[:, :, 1], slots.index)
     target = pools.c4[li] if csa else pools.c128[li]
-    store(latents, target.buf, target.layout, slots.write_locs, model.c4_formats[li].columns if csa else None)
+    store(latents, target.buf, target.layout, slots.write_locs, model.layer_format(li).record_columns)
     recorder = model.recorder
     if recorder is not None and csa and recorder.wants(li, "latents"):
         # A capture runs eagerly (never in a graph): selecting the completed rows syncs.
@@ -257,7 +256,7 @@ def attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: tor
     natural column order (the torch path folds no weights). ring: (pages, layout) the
     window locations point into (None: layer li's ring)."""
     B, W = window_locs.shape
-    fmt = model.ring_format(li)
+    fmt = model.layer_format(li)
     ring_pages, ring_layout = _ring(pools, li, ring)
     window = ring_layout.read(ring_pages, window_locs.clamp_min(0))
     window_keys, window_cols = fmt.ring_keys(window.flatten(0, 1))
@@ -265,10 +264,7 @@ def attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: tor
     if locs is not None and locs.shape[1]:
         target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
         stored = target.layout.read(target.buf, locs.clamp_min(0)).flatten(0, 1)
-        if layer.ratio == CSA_RATIO:
-            keys, cols = model.c4_formats[li].read(stored)
-        else:
-            keys, cols = dequantize(stored), None
+        keys, cols = model.layer_format(li).read(stored)
         key_sets.append((keys.view(B, locs.shape[1], -1), cols, locs >= 0))
     return attend_batched(q, layer.sink, key_sets, model.scale)
 
@@ -283,11 +279,19 @@ def attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: t
                                                                             window_locs)
     if locs is None:
         # Window-only layer: an empty record set (the ring stands in for its pages, which the
-        # kernel never reads).
-        c4, c4_layout, columns = ring_pages, ring_layout, model.native_columns
+        # kernel never reads), packed where the ring is.
+        c4, c4_layout = ring_pages, ring_layout
+        columns = model.layer_format(li).columns if window_form == "packed" else model.native_columns
         locs = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
     else:
         c4, c4_layout, locs, columns = _records_for_kernels(model, li, layer, pools, locs)
+        if window_form == "packed" and not columns.packed:
+            # A packed window beside native records (an HCA layer that packs only its
+            # window): the kernel reads one packed record set and one native one in a single
+            # softmax, whichever it calls the window, so the two trade places.
+            c4, c4_layout, locs, ring_pages, ring_layout, window_locs = (
+                ring_pages, ring_layout, window_locs, c4, c4_layout, locs)
+            columns, window_form = model.layer_format(li).columns, "natural"
     folded = li in model.folded_weights
     config = decode_config(q.shape[1])
     if not columns.packed and window_form == "natural" and not folded:
@@ -304,7 +308,7 @@ def _window_for_kernels(model, li: int, ring: tuple, window_locs: torch.Tensor):
     with -1, window_columns). A packed ring in triton mode is rebuilt into native scratch
     records first, as its C4 records are (_records_for_kernels); kernel mode reads it
     packed."""
-    fmt = model.ring_format(li)
+    fmt = model.layer_format(li)
     pages, layout = ring
     if fmt.window_form != "packed" or not fmt.rules.reconstructs:
         return pages, layout, window_locs, fmt.window_form
@@ -328,12 +332,11 @@ def _records_for_kernels(model, li: int, layer, pools, locs: torch.Tensor):
     with -1, kept columns). Triton mode rebuilds every selected slot's record into native
     scratch records first (B x K of them, whether selected or not: a size fixed by the
     shapes; unselected slots read record 0 and are never attended)."""
-    csa = layer.ratio == CSA_RATIO
-    target = pools.c4[li] if csa else pools.c128[li]
-    fmt = model.c4_formats[li] if csa else None
-    if fmt is None or fmt.mode == "native":
+    target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
+    fmt = model.layer_format(li)
+    if not fmt.records_packed:
         return target.buf, target.layout, locs, model.native_columns
-    if fmt.mode == "kernel":
+    if fmt.rules.direct_decode:
         return target.buf, target.layout, locs, fmt.columns
     scratch, scratch_layout, rows = _scratch_records(locs)
     reconstruct(target.buf, target.layout, locs.clamp_min(0).flatten(), fmt.columns, scratch, scratch_layout, rows)

@@ -3,9 +3,10 @@
 Faithful where Remnant acts: one shared K=V head of 512 (448 NoPE + 64 RoPE) against
 `num_attention_heads` query heads, a `window_size`-token sliding window on every layer,
 per-layer compress ratios (0: window only; 4: CSA, C4 records chosen by an indexer's
-top-k; 128: HCA, every C128 record), an attention sink per head, and C4/C128 records
-stored as native 584-byte FP8 records (remnant.kv). The rest (MoE, hyper-connections,
-grouped output projection) is replaced by a dense SwiGLU block: text output is
+top-k; 128: HCA, every C128 record), an attention sink per head, and window, C4 and C128
+records stored as 584-byte FP8 records (remnant.kv), or packed ones where a packed mode
+packs them (C4Format). Feed-forward: a dense SwiGLU, or a routed MoE with a grouped
+low-rank output projection at V4-Flash's shapes (no hyper-connections): text output is
 meaningless, bytes and attention shapes are real.
 
 Positions: token t sees window tokens t-window+1..t, and compressed record j (tokens
@@ -171,19 +172,21 @@ def resolve_decode_path(decode_path: str, device: torch.device) -> str:
 
 
 class C4Format:
-    """How one CSA layer stores and reads its C4 records and its window ring (docs/kv.md).
+    """How one layer stores and reads its compressed records and its window ring (docs/kv.md):
+    a CSA layer's C4 records, or an HCA layer's C128 records (Model.layer_formats).
 
     native: 584-byte records, read whole. triton: packed R + 72-byte records (packed at
     the KV write), reconstructed to native for attention. kernel: packed records read
     directly: only kept coordinates enter scores and output; on the kernels decode path
-    the model folds the kernel's kept-first column order into the layer's wq_b and wo
-    (FoldedWeights). pack_window (packed modes; retention.window_records=packed_csa): the
-    layer's window ring holds packed records too, with the same kept columns, stored and
-    read as the C4 records are.
+    the model folds the kernel's kept-first column order into a CSA layer's wq_b and wo
+    (FoldedWeights). pack_records False (an HCA layer with retention.c128_records=native):
+    the records stay native in a packed mode. pack_window (packed modes;
+    retention.window_records): the layer's window ring holds packed records too, with the
+    same kept columns, stored and read as packed records are.
     """
 
     def __init__(self, mode: str = "native", keep: torch.Tensor | None = None,
-                 device: torch.device | str = "cpu", pack_window: bool = False):
+                 device: torch.device | str = "cpu", pack_window: bool = False, pack_records: bool = True):
         rules = mode_of(mode)
         if rules.keeps_retention == (keep is None):
             raise ValueError(f"mode={mode} {'needs a' if rules.keeps_retention else 'takes no'} retention keep list")
@@ -194,7 +197,7 @@ class C4Format:
         #: The mode's name (as the batched decode step compares it) and what it does.
         self.mode, self.rules = mode, rules
         self.keep, self.device = keep, torch.device(device)
-        self.pack_window = pack_window
+        self.pack_window, self.pack_records = pack_window, pack_records
         self.cols = None if keep is None else torch.cat([keep.cpu(), torch.arange(NOPE_DIM, HEAD_DIM)]).to(device)
         #: The kept columns as the kernels read them, on `device`, built once (None: native).
         self.columns = None if keep is None else KeptColumns.of(keep, self.device)
@@ -203,24 +206,36 @@ class C4Format:
         """The same format with its column tables on `device` (keep stays as given)."""
         if torch.device(device) == self.device:
             return self
-        return C4Format(self.mode, self.keep, device, self.pack_window)
+        return C4Format(self.mode, self.keep, device, self.pack_window, self.pack_records)
 
     @property
     def retention(self) -> int:
         return HEAD_DIM if self.keep is None else self.keep.numel() + ROPE_DIM
 
     @property
+    def records_packed(self) -> bool:
+        """Whether the layer's compressed records are stored packed."""
+        return self.rules.packed and self.pack_records
+
+    @property
     def record_bytes(self) -> int:
-        return self.rules.record_bytes(self.retention)
+        return self.rules.record_bytes(self.retention) if self.pack_records else NATIVE_RECORD_BYTES
+
+    @property
+    def record_columns(self) -> KeptColumns | None:
+        """The kept columns the records are stored with (the store's keep; None: native)."""
+        return self.columns if self.records_packed else None
 
     def write(self, native: torch.Tensor) -> torch.Tensor:
         """Native records uint8 [n, 584] -> as stored, uint8 [n, record_bytes]."""
-        return native if self.keep is None else pack(native, self.keep)
+        return pack(native, self.keep) if self.records_packed else native
 
     def read(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stored records -> (keys float32 [n, D], output columns [D] or None for all 512)."""
-        if not self.rules.packed:
-            return dequantize(stored), None
+        return self._read(stored) if self.records_packed else (dequantize(stored), None)
+
+    def _read(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed records (C4, C128 or window) as the mode reads them."""
         if self.rules.reconstructs:
             return dequantize(unpack(stored, self.keep)), None
         return packed_keys(stored, self.keep), self.cols
@@ -268,11 +283,11 @@ class C4Format:
         None for all 512 in natural order), as read gives C4 records'."""
         form = self.window_form
         if form == "packed":
-            return self.read(stored)
+            return self._read(stored)
         return (dequantize_kept_first(stored, self.columns) if form == "kept_first" else dequantize(stored)), None
 
 
-NATIVE_RING = C4Format()  # the ring of a layer without a C4 format (HCA, window-only): natural order
+NATIVE_RING = C4Format()  # a layer that packs nothing: native records, a natural-order ring
 
 
 @dataclass
@@ -462,6 +477,13 @@ class Model:
         self.native_columns = KeptColumns.of(None, self.device)
         #: remnant.engine.graphs.DecodeGraphs where decode steps replay CUDA graphs, else None.
         self.graphs = None
+        #: HCA and window-only layers' formats where they pack a part (set_other_formats),
+        #: and the retention map they came from (remnant.engine.retention_setup; for
+        #: /server_info).
+        self.other_formats: dict[int, C4Format] = {}
+        self.other_map = None
+        #: layer -> window latents [T, 512] of HCA and window-only layers while calibrating.
+        self.capture_windows: dict[int, list[torch.Tensor]] | None = None
         # After the layers: folded weights are made from them.
         self.set_c4_formats(c4_formats if c4_formats is not None else {i: C4Format() for i in self.csa_layers})
         if cuda_graph and self.device.type == "cuda" and self.decode_path != "reference":
@@ -489,6 +511,19 @@ class Model:
                                if f.rules.direct_decode and self.decode_path == "kernels"}
         if self.graphs is not None:
             self.graphs.clear()  # captured steps bake in the old formats' kernels and weights
+
+    def set_other_formats(self, formats: dict[int, C4Format]) -> None:
+        """Formats of HCA and window-only layers that pack their window or C128 records
+        (retention.window_records=packed, retention.c128_records=packed; the others store
+        native ones). New sequences only, as set_c4_formats."""
+        csa = [i for i in formats if i in self.csa_layers or not 0 <= i < len(self.layers)]
+        if csa:
+            raise ValueError(f"other formats are for HCA and window-only layers; layers {csa} are CSA layers or "
+                             f"none of the model's {len(self.layers)}")
+        self.other_formats = {i: f.to(self.device) for i, f in formats.items()}
+        self.other_map = None
+        if self.graphs is not None:
+            self.graphs.clear()
 
     # Per-token projections, batched over any token set ------------------------------
 
@@ -726,8 +761,12 @@ class Model:
         # tokens join from memory, quantized as the ring stores them (the kernels read a
         # decode token's own record from its ring slot), then the last `window` of them go
         # into the ring.
-        ring = self.ring_format(li)
+        ring = self.layer_format(li)
         kv = ring.ring_records(st.kv)
+        if self.capture_windows is not None and li in self.capture_windows:
+            # Calibrating an HCA or window-only layer: its queries and window latents.
+            self.capture[li].append(st.q.detach().clone())
+            self.capture_windows[li].append(st.kv.detach().clone())
         prev_pos = torch.arange(max(0, length - (a.window_size - 1)), length, device=self.device)
         prev = pools.swa.read(li, pools.swa_slots(seq.swa_block, prev_pos))
         window_keys = ring.ring_keys(torch.cat([prev, kv]))
@@ -742,10 +781,7 @@ class Model:
             used, mask = selected
             # Only the selected records are read back from their stored bytes.
             stored = _record_pages(li, layer, pools).read(seq.page_tensor(self.device), used)
-            if layer.ratio == CSA_RATIO:
-                key_sets.append(self.c4_formats[li].read(stored))
-            else:
-                key_sets.append((dequantize(stored), None))
+            key_sets.append(self.layer_format(li).read(stored))
             masks.append(mask)
         # The reference attends in natural column order (key sets are natural records).
         o = self.attend(layer, self.natural_q(li, st.q), key_sets, masks)
@@ -771,7 +807,7 @@ class Model:
         if not layer.ratio:
             return None
         n = self._compress_new_blocks(li, layer, seq, pools, st)
-        if self.capture is not None and layer.ratio == CSA_RATIO:
+        if self.capture is not None and layer.ratio == CSA_RATIO and li in self.capture:
             self.capture[li].append(self.natural_q(li, st.q).detach().clone())  # policies read natural q
         if self.recorder is not None and layer.ratio == CSA_RATIO and st.q.shape[0] == 1 \
                 and self.recorder.wants(li, "queries"):
@@ -830,19 +866,19 @@ class Model:
 
     def _write_records(self, li: int, layer: Layer, pools, pages: torch.Tensor, index: torch.Tensor,
                        latents: torch.Tensor) -> None:
-        """Store the records of blocks `index` [k] from their latents float32 [k, 512]: CSA
-        records in the layer's C4 format (packed at the KV write), HCA records native,
-        through remnant.kernels.dispatch.store (the Triton store on CUDA, its torch
-        reference elsewhere: the module docstring says why not the interpreter's)."""
-        csa = layer.ratio == CSA_RATIO
+        """Store the records of blocks `index` [k] from their latents float32 [k, 512] in the
+        layer's format (packed at the KV write where it packs them), through
+        remnant.kernels.dispatch.store (the Triton store on CUDA, its torch reference
+        elsewhere: the module docstring says why not the interpreter's)."""
         target = _record_pages(li, layer, pools)
-        keep = self.c4_formats[li].columns if csa else None
-        store(latents.float(), target.buf, target.layout, target.locations(pages, index), keep)
+        store(latents.float(), target.buf, target.layout, target.locations(pages, index),
+              self.layer_format(li).record_columns)
 
-    def ring_format(self, li: int) -> C4Format:
-        """The format whose ring order layer li's window ring has (kernel-mode CSA layers:
-        kept-first; every other layer: natural)."""
-        return self.c4_formats.get(li, NATIVE_RING)
+    def layer_format(self, li: int) -> C4Format:
+        """How layer li stores and reads its window ring and compressed records: its C4
+        format (CSA layers), its format of other_formats (HCA and window-only layers that
+        pack a part), else native records and a natural ring."""
+        return self.c4_formats.get(li) or self.other_formats.get(li, NATIVE_RING)
 
 
 def _record_pages(li: int, layer: Layer, pools):

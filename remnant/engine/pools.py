@@ -2,10 +2,11 @@
 
 One "full" page of `page_size` tokens (256) owns, in every CSA layer, a C4 page of
 page_size / 4 records (native 584 B or packed R + 72 B, SGLang's split layout) and an
-indexer page of as many keys (FP8 codes + fp32 scale per 128, split layout); in every HCA
-layer a C128 page of page_size / 128 native records. The sliding window lives in the SWA
-pool: each running request owns a block of `window` record slots (a ring; one page of the
-split layout), and the prefix cache keeps window checkpoints there too. Compressor state (the open block's tokens) sits
+indexer page of as many keys (FP8 or MXFP4, split layout); in every HCA layer a C128 page
+of page_size / 128 records (native or packed). The sliding window lives in the SWA pool:
+each running request owns a block of `window` record slots in every layer (a ring; one
+page of the split layout, of the layer's window record size), and the prefix cache keeps
+window checkpoints there too. Compressor state (the open block's tokens) sits
 in per-request state rows. Sizes come from remnant.engine.capacity, so the bytes
 allocated here are the bytes accounted there, plus the padding of split pages.
 
@@ -34,11 +35,6 @@ from remnant.kv.formats import (
 )
 from remnant.kv.layout import PageLayout
 
-#: The parts beyond C4 (PoolGeometry.parts_beyond_c4) the pools hold: packed window records
-#: (the model packs only CSA layers' windows, retention.window_records=packed_csa), the
-#: compressor state in bfloat16 and MXFP4 index keys. Packed C128 records are by the
-#: formula only.
-SERVED_PARTS = ("swa_record_bytes", "state_dtype_bytes", "index_key_bytes")
 #: The compressor state's torch dtype by its byte size (remnant.engine.capacity.STATE_DTYPES).
 STATE_TORCH_DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
@@ -155,12 +151,6 @@ class KVPools:
     """Every pool of the engine, allocated from PoolSizes (bytes counted exactly) on `device`."""
 
     def __init__(self, geometry: PoolGeometry, sizes: PoolSizes, device: torch.device | str = "cpu"):
-        beyond = [part for part in geometry.parts_beyond_c4() if part not in SERVED_PARTS]
-        if beyond:
-            # The pools below store C128 records native: a geometry sized for other forms
-            # would count bytes they do not hold.
-            raise ValueError(f"the engine's pools store the C128 records native; this geometry sets "
-                             f"{', '.join(beyond)} (remnant.engine.capacity.Combination: by the formula only)")
         self.geometry, self.sizes = geometry, sizes
         self.device = torch.device(device)
         g = geometry
@@ -176,7 +166,7 @@ class KVPools:
         # Index keys in either format (FP8 or MXFP4: remnant.kv.index_keys), codes then scales.
         codes, scales = index_key_parts(index_key_format_of(g.indexer_key_bytes(), g.index_head_dim), g.index_head_dim)
         self.indexer = {li: SplitPages(pages, per4, codes + scales, scales, device=dev) for li in csa}
-        self.c128 = {i: SplitPages(pages, per128, NATIVE_RECORD_BYTES, row_bytes=576, device=dev)
+        self.c128 = {i: SplitPages(pages, per128, g.c128_record_bytes, device=dev)
                      for i, r in enumerate(g.compress_ratios) if r == HCA_RATIO}
         # SWA: blocks of `window` slots, a page each; a running request rings through one, a
         # prefix-cache checkpoint holds one.
@@ -250,6 +240,14 @@ class KVPools:
 __all__ = ["FreeList", "KVPools", "SplitPages", "SwaPool", "page_bytes"]
 
 
+def _c128_record_bytes(model) -> int:
+    """The HCA layers' C128 record size (one R for them all: the config's rule)."""
+    sizes = {model.layer_format(i).record_bytes for i, r in enumerate(model.args.compress_ratios) if r == HCA_RATIO}
+    if len(sizes) > 1:
+        raise ValueError(f"the HCA layers' C128 records take sizes {sorted(sizes)}; the pools hold one size")
+    return sizes.pop() if sizes else NATIVE_RECORD_BYTES
+
+
 def _retention_of_record(record_bytes: int) -> int:
     """R of a record of `record_bytes` (R + 72 packed; 584 native is R = 512)."""
     return HEAD_DIM if record_bytes == NATIVE_RECORD_BYTES else record_bytes - (NATIVE_RECORD_BYTES - HEAD_DIM)
@@ -265,7 +263,8 @@ def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running
     return PoolGeometry(
         compress_ratios=list(a.compress_ratios),
         c4_record_bytes=[model.c4_formats[i].record_bytes for i in model.csa_layers],
-        swa_record_bytes=[model.ring_format(i).ring_record_bytes for i in range(len(a.compress_ratios))],
+        swa_record_bytes=[model.layer_format(i).ring_record_bytes for i in range(len(a.compress_ratios))],
+        c128_record_bytes=_c128_record_bytes(model),
         window_size=a.window_size,
         index_head_dim=a.index_head_dim,
         page_size=page_size,

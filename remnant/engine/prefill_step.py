@@ -35,7 +35,6 @@ from remnant.engine.decode_step import attend_batched, attend_kernels
 from remnant.engine.ops import SCRATCH_PER_PAGE
 from remnant.kernels.dispatch import store
 from remnant.kv import CSA_RATIO, HEAD_DIM
-from remnant.kv.codec import dequantize
 from remnant.kv.layout import PageLayout
 
 #: Elements of the largest float32 intermediate a tile may make (the indexer's [tokens,
@@ -198,7 +197,7 @@ def prefill_step(model, pools, plan: PrefillPlan, attention: str) -> torch.Tenso
     scratches = {}
     pages = max(-(-plan.scratch_records // SCRATCH_PER_PAGE), 1)
     for li, layer in enumerate(model.layers):
-        retention = model.ring_format(li).ring_retention
+        retention = model.layer_format(li).ring_retention
         if retention not in scratches:
             layout = PageLayout.sglang(SCRATCH_PER_PAGE, retention)
             scratches[retention] = (torch.zeros(pages, layout.page_stride, dtype=torch.uint8, device=h.device), layout)
@@ -215,7 +214,7 @@ def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scr
     q, q_lora = model.queries(layer, p, plan.pos, folded)
     # The window: the previous records from the ring and the chunk's own, in the ring's
     # record form, into the scratch ring; then the chunk's last `window` into the ring.
-    records = model.ring_format(li).ring_records(model.window_latents(layer, p, plan.pos).float())
+    records = model.layer_format(li).ring_records(model.window_latents(layer, p, plan.pos).float())
     pages, layout = scratch
     layout.write(pages, plan.prev_rows, pools.swa.read(li, plan.prev_slots))
     layout.write(pages, plan.new_rows, records)
@@ -253,7 +252,7 @@ def _compress(model, li: int, layer, pools, rp: RatioPlan, p) -> None:
         if model.recorder is not None and csa and model.recorder.wants(li, "latents"):
             model.recorder.add_latents(li, latents)
         target = pools.c4[li] if csa else pools.c128[li]
-        store(latents, target.buf, target.layout, rp.record_locs, model.c4_formats[li].columns if csa else None)
+        store(latents, target.buf, target.layout, rp.record_locs, model.layer_format(li).record_columns)
     ik = None
     if csa:
         d = model.args.index_head_dim
@@ -324,7 +323,7 @@ def _attend_torch(model, li: int, layer, pools, plan: PrefillPlan, q: torch.Tens
     matrix product, no per-token gather): its window span of the scratch ring (a token's
     window is the rows up to its own, and rows follow tokens) and its sequence's records,
     each visible to the tokens that chose it."""
-    fmt = model.ring_format(li)
+    fmt = model.layer_format(li)
     pages, layout = scratch
     window, window_cols = fmt.ring_keys(layout.read(pages, torch.arange(plan.scratch_records, device=q.device)))
     records = cols = None
@@ -332,7 +331,7 @@ def _attend_torch(model, li: int, layer, pools, plan: PrefillPlan, q: torch.Tens
     if chosen is not None:
         target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
         stored = target.layout.read(target.buf, rp.visible_locs.clamp_min(0).flatten())
-        records, cols = model.c4_formats[li].read(stored) if layer.ratio == CSA_RATIO else (dequantize(stored), None)
+        records, cols = model.layer_format(li).read(stored)
     own = plan.window_locs[:, -1]  # each token's own record: the last row of its window
     first = own - (plan.window_locs >= 0).sum(1) + 1
     heads = q.shape[1]

@@ -4,11 +4,11 @@ A step of B tokens at context L (tokens each sequence holds) reads, per layer: t
 attention weights (all of them), the feed-forward weights it touches (a dense block whole;
 a routed MoE's router, shared experts and the distinct routed experts B tokens hit, their
 expected number under uniform routing: remnant.engine.moe.expected_distinct_experts), and
-per token its window records (packed ones on CSA layers with window_records=packed_csa),
-on CSA layers every visible C4 index key (FP8 or MXFP4) and the top-k C4 records (packed
-ones in triton and kernel modes; triton mode also writes and reads back the native
-reconstruction of each, and of packed window records), on HCA layers every visible C128
-record. Its matrix FLOPs
+per token its window records (packed as window_records says), on CSA layers every
+visible C4 index key (FP8 or MXFP4) and the top-k C4 records (packed ones in triton and
+kernel modes; triton mode also writes and reads back the native reconstruction of each
+packed record, window and C128 ones included), on HCA layers every visible C128 record
+(packed as c128_records says). Its matrix FLOPs
 are the weights' 2 x B x (weights a token multiplies) plus attention's scores and outputs
 and the indexer's scores. The roofline time is the larger of bytes / copy bandwidth and
 FLOPs / matmul peak, both measured on the device where the step runs.
@@ -43,11 +43,12 @@ class StepCost:
 
 
 def step_cost(args, batch: int, context: int, mode: str = "native", retention: int = 256,
-              dtype: str = "bfloat16", index_key_format: str = "fp8", window_records: str = "native") -> StepCost:
+              dtype: str = "bfloat16", index_key_format: str = "fp8", window_records: str = "native",
+              c128_records: str = "native") -> StepCost:
     """The cost of a decode step of `batch` tokens at `context` tokens each, for `args`
     (remnant.engine.model.ModelArgs) in `mode` with `retention` (packed modes), weights in
-    `dtype` (routed experts in args.expert_dtype), index keys in `index_key_format` and
-    window records as `window_records` says (remnant.kv.formats.WINDOW_RECORDS)."""
+    `dtype` (routed experts in args.expert_dtype), index keys in `index_key_format`, window
+    and C128 records as `window_records` and `c128_records` say (remnant.kv.formats)."""
     from remnant.engine.moe import expected_distinct_experts
 
     a, wb = args, DTYPE_BYTES[dtype]
@@ -89,7 +90,8 @@ def step_cost(args, batch: int, context: int, mode: str = "native", retention: i
     per_token = {"window": 0.0, "index_keys": 0.0, "c4_records": 0.0, "c128_records": 0.0}
     attn_flops = 0.0
     for ratio in a.compress_ratios:
-        packed_window = ratio == CSA_RATIO and rules.packed and window_records == "packed_csa"
+        packed_window = rules.packed and (window_records == "packed" or
+                                          (window_records == "packed_csa" and ratio == CSA_RATIO))
         per_token["window"] += window * (record + rebuilt if packed_window else NATIVE_RECORD_BYTES)
         keys = window
         if ratio == CSA_RATIO:
@@ -98,7 +100,8 @@ def step_cost(args, batch: int, context: int, mode: str = "native", retention: i
             attn_flops += 2 * a.index_n_heads * a.index_head_dim * c4
             keys += top
         elif ratio == HCA_RATIO:
-            per_token["c128_records"] += c128 * NATIVE_RECORD_BYTES
+            packed_c128 = rules.packed and c128_records == "packed"
+            per_token["c128_records"] += c128 * (record + rebuilt if packed_c128 else NATIVE_RECORD_BYTES)
             keys += c128
         attn_flops += 2 * 2 * H * HEAD_DIM * keys  # scores and outputs, V = K
     kv_bytes = batch * sum(per_token.values())

@@ -128,7 +128,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
                   torch_compile=engine_args.torch_compile, index_key_format=engine_args.index_key_format)
     served_name = hf.get("remnant", {}).get("preset") or model_dir.name
     rmap = setup_retention(model, mode, served_name, retention.retention, retention.per_layer,
-                           retention.map_path, retention.policy, retention.window_records)
+                           retention.map_path, retention.policy, retention.window_records,
+                           retention.c128_records)
     load_s = time.perf_counter() - t0
     recorder = None
     if capture is not None:
@@ -207,10 +208,20 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
             "map_path": retention.map_path,
             "calibration": rmap.calibration,
             "window_records": retention.window_records,
+            "c128_records": retention.c128_records,
+            # The HCA and window-only layers that pack a part: their R and the calibration
+            # their map came from (null where none does).
+            "other_layers": None if model.other_map is None else {
+                "per_layer": {str(i): model.other_map.retention(i) for i in sorted(model.other_formats)},
+                "policy": model.other_map.policy,
+                "calibration": model.other_map.calibration,
+            },
         },
         "c4_record_bytes": [model.c4_formats[i].record_bytes for i in model.csa_layers],
-        # Each layer's window (SWA) record size: 584, or R + 72 where a CSA layer packs it.
+        # Each layer's window (SWA) record size (584, or R + 72 where the layer packs it) and
+        # the HCA layers' C128 record size.
         "window_record_bytes": geometry.window_record_bytes(),
+        "c128_record_bytes": geometry.c128_record_bytes,
         # Where a capture server writes its capture, and its budget (null otherwise).
         "remnant_capture": None if recorder is None else {
             "path": str(recorder.settings.path), "tokens": recorder.settings.tokens,

@@ -37,10 +37,14 @@ NATIVE_DATA_BYTES = NOPE_DIM + ROPE_BYTES  # 576, the data part of SGLang's spli
 RETENTION_VALUES = tuple(range(64, 512, 64))  # 64, 128, ..., 448
 KERNEL_RETENTION = 256
 
-#: How a packed mode stores window (SWA) records (retention.window_records): native, or
-#: packed_csa: each CSA layer's window records packed as its C4 records, with the same map
-#: (HCA and window-only layers keep native windows: no map exists for them yet).
-WINDOW_RECORDS = ("native", "packed_csa")
+#: How a packed mode stores window (SWA) records (retention.window_records): native;
+#: packed_csa, each CSA layer's window records packed as its C4 records, with the same map;
+#: packed, every layer's: the HCA and window-only layers with maps of their own (the
+#: engine calibrates them at load).
+WINDOW_RECORDS = ("native", "packed_csa", "packed")
+#: How a packed mode stores the HCA layers' C128 records (retention.c128_records): native,
+#: or packed with each HCA layer's own map (the one its window takes).
+C128_RECORDS = ("native", "packed")
 
 UE8M0_BIAS = 127
 FP8_MAX = 448.0

@@ -21,12 +21,18 @@ METRIC_COLUMNS = {
 
 
 
+#: The parts beyond C4 a packed run may pack, by their retention options' values, as the
+#: capacity formula names them (remnant.engine.capacity.PACKABLE_PARTS).
+PACKED_PART_LABELS = {("window_records", "packed_csa"): "csa_swa", ("window_records", "packed"): "swa",
+                      ("c128_records", "packed"): "c128"}
+
+
 def retention_label(ret: dict) -> str:
-    """A packed run's retention as the report groups it: the profile's name, "+csa_swa"
-    where the CSA layers' windows were packed too (retention.window_records=packed_csa; the
-    capacity formula's name for that part), so the two never pool into one cell."""
-    name = ret.get("name", "?")
-    return name + "+csa_swa" if ret.get("window_records", "native") == "packed_csa" else name
+    """A packed run's retention as the report groups it: the profile's name, then each part
+    beyond C4 it packed ("r256+swa+c128"), so runs that pack other parts never pool into
+    one cell."""
+    parts = [label for (field, value), label in PACKED_PART_LABELS.items() if ret.get(field, "native") == value]
+    return "+".join([ret.get("name", "?"), *parts])
 
 def server_devices(doc: dict) -> tuple[int, str | None]:
     """(devices, assumption): the GPUs the run's server used, and None where the record

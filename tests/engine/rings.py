@@ -1,4 +1,5 @@
-"""A check shared by the decode-path tests: two window rings hold the same records."""
+"""Shared by the decode-path tests: two window rings hold the same records; one model's
+formats given to another."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from remnant.kv.packing import unpack
 
 def ring_keep(model, li: int) -> torch.Tensor | None:
     """The kept columns layer li's ring records are packed with (None: 584-byte records)."""
-    fmt = model.ring_format(li)
+    fmt = model.layer_format(li)
     return fmt.keep if fmt.window_form == "packed" else None
 
 
@@ -26,3 +27,9 @@ def assert_same_ring(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor |
     a, b = dequantize(got), dequantize(want)
     scale = torch.maximum(a.abs(), b.abs()).amax(1, keepdim=True)
     assert bool(((a - b).abs() <= 2.0**-3 * torch.maximum(a.abs(), b.abs()) + 2.0**-9 * scale).all())
+
+
+def copy_formats(model, reference) -> None:
+    """`reference`'s formats (CSA and other layers', the same kept columns) on `model`."""
+    model.set_c4_formats(reference.c4_formats)
+    model.set_other_formats(reference.other_formats)

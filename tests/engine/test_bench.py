@@ -41,6 +41,8 @@ def test_roofline_of_the_h200_model_by_hand():
     windows = step_cost(a, 1, 32768, "kernel", window_records="packed_csa")
     assert packed.kv_bytes - windows.kv_bytes == pytest.approx(21 * 128 * (584 - 328))
     assert step_cost(a, 1, 32768, "native", window_records="packed_csa").kv_bytes == one.kv_bytes
+    every = step_cost(a, 1, 32768, "kernel", window_records="packed", c128_records="packed")
+    assert packed.kv_bytes - every.kv_bytes == pytest.approx((43 * 128 + 20 * 256) * (584 - 328))
 
 
 @pytest.mark.slow

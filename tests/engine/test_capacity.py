@@ -98,7 +98,7 @@ PART_DEFAULTS = {"swa_record_bytes": 584, "c128_record_bytes": 584, "index_key_b
 def test_default_parts_are_sglang_and_change_nothing():
     budget = 60 << 30
     implicit, explicit = _geometry(328), _geometry(328, **PART_DEFAULTS)
-    assert implicit.indexer_key_bytes() == 132 and implicit.parts_beyond_c4() == []
+    assert implicit.indexer_key_bytes() == 132
     assert explicit.bytes_per_full_token() == implicit.bytes_per_full_token()
     assert explicit.c128_state_fixed_bytes() == implicit.c128_state_fixed_bytes()
     assert size_pools(explicit, budget) == size_pools(implicit, budget)
@@ -116,7 +116,6 @@ def test_default_parts_are_sglang_and_change_nothing():
 def test_each_part_changes_only_its_own_component(part, value, changed):
     budget = 60 << 30
     before, after = _geometry(584), _geometry(584, **{part: value})
-    assert after.parts_beyond_c4() == [part]
     per_before, per_after = before.bytes_per_full_token(), after.bytes_per_full_token()
     assert {k for k in per_before if per_after[k] != per_before[k]} == changed - {"c128_state"}
     for k in changed - {"c128_state"}:  # every part scales its component by its size
@@ -196,7 +195,9 @@ def test_combinations_at_a_budget():
 def test_combination_names_validation_and_served():
     assert Combination(packed=("c128", "c4")).packed == ("c4", "c128")
     assert Combination(packed=("c128", "c4")) == Combination(packed=("c4", "c128"))
-    assert [c.served for c in STANDARD_COMBINATIONS] == [True, True, False, False, False, False, True, True, True]
+    # The engine serves every combination that packs the C4 records (or nothing).
+    assert all(c.served for c in STANDARD_COMBINATIONS)
+    assert not Combination(packed=("swa",)).served and not Combination(packed=("c128",)).served
     # bf16 state and MXFP4 keys are served (host.compressor_state_dtype, host.index_key_format):
     # C4 with bf16 state 1.3543x, with MXFP4 keys too 1.4393x (docs/kv.md).
     for combination, name, ratio in ((Combination(packed=("c4",), state_dtype="bfloat16"), "c4+bf16_state", 1.3543),
@@ -230,14 +231,11 @@ def test_bad_part(kw, message):
         _geometry(584, **kw)
 
 
-def test_the_engines_pools_refuse_parts_they_do_not_store():
+def test_the_engines_pools_hold_every_part():
     import torch
 
     from remnant.engine.pools import KVPools
 
-    geometry = PoolGeometry([0, 4, 128], [584], c128_record_bytes=328)
-    with pytest.raises(ValueError, match="store the C128 records native; this geometry sets c128_record_bytes"):
-        KVPools(geometry, size_pools(geometry, 64 << 20))
     odd_keys = PoolGeometry([0, 4, 128], [584], index_key_bytes=100)
     with pytest.raises(ValueError, match="index keys of 100 bytes at index_head_dim=128 are no indexer key format"):
         KVPools(odd_keys, size_pools(odd_keys, 64 << 20))
@@ -255,20 +253,26 @@ def test_the_engines_pools_refuse_parts_they_do_not_store():
     blocks = pools.swa_blocks.n
     assert pools.allocated_bytes()["swa"] == blocks * (2 * 130 * 576 + 132 * 320)
     assert pools.accounted_bytes()["swa"] == blocks * 128 * (584 + 328 + 584)
+    # Packed C128 records: pages of 2, padded to whole 320-byte data rows (2 x 328 -> 3 x 320).
+    c128 = PoolGeometry([0, 4, 128], [328], c128_record_bytes=328)
+    pools = KVPools(c128, size_pools(c128, 64 << 20))
+    assert pools.c128[2].record_bytes == 328 and pools.c128[2].buf.shape[1] == 3 * 320
+    assert pools.accounted_bytes()["c128"] == pools.sizes.c128_records * 328
 
 
-def test_the_engines_pools_serve_1_6x_at_v4_flash_shapes():
-    """The served combination (C4 and the CSA layers' windows packed at R = 256, MXFP4 keys,
-    bf16 state) in the engine's own pools at V4-Flash's shapes: 1.6000x native's bytes per
-    token, and the pools hold the tokens the formula sizes, here 1.78x native's (in 384
-    MiB with 4 request slots the fixed C128 state, which bf16 halves, is a sixth of the
-    budget; at 60 GiB the token ratio is 1.61x)."""
+def test_the_engines_pools_serve_1_6x_and_1_83x_at_v4_flash_shapes():
+    """The served combinations beyond 1.5x in the engine's own pools at V4-Flash's shapes:
+    C4 and the CSA layers' windows packed at R = 256, MXFP4 keys, bf16 state, 1.6000x
+    native's bytes per token; with every window and the C128 records packed too, 1.8291x.
+    The pools hold the tokens the formula sizes (in 384 MiB with 4 request slots the fixed
+    C128 state, which bf16 halves, is a sixth of the budget, so the token ratios are higher:
+    1.78x and 2.04x; at 60 GiB the first is 1.61x)."""
     from remnant.engine.pools import KVPools
 
     budget = 384 << 20
     base = dataclasses.replace(_geometry(584), max_running_requests=4)
     tokens, per_token = {}, {}
-    for combo in (NATIVE, C4_CSA_SWA_MXFP4_BF16):
+    for combo in (NATIVE, C4_CSA_SWA_MXFP4_BF16, C4_SWA_C128_MXFP4_BF16):
         geometry = combination_geometry(base, combo)
         sizes = size_pools(geometry, budget)
         pools = KVPools(geometry, sizes)
@@ -277,9 +281,10 @@ def test_the_engines_pools_serve_1_6x_at_v4_flash_shapes():
         per_token[combo.name] = sum(geometry.bytes_per_full_token().values())
         held = pools.allocated_bytes()
         assert sum(held.values()) - held["padding"] <= budget
-    served = "c4+csa_swa+mxfp4_index+bf16_state"
+    served, every = "c4+csa_swa+mxfp4_index+bf16_state", "c4+swa+c128+mxfp4_index+bf16_state"
     assert round(per_token["native"] / per_token[served], 4) == 1.6
-    assert tokens == {"native": 42496, served: 75776}
+    assert round(per_token["native"] / per_token[every], 4) == 1.8291
+    assert tokens == {"native": 42496, served: 75776, every: 86784}
     at_60 = {c.name: size_pools(combination_geometry(_geometry(584), c), 60 << 30).full_tokens
              for c in (NATIVE, C4_CSA_SWA_MXFP4_BF16)}
     assert 1.60 < at_60[served] / at_60["native"] < 1.62

@@ -21,7 +21,7 @@ from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
 from remnant.kv.codec import dequantize
-from tests.engine.rings import assert_same_ring, ring_keep
+from tests.engine.rings import assert_same_ring, copy_formats, ring_keep
 from remnant.kv.formats import NOPE_DIM
 from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
 from remnant.kv.paged import dequantize_kept_first
@@ -45,7 +45,12 @@ MODES = [pytest.param(mode, retention, id=name) for name, mode, retention in
           ("kernel", "kernel", {"retention": 256}),
           # The CSA layers' windows packed with their maps (retention.window_records=packed_csa).
           ("triton-packed-window", "triton", {"per_layer": [128, 384], "window_records": "packed_csa"}),
-          ("kernel-packed-window", "kernel", {"retention": 256, "window_records": "packed_csa"})]]
+          ("kernel-packed-window", "kernel", {"retention": 256, "window_records": "packed_csa"}),
+          # Every layer's window and the C128 records packed, the HCA and window-only layers
+          # with maps of their own; and every window packed beside native C128 records.
+          ("triton-all-packed", "triton", {"retention": 256, "window_records": "packed", "c128_records": "packed"}),
+          ("kernel-all-packed", "kernel", {"retention": 256, "window_records": "packed", "c128_records": "packed"}),
+          ("kernel-windows-packed", "kernel", {"retention": 256, "window_records": "packed"})]]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +76,7 @@ def _models(args: ModelArgs, device: str, mode: str, retention: dict) -> tuple[M
     rmap = setup_retention(reference, mode, "tiny", **retention)
     kernels = Model(args, device=device, decode_path="kernels")
     if rmap is not None:
-        kernels.set_c4_formats(reference.c4_formats)
+        copy_formats(kernels, reference)
     return reference, kernels
 
 
@@ -103,7 +108,7 @@ def _check_same_greedy(reference: Model, kernels: Model, prompts, steps) -> None
     torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
     # Layer 0 sees the same tokens on both paths, so its window ring must hold the same
     # records in the same slots: decode tokens' records stored before the kernel read them.
-    assert_same_ring(got_pools.swa[0], want_pools.swa[0])
+    assert_same_ring(got_pools.swa[0], want_pools.swa[0], ring_keep(reference, 0))
 
 
 @pytest.mark.slow
@@ -355,7 +360,7 @@ def test_flashmla_decodes_native_records_as_the_reference_on_gpu(args, mode, ret
     kernels = Model(args, device="cuda", decode_path="kernels", native_decode="flashmla", cuda_graph=False)
     assert (kernels.native_decode, kernels.native_decode_reason) == ("flashmla", None)
     if rmap is not None:
-        kernels.set_c4_formats(reference.c4_formats)
+        copy_formats(kernels, reference)
     calls = []
     real = flashmla.decode
     monkeypatch.setattr(flashmla, "decode", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))

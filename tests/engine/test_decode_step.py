@@ -29,7 +29,7 @@ from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.prefix_cache import PrefixCache
 from remnant.engine.retention_setup import setup_retention
 from remnant.kv.layout import PageLayout
-from tests.engine.rings import assert_same_ring
+from tests.engine.rings import assert_same_ring, copy_formats, ring_keep
 
 FLOAT32_ATOL = 1e-4
 BF16_REL = 0.016
@@ -39,7 +39,12 @@ MODES = [pytest.param(mode, retention, id=name) for name, mode, retention in
           ("kernel", "kernel", {"retention": 256}),
           # The CSA layers' windows packed with their maps (retention.window_records=packed_csa).
           ("triton-packed-window", "triton", {"per_layer": [128, 384], "window_records": "packed_csa"}),
-          ("kernel-packed-window", "kernel", {"retention": 256, "window_records": "packed_csa"})]]
+          ("kernel-packed-window", "kernel", {"retention": 256, "window_records": "packed_csa"}),
+          # Every layer's window and the C128 records packed, the HCA and window-only layers
+          # with maps of their own; and every window packed beside native C128 records.
+          ("triton-all-packed", "triton", {"retention": 256, "window_records": "packed", "c128_records": "packed"}),
+          ("kernel-all-packed", "kernel", {"retention": 256, "window_records": "packed", "c128_records": "packed"}),
+          ("kernel-windows-packed", "kernel", {"retention": 256, "window_records": "packed"})]]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,7 @@ def _pair(args: ModelArgs, mode: str, retention: dict, dtype: str = "float32") -
     batched = Model(args, decode_path="batched", dtype=dtype)
     batched.batched_prefill = False
     if rmap is not None:
-        batched.set_c4_formats(reference.c4_formats)
+        copy_formats(batched, reference)
     return reference, batched
 
 
@@ -102,7 +107,7 @@ def test_batched_float32_is_the_reference(args, mode, retention):
     assert (got_logits.argmax(-1) == want_logits.argmax(-1)).all()
     # Layer 0 sees the same tokens on both paths: its ring holds the same records in the
     # same slots, so the step stores each token's record where the reference does.
-    assert_same_ring(got_pools.swa[0], want_pools.swa[0])
+    assert_same_ring(got_pools.swa[0], want_pools.swa[0], ring_keep(reference, 0))
 
 
 @pytest.mark.slow

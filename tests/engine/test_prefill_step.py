@@ -26,7 +26,7 @@ from remnant.config import ModelConfig
 from remnant.engine.model import Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
-from tests.engine.rings import assert_same_ring, ring_keep
+from tests.engine.rings import assert_same_ring, copy_formats, ring_keep
 
 REL = 5e-4
 
@@ -35,7 +35,12 @@ MODES = [pytest.param(mode, retention, id=name) for name, mode, retention in
           ("kernel", "kernel", {"retention": 256}),
           # The CSA layers' windows packed with their maps (retention.window_records=packed_csa).
           ("triton-packed-window", "triton", {"per_layer": [128, 384], "window_records": "packed_csa"}),
-          ("kernel-packed-window", "kernel", {"retention": 256, "window_records": "packed_csa"})]]
+          ("kernel-packed-window", "kernel", {"retention": 256, "window_records": "packed_csa"}),
+          # Every layer's window and the C128 records packed, the HCA and window-only layers
+          # with maps of their own; and every window packed beside native C128 records.
+          ("triton-all-packed", "triton", {"retention": 256, "window_records": "packed", "c128_records": "packed"}),
+          ("kernel-all-packed", "kernel", {"retention": 256, "window_records": "packed", "c128_records": "packed"}),
+          ("kernel-windows-packed", "kernel", {"retention": 256, "window_records": "packed"})]]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +57,7 @@ def _pair(args: ModelArgs, mode: str, retention: dict) -> tuple[Model, Model]:
     rmap = setup_retention(reference, mode, "tiny", **retention)
     batched = Model(args, decode_path="batched")
     if rmap is not None:
-        batched.set_c4_formats(reference.c4_formats)
+        copy_formats(batched, reference)
     assert batched.batched_prefill and not reference.batched_prefill
     return reference, batched
 
@@ -100,7 +105,9 @@ def _assert_same_pools(got, want, model: Model, seqs: list) -> None:
     for li in range(len(want.swa.bufs)):
         assert_same_ring(got.swa[li], want.swa[li], ring_keep(model, li))
     for li in want.c128:
-        assert_same_ring(_records(got.c128[li], want.num_pages), _records(want.c128[li], want.num_pages))
+        fmt = model.layer_format(li)
+        assert_same_ring(_records(got.c128[li], want.num_pages), _records(want.c128[li], want.num_pages),
+                         fmt.keep if fmt.records_packed else None)
     for li in want.c4:
         if mode == "native":
             assert_same_ring(_records(got.c4[li], want.num_pages), _records(want.c4[li], want.num_pages))

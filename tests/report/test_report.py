@@ -147,3 +147,4 @@ def test_packed_windows_are_their_own_retention_cell():
     assert retention_label({"name": "r256"}) == "r256"
     assert retention_label({"name": "r256", "window_records": "native"}) == "r256"
     assert retention_label({"name": "r256", "window_records": "packed_csa"}) == "r256+csa_swa"
+    assert retention_label({"name": "r256", "window_records": "packed", "c128_records": "packed"}) == "r256+swa+c128"
