@@ -40,6 +40,12 @@ class ModeConfig:
     name: str = "native"
 
 
+#: The parts beyond C4 a packed run may pack, by their retention options' values, as the
+#: capacity formula names them (remnant.engine.capacity.PACKABLE_PARTS).
+PACKED_PART_LABELS = {("window_records", "packed_csa"): "csa_swa", ("window_records", "packed"): "swa",
+                      ("c128_records", "packed"): "c128"}
+
+
 @dataclass
 class RetentionConfig:
     """Coordinates kept per C4 record: uniform `retention`, or one value per CSA layer."""
@@ -57,6 +63,13 @@ class RetentionConfig:
     window_records: str = "native"
     #: The HCA layers' C128 records in packed modes (remnant.kv.formats.C128_RECORDS).
     c128_records: str = "native"
+
+    def label(self) -> str:
+        """The profile's name, then each part beyond C4 it packs ("r256+swa+c128", the
+        capacity formula's part names): how reports and frontier searches tell apart runs
+        that pack other parts, which must never pool into one cell."""
+        parts = [label for (name, value), label in PACKED_PART_LABELS.items() if getattr(self, name) == value]
+        return "+".join([self.name, *parts])
 
     def packs_other_layers(self) -> bool:
         """Whether HCA or window-only layers pack a part (they then need maps of their own,
@@ -255,7 +268,7 @@ def validate(cfg: RunConfig) -> None:
         if value != "native" and cfg.host.kind != "embedded":
             # Only the embedded engine's pools and attention hold packed window and C128 records.
             raise ConfigError(f"retention.{name}={value} is served by host=embedded only; "
-                              f"host={cfg.host.kind} stores them native")
+                              f"host={cfg.host.kind}'s server takes no such setting")
     if ret.packs_other_layers() and ret.per_layer is not None:
         raise ConfigError(f"retention.window_records={ret.window_records} retention.c128_records={ret.c128_records} "
                           "pack HCA or window-only layers, which take one uniform R: give retention, not "

@@ -411,7 +411,7 @@ def run_frontier(cfg: FrontierConfig, out_dir: Path, prepare_step: Callable[[Pat
         return {
             **FRONTIER.header(),
             "status": state["status"], "error": state["error"], "started_at": started_at, "ended_at": _now(),
-            "mode": base.mode.name, "retention": base.retention.name if mode_of(base.mode.name).keeps_retention else None,
+            "mode": base.mode.name, "retention": base.retention.label() if mode_of(base.mode.name).keeps_retention else None,
             "workload": base.workload.name, "seed": base.seed, "load": cfg.search.load,
             "slo": dataclasses.asdict(cfg.slo), "search": search_record,
             "sources": sources(), "steps": steps, "frontier": frontier, "limits": limits,

@@ -165,7 +165,7 @@ def test_window_records():
     with pytest.raises(ConfigError, match="retention.c128_records=csa is not allowed; allowed: native, packed"):
         _compose(["mode=triton", "retention.c128_records=csa"])
     with pytest.raises(ConfigError, match="retention.window_records=packed_csa is served by host=embedded only; "
-                                          "host=local stores them native"):
+                                          "host=local's server takes no such setting"):
         _compose(["mode=kernel", "host=local", "host.server=embedded", "retention.window_records=packed_csa"])
     with pytest.raises(ConfigError, match="pack HCA or window-only layers, which take one uniform R"):
         _compose(["mode=triton", "retention.c128_records=packed", "retention.per_layer=[128,384]"])

@@ -73,9 +73,7 @@ def fill_pools(model, pools, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     for li, pages in [*pools.c4.items(), *pools.c128.items()]:
         per = pages.layout.per_page
-        records = quantize(torch.randn(per, 512, generator=gen))
-        if li in pools.c4:
-            records = model.c4_formats[li].write(records)
+        records = model.layer_format(li).write(quantize(torch.randn(per, 512, generator=gen)))
         pages.layout.write(pages.buf, torch.arange(per, device=pages.buf.device), records.to(pages.buf.device))
         pages.buf[1:] = pages.buf[0]
     for li, pages in pools.indexer.items():

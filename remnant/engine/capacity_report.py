@@ -8,7 +8,8 @@ what bounds them, the bytes of each component, and the analytic ratio they must 
 (schema remnant/capacity). Since v2 it also lists every standard combination of stored
 parts (remnant.engine.capacity.STANDARD_COMBINATIONS: packed C4, window and C128 records,
 MXFP4 indexer keys, bf16 compressor state) with its bytes per full token per component,
-its full tokens at the budget and its ratio to native; only native and C4 serve today.
+its full tokens at the budget and its ratio to native; since v3 with the CSA layers'
+windows apart (csa_swa) and each combination's swa_packed_layers, all served by the engine.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def combinations(native: PoolGeometry, budget_bytes: int, retention: int = KERNE
 def report(model: dict, budget_bytes: int, lengths: list[int], retention: list[int],
            page_size: int = 256, swa_ratio: float = 0.1, max_running_requests: int = 64,
            combination_retention: int = KERNEL_RETENTION) -> dict:
-    """The remnant/capacity v2 document. retention: R per CSA layer for the packed side;
+    """The remnant/capacity v3 document. retention: R per CSA layer for the packed side;
     combination_retention: R of every packed part in the standard combinations."""
     ratios = model["compress_ratios"]
     n_csa = sum(1 for r in ratios if r == CSA_RATIO)

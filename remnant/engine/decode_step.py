@@ -270,13 +270,14 @@ def attend_torch(model, li: int, layer, pools, q: torch.Tensor, window_locs: tor
 
 
 def attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: torch.Tensor,
-                   locs: torch.Tensor | None, ring: tuple | None = None) -> torch.Tensor:
+                   locs: torch.Tensor | None, ring: tuple | None = None, distinct: bool = False) -> torch.Tensor:
     """Attention through remnant.kernels: [B, H, 512] in q's column order (kept-first on
-    layers with folded_weights). ring: as attend_torch."""
+    layers with folded_weights). ring: as attend_torch. distinct: triton mode rebuilds each
+    packed record once, not once per entry (_rebuilt; prefill steps)."""
     from remnant.kernels.decode import DecodeConfig, decode
 
     ring_pages, ring_layout, window_locs, window_form = _window_for_kernels(model, li, _ring(pools, li, ring),
-                                                                            window_locs)
+                                                                            window_locs, distinct)
     if locs is None:
         # Window-only layer: an empty record set (the ring stands in for its pages, which the
         # kernel never reads), packed where the ring is.
@@ -284,7 +285,7 @@ def attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: t
         columns = model.layer_format(li).columns if window_form == "packed" else model.native_columns
         locs = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
     else:
-        c4, c4_layout, locs, columns = _records_for_kernels(model, li, layer, pools, locs)
+        c4, c4_layout, locs, columns = _records_for_kernels(model, li, layer, pools, locs, distinct)
         if window_form == "packed" and not columns.packed:
             # A packed window beside native records (an HCA layer that packs only its
             # window): the kernel reads one packed record set and one native one in a single
@@ -303,42 +304,54 @@ def attend_kernels(model, li: int, layer, pools, q: torch.Tensor, window_locs: t
                   window_columns=window_form, config=config)
 
 
-def _window_for_kernels(model, li: int, ring: tuple, window_locs: torch.Tensor):
+def _window_for_kernels(model, li: int, ring: tuple, window_locs: torch.Tensor, distinct: bool = False):
     """The window records as the decode kernels take them: (pages, layout, locations [B, W]
     with -1, window_columns). A packed ring in triton mode is rebuilt into native scratch
-    records first, as its C4 records are (_records_for_kernels); kernel mode reads it
-    packed."""
+    records first, as its C4 records are (_rebuilt); kernel mode reads it packed."""
     fmt = model.layer_format(li)
     pages, layout = ring
     if fmt.window_form != "packed" or not fmt.rules.reconstructs:
         return pages, layout, window_locs, fmt.window_form
-    scratch, scratch_layout, rows = _scratch_records(window_locs)
-    reconstruct(pages, layout, window_locs.clamp_min(0).flatten(), fmt.columns, scratch, scratch_layout, rows)
-    return scratch, scratch_layout, torch.where(window_locs >= 0, rows.view_as(window_locs), -1), "natural"
+    return (*_rebuilt(pages, layout, window_locs, fmt.columns, distinct), "natural")
 
 
-def _scratch_records(locs: torch.Tensor) -> tuple[torch.Tensor, PageLayout, torch.Tensor]:
-    """Native scratch pages for one record per entry of `locs` [B, K], their layout and the
-    rows int64 [B * K] the entries map to, in order."""
-    count = locs.numel()
-    layout = PageLayout.sglang(SCRATCH_PER_PAGE)
-    scratch = torch.empty(max(-(-count // SCRATCH_PER_PAGE), 1), layout.page_stride, dtype=torch.uint8,
-                          device=locs.device)
-    return scratch, layout, torch.arange(count, device=locs.device)
-
-
-def _records_for_kernels(model, li: int, layer, pools, locs: torch.Tensor):
+def _records_for_kernels(model, li: int, layer, pools, locs: torch.Tensor, distinct: bool = False):
     """The selected records as the decode kernels take them: (pages, layout, locations [B, K]
-    with -1, kept columns). Triton mode rebuilds every selected slot's record into native
-    scratch records first (B x K of them, whether selected or not: a size fixed by the
-    shapes; unselected slots read record 0 and are never attended)."""
+    with -1, kept columns). Triton mode rebuilds them into native scratch records first
+    (_rebuilt)."""
     target = pools.c4[li] if layer.ratio == CSA_RATIO else pools.c128[li]
     fmt = model.layer_format(li)
     if not fmt.records_packed:
         return target.buf, target.layout, locs, model.native_columns
     if fmt.rules.direct_decode:
         return target.buf, target.layout, locs, fmt.columns
-    scratch, scratch_layout, rows = _scratch_records(locs)
-    reconstruct(target.buf, target.layout, locs.clamp_min(0).flatten(), fmt.columns, scratch, scratch_layout, rows)
-    scratch_locs = torch.where(locs >= 0, rows.view_as(locs), -1)
-    return scratch, scratch_layout, scratch_locs, model.native_columns
+    return (*_rebuilt(target.buf, target.layout, locs, fmt.columns, distinct), model.native_columns)
+
+
+def _rebuilt(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor, columns, distinct: bool):
+    """Native scratch copies of the packed records at `locs` [B, K] (-1: none): (scratch
+    pages, their layout, locations [B, K] in them with -1). A decode step rebuilds one
+    record per entry, B x K whether selected or not (unselected entries read record 0 and
+    are never attended): a size fixed by the shapes, as a CUDA graph needs. `distinct` (a
+    prefill step, never in a graph: torch.unique reads its size back) rebuilds each record
+    once, where a chunk's tokens share their windows and an HCA layer's records (T x n
+    entries of n records: 300 MB a layer at 128k context)."""
+    if distinct:
+        wanted = locs >= 0
+        unique, inverse = torch.unique(locs[wanted], return_inverse=True)
+        scratch, scratch_layout = _scratch_pages(unique.numel(), locs.device)
+        if unique.numel():
+            reconstruct(pages, layout, unique, columns, scratch, scratch_layout,
+                        torch.arange(unique.numel(), device=locs.device))
+        return scratch, scratch_layout, torch.full_like(locs, -1).masked_scatter_(wanted, inverse)
+    scratch, scratch_layout = _scratch_pages(locs.numel(), locs.device)
+    rows = torch.arange(locs.numel(), device=locs.device)
+    reconstruct(pages, layout, locs.clamp_min(0).flatten(), columns, scratch, scratch_layout, rows)
+    return scratch, scratch_layout, torch.where(locs >= 0, rows.view_as(locs), -1)
+
+
+def _scratch_pages(count: int, device: torch.device) -> tuple[torch.Tensor, PageLayout]:
+    """Native scratch pages for `count` records, and their layout."""
+    layout = PageLayout.sglang(SCRATCH_PER_PAGE)
+    return torch.empty(max(-(-count // SCRATCH_PER_PAGE), 1), layout.page_stride, dtype=torch.uint8,
+                       device=device), layout

@@ -105,7 +105,7 @@ class SwaPool:
     """Every layer's sliding-window records: per layer, blocks of `window` records, each block
     one page of SGLang's split layout (PageLayout.sglang(window, R): native 584-byte records,
     padded to a multiple of 576 bytes, as SGLang keeps its SWA pool and as FlashMLA and the
-    decode kernels read it, or packed R + 72-byte ones where a CSA layer packs its window).
+    decode kernels read it, or packed R + 72-byte ones where the layer packs its window).
     A request's ring is one block: position p sits at slot block * window + p % window
     (KVPools.swa_slots), a flat location of the layer's layout. Layers whose records differ
     in size have pages of different strides, so each layer has its own buffer."""

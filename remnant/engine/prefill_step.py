@@ -229,7 +229,7 @@ def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scr
             chosen = _visible(plan, rp, layer.ratio)
     if attention == "kernels":
         locs = None if chosen is None else torch.where(chosen >= 0, rp.visible_locs[plan.row[:, None], chosen.clamp_min(0)], -1)
-        o = attend_kernels(model, li, layer, pools, q, plan.window_locs, locs, ring=scratch)
+        o = attend_kernels(model, li, layer, pools, q, plan.window_locs, locs, ring=scratch, distinct=True)
     else:
         o = _attend_torch(model, li, layer, pools, plan, q, chosen, rp, scratch)
     return model.ffn(layer, model.output(layer, h, o.to(h.dtype), folded))

@@ -32,15 +32,17 @@ CALIBRATION_SEED = 1234
 
 
 def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_TOKENS,
-                         seed: int = CALIBRATION_SEED, layers: list[int] | None = None) -> Captures:
+                         seed: int = CALIBRATION_SEED, layers: list[int] | None = None,
+                         window_keys: bool = True, record_keys: bool = True) -> Captures:
     """Queries and keys of `layers` (default: every CSA layer) on a seeded random prompt
-    (native mode): a CSA layer's C4 latents, a window-only layer's window latents, an HCA
-    layer's window latents then its C128 latents, each as its native FP8 record holds it."""
+    (native mode), each key as its native FP8 record holds it: a CSA layer's C4 latents;
+    an HCA or window-only layer's window latents (window_keys) then its C128 latents
+    (record_keys, HCA layers)."""
     from remnant.kv.codec import dequantize, quantize
 
     layers = model.csa_layers if layers is None else sorted(layers)
     ids = torch.randint(0, model.args.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
-    saved, saved_other = model.c4_formats, model.other_formats
+    saved, saved_other, saved_map = model.c4_formats, model.other_formats, model.other_map
     model.set_c4_formats({i: C4Format() for i in model.csa_layers})  # (and no folded weights)
     model.set_other_formats({})
     model.capture = {i: [] for i in layers}
@@ -55,8 +57,10 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
         keys = {}
         for i in layers:
             ratio = model.args.compress_ratios[i]
-            parts = [dequantize(quantize(torch.cat(model.capture_windows[i]).float())).cpu()] if ratio != CSA_RATIO else []
-            if ratio:
+            parts = []
+            if ratio != CSA_RATIO and window_keys:
+                parts.append(dequantize(quantize(torch.cat(model.capture_windows[i]).float())).cpu())
+            if ratio == CSA_RATIO or (ratio and record_keys):
                 target = pools.c4[i] if ratio == CSA_RATIO else pools.c128[i]
                 parts.append(dequantize(target.read(pages, torch.arange(tokens // ratio)).cpu()))
             keys[i] = torch.cat(parts)
@@ -65,10 +69,11 @@ def calibration_captures(model: Model, model_id: str, tokens: int = CALIBRATION_
         model.capture = model.capture_windows = None
         model.set_c4_formats(saved)
         model.set_other_formats(saved_other)
+        model.other_map = saved_map
     params = {"generator": "remnant.engine.retention_setup/1", "model_id": model_id,
               "tokens": tokens, "seed": seed, "weights_seed": model.args.seed}
-    if layers != model.csa_layers:
-        params["layers"] = layers  # (the CSA layers' captures keep their fingerprint)
+    if layers != model.csa_layers:  # (the CSA layers' captures keep their fingerprint)
+        params.update(layers=layers, window_keys=window_keys, record_keys=record_keys)
     fingerprint = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
     return Captures(model_id=model_id, source="engine-calibration",
                     layers={i: LayerCapture(q=queries[i].float(), k=keys[i]) for i in layers},
@@ -90,9 +95,9 @@ def setup_retention(model: Model, mode: str, model_id: str, retention: int | Non
         if value not in allowed:
             raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(allowed)}")
     rules = mode_of(mode)
-    model.set_other_formats({})
     if not rules.keeps_retention:
         model.set_c4_formats({i: C4Format() for i in model.csa_layers})
+        model.set_other_formats({})
         return None
     if map_path:
         rmap = RetentionMap.load(map_path)
@@ -109,28 +114,35 @@ def setup_retention(model: Model, mode: str, model_id: str, retention: int | Non
         values = profile_values(None if per_layer else retention, per_layer or None, len(model.csa_layers))
         rmap = build_map(calibration_captures(model, model_id), policy, values)
     rules.check_retention(rmap.retention(i) for i in model.csa_layers)
+    # Every format made (and every check passed) before the model takes any of them.
     pack_window = window_records != "native"
-    model.set_c4_formats({i: C4Format(mode, rmap.keep_tensor(i), pack_window=pack_window) for i in model.csa_layers})
-    _setup_other_layers(model, mode, model_id, rmap, policy, window_records == "packed", c128_records == "packed")
+    c4 = {i: C4Format(mode, rmap.keep_tensor(i), pack_window=pack_window) for i in model.csa_layers}
+    other, other_map = _other_layer_formats(model, mode, model_id, rmap, policy, window_records == "packed",
+                                            c128_records == "packed")
+    model.set_c4_formats(c4)
+    model.set_other_formats(other)
+    model.other_map = other_map
     return rmap
 
 
-def _setup_other_layers(model: Model, mode: str, model_id: str, rmap: RetentionMap, policy: str,
-                        pack_window: bool, pack_c128: bool) -> None:
-    """The HCA and window-only layers' formats where they pack a part: every such layer for
-    packed windows, the HCA layers for packed C128 records; their kept columns calibrated
-    from the model itself at the CSA layers' one R."""
+def _other_layer_formats(model: Model, mode: str, model_id: str, rmap: RetentionMap, policy: str,
+                         pack_window: bool, pack_c128: bool) -> tuple[dict[int, C4Format], RetentionMap | None]:
+    """The HCA and window-only layers' formats where they pack a part (every such layer for
+    packed windows, the HCA layers for packed C128 records) and the map they take: kept
+    columns calibrated from the model itself at the CSA layers' one R, on the keys of the
+    parts each packs (its window latents, its C128 latents: a 512-token calibration prompt
+    gives 4 of those)."""
     ratios = model.args.compress_ratios
     layers = [i for i, r in enumerate(ratios) if r != CSA_RATIO and (pack_window or (pack_c128 and r == HCA_RATIO))]
     if not layers:
-        return
+        return {}, None
     values = {rmap.retention(i) for i in model.csa_layers}
     if len(values) != 1:
         raise ValueError(f"packed window or C128 records of HCA and window-only layers take one R; the CSA "
                          f"layers keep {sorted(values)}")
     from remnant.calibration.policies import build_map
 
-    other = build_map(calibration_captures(model, model_id, layers=layers), policy, [values.pop()] * len(layers))
-    model.set_other_formats({i: C4Format(mode, other.keep_tensor(i), pack_window=pack_window,
-                                         pack_records=pack_c128 and ratios[i] == HCA_RATIO) for i in layers})
-    model.other_map = other
+    captures = calibration_captures(model, model_id, layers=layers, window_keys=pack_window, record_keys=pack_c128)
+    other = build_map(captures, policy, [values.pop()] * len(layers))
+    return {i: C4Format(mode, other.keep_tensor(i), pack_window=pack_window,
+                        pack_records=pack_c128 and ratios[i] == HCA_RATIO) for i in layers}, other

@@ -75,7 +75,7 @@ COLLECTION = RecordKind("remnant/collection", 1)
 INDEX = RecordKind("remnant/index", 4)
 #: v2: v1 plus the standard combinations of stored parts (packed window and C128 records,
 #: MXFP4 indexer keys, bf16 compressor state) and settings.combination_retention.
-CAPACITY = RecordKind("remnant/capacity", 2)
+CAPACITY = RecordKind("remnant/capacity", 3)
 KERNEL_BENCH = RecordKind("remnant/kernel-bench", 13)
 CLIENT_BENCH = RecordKind("remnant/client-bench", 1)
 SESSIONS = RecordKind("remnant/sessions", 1)
@@ -96,7 +96,7 @@ FIDELITY_SINGLE_CAPTURE = FIDELITY.also_at(
        "by token and has no train/eval split, scorer or plots, which v2 requires: another layout, not an "
        "older form of v2")
 
-ENGINE_BENCH = RecordKind("remnant/engine-bench", 2)
+ENGINE_BENCH = RecordKind("remnant/engine-bench", 3)
 MODAL_SERVE_REQUEST = RecordKind(
     "remnant/modal-serve-request", 1,
     unchecked="a message to runners/modal/app.py, never stored: ServeRequest.from_json (remnant.hosts.modal) "

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pandas as pd
 
+from remnant.config import RetentionConfig
 from remnant.kv.modes import mode_of
 from remnant.records.schema import validate
 
@@ -21,18 +23,12 @@ METRIC_COLUMNS = {
 
 
 
-#: The parts beyond C4 a packed run may pack, by their retention options' values, as the
-#: capacity formula names them (remnant.engine.capacity.PACKABLE_PARTS).
-PACKED_PART_LABELS = {("window_records", "packed_csa"): "csa_swa", ("window_records", "packed"): "swa",
-                      ("c128_records", "packed"): "c128"}
-
-
 def retention_label(ret: dict) -> str:
-    """A packed run's retention as the report groups it: the profile's name, then each part
-    beyond C4 it packed ("r256+swa+c128"), so runs that pack other parts never pool into
-    one cell."""
-    parts = [label for (field, value), label in PACKED_PART_LABELS.items() if ret.get(field, "native") == value]
-    return "+".join([ret.get("name", "?"), *parts])
+    """A packed run's retention (run.json's config.retention) as the report groups it:
+    RetentionConfig.label (records from before the window and C128 options pack neither)."""
+    known = {f.name for f in fields(RetentionConfig)}
+    return RetentionConfig(**{k: v for k, v in ret.items() if k in known}).label()
+
 
 def server_devices(doc: dict) -> tuple[int, str | None]:
     """(devices, assumption): the GPUs the run's server used, and None where the record

@@ -60,3 +60,17 @@ def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
     assert [(r["mode"], r["context"], r["chunk"]) for r in doc["prefill"]] == [
         (m, 300, 128) for m in ("native", "triton", "kernel")]
     assert all(r["tokens_per_s"] == pytest.approx(300 / r["prefill_s"]) for r in doc["prefill"])
+
+
+@pytest.mark.slow
+def test_bench_packs_every_part_it_is_asked_to(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["--model", "tiny", "--device", "cpu", "--modes", "triton,kernel", "--batches", "2", "--contexts",
+                 "260", "--steps", "1", "--prefill-contexts", "", "--index-key-format", "mxfp4",
+                 "--window-records", "packed", "--c128-records", "packed", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["kv_parts"] == {"index_key_format": "mxfp4", "window_records": "packed", "c128_records": "packed"}
+    # Packed window and C128 records read fewer bytes than native ones in kernel mode.
+    parts = {r["mode"]: r["parts"] for r in doc["rows"]}
+    assert parts["kernel"]["window_bytes"] == 2 * 4 * 128 * 328 and parts["kernel"]["c128_records_bytes"] == 2 * 2 * 328

@@ -277,9 +277,12 @@ def test_the_engines_pools_serve_1_6x_and_1_83x_at_v4_flash_shapes():
         sizes = size_pools(geometry, budget)
         pools = KVPools(geometry, sizes)
         tokens[combo.name] = pools.num_pages * geometry.page_size
-        assert tokens[combo.name] == sizes.full_tokens
         per_token[combo.name] = sum(geometry.bytes_per_full_token().values())
-        held = pools.allocated_bytes()
+        # What the pools allocate is what the formula counts, plus split pages' padding to
+        # whole data rows (under 2 %; a C128 page of 2 records pads to 3 rows), and fits.
+        held, counted = pools.allocated_bytes(), pools.accounted_bytes()
+        for part, value in counted.items():
+            assert value <= held[part] <= value * (1.5 if part == "c128" else 1.02), part
         assert sum(held.values()) - held["padding"] <= budget
     served, every = "c4+csa_swa+mxfp4_index+bf16_state", "c4+swa+c128+mxfp4_index+bf16_state"
     assert round(per_token["native"] / per_token[served], 4) == 1.6

@@ -65,7 +65,7 @@ def test_command_and_errors(tmp_path):
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     validate(doc)
-    assert (doc["schema"], doc["schema_version"]) == ("remnant/capacity", 2)
+    assert (doc["schema"], doc["schema_version"]) == ("remnant/capacity", 3)
     assert len(doc["combinations"]) == 9 and "c4+swa+c128+mxfp4_index+bf16_state: " in p.stderr
     assert "(not served)" not in p.stderr  # the engine serves every standard combination
     for args, message in ((["--model", "huge"], "--model huge is not a model preset; allowed:"),
