@@ -56,7 +56,7 @@ def _top_k_kernel(s_ptr, stride_s, values_ptr, indices_ptr, stride_o, n, k, BLOC
     known = tl.zeros([], dtype=tl.uint32)  # which bits of prefix are found
     remaining = k  # how many keys >= the k-th key are still to place below the known prefix
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p  # constexpr (p is); annotated, Triton 3.6 refuses the rebinding
         hist = tl.zeros([256], dtype=tl.int32)
         for start in range(0, n, BLOCK):
             inside = start + offs < n

@@ -58,7 +58,11 @@ def _assert_same(name, got, want):
     elif name in ("quantize_index_keys", "quantize_index_keys_mxfp4"):  # codes: exact
         assert torch.equal(got, want), name
     else:
-        torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5,
+        # bf16: the compiled op rounds once where the plain one rounds each intermediate, so
+        # a value cancelling towards 0 may differ by one bf16 step of its operands (~1e-3 at
+        # magnitude 0.1-1: rope measured 1.1e-3 on an H100, 2026-12-05)
+        bf16 = got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=2e-2 if bf16 else 1e-5, atol=4e-3 if bf16 else 1e-5,
                                    msg=lambda m: f"{name}: {m}")
 
 

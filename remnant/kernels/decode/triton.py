@@ -354,7 +354,7 @@ def _packed_loop(ptr, locs, lo, hi, STEP: tl.constexpr, PER_PAGE: tl.constexpr, 
                  qk_scale, m, l, acc_kept, acc_tail, acc_rope, N: tl.constexpr, KA: tl.constexpr,
                  KA_N: tl.constexpr, KT: tl.constexpr, SCORES_T: tl.constexpr, INTERPRETED: tl.constexpr):
     """Packed records at locs[lo:hi], STEP per step, into the kept columns' accumulators
-    (acc_kept; acc_tail where KT, else None, as q_tail, q_tail_t and sel_tail): the C4
+    (acc_kept; acc_tail where KT, else a placeholder, and q_tail, q_tail_t and sel_tail None): the C4
     records, and a packed window (window_columns="packed"), which is read as they are.
     Their kept codes are runs of words; each code's scale is its kept column's (natural
     tiles: the selectors sel_kept and sel_tail, or the kept list's tile starts)."""
@@ -428,8 +428,10 @@ def _packed_program(q_row, h_ok, o_row, m, l, qk_scale,
         q_tail, q_tail_t = _load_q(q_row, h_ok, _q_columns(KA + t, kept_ptr, Q_GATHER), tail_ok)
         acc_tail = tl.zeros((H_BLOCK, KT), dtype=tl.float32)
         sel_tail = _selectors(tl.load(kept_ptr + KA + t))
-    else:  # no tail: _packed_loop takes None for its operands
-        q_tail, q_tail_t, acc_tail, sel_tail = None, None, None, None
+    else:  # no tail: _packed_loop takes None for its operands, and a placeholder
+        # accumulator it hands back untouched (compiled Triton 3.6 returns no None)
+        q_tail, q_tail_t, sel_tail = None, None, None
+        acc_tail = tl.zeros((1, 1), dtype=tl.float32)
     m, l, acc_kept, acc_tail, acc_rope = _packed_loop(
         ptr=c4_ptr, locs=c4_locs, lo=c4_lo, hi=c4_hi, STEP=BN, PER_PAGE=C4_PER_PAGE, ALIGN=C4_ALIGN,
         stride=c4_stride, kept_starts_ptr=kept_starts_ptr, q_kept=q_kept, q_kept_t=q_kept_t, q_tail=q_tail,
