@@ -37,6 +37,7 @@ from remnant.config import ModelConfig
 from remnant.config_errors import ConfigError, positive_finite
 from remnant.hosts.base import (HOSTS, Endpoint, HostConfig, HostError, ServerSpec, fetch_server_info, log_tail,
                                 signals_deferred, wait_healthy)
+from remnant.hosts.sglang_server import SGLangKVFields, plugin_settings
 from remnant.records.files import writing
 
 #: Values of LocalHostConfig.server: what the image serves.
@@ -45,12 +46,14 @@ LOCAL_SERVERS = ("sglang", "embedded")
 
 @HOSTS.register
 @dataclass
-class LocalHostConfig(HostConfig):
+class LocalHostConfig(SGLangKVFields, HostConfig):
     """A Docker container on this Linux host, from the image runners/docker/Dockerfile builds.
 
     `server` picks what the image serves: sglang (SGLang with Remnant's plugin, on the GPUs
     in `gpus`) or embedded (remnant-serve, CPU). The image is tagged by a hash of its build
-    context and built when missing (or always, with rebuild=true).
+    context and built when missing (or always, with rebuild=true). The KV fields
+    (SGLangKVFields) reach SGLang only: server=embedded refuses values other than their
+    defaults, as the container's remnant-serve is not given them.
     """
 
     kind: str = "local"
@@ -104,6 +107,8 @@ class LocalHostConfig(HostConfig):
         positive_finite(self.startup_timeout_s, "host.startup_timeout_s")
         positive_finite(self.stop_timeout_s, "host.stop_timeout_s")
         refuse_inline_keys(self.server_args, self.env, "host.server_args", "host.env")
+        self.validate_kv_fields(self.env, self.server == "sglang",
+                                "host.server=embedded's remnant-serve (use host=embedded)")
 
     def check_model(self, model: ModelConfig) -> None:
         """The model's checkpoint directory, and for SGLang one GPU per tensor-parallel rank."""
@@ -360,11 +365,7 @@ class LocalHost:
     def _environment(self, spec: ServerSpec, run_id: str, port: int, master_port: int) -> dict[str, str]:
         """The container's environment: the image's contract (runners/docker/serve.sh) and
         the plugin's settings, with the retention map where the container mounts it."""
-        from remnant.sglang.settings import Settings
-
-        ret = spec.retention
-        plugin = Settings(spec.mode) if ret is None else Settings(
-            spec.mode, tuple(ret.values()), RETENTION_MAP_MOUNT if ret.map_path else None, ret.policy)
+        plugin = plugin_settings(spec, self.cfg, RETENTION_MAP_MOUNT)
         capture = {} if spec.capture is None else dataclasses.replace(
             spec.capture, path=f"{CAPTURE_MOUNT}/{Path(spec.capture.path).name}").to_env()
         return {

@@ -31,6 +31,7 @@ from remnant.api_key import SERVER_ENV, refuse_inline_keys
 from remnant.config_errors import ConfigError, at_least, positive_finite
 from remnant.hosts.base import (HOSTS, Endpoint, HostConfig, HostError, ServerSpec, fetch_server_info, log_tail,
                                 signals_deferred, wait_healthy)
+from remnant.hosts.sglang_server import SGLangKVFields, plugin_settings
 from remnant.kv.modes import mode_of
 from remnant.records.files import writing
 from remnant.records.kinds import MODAL_SERVE_REQUEST
@@ -53,14 +54,15 @@ _LOG_DRAIN_S = 15.0
 
 @HOSTS.register
 @dataclass
-class ModalHostConfig(HostConfig):
+class ModalHostConfig(SGLangKVFields, HostConfig):
     """The same SGLang server on Modal GPUs (runners/modal/app.py), reached through a tunnel.
 
     The fields from `app_name` to `port` are the app's settings (runners/modal/app.py
     `Settings`, same names): the host deploys the app with them. Planned GPU time is
     gpu_count x serve_timeout_s (Modal stops `serve` at its timeout), and
     kernels_gpu_count x kernels_timeout_s for `benchmark_kernels`; a plan over
-    budget_gpu_hours is refused before anything starts.
+    budget_gpu_hours is refused before anything starts. The KV fields (SGLangKVFields)
+    reach the server's environment through the ServeRequest's env.
     """
 
     kind: str = "modal"
@@ -111,6 +113,7 @@ class ModalHostConfig(HostConfig):
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"host.port={self.port} must be a port in 1..65535")
         refuse_inline_keys(self.server_args, self.env, "host.server_args", "host.env")
+        self.validate_kv_fields(self.env, True)
         for function, (count, timeout) in {"serve": ("gpu_count", "serve_timeout_s"),
                                            "benchmark_kernels": ("kernels_gpu_count", "kernels_timeout_s")}.items():
             planned = self.planned_gpu_hours()[function]
@@ -170,8 +173,10 @@ class ServeRequest:
             retention_map=None if ret is None or not ret.map_path else Path(ret.map_path).read_text(),
             tp_size=cfg.gpu_count,
             server_args=[*spec.model.server_args, *cfg.server_args],
-            # The key reaches the server's environment (launch_plan), never its command line.
+            # The key reaches the server's environment (launch_plan), never its command line;
+            # launch_plan writes mode and retention itself, the plugin's other parts come here.
             env={**{str(k): str(v) for k, v in cfg.env.items()},
+                 **plugin_settings(spec, cfg, None).parts_env(),
                  **({} if spec.api_key is None else {SERVER_ENV: spec.api_key})},
             settings=app_settings(cfg),
         )

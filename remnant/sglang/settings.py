@@ -16,6 +16,12 @@ so the settings travel as environment variables, which child processes inherit;
                            only; REMNANT_CAPTURE_TOKENS, _RECORDS, _SOURCE and _MODEL_ID
                            bound and label it
                            (remnant.calibration.capture_recorder.CaptureSettings)
+    SGLANG_DSV4_COMPRESS_STATE_DTYPE  SGLang's own variable, read as SGLang reads it
+                           (float32 | fp32 | bfloat16 | bf16): the compressors' state dtype,
+                           which SGLang itself applies to the state pools and counts in its
+                           pool sizing, in every mode; carried here so that the hosts' one
+                           setting (host.compressor_state_dtype) reaches SGLang through
+                           to_env and is checked before SGLang starts
 
 `Settings.to_env` writes these variables (the hosts that start SGLang use it), `from_env`
 reads them.
@@ -43,6 +49,13 @@ ENV_RETENTION_MAP = "REMNANT_RETENTION_MAP"
 #: Without a map SGLang keeps the `prefix` coordinates: it cannot calibrate, so another
 #: policy named here (the run config's) is refused rather than silently not used.
 ENV_RETENTION_POLICY = "REMNANT_RETENTION_POLICY"
+#: SGLang's own switch of the compressor state dtype (sglang/srt/environ.py), passed through
+#: rather than renamed: SGLang reads it in every process, with or without the plugin.
+ENV_STATE_DTYPE = "SGLANG_DSV4_COMPRESS_STATE_DTYPE"
+#: The spellings SGLang accepts for each state dtype (pool_configurator.py,
+#: _get_dsv4_compress_state_dtype_sizes), by the name Remnant gives it
+#: (remnant.engine.capacity.STATE_DTYPES, host.compressor_state_dtype).
+STATE_DTYPE_SPELLINGS = {"float32": ("float32", "fp32"), "bfloat16": ("bfloat16", "bf16")}
 
 #: SGLang's entry-point group for general plugins, and the name Remnant registers there.
 GENERAL_PLUGINS_GROUP = "sglang.srt.plugins"
@@ -56,7 +69,8 @@ SUPPORTED_SGLANG_VERSIONS = ("0.5.18",)
 class Settings:
     """mode: native | triton | kernel. retention: R per CSA layer, or a 1-tuple for a
     uniform R (the model's CSA layer count is known only when its pools are built).
-    map_path: retention map file, or None."""
+    map_path: retention map file, or None. compressor_state_dtype: float32 | bfloat16, in
+    every mode (SGLang's SGLANG_DSV4_COMPRESS_STATE_DTYPE)."""
 
     mode: str = "native"
     retention: tuple[int, ...] = (KERNEL_RETENTION,)
@@ -64,22 +78,32 @@ class Settings:
     #: The run config's retention.policy, passed on so that the plugin refuses a policy it
     #: cannot calibrate instead of silently keeping the prefix coordinates (None: not given).
     policy: str | None = None
+    compressor_state_dtype: str = "float32"
 
     @property
     def packed(self) -> bool:
         return mode_of(self.mode, ENV_MODE).packed
 
     def to_env(self) -> dict[str, str]:
-        """The REMNANT_* variables that `from_env` reads back as these settings: what a host
-        exports to the server's processes. Native carries no retention, as it ignores it."""
+        """The variables that `from_env` reads back as these settings: what a host exports
+        to the server's processes. Native carries no retention, as it ignores it."""
         env = {ENV_MODE: self.mode}
-        if not self.packed:
-            return env
-        env[ENV_RETENTION] = _retention_label(self.retention)
-        if self.map_path is not None:
-            env[ENV_RETENTION_MAP] = os.path.abspath(self.map_path)
-        if self.policy is not None:
-            env[ENV_RETENTION_POLICY] = self.policy
+        if self.packed:
+            env[ENV_RETENTION] = _retention_label(self.retention)
+            if self.map_path is not None:
+                env[ENV_RETENTION_MAP] = os.path.abspath(self.map_path)
+            if self.policy is not None:
+                env[ENV_RETENTION_POLICY] = self.policy
+        return {**env, **self.parts_env()}
+
+    def parts_env(self) -> dict[str, str]:
+        """The variables of the KV parts beyond the C4 records' mode and retention (a part
+        of to_env): what a host whose server gets mode and retention another way adds
+        (runners/modal/app.py writes those itself). A part at SGLang's default writes no
+        variable: the server then runs as SGLang does without one."""
+        env = {}
+        if self.compressor_state_dtype != "float32":
+            env[ENV_STATE_DTYPE] = self.compressor_state_dtype
         return env
 
     def values(self, n_csa: int) -> list[int]:
@@ -132,6 +156,18 @@ def parse_retention(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def parse_state_dtype(text: str) -> str:
+    """SGLANG_DSV4_COMPRESS_STATE_DTYPE as SGLang reads it (stripped, any case; unset or
+    empty: float32) -> float32 | bfloat16. ConfigError names the variable and what SGLang
+    accepts, before SGLang would fail on it inside its pool sizing."""
+    value = text.strip().lower() or "float32"
+    for name, spellings in STATE_DTYPE_SPELLINGS.items():
+        if value in spellings:
+            return name
+    allowed = ", ".join(s for spellings in STATE_DTYPE_SPELLINGS.values() for s in spellings)
+    raise ConfigError(f"{ENV_STATE_DTYPE}={text.strip()} is not allowed; allowed: {allowed}")
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """Settings from REMNANT_* variables, checked with the run configs' rules.
 
@@ -139,8 +175,10 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """
     env = os.environ if environ is None else environ
     mode = env.get(ENV_MODE, "native").strip() or "native"
+    state_dtype = parse_state_dtype(env.get(ENV_STATE_DTYPE, ""))
     if not mode_of(mode, ENV_MODE).keeps_retention:
-        return Settings()  # native ignores retention, as run configs do
+        # Native ignores retention, as run configs do; the state dtype is SGLang's own.
+        return Settings(compressor_state_dtype=state_dtype)
     retention = parse_retention(env.get(ENV_RETENTION, "").strip() or str(KERNEL_RETENTION))
     map_path = env.get(ENV_RETENTION_MAP, "").strip() or None
     if map_path is not None and not os.path.isfile(map_path):
@@ -150,7 +188,8 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(
             f"{ENV_RETENTION_POLICY}={policy} needs calibration captures, which the SGLang server does not take; "
             f"give {ENV_RETENTION_MAP} (built with python -m remnant.cli.build_map) or {ENV_RETENTION_POLICY}=prefix")
-    settings = Settings(mode=mode, retention=retention, map_path=map_path, policy=policy)
+    settings = Settings(mode=mode, retention=retention, map_path=map_path, policy=policy,
+                        compressor_state_dtype=state_dtype)
     check_packed_rules(mode, list(retention), False, _retention_label(retention))
     return settings
 

@@ -51,23 +51,57 @@ def test_bad_settings_stop_the_loader(env, message):
     assert message in proc.stderr
 
 
-def test_packed_capacity_equals_the_engines_analytic_capacity():
-    from remnant.engine.capacity import PoolGeometry, size_pools
+def engine_geometry(got: dict, combination):
+    """remnant.engine.capacity's geometry of V4-Flash at the probe's server settings, with
+    every part stored as `combination` says."""
+    from remnant.engine.capacity import PoolGeometry, combination_geometry
     from tests.sglang.probe import FLASH_RATIOS
+
+    geometry = PoolGeometry(FLASH_RATIOS, [584] * FLASH_RATIOS.count(4), window_size=128, index_head_dim=128,
+                            page_size=got["page_size"], swa_ratio=got["swa_ratio"],
+                            max_running_requests=got["max_running_requests"])
+    return combination_geometry(geometry, combination)
+
+
+def assert_engine_capacity(got: dict, combination) -> None:
+    """SGLang's configurator (with the plugin) sizes as the engine's formula does."""
+    from remnant.engine.capacity import size_pools
+
+    geometry = engine_geometry(got, combination)
+    assert got["bytes_per_full_token"] == pytest.approx(sum(geometry.bytes_per_full_token().values()), rel=1e-12)
+    assert got["max_total_num_tokens"] == size_pools(geometry, BUDGET).full_tokens
+
+
+def test_packed_capacity_equals_the_engines_analytic_capacity():
+    from remnant.engine.capacity import C4_ONLY, NATIVE
 
     native = probe("configurator", BUDGET, REMNANT_MODE="native")
     packed = probe("configurator", BUDGET, REMNANT_MODE="kernel")
     assert native["class"] == packed["class"] == "DSV4PoolConfigurator"
-    n_csa = FLASH_RATIOS.count(4)
-    for got, record in ((native, 584), (packed, 328)):
-        geometry = PoolGeometry(FLASH_RATIOS, [record] * n_csa, window_size=128, index_head_dim=128,
-                                page_size=got["page_size"], swa_ratio=got["swa_ratio"],
-                                max_running_requests=got["max_running_requests"])
-        assert got["bytes_per_full_token"] == pytest.approx(sum(geometry.bytes_per_full_token().values()), rel=1e-12)
-        assert got["max_total_num_tokens"] == size_pools(geometry, BUDGET).full_tokens
+    assert_engine_capacity(native, NATIVE)
+    assert_engine_capacity(packed, C4_ONLY)
     ratio = packed["max_total_num_tokens"] / native["max_total_num_tokens"]
     assert ratio == pytest.approx(native["bytes_per_full_token"] / packed["bytes_per_full_token"], abs=2e-4)
     assert ratio == pytest.approx(1.2113, abs=2e-4)
+
+
+@pytest.mark.parametrize("mode", ["native", "kernel"])
+def test_bf16_compressor_state_counts_as_the_engines_formula(mode):
+    """SGLANG_DSV4_COMPRESS_STATE_DTYPE=bfloat16 (host.compressor_state_dtype, passed
+    through by the plugin's settings): SGLang's own configurator halves the state terms and
+    the fixed C128 state, beside the plugin's packed C4 term, as remnant.engine.capacity."""
+    from remnant.engine.capacity import Combination
+    from remnant.sglang.settings import Settings
+
+    env = Settings(mode, compressor_state_dtype="bfloat16").to_env()
+    assert env["SGLANG_DSV4_COMPRESS_STATE_DTYPE"] == "bfloat16"
+    got = probe("configurator", BUDGET, **env)
+    fp32 = probe("configurator", BUDGET, REMNANT_MODE=mode)
+    packed = ("c4",) if mode == "kernel" else ()
+    assert_engine_capacity(got, Combination(packed=packed, state_dtype="bfloat16"))
+    state = engine_geometry(got, Combination(packed=packed, state_dtype="bfloat16")).bytes_per_full_token()
+    halved = state["c4_state"] + state["c4_indexer_state"]  # what bf16 saves per token: half of fp32's
+    assert fp32["bytes_per_full_token"] - got["bytes_per_full_token"] == pytest.approx(halved, rel=1e-12)
 
 
 def test_triton_per_layer_capacity_counts_each_layers_bytes():

@@ -98,3 +98,83 @@ def test_hicache_rule_reads_the_maps_retention():
     s.check_hicache(False)
     with pytest.raises(ValueError, match="hicache=true is not allowed"):
         s.check_hicache(True)
+
+
+# Parts beyond the C4 records ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling, name", [("", "float32"), ("fp32", "float32"), ("float32", "float32"),
+                                            ("bfloat16", "bfloat16"), (" BF16 ", "bfloat16")])
+def test_state_dtype_is_sglangs_own_variable_in_every_mode(spelling, name):
+    from remnant.engine.capacity import STATE_DTYPES
+    from remnant.sglang.settings import STATE_DTYPE_SPELLINGS
+
+    assert tuple(STATE_DTYPE_SPELLINGS) == tuple(STATE_DTYPES)  # the engine's names, SGLang's spellings
+    for mode in ("native", "triton", "kernel"):
+        s = from_env({"REMNANT_MODE": mode, "SGLANG_DSV4_COMPRESS_STATE_DTYPE": spelling})
+        assert s.compressor_state_dtype == name
+        assert s.to_env().get("SGLANG_DSV4_COMPRESS_STATE_DTYPE") == (None if name == "float32" else name)
+        assert from_env(s.to_env()) == s
+
+
+def test_a_state_dtype_sglang_refuses_is_refused_first():
+    with pytest.raises(ConfigError, match="SGLANG_DSV4_COMPRESS_STATE_DTYPE=float16 is not allowed; allowed: float32, "
+                                          "fp32, bfloat16, bf16"):
+        from_env({"SGLANG_DSV4_COMPRESS_STATE_DTYPE": "float16"})
+
+
+def test_parts_env_is_what_to_env_adds_beyond_mode_and_retention():
+    s = Settings("kernel", compressor_state_dtype="bfloat16")
+    assert s.parts_env() == {"SGLANG_DSV4_COMPRESS_STATE_DTYPE": "bfloat16"}
+    assert s.to_env() == {**Settings("kernel").to_env(), **s.parts_env()}
+    assert Settings("native").parts_env() == {}
+
+
+# The hosts that start SGLang pass the settings on -----------------------------------------
+
+
+def _spec(tmp_path, mode="kernel"):
+    from remnant.config import ModelConfig, RetentionConfig
+    from remnant.hosts import ServerSpec
+
+    return ServerSpec(mode, None if mode == "native" else RetentionConfig(policy="prefix"),
+                      ModelConfig(name="dsv4", tp_size=4), tmp_path, tmp_path / "server.log", run_id="r1")
+
+
+@pytest.mark.parametrize("mode", ["native", "kernel"])
+def test_local_host_gives_sglang_the_state_dtype(tmp_path, mode):
+    from remnant.hosts.local import LocalHost, LocalHostConfig
+
+    cfg = LocalHostConfig(compressor_state_dtype="bfloat16")
+    cfg.validate()
+    env = LocalHost(cfg)._environment(_spec(tmp_path, mode), "r1", 31000, 31001)
+    assert env["SGLANG_DSV4_COMPRESS_STATE_DTYPE"] == "bfloat16"
+    assert from_env(env).compressor_state_dtype == "bfloat16" and from_env(env).mode == mode
+    default = LocalHost(LocalHostConfig())._environment(_spec(tmp_path, mode), "r1", 31000, 31001)
+    assert "SGLANG_DSV4_COMPRESS_STATE_DTYPE" not in default
+
+
+def test_modal_host_gives_sglang_the_state_dtype(tmp_path):
+    from remnant.hosts.modal import ModalHostConfig, ServeRequest
+
+    app = pytest.importorskip("runners.modal.app", reason="modal is not installed (pip install -e '.[test]')")
+    cfg = ModalHostConfig(model_revision="0123abc", compressor_state_dtype="bfloat16")
+    cfg.validate()
+    request = ServeRequest.from_json(ServeRequest.from_spec(_spec(tmp_path), cfg, "tok").to_json())
+    _, env = app.launch_plan(request, app.Settings(model_revision="0123abc"), tmp_path / "ckpt", tmp_path / "work")
+    assert from_env(env) == Settings("kernel", (256,), policy="prefix", compressor_state_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"server": "embedded", "compressor_state_dtype": "bfloat16"},
+     "host.compressor_state_dtype=bfloat16 is not passed to host.server=embedded's remnant-serve"),
+    ({"compressor_state_dtype": "float16"}, "host.compressor_state_dtype=float16 is not allowed; allowed: float32, "
+                                            "bfloat16"),
+    ({"env": {"SGLANG_DSV4_COMPRESS_STATE_DTYPE": "bf16"}},
+     "host.env sets SGLANG_DSV4_COMPRESS_STATE_DTYPE; give host.compressor_state_dtype instead"),
+])
+def test_local_host_refuses_a_state_dtype_it_cannot_pass(cfg, message):
+    from remnant.hosts.local import LocalHostConfig
+
+    with pytest.raises(ConfigError, match=message):
+        LocalHostConfig(**cfg).validate()
