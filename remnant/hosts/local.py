@@ -107,7 +107,7 @@ class LocalHostConfig(SGLangKVFields, HostConfig):
         positive_finite(self.startup_timeout_s, "host.startup_timeout_s")
         positive_finite(self.stop_timeout_s, "host.stop_timeout_s")
         refuse_inline_keys(self.server_args, self.env, "host.server_args", "host.env")
-        self.validate_kv_fields(self.env, self.server == "sglang",
+        self.validate_kv_fields(self.env, self.server_args, self.server == "sglang",
                                 "host.server=embedded's remnant-serve (use host=embedded)")
 
     def check_model(self, model: ModelConfig) -> None:
@@ -362,6 +362,12 @@ class LocalHost:
             raise HostError(f"host.reserve_command exited with code {done.returncode}: {_one_line(cmd, 120)} "
                             f"(its output is in {spec.log_path.name})")
 
+    def _command(self, spec: ServerSpec) -> list[str]:
+        """The container's command: server arguments after the image's own (serve.sh)."""
+        # The model's server_args are SGLang flags; host.server_args go to either server.
+        model_args = spec.model.server_args if self.cfg.server == "sglang" else []
+        return [*model_args, *self.cfg.server_args, *self.cfg.sglang_server_args()]
+
     def _environment(self, spec: ServerSpec, run_id: str, port: int, master_port: int) -> dict[str, str]:
         """The container's environment: the image's contract (runners/docker/serve.sh) and
         the plugin's settings, with the retention map where the container mounts it."""
@@ -407,9 +413,7 @@ class LocalHost:
                 volumes[str(Path(spec.capture.path).resolve().parent)] = {"bind": CAPTURE_MOUNT, "mode": "rw"}
             gpus = self.cfg.gpu_ids()
             devices = [DeviceRequest(device_ids=[str(g) for g in gpus], capabilities=[["gpu"]])] if gpus else []
-            # The model's server_args are SGLang flags; host.server_args go to either server.
-            model_args = spec.model.server_args if self.cfg.server == "sglang" else []
-            command = [*model_args, *self.cfg.server_args]
+            command = self._command(spec)
             self._info.update({"container_name": name, "port": port, "master_port": master_port,
                                "model_dir": str(model_dir), "command": command, "run_id": run_id})
             try:

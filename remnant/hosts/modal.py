@@ -113,7 +113,7 @@ class ModalHostConfig(SGLangKVFields, HostConfig):
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"host.port={self.port} must be a port in 1..65535")
         refuse_inline_keys(self.server_args, self.env, "host.server_args", "host.env")
-        self.validate_kv_fields(self.env, True)
+        self.validate_kv_fields(self.env, self.server_args, True)
         for function, (count, timeout) in {"serve": ("gpu_count", "serve_timeout_s"),
                                            "benchmark_kernels": ("kernels_gpu_count", "kernels_timeout_s")}.items():
             planned = self.planned_gpu_hours()[function]
@@ -172,7 +172,7 @@ class ServeRequest:
             retention_policy=None if ret is None else ret.policy,
             retention_map=None if ret is None or not ret.map_path else Path(ret.map_path).read_text(),
             tp_size=cfg.gpu_count,
-            server_args=[*spec.model.server_args, *cfg.server_args],
+            server_args=[*spec.model.server_args, *cfg.server_args, *cfg.sglang_server_args()],
             # The key reaches the server's environment (launch_plan), never its command line;
             # launch_plan writes mode and retention itself, the plugin's other parts come here.
             env={**{str(k): str(v) for k, v in cfg.env.items()},

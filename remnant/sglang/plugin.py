@@ -3,14 +3,18 @@
 SGLang (0.5.18) calls `register` through the entry point group `sglang.srt.plugins`
 (pyproject.toml) in every process it starts, then applies the hooks registered with its
 HookRegistry. With REMNANT_MODE=native (the default) `register` registers nothing, so
-SGLang runs untouched; native with REMNANT_CAPTURE registers only the capture hooks
+SGLang runs untouched; native with REMNANT_CAPTURE registers the capture hooks
 (remnant.sglang.capture, which records calibration captures and changes nothing the server
-computes). In triton and kernel mode it registers (TARGETS):
+computes), native with REMNANT_INDEX_KEY_FORMAT=mxfp4 the two sizing hooks
+(SIZING_TARGETS). In triton and kernel mode it registers (TARGETS):
 
 - DeepSeekV4TokenToKVPool._make_kv_pool (AROUND): the C4 pool becomes a PackedC4Pool.
 - DeepSeekV4TokenToKVPool.__init__ (AFTER): refuses a KV pool without the packed C4 pool.
 - DSV4PoolConfigurator._get_bytes_per_full_token (AROUND): the C4 term counts R + 72
-  bytes per record instead of 584, so the freed bytes become tokens.
+  bytes per record instead of 584, and with SGLang's --enable-deepseek-v4-fp4-indexer the
+  indexer term the pool's 68 bytes a key instead of 132 (remnant.sglang.sizing), so the
+  freed bytes become tokens. Native mode with REMNANT_INDEX_KEY_FORMAT=mxfp4 registers
+  this hook and the server-args check only (SIZING_TARGETS).
 - CompressorBackendMixin._forward_compress_all_in_one (AROUND): the C4 compressor's fused
   kernel writes its bf16 latents to a scratch (its own bf16_store path) and
   remnant.kernels.dispatch.store quantizes and packs them into the pool.
@@ -33,7 +37,8 @@ computes). In triton and kernel mode it registers (TARGETS):
   (already-quantized natural records) and get_swa_raw_buffer (HIP / unified-KV fused
   stores) refused on CSA layers with an error, since they would write natural records.
 - ServerArgs.check_server_args (AFTER): HiCache, HiSparse, context parallelism and
-  sparse prefill against the mode and retention.
+  sparse prefill against the mode and retention; REMNANT_INDEX_KEY_FORMAT=mxfp4 against
+  --enable-deepseek-v4-fp4-indexer.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from remnant.sglang.kernel_mode import (
 from remnant.sglang.layers import stage_csa_layers
 from remnant.sglang.retention_plan import packed_c4_bytes, retention_plan
 from remnant.sglang.settings import activate, active, capture_from_env, check_sglang_version, from_env
+from remnant.sglang.sizing import freed_per_full_token
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +83,10 @@ def installed_sglang_version() -> str:
 
 
 def register() -> None:
-    """SGLang's entry point: read the settings, and in triton or kernel mode register hooks;
-    in native mode with REMNANT_CAPTURE, only the capture hooks (remnant.sglang.capture).
+    """SGLang's entry point: read the settings and register the hooks they need: in triton
+    or kernel mode all of them (TARGETS); in native mode with MXFP4 index keys
+    (REMNANT_INDEX_KEY_FORMAT=mxfp4) only the sizing hooks (SIZING_TARGETS); in native
+    mode with REMNANT_CAPTURE the capture hooks (remnant.sglang.capture) too.
 
     A bad setting (a packed mode with REMNANT_CAPTURE too) or an unsupported sglang raises
     SystemExit with a one-line reason: SGLang's loader logs and swallows ordinary
@@ -87,14 +95,17 @@ def register() -> None:
     try:
         s = from_env()
         capture = capture_from_env(s)
-        if s.packed or capture is not None:
+        if s.resizes or capture is not None:
             check_sglang_version(installed_sglang_version())
     except (ConfigError, RuntimeError) as e:
         raise SystemExit(f"remnant: {e}") from None
     activate(s)
-    if capture is not None:
-        from sglang.srt.plugins.hook_registry import HookRegistry
+    if capture is None and not s.resizes:
+        logger.info("remnant: REMNANT_MODE=native; no hooks registered, SGLang runs unchanged")
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
+    if capture is not None:
         from remnant.sglang import capture as capture_mode
 
         capture_mode.configure(capture)
@@ -102,24 +113,22 @@ def register() -> None:
             HookRegistry.register(target, hook, hook_type)
         logger.info("remnant: REMNANT_MODE=native with capture into %s: %d capture hooks registered",
                     capture.path, len(capture_mode.TARGETS))
+    if not s.resizes:
         return
-    if not s.packed:
-        logger.info("remnant: REMNANT_MODE=native; no hooks registered, SGLang runs unchanged")
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    for target, hook, hook_type in targets():
+    chosen = targets() if s.packed else targets(SIZING_TARGETS)
+    for target, hook, hook_type in chosen:
         HookRegistry.register(target, hook, hook_type)
-    logger.info("remnant: mode=%s retention=%s map=%s: %d hooks registered", s.mode,
-                ",".join(map(str, s.retention)), s.map_path, len(TARGETS))
+    logger.info("remnant: mode=%s retention=%s map=%s index_keys=%s: %d hooks registered", s.mode,
+                ",".join(map(str, s.retention)), s.map_path, s.index_key_format, len(chosen))
 
 
-def targets() -> list[tuple[str, object, object]]:
-    """(dotted target, hook, HookType) of every hook, as HookRegistry.register takes them."""
+def targets(chosen: list | None = None) -> list[tuple[str, object, object]]:
+    """(dotted target, hook, HookType) of every hook of `chosen` (default: TARGETS), as
+    HookRegistry.register takes them."""
     from sglang.srt.plugins.hook_registry import HookType
 
     kinds = {"around": HookType.AROUND, "after": HookType.AFTER}
-    return [(target, hook, kinds[kind]) for target, hook, kind in TARGETS]
+    return [(target, hook, kinds[kind]) for target, hook, kind in (TARGETS if chosen is None else chosen)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,15 +172,20 @@ def check_token_pool(result, pool, *args, **kwargs):
 
 
 def bytes_per_full_token(original, configurator):
-    """DSV4PoolConfigurator._get_bytes_per_full_token with the C4 term at packed size."""
-    bpt = original(configurator)
-    n_c4 = configurator.num_layers_ca4
-    if n_c4 == 0:
-        return bpt
-    native = configurator.qk_nope_head_dim + configurator.qk_rope_head_dim * 2 + 8
-    c4_frac = 1 / (CSA_RATIO * configurator.c4_shrink_factor)
-    packed = packed_c4_bytes(list(configurator.compression_ratios), active())
-    return bpt - c4_frac * (native * n_c4 - sum(packed))
+    """DSV4PoolConfigurator._get_bytes_per_full_token less what SGLang counts and the
+    plugin's pools do not store (remnant.sglang.sizing): packed C4 records, and MXFP4
+    index keys at their pool's size when SGLang's FP4 indexer is on."""
+    from sglang.srt.runtime_context import get_exec
+
+    s = active()
+    # The flag as DeepSeekV4IndexerPool reads it, so the count follows what the pool stores.
+    fp4 = bool(get_exec().kernel.enable_deepseek_v4_fp4_indexer)
+    if s.index_key_format == "mxfp4" and not fp4:
+        raise ConfigError("remnant: REMNANT_INDEX_KEY_FORMAT=mxfp4 needs SGLang's --enable-deepseek-v4-fp4-indexer "
+                          "(its indexer pool stores FP8 keys without it)")
+    has_c4 = s.packed and configurator.num_layers_ca4 > 0  # a pipeline stage may have no CSA layer
+    packed = packed_c4_bytes(list(configurator.compression_ratios), s) if has_c4 else []
+    return original(configurator) - sum(freed_per_full_token(configurator, s, packed, fp4).values())
 
 
 def compress_store(original, backend, **kwargs):
@@ -301,10 +315,15 @@ def dequantize_paged(original, quant_k_cache, page_table_1_flattened, page_size,
     return result
 
 def check_server_args(result, server_args, *args, **kwargs):
-    """ServerArgs.check_server_args: what the packed modes need of the server."""
+    """ServerArgs.check_server_args: what the plugin's settings need of the server."""
     from sglang.srt.environ import envs
 
     s = active()
+    if s.index_key_format == "mxfp4" and not getattr(server_args, "enable_deepseek_v4_fp4_indexer", False):
+        raise ConfigError("remnant: REMNANT_INDEX_KEY_FORMAT=mxfp4 needs SGLang's --enable-deepseek-v4-fp4-indexer "
+                          "(the pool sizing counts the 68-byte keys that flag stores)")
+    if not s.packed:
+        return
     try:
         s.check_hicache(bool(server_args.enable_hierarchical_cache))
     except ConfigError as e:
@@ -336,3 +355,6 @@ TARGETS = [
     (f"{_POOL}.set_swa_key_buffer", window_store_quantized, "around"),
     (f"{_POOL}.get_swa_raw_buffer", window_raw_buffer, "around"),
 ]
+
+#: The hooks native mode registers for MXFP4 index keys: the pool sizing and its check.
+SIZING_TARGETS = [t for t in TARGETS if t[1] in (bytes_per_full_token, check_server_args)]

@@ -22,6 +22,11 @@ so the settings travel as environment variables, which child processes inherit;
                            pool sizing, in every mode; carried here so that the hosts' one
                            setting (host.compressor_state_dtype) reaches SGLang through
                            to_env and is checked before SGLang starts
+    REMNANT_INDEX_KEY_FORMAT  fp8 (default) | mxfp4: the indexer keys as SGLang's
+                           --enable-deepseek-v4-fp4-indexer stores them, which the server
+                           must be given too; the plugin's pool sizing then counts the
+                           pool's 68 bytes a key where SGLang counts 132, in every mode
+                           (native included: the one case where native registers hooks)
 
 `Settings.to_env` writes these variables (the hosts that start SGLang use it), `from_env`
 reads them.
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from remnant.config_errors import ConfigError
-from remnant.kv.formats import KERNEL_RETENTION, RETENTION_VALUES
+from remnant.kv.formats import INDEX_KEY_FORMATS, KERNEL_RETENTION, RETENTION_VALUES
 from remnant.kv.modes import check_packed_rules, mode_of
 
 ENV_MODE = "REMNANT_MODE"
@@ -56,6 +61,7 @@ ENV_STATE_DTYPE = "SGLANG_DSV4_COMPRESS_STATE_DTYPE"
 #: _get_dsv4_compress_state_dtype_sizes), by the name Remnant gives it
 #: (remnant.engine.capacity.STATE_DTYPES, host.compressor_state_dtype).
 STATE_DTYPE_SPELLINGS = {"float32": ("float32", "fp32"), "bfloat16": ("bfloat16", "bf16")}
+ENV_INDEX_KEY_FORMAT = "REMNANT_INDEX_KEY_FORMAT"
 
 #: SGLang's entry-point group for general plugins, and the name Remnant registers there.
 GENERAL_PLUGINS_GROUP = "sglang.srt.plugins"
@@ -70,7 +76,8 @@ class Settings:
     """mode: native | triton | kernel. retention: R per CSA layer, or a 1-tuple for a
     uniform R (the model's CSA layer count is known only when its pools are built).
     map_path: retention map file, or None. compressor_state_dtype: float32 | bfloat16, in
-    every mode (SGLang's SGLANG_DSV4_COMPRESS_STATE_DTYPE)."""
+    every mode (SGLang's SGLANG_DSV4_COMPRESS_STATE_DTYPE). index_key_format: fp8 | mxfp4
+    (remnant.kv.formats.INDEX_KEY_FORMATS), in every mode."""
 
     mode: str = "native"
     retention: tuple[int, ...] = (KERNEL_RETENTION,)
@@ -79,10 +86,17 @@ class Settings:
     #: cannot calibrate instead of silently keeping the prefix coordinates (None: not given).
     policy: str | None = None
     compressor_state_dtype: str = "float32"
+    index_key_format: str = "fp8"
 
     @property
     def packed(self) -> bool:
         return mode_of(self.mode, ENV_MODE).packed
+
+    @property
+    def resizes(self) -> bool:
+        """Whether the plugin sizes SGLang's pools other than SGLang does: a packed mode, or
+        MXFP4 index keys (counted at the pool's true size) in any mode."""
+        return self.packed or self.index_key_format != "fp8"
 
     def to_env(self) -> dict[str, str]:
         """The variables that `from_env` reads back as these settings: what a host exports
@@ -104,6 +118,8 @@ class Settings:
         env = {}
         if self.compressor_state_dtype != "float32":
             env[ENV_STATE_DTYPE] = self.compressor_state_dtype
+        if self.index_key_format != "fp8":
+            env[ENV_INDEX_KEY_FORMAT] = self.index_key_format
         return env
 
     def values(self, n_csa: int) -> list[int]:
@@ -156,6 +172,14 @@ def parse_retention(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def _one_of(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
+    """Variable `name` of `env`, one of `allowed` (unset or empty: the first)."""
+    value = env.get(name, "").strip() or allowed[0]
+    if value not in allowed:
+        raise ConfigError(f"{name}={value} is not allowed; allowed: {', '.join(allowed)}")
+    return value
+
+
 def parse_state_dtype(text: str) -> str:
     """SGLANG_DSV4_COMPRESS_STATE_DTYPE as SGLang reads it (stripped, any case; unset or
     empty: float32) -> float32 | bfloat16. ConfigError names the variable and what SGLang
@@ -175,10 +199,11 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """
     env = os.environ if environ is None else environ
     mode = env.get(ENV_MODE, "native").strip() or "native"
-    state_dtype = parse_state_dtype(env.get(ENV_STATE_DTYPE, ""))
+    parts = {"compressor_state_dtype": parse_state_dtype(env.get(ENV_STATE_DTYPE, "")),
+             "index_key_format": _one_of(env, ENV_INDEX_KEY_FORMAT, INDEX_KEY_FORMATS)}
     if not mode_of(mode, ENV_MODE).keeps_retention:
-        # Native ignores retention, as run configs do; the state dtype is SGLang's own.
-        return Settings(compressor_state_dtype=state_dtype)
+        # Native ignores retention, as run configs do; the other parts hold in every mode.
+        return Settings(**parts)
     retention = parse_retention(env.get(ENV_RETENTION, "").strip() or str(KERNEL_RETENTION))
     map_path = env.get(ENV_RETENTION_MAP, "").strip() or None
     if map_path is not None and not os.path.isfile(map_path):
@@ -188,8 +213,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(
             f"{ENV_RETENTION_POLICY}={policy} needs calibration captures, which the SGLang server does not take; "
             f"give {ENV_RETENTION_MAP} (built with python -m remnant.cli.build_map) or {ENV_RETENTION_POLICY}=prefix")
-    settings = Settings(mode=mode, retention=retention, map_path=map_path, policy=policy,
-                        compressor_state_dtype=state_dtype)
+    settings = Settings(mode=mode, retention=retention, map_path=map_path, policy=policy, **parts)
     check_packed_rules(mode, list(retention), False, _retention_label(retention))
     return settings
 

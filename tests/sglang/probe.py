@@ -36,11 +36,19 @@ def write_config(ratios: list[int]) -> str:
     return d
 
 
-def server_args(ratios: list[int], **extra):
+def server_args(ratios: list[int], fp4_indexer: str = "off", **extra):
+    """SGLang's ServerArgs for a config of `ratios`, published as a scheduler's. fp4_indexer
+    "on": --enable-deepseek-v4-fp4-indexer, set after construction because ServerArgs
+    refuses it off SM100/SM120 GPUs (what it changes here, the indexer pool's key size and
+    the plugin's count of it, needs no GPU). Resolved ServerArgs are read-only; the write
+    goes around that guard as SGLang's own test-only `override` writes its flag bags, and
+    before publish, so the config bags SGLang's pools read carry it."""
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
     sa = ServerArgs(model_path=write_config(ratios), device="cpu", skip_tokenizer_init=True, **extra)
+    if fp4_indexer == "on":
+        object.__setattr__(sa, "enable_deepseek_v4_fp4_indexer", True)
     publish(sa, role="scheduler")
     return sa
 
@@ -74,12 +82,12 @@ def token_pool(ratios=TINY_RATIOS, c4_size=1024):
         enable_memory_saver=False, compression_ratios=ratios)
 
 
-def pool() -> dict:
+def pool(fp4_indexer: str = "off") -> dict:
     """The token pool SGLang builds, with the plugin loaded: what the C4 pool is and holds."""
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    server_args(TINY_RATIOS)
+    server_args(TINY_RATIOS, fp4_indexer)
     p = token_pool()
     c4 = p.c4_kv_pool
     return {
@@ -90,11 +98,13 @@ def pool() -> dict:
         "c128_class": type(p.c128_kv_pool).__name__,
         "c128_buffers": [list(b.shape) for b in p.c128_kv_pool.kv_buffer],
         "swa_buffers": [list(b.shape) for b in p.swa_kv_pool.kv_buffer],
+        "indexer_page_size": p.c4_indexer_kv_pool.page_size,
+        "indexer_buffers": [list(b.shape) for b in p.c4_indexer_kv_pool.index_k_with_scale_buffer],
         "mapping": [[m.compress_ratio, m.compress_layer_id] for m in p.layer_mapping],
     }
 
 
-def configurator(budget: int) -> dict:
+def configurator(budget: int, fp4_indexer: str = "off") -> dict:
     """Token capacity SGLang's DSV4PoolConfigurator computes for `budget` bytes at V4-Flash geometry."""
     from sglang.srt.plugins import load_plugins
 
@@ -107,7 +117,7 @@ def configurator(budget: int) -> dict:
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    sa = server_args(FLASH_RATIOS)
+    sa = server_args(FLASH_RATIOS, fp4_indexer)
     mc = ModelConfig.from_server_args(sa)
     ps = ParallelState(**{f.name: (1 if f.name.endswith("_size") else 0) for f in dataclasses.fields(ParallelState)})
     n = len(FLASH_RATIOS)
@@ -127,13 +137,14 @@ def configurator(budget: int) -> dict:
             "swa_ratio": sa.swa_full_tokens_ratio}
 
 
-def server_check(hicache: str) -> dict:
-    """check_server_args with --enable-hierarchical-cache on or off: the error, if any."""
+def server_check(hicache: str, fp4_indexer: str = "off") -> dict:
+    """check_server_args with --enable-hierarchical-cache (and the FP4 indexer) on or off:
+    the error, if any."""
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
     try:
-        sa = server_args(TINY_RATIOS, enable_hierarchical_cache=hicache == "on")
+        sa = server_args(TINY_RATIOS, fp4_indexer, enable_hierarchical_cache=hicache == "on")
         sa.check_server_args()
     except ValueError as e:
         return {"error": str(e)}

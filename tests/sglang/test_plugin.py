@@ -104,6 +104,64 @@ def test_bf16_compressor_state_counts_as_the_engines_formula(mode):
     assert fp32["bytes_per_full_token"] - got["bytes_per_full_token"] == pytest.approx(halved, rel=1e-12)
 
 
+def test_sglangs_configurator_alone_counts_fp8_keys_under_the_fp4_indexer():
+    """What the plugin mends, in the wheel: SGLang's FP4 indexer pool stores 68 bytes a key
+    but SGLang's sizing counts 132 with or without the flag (native, no plugin hooks)."""
+    from remnant.sglang.sizing import counted_index_key_bytes, fp4_index_key_bytes
+
+    fp8, fp4 = probe("pool", REMNANT_MODE="native"), probe("pool", "on", REMNANT_MODE="native")
+    for got, key in ((fp8, 132), (fp4, fp4_index_key_bytes(128))):
+        assert {b[1] for b in got["indexer_buffers"]} == {got["indexer_page_size"] * key}
+    assert fp4_index_key_bytes(128) == 68 and counted_index_key_bytes(128) == 132
+    alone = probe("configurator", BUDGET, "on", REMNANT_MODE="native")
+    assert alone["bytes_per_full_token"] == probe("configurator", BUDGET, REMNANT_MODE="native")["bytes_per_full_token"]
+
+
+@pytest.mark.parametrize("mode", ["native", "triton", "kernel"])
+def test_mxfp4_index_keys_count_the_pools_bytes_as_the_engines_formula(mode):
+    from remnant.engine.capacity import Combination
+    from remnant.sglang.settings import Settings
+
+    packed = () if mode == "native" else ("c4",)
+    env = Settings(mode, index_key_format="mxfp4").to_env()
+    assert env["REMNANT_INDEX_KEY_FORMAT"] == "mxfp4"
+    got = probe("configurator", BUDGET, "on", **env)
+    assert_engine_capacity(got, Combination(packed=packed, index_keys="mxfp4"))
+    if packed:  # a packed mode counts what the pool stores, the setting given or not
+        alone = probe("configurator", BUDGET, "on", REMNANT_MODE=mode)
+        assert alone["bytes_per_full_token"] == got["bytes_per_full_token"]
+
+
+def test_native_mode_with_mxfp4_keys_registers_the_sizing_hooks_only():
+    from remnant.sglang.plugin import SIZING_TARGETS
+
+    patched = probe("patched", REMNANT_MODE="native", REMNANT_INDEX_KEY_FORMAT="mxfp4")
+    patched.pop("backend.dequantize_k_cache_paged")
+    assert {t for t, on in patched.items() if on} == {t for t, _, _ in SIZING_TARGETS}
+    assert len(SIZING_TARGETS) == 2
+
+
+def test_every_part_sglang_stores_itself_with_packed_c4_gives_the_engines_ratio():
+    """C4 records packed, bf16 state and MXFP4 keys: docs/kv.md's 1.4393x per full token."""
+    from remnant.engine.capacity import Combination
+    from remnant.sglang.settings import Settings
+
+    env = Settings("kernel", compressor_state_dtype="bfloat16", index_key_format="mxfp4").to_env()
+    got = probe("configurator", BUDGET, "on", **env)
+    native = probe("configurator", BUDGET, REMNANT_MODE="native")
+    assert_engine_capacity(got, Combination(packed=("c4",), index_keys="mxfp4", state_dtype="bfloat16"))
+    assert native["bytes_per_full_token"] / got["bytes_per_full_token"] == pytest.approx(1.4393, abs=1e-4)
+
+
+def test_mxfp4_setting_needs_sglangs_fp4_indexer():
+    need = "REMNANT_INDEX_KEY_FORMAT=mxfp4 needs SGLang's --enable-deepseek-v4-fp4-indexer"
+    for mode in ("native", "kernel"):
+        off = probe("server_check", "off", REMNANT_MODE=mode, REMNANT_INDEX_KEY_FORMAT="mxfp4")
+        assert need in (off.get("error") or ""), off
+        on = probe("server_check", "off", "on", REMNANT_MODE=mode, REMNANT_INDEX_KEY_FORMAT="mxfp4")
+        assert on == {"error": None}
+
+
 def test_triton_per_layer_capacity_counts_each_layers_bytes():
     from tests.sglang.probe import FLASH_RATIOS
 

@@ -124,10 +124,20 @@ def test_a_state_dtype_sglang_refuses_is_refused_first():
 
 
 def test_parts_env_is_what_to_env_adds_beyond_mode_and_retention():
-    s = Settings("kernel", compressor_state_dtype="bfloat16")
-    assert s.parts_env() == {"SGLANG_DSV4_COMPRESS_STATE_DTYPE": "bfloat16"}
+    s = Settings("kernel", compressor_state_dtype="bfloat16", index_key_format="mxfp4")
+    assert s.parts_env() == {"SGLANG_DSV4_COMPRESS_STATE_DTYPE": "bfloat16", "REMNANT_INDEX_KEY_FORMAT": "mxfp4"}
     assert s.to_env() == {**Settings("kernel").to_env(), **s.parts_env()}
     assert Settings("native").parts_env() == {}
+
+
+@pytest.mark.parametrize("mode", ["native", "triton", "kernel"])
+def test_index_key_format_holds_in_every_mode_and_makes_the_plugin_resize(mode):
+    s = from_env({"REMNANT_MODE": mode, "REMNANT_INDEX_KEY_FORMAT": "mxfp4"})
+    assert s.index_key_format == "mxfp4" and s.resizes and from_env(s.to_env()) == s
+    assert from_env({"REMNANT_MODE": mode}).index_key_format == "fp8"
+    assert from_env({"REMNANT_MODE": mode}).resizes == (mode != "native")
+    with pytest.raises(ConfigError, match="REMNANT_INDEX_KEY_FORMAT=fp4 is not allowed; allowed: fp8, mxfp4"):
+        from_env({"REMNANT_MODE": mode, "REMNANT_INDEX_KEY_FORMAT": "fp4"})
 
 
 # The hosts that start SGLang pass the settings on -----------------------------------------
@@ -141,28 +151,37 @@ def _spec(tmp_path, mode="kernel"):
                       ModelConfig(name="dsv4", tp_size=4), tmp_path, tmp_path / "server.log", run_id="r1")
 
 
+PARTS = {"compressor_state_dtype": "bfloat16", "index_key_format": "mxfp4"}
+
+
 @pytest.mark.parametrize("mode", ["native", "kernel"])
-def test_local_host_gives_sglang_the_state_dtype(tmp_path, mode):
+def test_local_host_gives_sglang_the_parts(tmp_path, mode):
     from remnant.hosts.local import LocalHost, LocalHostConfig
 
-    cfg = LocalHostConfig(compressor_state_dtype="bfloat16")
+    cfg = LocalHostConfig(**PARTS)
     cfg.validate()
-    env = LocalHost(cfg)._environment(_spec(tmp_path, mode), "r1", 31000, 31001)
+    host, spec = LocalHost(cfg), _spec(tmp_path, mode)
+    env = host._environment(spec, "r1", 31000, 31001)
     assert env["SGLANG_DSV4_COMPRESS_STATE_DTYPE"] == "bfloat16"
-    assert from_env(env).compressor_state_dtype == "bfloat16" and from_env(env).mode == mode
-    default = LocalHost(LocalHostConfig())._environment(_spec(tmp_path, mode), "r1", 31000, 31001)
-    assert "SGLANG_DSV4_COMPRESS_STATE_DTYPE" not in default
+    got = from_env(env)
+    assert (got.mode, got.compressor_state_dtype, got.index_key_format) == (mode, "bfloat16", "mxfp4")
+    assert host._command(spec)[-1] == "--enable-deepseek-v4-fp4-indexer"
+    default = LocalHost(LocalHostConfig())
+    assert from_env(default._environment(spec, "r1", 31000, 31001)) == Settings(mode, **({} if mode == "native" else
+                                                                                       {"policy": "prefix"}))
+    assert "--enable-deepseek-v4-fp4-indexer" not in default._command(spec)
 
 
-def test_modal_host_gives_sglang_the_state_dtype(tmp_path):
+def test_modal_host_gives_sglang_the_parts(tmp_path):
     from remnant.hosts.modal import ModalHostConfig, ServeRequest
 
     app = pytest.importorskip("runners.modal.app", reason="modal is not installed (pip install -e '.[test]')")
-    cfg = ModalHostConfig(model_revision="0123abc", compressor_state_dtype="bfloat16")
+    cfg = ModalHostConfig(model_revision="0123abc", **PARTS)
     cfg.validate()
     request = ServeRequest.from_json(ServeRequest.from_spec(_spec(tmp_path), cfg, "tok").to_json())
-    _, env = app.launch_plan(request, app.Settings(model_revision="0123abc"), tmp_path / "ckpt", tmp_path / "work")
-    assert from_env(env) == Settings("kernel", (256,), policy="prefix", compressor_state_dtype="bfloat16")
+    argv, env = app.launch_plan(request, app.Settings(model_revision="0123abc"), tmp_path / "ckpt", tmp_path / "work")
+    assert from_env(env) == Settings("kernel", (256,), policy="prefix", **PARTS)
+    assert argv[-1] == "--enable-deepseek-v4-fp4-indexer"
 
 
 @pytest.mark.parametrize("cfg, message", [
@@ -172,8 +191,14 @@ def test_modal_host_gives_sglang_the_state_dtype(tmp_path):
                                             "bfloat16"),
     ({"env": {"SGLANG_DSV4_COMPRESS_STATE_DTYPE": "bf16"}},
      "host.env sets SGLANG_DSV4_COMPRESS_STATE_DTYPE; give host.compressor_state_dtype instead"),
+    ({"server": "embedded", "index_key_format": "mxfp4"},
+     "host.index_key_format=mxfp4 is not passed to host.server=embedded's remnant-serve"),
+    ({"index_key_format": "fp4"}, "host.index_key_format=fp4 is not allowed; allowed: fp8, mxfp4"),
+    ({"server_args": ["--enable-deepseek-v4-fp4-indexer"]},
+     "host.server_args holds --enable-deepseek-v4-fp4-indexer; give host.index_key_format=mxfp4 instead"),
+    ({"env": {"REMNANT_INDEX_KEY_FORMAT": "mxfp4"}}, "host.env sets REMNANT_INDEX_KEY_FORMAT"),
 ])
-def test_local_host_refuses_a_state_dtype_it_cannot_pass(cfg, message):
+def test_local_host_refuses_a_part_it_cannot_pass(cfg, message):
     from remnant.hosts.local import LocalHostConfig
 
     with pytest.raises(ConfigError, match=message):
