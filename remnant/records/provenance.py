@@ -86,21 +86,24 @@ def sources() -> dict:
 
     git_sha / git_dirty describe the checkout remnant is imported from; dirty counts
     untracked, non-ignored files too, since they can change what runs. Both are None
-    outside a checkout or without git, except that a copy of a checkout without its .git
-    (as a lent GPU machine gets) may name its commit in REMNANT_GIT_COMMIT (40 hex digits;
-    git_dirty then stays None: nothing can tell). sglang_version is set where sglang is
-    installed in this environment; image_digest is left to the host that ran a container.
+    outside a checkout or without git. A copy of a checkout (as a lent GPU machine gets)
+    names its commit in REMNANT_GIT_COMMIT (40 hex digits), which then wins over any .git
+    beside it: such a copy may carry a stale .git (an earlier commit's, with the work tree
+    showing as dirty), and git_dirty stays None, since nothing can tell. sglang_version is
+    set where sglang is installed in this environment; image_digest is left to the host
+    that ran a container.
     """
     sha = dirty = None
     root = _checkout_root()
-    if root is not None:
+    named = os.environ.get(GIT_COMMIT_ENV, "")
+    if re.fullmatch(r"[0-9a-f]{40}", named):
+        sha = named
+    elif root is not None:
         out = _git(root, "rev-parse", "HEAD")
         if out and out.strip():
             sha = out.strip()
             status = _git(root, "status", "--porcelain")
             dirty = None if status is None else bool(status.strip())
-    elif re.fullmatch(r"[0-9a-f]{40}", os.environ.get(GIT_COMMIT_ENV, "")):
-        sha = os.environ[GIT_COMMIT_ENV]
     return {
         "remnant_version": remnant.__version__,
         "git_sha": sha,

@@ -64,6 +64,17 @@ def test_sources_outside_a_checkout_take_the_commit_it_is_given(monkeypatch, nam
     assert s["git_sha"] == (named if want else None) and s["git_dirty"] is None
 
 
+def test_a_named_commit_wins_over_the_checkout(monkeypatch):
+    # A lent GPU machine's copy may carry a stale .git (the session start's): the commit the
+    # caller names is the one that ran, and whether the tree was dirty is unknown.
+    named = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv(provenance.GIT_COMMIT_ENV, named)
+    s = sources()
+    assert s["git_sha"] == named and s["git_dirty"] is None
+    monkeypatch.setenv(provenance.GIT_COMMIT_ENV, "HEAD")  # not a sha: the checkout's own
+    assert re.fullmatch(r"[0-9a-f]{40}", sources()["git_sha"]) and sources()["git_sha"] != named
+
+
 def test_environment_validates_as_the_run_environment():
     env = environment()
     required = load_schema("remnant/run", 1)["$defs"]["environment"]["required"]
