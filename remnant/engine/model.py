@@ -32,10 +32,12 @@ reference put q back in natural order and their output in kept-first order.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -319,6 +321,13 @@ class FoldedWeights:
         return cls(wq_b, wo, order, inverse)
 
 
+#: Layers built side by side (Model's thread pool) that draw their routed experts on a CUDA
+#: device draw and quantize at most two at a time: a V4-sized layer's float32 experts and the
+#: quantizer's temporaries take ~7 GiB, and sixteen at once ran an 80 GB H100 out of memory
+#: at load (2026-12-05) beside 47 GB of finished weights.
+_CUDA_EXPERT_DRAWS = threading.BoundedSemaphore(2)
+
+
 class Layer:
     """Weights of one decoder layer: attention, then a routed MoE (remnant.engine.moe) or a
     dense SwiGLU.
@@ -357,13 +366,15 @@ class Layer:
         if args.n_routed_experts:
             from remnant.engine.moe import MoE
 
-            experts_gen = gen
+            experts_gen, draws = gen, contextlib.nullcontext()
             if device.type == "cuda":
                 seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-                experts_gen = torch.Generator(device).manual_seed(seed)
-            self.moe = MoE(hidden_size=h, moe_intermediate_size=args.moe_intermediate_size,
-                           n_routed_experts=args.n_routed_experts, num_experts_per_tok=args.num_experts_per_tok,
-                           n_shared_experts=args.n_shared_experts, expert_dtype=args.expert_dtype, generator=experts_gen)
+                experts_gen, draws = torch.Generator(device).manual_seed(seed), _CUDA_EXPERT_DRAWS
+            with draws:  # drawn and quantized at once: the float32 experts live only here
+                self.moe = MoE(hidden_size=h, moe_intermediate_size=args.moe_intermediate_size,
+                               n_routed_experts=args.n_routed_experts, num_experts_per_tok=args.num_experts_per_tok,
+                               n_shared_experts=args.n_shared_experts, expert_dtype=args.expert_dtype,
+                               generator=experts_gen).quantize()
         else:
             self.w_gate = w(h, args.intermediate_size)
             self.w_up = w(h, args.intermediate_size)

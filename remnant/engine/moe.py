@@ -131,7 +131,7 @@ class MoE:
         a later .to moves the codes and scales without quantizing again. Experts stored
         in bfloat16 stay so when moved with a float32 compute dtype (and vice versa).
         """
-        from remnant.kernels.moe import EXPERT_DTYPES as KERNEL_EXPERT_DTYPES, quantize_experts
+        from remnant.kernels.moe import EXPERT_DTYPES as KERNEL_EXPERT_DTYPES
 
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype={dtype} is not allowed; allowed: {', '.join(map(str, COMPUTE_DTYPES))}")
@@ -141,9 +141,7 @@ class MoE:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device, dtype))
-        if expert_dtype == torch.float8_e4m3fn and self.gate_up_scale is None:
-            self.w_gate_up, self.gate_up_scale = quantize_experts(self.w_gate_up)
-            self.w_down, self.down_scale = quantize_experts(self.w_down)
+        self.quantize()
         for name in ("w_gate_up", "w_down"):
             setattr(self, name, getattr(self, name).to(device, expert_dtype))
         for name in ("gate_up_scale", "down_scale"):
@@ -151,6 +149,16 @@ class MoE:
             if value is not None:
                 setattr(self, name, value.to(device))
         self.dtype, self.device = dtype, device
+        return self
+
+    def quantize(self) -> "MoE":
+        """FP8 experts (expert_dtype float8_e4m3fn): codes and scales from the float weights,
+        where they are, once (in place; returns self). Other expert dtypes: nothing."""
+        from remnant.kernels.moe import EXPERT_DTYPES as KERNEL_EXPERT_DTYPES, quantize_experts
+
+        if KERNEL_EXPERT_DTYPES[self.args.expert_dtype] == torch.float8_e4m3fn and self.gate_up_scale is None:
+            self.w_gate_up, self.gate_up_scale = quantize_experts(self.w_gate_up)
+            self.w_down, self.down_scale = quantize_experts(self.w_down)
         return self
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
