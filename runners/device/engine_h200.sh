@@ -18,9 +18,11 @@ for stage in ${STAGES:-tests bench serve}; do
   t0=$(date +%s)
   case $stage in
   tests)
-    timeout ${TESTS_S:-150} python3 -m pytest ${GPU_TESTS:-tests/engine tests/kernels/test_moe.py \
+    # SIGINT at the limit: pytest then reports the failures so far (a SIGTERM or SIGKILL
+    # leaves only its progress dots, as on 2026-12-05).
+    timeout -s INT -k 20 ${TESTS_S:-300} python3 -m pytest ${GPU_TESTS:-tests/engine tests/kernels/test_moe.py \
         tests/kernels/test_indexer.py tests/kernels/test_top_k.py} -q -m gpu \
-        -p no:cacheprovider --timeout 120 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25 ;;
+        -p no:cacheprovider --timeout 120 --tb=short -rfE 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25 ;;
   timings)
     timeout ${TIMINGS_S:-180} python3 runners/device/moe_topk_timings.py 2>&1 | tee "$OUT/timings.txt" | tail -20 ;;
   bench)
