@@ -265,8 +265,13 @@ def validate(cfg: RunConfig) -> None:
         value = getattr(ret, name)
         if value not in allowed:
             raise ConfigError(f"retention.{name}={value} is not allowed; allowed: {', '.join(allowed)}")
-        if value != "native" and cfg.host.kind != "embedded":
-            # Only the embedded engine's pools and attention hold packed window and C128 records.
+        if value != "native" and cfg.host.serves_sglang():
+            # The SGLang plugin serves what it can pack without calibrating at load.
+            from remnant.sglang.settings import check_served_records
+
+            check_served_records(name, value, f"retention.{name}")
+        elif value != "native" and cfg.host.kind != "embedded":
+            # The embedded engine's pools and attention hold every packed form; other servers none.
             raise ConfigError(f"retention.{name}={value} is served by host=embedded only; "
                               f"host={cfg.host.kind}'s server takes no such setting")
     if ret.packs_other_layers() and ret.per_layer is not None:

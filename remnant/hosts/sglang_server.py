@@ -74,4 +74,5 @@ def plugin_settings(spec: ServerSpec, fields: SGLangKVFields, map_path: str | No
     parts = {"compressor_state_dtype": fields.compressor_state_dtype, "index_key_format": fields.index_key_format}
     if ret is None:
         return Settings(spec.mode, **parts)
-    return Settings(spec.mode, tuple(ret.values()), map_path if ret.map_path else None, ret.policy, **parts)
+    return Settings(spec.mode, tuple(ret.values()), map_path if ret.map_path else None, ret.policy, **parts,
+                    window_records=ret.window_records, c128_records=ret.c128_records)

@@ -42,6 +42,14 @@ def native_layout(per_page: int) -> PageLayout:
     return PageLayout.sglang(per_page, NATIVE)
 
 
+def window_layout(per_page: int, keep: "torch.Tensor | KeptColumns | None" = None) -> PageLayout:
+    """A window pool layer's pages of `per_page` records: native, or packed with `keep`
+    (R = N + 64, the CSA layer's C4 keep list: retention.window_records=packed_csa)."""
+    if keep is None:
+        return native_layout(per_page)
+    return PageLayout.sglang(per_page, KeptColumns.of(keep, torch.device("cpu")).n_kept + 64)
+
+
 def make_packed_buffers(
     size: int, per_page: int, retentions: list[int], device: str | torch.device = "cpu"
 ) -> tuple[list[torch.Tensor], list[PageLayout]]:
@@ -151,17 +159,21 @@ def decode_c4_packed(
 
     columns: "natural", q and out in the model's column order; "kept_first", both in
     KeptColumns.order (the plugin's folded wq_b / wo_a: fold.py). window_columns: the
-    window records' form, "natural" (SGLang's store) or "kept_first" (store_window_kept_first).
-    The folded call (both "kept_first") is the one the SM90 kernel takes (decode.plan.choose).
+    window records' form, "natural" (SGLang's store), "kept_first" (store_window_kept_first)
+    or "packed" (R + 72-byte records packed with `keep`, in PackedWindowPool's pages of
+    `swa_per_page` records: retention.window_records=packed_csa). The folded call (both
+    "kept_first") is the one the SM90 kernel takes (decode.plan.choose); a packed window
+    takes the Triton kernel.
     """
     c4_locs = mask_by_length(c4_indices, c4_lengths)
     win_locs = mask_by_length(swa_indices, swa_lengths)
     if swa.dtype != torch.uint8:
         swa = swa.view(torch.uint8)  # SGLang hands the window pool out as an FP8 view of its bytes
+    swa_layout = window_layout(swa_per_page, keep if window_columns == "packed" else None)
     if q.is_cuda:
         from remnant.kernels.decode import decode
 
-        return decode(q, buffer, layout, c4_locs, swa, native_layout(swa_per_page), win_locs, sink, keep, scale,
+        return decode(q, buffer, layout, c4_locs, swa, swa_layout, win_locs, sink, keep, scale,
                       columns=columns, window_columns=window_columns)
     # Off the GPU (SGLang's CPU tests) the float64 reference, as for the store and reconstruct.
     # It takes q in natural order: a kept-first q is put back, and the output permuted again.
@@ -173,7 +185,7 @@ def decode_c4_packed(
     cols = KeptColumns.of(keep, q.device)
     if columns == "kept_first":
         q = q.index_select(-1, cols.inverse.long())
-    out = decode_packed_reference(q, buffer, layout, c4_locs, cols, swa, native_layout(swa_per_page), win_locs, sink,
+    out = decode_packed_reference(q, buffer, layout, c4_locs, cols, swa, swa_layout, win_locs, sink,
                                   scale, window_columns=window_columns)
     if columns == "kept_first":
         out = out.index_select(-1, cols.order.long())
@@ -207,4 +219,5 @@ __all__ = [
     "stage_selected",
     "store_native",
     "store_window_kept_first",
+    "window_layout",
 ]

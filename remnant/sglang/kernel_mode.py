@@ -3,11 +3,11 @@
 The packed decode's fast kernel takes q, its output and a CSA layer's window records in
 kept-first column order (remnant.kv.layout.KeptColumns.order). Kernel mode therefore folds
 that order into each CSA layer's wq_b (output rows) and wo_a (input columns) as the
-checkpoint streams in (fold_weights, remnant.sglang.fold), stores the CSA layers' window
-records kept-first (window_store_*), refuses SGLang's paths that would write natural window
-records on them, and tells the plugin's readers which layers are folded (folded) and which
-buffer is a kept-first window (window_of), so that decode makes the folded call and sparse
-prefill gets columns in the order of each layer's q (remnant.sglang.plugin).
+checkpoint streams in (fold_weights, remnant.sglang.fold), stores the CSA layers' native
+window records kept-first (store_kept_first; the window hooks are remnant.sglang.window's),
+and tells the plugin's readers which layers are folded (folded) and which buffer is a
+kept-first window (window_of), so that decode makes the folded call and sparse prefill gets
+columns in the order of each layer's q (remnant.sglang.plugin).
 """
 
 from __future__ import annotations
@@ -75,12 +75,15 @@ def token_pools():
 
 def window_columns_of(pool, layer_id: int):
     """The KeptColumns of model layer `layer_id`'s window records where kernel mode stores
-    them kept-first (a CSA layer of a packed kernel-mode pool), else None."""
-    from remnant.sglang.pool import PackedC4Pool
+    them kept-first (a CSA layer of a packed kernel-mode pool whose windows are native
+    records: window_records=native), else None."""
+    from remnant.sglang.pool import PackedC4Pool, PackedWindowPool
 
     c4 = getattr(pool, "c4_kv_pool", None)
     if not isinstance(c4, PackedC4Pool) or not mode_of(c4.mode).direct_decode:
         return None
+    if isinstance(getattr(pool, "swa_kv_pool", None), PackedWindowPool):
+        return None  # packed windows (remnant.sglang.window) take the place of kept-first ones
     item = pool.layer_mapping[layer_id]
     if item is None or item.compress_ratio != CSA_RATIO:
         return None
@@ -90,62 +93,6 @@ def window_columns_of(pool, layer_id: int):
 def _window_pages(pool, layer_id: int):
     """(uint8 pages, tokens per page) of model layer `layer_id`'s window records."""
     return pool.swa_kv_pool.kv_buffer[pool._swa_local_layer_id(layer_id)], pool.swa_kv_pool.page_size
-
-
-def window_store_norm_rope(original, pool, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions):
-    """DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope (the CUDA path's
-    window write, MQALayer._compute_kv_to_cache): on a kernel-mode CSA layer, SGLang's own
-    norm + RoPE (fused_norm_rope_inplace_triton, in float32 as the fused kernel keeps its
-    registers) and then a kept-first store, instead of its fused native store."""
-    cols = window_columns_of(pool, layer_id)
-    if cols is None:
-        return original(pool, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions)
-    import torch
-    from sglang.kernels.ops.attention.deepseek_v4_rope import fused_norm_rope_inplace_triton
-
-    from remnant.sglang.buffers import store_window_kept_first
-
-    latents = kv.to(torch.float32).contiguous()  # a new tensor: the kernel writes in place
-    if latents.data_ptr() == kv.data_ptr():
-        latents = latents.clone()
-    fused_norm_rope_inplace_triton(latents, kv_weight, eps, freqs_cis, positions)
-    pages, per_page = _window_pages(pool, layer_id)
-    store_window_kept_first(latents, pages, per_page, swa_loc, cols)
-
-
-def window_store_fused(original, pool, layer_id, swa_loc, cache_k):
-    """DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused (the backend's store_cache:
-    SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE, the attention forward's save_kv_cache): bf16
-    latents stored kept-first on a kernel-mode CSA layer."""
-    cols = window_columns_of(pool, layer_id)
-    if cols is None:
-        return original(pool, layer_id, swa_loc, cache_k)
-    from remnant.sglang.buffers import store_window_kept_first
-
-    pages, per_page = _window_pages(pool, layer_id)
-    store_window_kept_first(cache_k, pages, per_page, swa_loc, cols)
-
-
-def window_store_quantized(original, pool, layer_id, loc, cache_nope_fp8_rope_bf16_pack):
-    """DeepSeekV4TokenToKVPool.set_swa_key_buffer(_radix): already-quantized natural records
-    (no CUDA serving path of sglang 0.5.18 calls them); refused on kernel-mode CSA layers,
-    whose window records are kept-first: re-quantizing them would round twice."""
-    if window_columns_of(pool, layer_id) is None:
-        return original(pool, layer_id, loc, cache_nope_fp8_rope_bf16_pack)
-    raise RuntimeError(f"remnant: REMNANT_MODE=kernel stores CSA layer {layer_id}'s window records kept-first from "
-                       f"bf16 latents; this SGLang path writes quantized natural records "
-                       f"(set_swa_key_buffer / set_swa_key_buffer_radix) and is not supported")
-
-
-def window_raw_buffer(original, pool, layer_id):
-    """DeepSeekV4TokenToKVPool.get_swa_raw_buffer: only the fused q/kv norm-rope-store of
-    HIP (SGLANG_OPT_USE_FUSED_QK_NORM_ROPE) reads it, to write natural window records;
-    refused on kernel-mode CSA layers."""
-    if window_columns_of(pool, layer_id) is None:
-        return original(pool, layer_id)
-    raise RuntimeError(f"remnant: REMNANT_MODE=kernel stores CSA layer {layer_id}'s window records kept-first; "
-                       f"SGLang's fused q/kv norm-rope-store (HIP, SGLANG_OPT_USE_FUSED_QK_NORM_ROPE) writes them "
-                       f"natively and is not supported")
 
 
 def window_of(tensor):
@@ -158,6 +105,15 @@ def window_of(tensor):
                     _window_pages(pool, layer_id)[0].data_ptr() == tensor.data_ptr():
                 return pool, layer_id
     return None
+
+
+def store_kept_first(pool, layer_id: int, latents, swa_loc, cols) -> None:
+    """Latents bf16/float [n, 512] of model layer `layer_id` stored kept-first with `cols`
+    at window locations `swa_loc` (remnant.sglang.buffers.store_window_kept_first)."""
+    from remnant.sglang.buffers import store_window_kept_first
+
+    pages, per_page = _window_pages(pool, layer_id)
+    store_window_kept_first(latents, pages, per_page, swa_loc, cols)
 
 
 def permute_columns(x, index) -> None:

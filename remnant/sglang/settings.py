@@ -27,6 +27,12 @@ so the settings travel as environment variables, which child processes inherit;
                            must be given too; the plugin's pool sizing then counts the
                            pool's 68 bytes a key where SGLang counts 132, in every mode
                            (native included: the one case where native registers hooks)
+    REMNANT_WINDOW_RECORDS native (default) | packed_csa: in a packed mode, each CSA layer's
+                           window records packed with its C4 map (retention.window_records;
+                           packed, every layer's, is refused: SGLang cannot calibrate the
+                           other layers' maps at load)
+    REMNANT_C128_RECORDS   native (default): retention.c128_records; packed is refused (the
+                           plugin does not pack C128 records)
 
 `Settings.to_env` writes these variables (the hosts that start SGLang use it), `from_env`
 reads them.
@@ -45,7 +51,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from remnant.config_errors import ConfigError
-from remnant.kv.formats import INDEX_KEY_FORMATS, KERNEL_RETENTION, RETENTION_VALUES
+from remnant.kv.formats import C128_RECORDS, INDEX_KEY_FORMATS, KERNEL_RETENTION, RETENTION_VALUES, WINDOW_RECORDS
 from remnant.kv.modes import check_packed_rules, mode_of
 
 ENV_MODE = "REMNANT_MODE"
@@ -62,6 +68,18 @@ ENV_STATE_DTYPE = "SGLANG_DSV4_COMPRESS_STATE_DTYPE"
 #: (remnant.engine.capacity.STATE_DTYPES, host.compressor_state_dtype).
 STATE_DTYPE_SPELLINGS = {"float32": ("float32", "fp32"), "bfloat16": ("bfloat16", "bf16")}
 ENV_INDEX_KEY_FORMAT = "REMNANT_INDEX_KEY_FORMAT"
+ENV_WINDOW_RECORDS = "REMNANT_WINDOW_RECORDS"
+ENV_C128_RECORDS = "REMNANT_C128_RECORDS"
+#: What the plugin serves of retention.window_records and retention.c128_records
+#: (remnant.kv.formats.WINDOW_RECORDS, C128_RECORDS), and why it refuses the rest.
+SERVED_RECORDS = {"window_records": ("native", "packed_csa"), "c128_records": ("native",)}
+REFUSED_RECORDS = {
+    ("window_records", "packed"): "packing every layer's window needs maps of the HCA and window-only layers, "
+                                  "calibrated at load, which SGLang cannot do (a retention map file names CSA "
+                                  "layers only)",
+    ("c128_records", "packed"): "the SGLang plugin does not pack the HCA layers' C128 records (their maps are "
+                                "calibrated at load, which SGLang cannot do)",
+}
 
 #: SGLang's entry-point group for general plugins, and the name Remnant registers there.
 GENERAL_PLUGINS_GROUP = "sglang.srt.plugins"
@@ -77,7 +95,8 @@ class Settings:
     uniform R (the model's CSA layer count is known only when its pools are built).
     map_path: retention map file, or None. compressor_state_dtype: float32 | bfloat16, in
     every mode (SGLang's SGLANG_DSV4_COMPRESS_STATE_DTYPE). index_key_format: fp8 | mxfp4
-    (remnant.kv.formats.INDEX_KEY_FORMATS), in every mode."""
+    (remnant.kv.formats.INDEX_KEY_FORMATS), in every mode. window_records: native |
+    packed_csa, c128_records: native, in the packed modes (SERVED_RECORDS)."""
 
     mode: str = "native"
     retention: tuple[int, ...] = (KERNEL_RETENTION,)
@@ -87,6 +106,8 @@ class Settings:
     policy: str | None = None
     compressor_state_dtype: str = "float32"
     index_key_format: str = "fp8"
+    window_records: str = "native"
+    c128_records: str = "native"
 
     @property
     def packed(self) -> bool:
@@ -120,7 +141,16 @@ class Settings:
             env[ENV_STATE_DTYPE] = self.compressor_state_dtype
         if self.index_key_format != "fp8":
             env[ENV_INDEX_KEY_FORMAT] = self.index_key_format
+        if self.packed and self.window_records != "native":
+            env[ENV_WINDOW_RECORDS] = self.window_records
+        if self.packed and self.c128_records != "native":
+            env[ENV_C128_RECORDS] = self.c128_records
         return env
+
+    @property
+    def packed_windows(self) -> bool:
+        """Whether the CSA layers' window records are packed (window_records=packed_csa)."""
+        return self.packed and self.window_records == "packed_csa"
 
     def values(self, n_csa: int) -> list[int]:
         """R of each of the model's `n_csa` CSA layers."""
@@ -172,6 +202,16 @@ def parse_retention(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def check_served_records(field: str, value: str, where: str) -> None:
+    """ConfigError naming `where` (the variable, or the run config's field) where the plugin
+    cannot serve `value` of retention.`field` (window_records or c128_records)."""
+    if value in SERVED_RECORDS[field]:
+        return
+    why = REFUSED_RECORDS.get((field, value), "")
+    raise ConfigError(f"{where}={value} is not served by the SGLang plugin{': ' + why if why else ''}; allowed with "
+                      f"SGLang: {', '.join(SERVED_RECORDS[field])}")
+
+
 def _one_of(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
     """Variable `name` of `env`, one of `allowed` (unset or empty: the first)."""
     value = env.get(name, "").strip() or allowed[0]
@@ -209,6 +249,10 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     if map_path is not None and not os.path.isfile(map_path):
         raise ConfigError(f"{ENV_RETENTION_MAP}={map_path} is not a file")
     policy = env.get(ENV_RETENTION_POLICY, "").strip() or None
+    for field, name, allowed in (("window_records", ENV_WINDOW_RECORDS, WINDOW_RECORDS),
+                                 ("c128_records", ENV_C128_RECORDS, C128_RECORDS)):
+        parts[field] = _one_of(env, name, allowed)
+        check_served_records(field, parts[field], name)
     if map_path is None and policy not in (None, "prefix"):
         raise ConfigError(
             f"{ENV_RETENTION_POLICY}={policy} needs calibration captures, which the SGLang server does not take; "

@@ -8,6 +8,8 @@ SGLang counts 584 bytes for every C4 record and d + 4 d / 128 bytes for every in
 carry remnant.engine.capacity's names:
 
 - c4: a packed mode's C4 records, R + 72 bytes per CSA layer's record;
+- swa: with window_records=packed_csa, the CSA layers' window records at the same R + 72
+  (SGLang counts swa_ratio x 584 per layer and full token);
 - c4_indexer: with SGLang's FP4 indexer, the key its pool stores (DeepSeekV4IndexerPool.
   get_bytes_per_token: d / 2 + 4 = 68 bytes at d = 128).
 
@@ -48,10 +50,13 @@ def freed_per_full_token(configurator, s: Settings, packed_c4: list[int], fp4_in
     if s.packed and n_c4:
         native = configurator.qk_nope_head_dim + configurator.qk_rope_head_dim * 2 + 8
         if native != NATIVE_RECORD_BYTES:
-            raise RuntimeError(f"remnant: SGLang counts {native}-byte C4 records; the packed pools replace "
+            raise RuntimeError(f"remnant: SGLang counts {native}-byte records; the packed pools replace "
                                f"{NATIVE_RECORD_BYTES}-byte ones (DeepSeek-V4's 448 + 64 head)")
         c4_frac = 1 / (CSA_RATIO * configurator.c4_shrink_factor)
         freed["c4"] = c4_frac * (native * n_c4 - sum(packed_c4))
+        if s.packed_windows:
+            # One window record per token of the SWA pool (swa_ratio x F tokens), per CSA layer.
+            freed["swa"] = configurator.swa_ratio * (native * n_c4 - sum(packed_c4))
     if fp4_indexer and n_c4:
         d = configurator.indexer_head_dim
         freed["c4_indexer"] = (counted_index_key_bytes(d) - fp4_index_key_bytes(d)) * n_c4 / CSA_RATIO

@@ -36,6 +36,21 @@ def write_config(ratios: list[int]) -> str:
     return d
 
 
+def write_map(path: str, retention: int = 256, seed: int = 0, ratios: list[int] = TINY_RATIOS) -> str:
+    """A retention map file at `path` keeping `retention` coordinates of each CSA layer of
+    `ratios`, scattered (seeded): a prefix keep would leave every column order the identity."""
+    import torch
+
+    from remnant.calibration.retention import LayerKeep, RetentionMap
+
+    g = torch.Generator().manual_seed(seed)
+    layers = [LayerKeep(i, retention, torch.randperm(448, generator=g)[: retention - 64].sort().values.tolist())
+              for i, r in enumerate(ratios) if r == 4]
+    calibration = {"fingerprint": "0" * 64, "source": "tests/sglang", "queries": 1, "records": 1}
+    RetentionMap("tiny-dsv4", "random", {"seed": seed}, calibration, layers).save(path)
+    return path
+
+
 def server_args(ratios: list[int], fp4_indexer: str = "off", **extra):
     """SGLang's ServerArgs for a config of `ratios`, published as a scheduler's. fp4_indexer
     "on": --enable-deepseek-v4-fp4-indexer, set after construction because ServerArgs
@@ -96,6 +111,7 @@ def pool(fp4_indexer: str = "off") -> dict:
         "c4_record_bytes": [layout.record_bytes for layout in getattr(c4, "layouts", [])],
         "c4_page_size": c4.page_size,
         "c128_class": type(p.c128_kv_pool).__name__,
+        "swa_class": type(p.swa_kv_pool).__name__,
         "c128_buffers": [list(b.shape) for b in p.c128_kv_pool.kv_buffer],
         "swa_buffers": [list(b.shape) for b in p.swa_kv_pool.kv_buffer],
         "indexer_page_size": p.c4_indexer_kv_pool.page_size,
@@ -258,10 +274,91 @@ def window() -> dict:
     }
 
 
+def packed_window() -> dict:
+    """The window hooks with REMNANT_WINDOW_RECORDS=packed_csa on SGLang's own token pool
+    (CPU; SGLang's Triton norm + RoPE and its dequantize under the interpreter): a CSA
+    layer's window records packed with its C4 keep list, a window-only layer left to
+    SGLang, SGLang's quantized writer packed, its native raw writer refused, and its
+    sparse-prefill dequantize given the reconstructed records, in the order of the layer's
+    q (folded or not)."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    server_args(TINY_RATIOS)
+    import torch
+    from sglang.kernels.ops.attention.dsv4.dequant_k_cache import dequantize_k_cache_paged
+    from sglang.kernels.ops.attention.dsv4.index_buf_accessor import NopeFp8RopeBf16Pack
+
+    from remnant.kv.attention import packed_keys
+    from remnant.kv.codec import dequantize, quantize
+    from remnant.kv.layout import keep_tensor
+    from remnant.kv.packing import pack, unpack
+    from remnant.kv.paged import gather
+    from remnant.sglang import fold, kernel_mode
+    from remnant.sglang.pool import PackedC4Pool, packed_window_of
+
+    p = token_pool()
+    g = torch.Generator().manual_seed(0)
+    csa, other_csa, window_only = 2, 4, 0  # TINY_RATIOS: layers 2, 4 are CSA, 0 window-only
+    window, local = packed_window_of(p, csa)
+    keep = keep_tensor(window.keeps[local])
+    c4_keep = keep_tensor(p.c4_kv_pool.keeps[p.layer_mapping[csa].compress_layer_id])
+    n, pos, locs = 20, torch.arange(5, 25), torch.arange(3, 23, dtype=torch.int32)
+    kv = torch.randn(n, 512, generator=g).to(torch.bfloat16)
+    weight = (torch.rand(512, generator=g) + 0.5).to(torch.bfloat16)
+    table = torch.polar(torch.ones(64, 32), torch.rand(64, 32, generator=g) * 6)
+    p.set_swa_key_buffer_radix_fused_norm_rope(csa, locs, kv, weight, 1e-6, table, pos)
+    stored = gather(window.kv_buffer[local], window.layouts[local], locs.long())
+    want = fold.rms_norm_rope_reference(kv, weight, 1e-6, table, pos)
+    kept = torch.cat([keep, torch.arange(448, 512)])
+    got = packed_keys(stored, keep)  # the kept coordinates, then RoPE
+    err = ((got - want[:, kept]).abs() / want[:, kept].abs().clamp_min(1.0)).max().item()
+    # SGLang's quantized writer (already-quantized natural records): packing copies codes.
+    rec = quantize(torch.randn(n, 512, generator=g) * 3)
+    sg_pack = NopeFp8RopeBf16Pack(k_nope_fp8=rec[:, :448].view(torch.float8_e4m3fn),
+                                  k_rope_bf16=rec[:, 448:576].view(torch.bfloat16), scale_k_nope_ue8m0=rec[:, 576:583])
+    window2, local2 = packed_window_of(p, other_csa)
+    p.set_swa_key_buffer_radix(other_csa, locs, sg_pack)
+    keep2 = keep_tensor(window2.keeps[local2])
+    quantized_packed = torch.equal(gather(window2.kv_buffer[local2], window2.layouts[local2], locs.long()),
+                                   pack(rec, keep2))
+    refused = []
+    try:
+        p.get_swa_raw_buffer(csa)
+    except RuntimeError as e:
+        if "REMNANT_WINDOW_RECORDS=packed_csa" in str(e):
+            refused.append("get_swa_raw_buffer")
+    # Sparse prefill: SGLang's dequantize of the packed window reads reconstructed records.
+    ids = locs.long()
+    rebuilt = dequantize(unpack(stored, keep)).reshape(n, 512)
+    read = lambda: dequantize_k_cache_paged(p.get_swa_key_buffer_radix(csa), ids, p.swa_kv_pool.page_size)
+    natural_read = read().float().reshape(n, 512)
+    kernel_mode._FOLDED.add(csa)
+    folded_read = read().float().reshape(n, 512)
+    kernel_mode._FOLDED.discard(csa)
+    order = window.keeps[local].order.long()
+    kernel = isinstance(p.c4_kv_pool, PackedC4Pool) and p.c4_kv_pool.mode == "kernel"
+    return {
+        "swa_class": type(p.swa_kv_pool).__name__,
+        "window_keep_is_c4_keep": bool(torch.equal(keep, c4_keep)),
+        "window_only_packed": packed_window_of(p, window_only) is not None,
+        "kept_first_columns": kernel_mode.window_columns_of(p, csa) is not None,
+        "norm_rope_max_err": err,
+        "quantized_packed": quantized_packed,
+        "refused": refused,
+        "prefill_natural_equal": bool(torch.allclose(natural_read, rebuilt, rtol=1e-2, atol=1e-2)),
+        "prefill_folded_equal": bool(torch.allclose(folded_read, rebuilt[:, order] if kernel else rebuilt,
+                                                    rtol=1e-2, atol=1e-2)),
+    }
+
+
 if __name__ == "__main__":
     check, *args = sys.argv[1:]
     fn = {"patched": patched, "pool": pool, "configurator": configurator, "server_check": server_check,
           "capture_patched": capture_patched, "capture_server_check": capture_server_check,
-          "window": window}[check]
+          "window": window, "packed_window": packed_window}[check]
     result = fn(*[int(a) if a.isdigit() else a for a in args])
     print("PROBE " + json.dumps(result))

@@ -188,3 +188,96 @@ def test_the_hooks_steps_run_inside_cuda_graph_capture():
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert torch.equal(gather(buf, layout, locs_native), pack(rec.cpu(), keep).to(dev))
+
+
+def test_packed_window_decode_equals_native_decode_of_reconstructed_records():
+    """retention.window_records=packed_csa: a CSA layer's window records packed with its C4
+    keep list (window_layout), read by kernel mode's decode as C4 records are; equal to the
+    stock decode over the rebuilt native records (dropped coordinates zero), and triton
+    mode's staging of the selected window records gives exactly those records."""
+    from remnant.kv.paged import reconstruct_reference, write
+    from remnant.sglang.buffers import window_layout
+
+    keep = keep_of(256, seed=4)
+    (c4,), (c4_layout,) = make_packed_buffers(400, PER_PAGE, [256])
+    c4_locs = torch.arange(1, 101)
+    store(latents(100), c4, c4_layout, c4_locs, keep)
+    win_layout = window_layout(128, keep)
+    assert win_layout.record_bytes == 328 and win_layout.per_page == 128
+    win = torch.zeros(num_pages(300, 128), win_layout.page_stride, dtype=torch.uint8)
+    win_locs = torch.arange(1, 201)
+    store(latents(200, seed=6), win, win_layout, win_locs, keep)
+    q = torch.randn(3, 8, 512, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    sink = torch.randn(8)
+    c4_idx = torch.randint(1, 101, (3, 64), generator=torch.Generator().manual_seed(8), dtype=torch.int32)
+    swa_idx = torch.randint(1, 201, (3, 128), generator=torch.Generator().manual_seed(9), dtype=torch.int32)
+    c4_len, swa_len = torch.tensor([64, 7, 30]), torch.tensor([128, 1, 77])
+    out = decode_c4_packed(q, c4, c4_layout, KeptColumns.of(keep, c4.device), c4_idx, c4_len,
+                           win.view(torch.float8_e4m3fn), 128, swa_idx, swa_len, sink, SOFTMAX_SCALE,
+                           window_columns="packed")
+    native_c4 = torch.zeros(num_pages(400, PER_PAGE), native_layout(PER_PAGE).page_stride, dtype=torch.uint8)
+    write(native_c4, native_layout(PER_PAGE), c4_locs, reconstruct_reference(c4, c4_layout, c4_locs, keep))
+    native_win = torch.zeros(num_pages(300, 128), native_layout(128).page_stride, dtype=torch.uint8)
+    write(native_win, native_layout(128), win_locs, reconstruct_reference(win, win_layout, win_locs, keep))
+    want = decode_native_reference(q, native_c4, native_layout(PER_PAGE), mask_by_length(c4_idx, c4_len), native_win,
+                                   native_layout(128), mask_by_length(swa_idx, swa_len), sink)
+    torch.testing.assert_close(out.double(), want.to(q.dtype).double(), rtol=2**-8, atol=1e-6)
+    # Triton mode: each (token, slot) of the window rebuilt into native scratch pages.
+    scratch = torch.full((num_pages(3 * 128, 128), native_layout(128).page_stride), 0xAB, dtype=torch.uint8)
+    remapped = stage_selected(win, win_layout, keep, swa_idx, scratch, 128)
+    assert torch.equal(gather(scratch, native_layout(128), remapped.reshape(-1).long()),
+                       gather(native_win, native_layout(128), swa_idx.reshape(-1).long()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_window_steps_on_the_gpu_equal_the_references_inside_cuda_graph_capture():
+    """The packed-window steps as the hooks call them on CUDA (the Triton store, reconstruct
+    and packed-window decode), against the CPU references, then replayed from a CUDA graph
+    (SGLang captures decode): the same records, the same output."""
+    from remnant.sglang.buffers import window_layout
+
+    dev = torch.device("cuda")
+    keep = keep_of(256, seed=4)
+    cols = KeptColumns.of(keep, dev)
+    (c4,), (c4_layout,) = make_packed_buffers(4096, PER_PAGE, [256], device=dev)
+    store(latents(512).to(dev), c4, c4_layout, torch.arange(1, 513, device=dev), cols)
+    win_layout = window_layout(128, cols)
+    win = torch.zeros(num_pages(1024, 128), win_layout.page_stride, dtype=torch.uint8, device=dev)
+    win_x = latents(300, seed=6).to(torch.bfloat16)
+    win_locs = torch.arange(1, 301)
+    store(win_x.to(dev), win, win_layout, win_locs.to(dev), cols)
+    assert torch.equal(gather(win.cpu(), win_layout, win_locs), pack(quantize(win_x.float()), keep))
+    step_x, step_locs = latents(4, seed=10).to(dev).to(torch.bfloat16), torch.arange(301, 305, device=dev)
+    q = torch.randn(4, 64, 512, device=dev).to(torch.bfloat16)
+    sink = torch.randn(64, device=dev)
+    c4_idx = torch.randint(1, 513, (4, 64), device=dev, dtype=torch.int32)
+    swa_idx = torch.randint(1, 305, (4, 128), device=dev, dtype=torch.int32)
+    swa_idx[:, 0] = step_locs.to(torch.int32)
+    lengths = torch.tensor([64, 3, 50, 128], device=dev, dtype=torch.int32)
+    scratch = torch.zeros(num_pages(4 * 128, 128), native_layout(128).page_stride, dtype=torch.uint8, device=dev)
+    out = torch.empty_like(q)
+    remapped = torch.empty_like(swa_idx)
+
+    def steps():
+        store(step_x, win, win_layout, step_locs, cols)
+        remapped.copy_(stage_selected(win, win_layout, cols, swa_idx, scratch, 128))
+        out.copy_(decode_c4_packed(q, c4, c4_layout, cols, c4_idx, lengths, win.view(torch.float8_e4m3fn), 128,
+                                   swa_idx, lengths, sink, SOFTMAX_SCALE, window_columns="packed"))
+
+    steps()  # compiles the kernels
+    torch.cuda.synchronize()
+    want = decode_c4_packed(q.cpu(), c4.cpu(), c4_layout, keep, c4_idx.cpu(), lengths.cpu(), win.cpu(), 128,
+                            swa_idx.cpu(), lengths.cpu(), sink.cpu(), SOFTMAX_SCALE, window_columns="packed")
+    err = ((out.cpu().double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 1e-2, f"relative error {err:.2e} against the float64 reference"  # bf16 kernel arithmetic
+    staged = gather(scratch.cpu(), native_layout(128), remapped.cpu().reshape(-1).long())
+    assert torch.equal(staged, unpack(gather(win.cpu(), win_layout, swa_idx.cpu().reshape(-1).long()), keep))
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

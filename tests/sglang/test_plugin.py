@@ -44,6 +44,8 @@ def test_native_mode_leaves_sglang_untouched():
     ({"REMNANT_MODE": "kernel", "REMNANT_RETENTION": "192"},
      "remnant: retention=192 is not allowed with mode=kernel; kernel supports retention=256"),
     ({"REMNANT_MODE": "fast"}, "remnant: REMNANT_MODE=fast is not a mode; allowed: native, triton, kernel"),
+    ({"REMNANT_MODE": "kernel", "REMNANT_WINDOW_RECORDS": "packed"},
+     "remnant: REMNANT_WINDOW_RECORDS=packed is not served by the SGLang plugin"),
 ])
 def test_bad_settings_stop_the_loader(env, message):
     proc = run_loader(**env)

@@ -203,3 +203,73 @@ def test_local_host_refuses_a_part_it_cannot_pass(cfg, message):
 
     with pytest.raises(ConfigError, match=message):
         LocalHostConfig(**cfg).validate()
+
+
+# Window and C128 records ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["triton", "kernel"])
+def test_packed_csa_windows_round_trip_in_the_packed_modes(mode):
+    s = from_env({"REMNANT_MODE": mode, "REMNANT_WINDOW_RECORDS": "packed_csa"})
+    assert s.window_records == "packed_csa" and s.packed_windows and from_env(s.to_env()) == s
+    assert s.parts_env() == {"REMNANT_WINDOW_RECORDS": "packed_csa"}
+    assert not from_env({"REMNANT_MODE": mode}).packed_windows
+    # Native ignores them, as it ignores retention.
+    assert from_env({"REMNANT_MODE": "native", "REMNANT_WINDOW_RECORDS": "packed"}) == Settings()
+    assert Settings("native", window_records="packed_csa").to_env() == {"REMNANT_MODE": "native"}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"REMNANT_WINDOW_RECORDS": "packed"},
+     "REMNANT_WINDOW_RECORDS=packed is not served by the SGLang plugin: packing every layer's window needs maps of "
+     "the HCA and window-only layers, calibrated at load, which SGLang cannot do"),
+    ({"REMNANT_C128_RECORDS": "packed"},
+     "REMNANT_C128_RECORDS=packed is not served by the SGLang plugin: the SGLang plugin does not pack the HCA layers' "
+     "C128 records"),
+    ({"REMNANT_WINDOW_RECORDS": "all"},
+     "REMNANT_WINDOW_RECORDS=all is not allowed; allowed: native, packed_csa, packed"),
+])
+def test_records_the_plugin_cannot_serve_are_refused(env, message):
+    with pytest.raises(ConfigError, match=message):
+        from_env({"REMNANT_MODE": "triton", **env})
+
+
+def _run_config(window_records="native", c128_records="native", host=None):
+    from remnant.config import ModeConfig, ModelConfig, RetentionConfig, RunConfig
+    from remnant.hosts.modal import ModalHostConfig
+    from remnant.workloads.random import RandomWorkloadConfig
+
+    retention = RetentionConfig(policy="prefix", window_records=window_records, c128_records=c128_records)
+    return RunConfig(mode=ModeConfig("kernel"), workload=RandomWorkloadConfig(), host=host or ModalHostConfig(),
+                     model=ModelConfig(tp_size=4), retention=retention)
+
+
+def test_run_configs_give_sglang_hosts_the_windows_the_plugin_serves():
+    from remnant.config import validate
+    from remnant.hosts.local import LocalHostConfig
+
+    validate(_run_config("packed_csa"))
+    with pytest.raises(ConfigError, match="retention.window_records=packed is not served by the SGLang plugin: packing "
+                                          "every layer's window .*; allowed with SGLang: native, packed_csa"):
+        validate(_run_config("packed"))
+    with pytest.raises(ConfigError, match="retention.c128_records=packed is not served by the SGLang plugin"):
+        validate(_run_config(c128_records="packed"))
+    with pytest.raises(ConfigError, match="retention.window_records=packed_csa is served by host=embedded only; "
+                                          "host=local's server takes no such setting"):
+        validate(_run_config("packed_csa", host=LocalHostConfig(server="embedded")))
+
+
+def test_hosts_give_the_plugin_the_window_records(tmp_path):
+    import dataclasses
+
+    from remnant.config import RetentionConfig
+    from remnant.hosts.local import LocalHost, LocalHostConfig
+    from remnant.hosts.modal import ModalHostConfig, ServeRequest
+
+    spec = dataclasses.replace(_spec(tmp_path), retention=RetentionConfig(policy="prefix", window_records="packed_csa"))
+    env = LocalHost(LocalHostConfig())._environment(spec, "r1", 31000, 31001)
+    assert from_env(env).packed_windows
+    app = pytest.importorskip("runners.modal.app", reason="modal is not installed (pip install -e '.[test]')")
+    request = ServeRequest.from_json(ServeRequest.from_spec(spec, ModalHostConfig(), "tok").to_json())
+    _, env = app.launch_plan(request, app.Settings(), tmp_path / "ckpt", tmp_path / "work")
+    assert from_env(env) == Settings("kernel", (256,), policy="prefix", window_records="packed_csa")
