@@ -21,6 +21,7 @@ remnant.cli.engine_bench.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -85,6 +86,26 @@ def fill_pools(model, pools, seed: int = 0) -> None:
         records = model.layer_format(li).ring_records(torch.randn(layout.per_page, 512, generator=gen).to(model.device))
         layout.write(buf, torch.arange(layout.per_page, device=model.device), records)
         buf[1:] = buf[0]
+
+
+def _timed_cell(model, batch: int, context: int, steps: int) -> tuple[float, "StepProfile | None"]:
+    """time_step over `batch` sequences of `context` tokens in pools of their own, filled
+    with quantized random records. The model's graphs, captured over these pools, are
+    dropped on return (also on an error), so that no cell's pools outlive it: the next
+    cell's would otherwise be allocated beside them."""
+    from remnant.engine.pools import new_sequence, scratch_pools
+
+    try:
+        pools = scratch_pools(model, context + 1, sequences=batch)
+        fill_pools(model, pools)
+        seqs = [new_sequence(pools, context + 1) for _ in range(batch)]
+        for s in seqs:
+            s.length = context
+            s.token_ids = [0] * context
+        return time_step(model, pools, seqs, steps)
+    finally:
+        if model.graphs is not None:
+            model.graphs.clear()
 
 
 def time_step(model, pools, seqs: list, steps: int) -> tuple[float, "StepProfile | None"]:
@@ -209,7 +230,6 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
     from remnant.config import ModelConfig
     from remnant.engine.capacity_report import load_model_preset
     from remnant.engine.model import Model, ModelArgs
-    from remnant.engine.pools import new_sequence, scratch_pools
     from remnant.engine.retention_setup import setup_retention
     from remnant.engine.roofline import step_cost
     from remnant.records.provenance import environment, sources
@@ -239,13 +259,23 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
         setup_retention(model, mode, model_name, retention, None, None, "prefix", window_records, c128_records)
         for context in contexts:
             for batch in batches:
-                pools = scratch_pools(model, context + 1, sequences=batch)
-                fill_pools(model, pools)
-                seqs = [new_sequence(pools, context + 1) for _ in range(batch)]
-                for s in seqs:
-                    s.length = context
-                    s.token_ids = [0] * context
-                seconds, profile = time_step(model, pools, seqs, steps)
+                try:
+                    seconds, profile = _timed_cell(model, batch, context, steps)
+                except torch.OutOfMemoryError:
+                    seconds = None  # freed below, once the traceback no longer holds the pools
+                if seconds is None:
+                    # A cell whose pools do not fit beside the weights (batch 128 at 32k on an
+                    # 80 GB card) is said in the record's limits; the other cells still run.
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    doc["limits"].append(f"{mode} batch {batch} context {context}: not measured, its pools "
+                                         f"({batch} x {context + 1} tokens) did not fit in the GPU's memory "
+                                         f"beside the weights")
+                    print(f"{mode:>7} b{batch:<4} ctx {context:>6}: out of memory, not measured", file=sys.stderr,
+                          flush=True)
+                    if on_row:
+                        on_row(doc)
+                    continue
                 cost = step_cost(args, batch, context, mode, KERNEL_RETENTION, dtype, index_key_format, window_records,
                                  c128_records)
                 roof = cost.seconds(peaks["copy_bytes_per_s"], peaks["matmul_flops_per_s"])
@@ -257,7 +287,6 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                              "cuda_graph": model.graphs is not None, "step_ops": model.ops.name,
                              "kernels_per_step": None if profile is None else profile.kernels_per_step,
                              "top_kernels": profile.top_kernels if profile else []})
-                del pools, seqs
                 print(row_line(rows[-1]), file=sys.stderr, flush=True)
                 if on_row:
                     on_row(doc)

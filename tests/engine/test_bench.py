@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from remnant.config import ModelConfig
 from remnant.cli.engine_bench import main
@@ -74,3 +75,28 @@ def test_bench_packs_every_part_it_is_asked_to(tmp_path):
     # Packed window and C128 records read fewer bytes than native ones in kernel mode.
     parts = {r["mode"]: r["parts"] for r in doc["rows"]}
     assert parts["kernel"]["window_bytes"] == 2 * 4 * 128 * 328 and parts["kernel"]["c128_records_bytes"] == 2 * 2 * 328
+
+
+@pytest.mark.slow
+def test_a_cell_out_of_memory_is_a_limit_and_the_others_run(tmp_path, monkeypatch):
+    # CPU tensors never run out of memory: the pools of batch 3 raise the error CUDA raises
+    # for a cell too big for the card (fault injection; the rest runs for real).
+    import remnant.engine.pools
+
+    real = remnant.engine.pools.scratch_pools
+
+    def scratch_pools(model, tokens, sequences=1):
+        if sequences == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+        return real(model, tokens, sequences=sequences)
+
+    monkeypatch.setattr(remnant.engine.pools, "scratch_pools", scratch_pools)
+    out = tmp_path / "bench.json"
+    assert main(["--model", "tiny", "--device", "cpu", "--modes", "native", "--batches", "3,1", "--contexts", "260",
+                 "--steps", "1", "--prefill-contexts", "", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert [(r["mode"], r["batch"]) for r in doc["rows"]] == [("native", 1)]
+    assert [line for line in doc["limits"] if "not measured" in line] == [
+        "native batch 3 context 260: not measured, its pools (3 x 261 tokens) did not fit in the GPU's memory "
+        "beside the weights"]
