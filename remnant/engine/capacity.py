@@ -30,11 +30,13 @@ each defaulting to what SGLang 0.5.18 stores, so a geometry that names none of t
 exactly as before. A Combination names which parts are stored how (packed window, C4 or
 C128 records at a retention, MXFP4 indexer keys, bf16 compressor state);
 combination_geometry gives the geometry of a model with it. Served today: packed C4
-records (the engine and the SGLang plugin); with them, by the engine only, packed window
-records (the CSA layers' or every layer's: retention.window_records) and packed C128 records
-(retention.c128_records); MXFP4 index keys and bf16 compressor state (the engine's
-host.index_key_format and host.compressor_state_dtype; SGLang's own
---enable-deepseek-v4-fp4-indexer and SGLANG_DSV4_COMPRESS_STATE_DTYPE).
+records and, beside them, the CSA layers' window records packed with their maps
+(retention.window_records=packed_csa), by the engine and the SGLang plugin; by the engine
+only, every layer's window records (retention.window_records=packed) and packed C128
+records (retention.c128_records); MXFP4 index keys and bf16 compressor state (the engine's
+and the SGLang hosts' host.index_key_format and host.compressor_state_dtype: for SGLang,
+its own --enable-deepseek-v4-fp4-indexer, which the plugin sizes at the pool's 68 bytes,
+and SGLANG_DSV4_COMPRESS_STATE_DTYPE).
 What SGLang 0.5.18 does with each part:
 - window (SWA) and C128 records: the same 584-byte pool class as C4
   (mem_cache/deepseek_v4_memory_pool.py, DeepSeekV4SingleKVPool asserts 584); the
@@ -42,8 +44,9 @@ What SGLang 0.5.18 does with each part:
 - indexer keys: the configurator always counts d + 4 d / 128 (132 at d = 128), also under
   --enable-deepseek-v4-fp4-indexer (experimental, SM100/SM120 only), whose pool
   (DeepSeekV4IndexerPool.get_bytes_per_token) stores d / 2 + 4 = 68 bytes (E2M1 codes, one
-  UE8M0 scale per 32 coordinates): SGLang sizes that pool smaller than it budgets, so the
-  MXFP4 gain here is the formula with the pool's true size, not what SGLang's flag buys.
+  UE8M0 scale per 32 coordinates): SGLang alone sizes that pool smaller than it budgets
+  and leaves the difference unused; the plugin's configurator hook counts the 68 bytes
+  (remnant.sglang.sizing), as the formula here does.
 - compressor state: SGLANG_DSV4_COMPRESS_STATE_DTYPE (float32 default, or bfloat16) sets
   both the pools' dtype (mem_cache/kv_cache_configurator.py) and the byte size the
   configurator counts (model_executor/pool_configurator.py,
