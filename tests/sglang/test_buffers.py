@@ -179,14 +179,7 @@ def test_the_hooks_steps_run_inside_cuda_graph_capture():
 
     steps()  # compiles the kernels
     torch.cuda.synchronize()
-    eager = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        steps()
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    _assert_graph_replays_the_eager_steps(steps, out)
     assert torch.equal(gather(buf, layout, locs_native), pack(rec.cpu(), keep).to(dev))
 
 
@@ -273,6 +266,12 @@ def test_packed_window_steps_on_the_gpu_equal_the_references_inside_cuda_graph_c
     assert err < 1e-2, f"relative error {err:.2e} against the float64 reference"  # bf16 kernel arithmetic
     staged = gather(scratch.cpu(), native_layout(128), remapped.cpu().reshape(-1).long())
     assert torch.equal(staged, unpack(gather(win.cpu(), win_layout, swa_idx.cpu().reshape(-1).long()), keep))
+    _assert_graph_replays_the_eager_steps(steps, out)
+
+
+def _assert_graph_replays_the_eager_steps(steps, out: torch.Tensor) -> None:
+    """`steps` (run eagerly already: `out` holds its result) captured in a CUDA graph and
+    replayed over a zeroed `out` gives the same result."""
     eager = out.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
