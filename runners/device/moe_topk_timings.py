@@ -3,7 +3,9 @@
 - the routed-expert kernels (remnant.kernels.moe) at V4-Flash's expert shape (32 experts of
   hidden 4096, moe_intermediate_size 2048, FP8, top-6) for each launch configuration of a
   grid, at 1, 8, 32 and 128 tokens, beside the configuration default_config picks;
-- remnant.kernels.top_k against torch.topk and remnant.engine.ops.index_top_k.
+- remnant.kernels.top_k against torch.topk and remnant.engine.ops.index_top_k;
+- the RMS norm at the step's call sites (plain torch, compiled by remnant.engine.step_ops),
+  each replayed 100 times in one CUDA graph: the time a call costs inside a step's graph.
 
 triton.testing.do_bench (L2 flushed between calls: weights come from HBM as in a step).
     python runners/device/moe_topk_timings.py
@@ -28,10 +30,10 @@ def moe_table() -> None:
     w_down, dn_scale = quantize_experts(torch.randn(E, inter, hidden, device="cuda", generator=gen) / 45)
     expert_bytes = 3 * hidden * inter
     grid = [MoEConfig(block_m=m, block_n=n, block_k=kk, num_warps=w, num_stages=s)
-            for m, n, kk, w, s in itertools.product((16, 64), (32, 64, 128), (64, 128, 256), (4, 8), (3, 5))]
+            for m, n, kk, w, s in itertools.product((16, 64), (16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 5))]
     print("| tokens | distinct experts | default us | best us | best config | best TB/s |")
     print("|---|---|---|---|---|---|")
-    for T in (1, 8, 32, 128):
+    for T in (1, 32, 128, 8):
         x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
         weights = torch.rand(T, k, device="cuda", generator=gen)
@@ -67,7 +69,35 @@ def top_k_table() -> None:
         print(f"| {B} x {n} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {same} |", flush=True)
 
 
+def graph_us(fn, calls: int = 100) -> float:
+    """Microseconds per call of fn() replayed `calls` times in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # compiles and warms up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=40) * 1e3 / calls
+
+
+def rms_norm_table() -> None:
+    from remnant.engine.ops import rms_norm
+    from remnant.engine.step_ops import compiled_ops
+
+    compiled = compiled_ops().rms_norm
+    print("| rows x width | plain us | compiled us |")
+    print("|---|---|---|")
+    for rows, width in ((1, 4096), (1, 1024), (1, 512), (64, 512), (32, 4096), (2048, 512)):
+        x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(width, device="cuda", dtype=torch.bfloat16)
+        t = [graph_us(lambda f=f: f(x, w, 1e-6)) for f in (rms_norm, compiled)]
+        print(f"| {rows} x {width} | {t[0]:.2f} | {t[1]:.2f} |", flush=True)
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name())
+    rms_norm_table()
     top_k_table()
     moe_table()
