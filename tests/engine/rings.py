@@ -15,6 +15,12 @@ def ring_keep(model, li: int) -> torch.Tensor | None:
     return fmt.keep if fmt.window_form == "packed" else None
 
 
+def live_ring(pools, li: int) -> torch.Tensor:
+    """Layer li's ring slots of the blocks the pools hand out, uint8 [blocks * window, bytes]:
+    not the padding block, which a CUDA graph's padded rows write and an eager step does not."""
+    return pools.swa[li][: pools.pad_block * pools.swa.layouts[li].per_page]
+
+
 def assert_same_ring(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor | None = None) -> None:
     """Rings uint8 [slots, 584] (SwaPool[layer]; packed with `keep`, [slots, R + 72], which are
     compared unpacked) hold records in the same slots, with the same

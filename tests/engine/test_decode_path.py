@@ -21,7 +21,7 @@ from remnant.engine.model import C4Format, Model, ModelArgs
 from remnant.engine.pools import new_sequence, scratch_pools
 from remnant.engine.retention_setup import setup_retention
 from remnant.kv.codec import dequantize
-from tests.engine.rings import assert_same_ring, copy_formats, ring_keep
+from tests.engine.rings import assert_same_ring, copy_formats, live_ring, ring_keep
 from remnant.kv.formats import NOPE_DIM
 from remnant.kernels.decode.reference import decode_native_reference, decode_packed_reference
 from remnant.kv.paged import dequantize_kept_first
@@ -112,7 +112,7 @@ def _check_same_greedy(reference: Model, kernels: Model, prompts, steps) -> None
     torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
     # Layer 0 sees the same tokens on both paths, so its window ring must hold the same
     # records in the same slots: decode tokens' records stored before the kernel read them.
-    assert_same_ring(got_pools.swa[0], want_pools.swa[0], ring_keep(reference, 0))
+    assert_same_ring(live_ring(got_pools, 0), live_ring(want_pools, 0), ring_keep(reference, 0))
 
 
 @pytest.mark.slow
@@ -384,11 +384,14 @@ def test_flashmla_decodes_native_records_as_the_reference_on_gpu(args, mode, ret
     _, got_logits, _ = _greedy(kernels, prompts, steps, forced=want)
     torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
     native_layers = len(args.compress_ratios) - (len(kernels.csa_layers) if mode == "kernel" else 0)
+    if mode == "kernel" and retention.get("window_records") == "packed":
+        native_layers = 0  # every window packed: the Triton kernel reads them (triton mode rebuilds)
     # Decode steps have a row per sequence (at most 3); the batched prefill's calls have a
     # row per prompt token (6 or more) and go through FlashMLA too.
     decode_calls = [rows for rows in calls if rows <= len(prompts)]
     assert len(decode_calls) == native_layers * (SHORT[1] - 1 + steps - 1)
-    assert len(calls) > len(decode_calls)
+    if native_layers:
+        assert len(calls) > len(decode_calls)
 
 
 @pytest.mark.gpu
