@@ -1,4 +1,4 @@
-"""top_k: the indexer's top-k, one program per row, by radix select.
+"""top_k: the indexer's top-k by radix select, each row split over several programs.
 
 A decode step picks, per CSA layer and sequence, the 512 best-scoring C4 records of up to
 n = context / 4 (8,192 at 32k, 32,768 at 128k). torch.topk sorts the whole row, and the
@@ -7,11 +7,19 @@ call on the H200 (benchmarks/engine-h200-profile/), 21 calls a step, 3 ms of a 2
 at batch 1. Selection needs no sort. Each score becomes a 32-bit key ordered as the float
 (-0 as +0); four passes over the row, one per byte from the top, histogram the keys that
 match the bytes found so far and find the byte of the k-th largest key; then the threshold
-T (the k-th largest key) and how many of the keys equal to T are taken are known, and one
+T (the k-th largest key) and how many of the keys equal to T are taken are known, and a
 last pass writes, for each row, the keys above T (in index order) then the lowest-index
 keys equal to T (ties go to the lower index, as a stable descending sort's first k:
-top_k_reference). Five reads of a row of 32 KB (at n = 8192), from L2, in one program: a
-few microseconds, and a batch's rows run side by side.
+top_k_reference).
+
+With one program per row, a batch-1 step selected on one SM: 65 us a call on an H100
+(benchmarks/engine-h100-c24/), 1.4 ms of its 18.7 ms step. So each row is split in parts
+(plan_parts: up to 16, so that a batch fills about 256 programs) and each pass is a launch
+of rows x parts programs: a radix pass writes its part's histogram (no atomics, nothing to
+zero), and the next pass's programs sum the row's histograms to find the byte. A count
+pass finds T and counts each part's keys above T and equal to T; the write pass places a
+part's keys after those of the parts before it. Six launches, each reading n / parts
+scores per program; the output is the same as one program per row's, bit for bit.
 
 Order: the chosen k come out as above (all keys above T by index, then the ties), not by
 score; the decode step and prefill treat them as a set. `top_k_reference` is a stable sort
@@ -27,8 +35,12 @@ import triton.language as tl
 
 from remnant.kernels.common import interpreted
 
-#: Scores a program reads per iteration.
+#: Most scores a program reads per iteration.
 BLOCK = 2048
+#: Programs the selection aims to spread a batch's rows over (the H100 and H200 have 132
+#: SMs): a row of the batch-1 step is split in up to MAX_PARTS parts.
+TARGET_PROGRAMS = 256
+MAX_PARTS = 16
 
 
 def top_k_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,43 +59,112 @@ def _keys(x):
 
 
 @triton.jit
-def _top_k_kernel(s_ptr, stride_s, values_ptr, indices_ptr, stride_o, n, k, BLOCK: tl.constexpr):
+def _state_after(hist_ptr, state_ptr, row, parts, k, PASS: tl.constexpr):
+    """(prefix, remaining) after radix passes 0..PASS-1 of `row`: the stored state at the
+    start of pass PASS - 1 (state slot PASS - 1; the implicit (0, k) for pass 0) and the
+    byte pass PASS - 1's histograms (summed over the row's parts) give."""
+    bins = tl.arange(0, 256)
+    if PASS == 1:
+        prefix = tl.zeros([], dtype=tl.uint32)
+        remaining = k
+    else:
+        prefix = tl.load(state_ptr + (row * 5 + PASS - 1) * 2).to(tl.uint32, bitcast=True)
+        remaining = tl.load(state_ptr + (row * 5 + PASS - 1) * 2 + 1)
+    hist = tl.zeros([256], dtype=tl.int32)
+    for part in range(parts):
+        hist += tl.load(hist_ptr + ((row * 4 + PASS - 1) * parts + part) * 256 + bins)
+    # at_least[d]: matching keys whose byte is >= d; the k-th key's byte is the largest d
+    # with at_least[d] >= remaining.
+    at_least = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+    byte = tl.sum((at_least >= remaining).to(tl.int32)) - 1
+    remaining -= tl.sum(tl.where(bins > byte, hist, 0))
+    prefix = prefix | (byte.to(tl.uint32) << (32 - 8 * PASS))
+    return prefix, remaining
+
+
+@triton.jit
+def _radix_pass(s_ptr, stride_s, hist_ptr, state_ptr, n, k, chunk, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass PASS (0..3) over one part of a row: the histogram of byte PASS (from the top) of
+    the part's keys whose higher bytes match the k-th key's, found by the passes before."""
     row = tl.program_id(0).to(tl.int64)
-    s_row = s_ptr + row * stride_s
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
-    prefix = tl.zeros([], dtype=tl.uint32)  # the bytes of the k-th key found so far
-    known = tl.zeros([], dtype=tl.uint32)  # which bits of prefix are found
-    remaining = k  # how many keys >= the k-th key are still to place below the known prefix
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p  # constexpr (p is); annotated, Triton 3.6 refuses the rebinding
-        hist = tl.zeros([256], dtype=tl.int32)
-        for start in range(0, n, BLOCK):
-            inside = start + offs < n
-            key = _keys(tl.load(s_row + start + offs, mask=inside, other=0.0))
-            match = inside & ((key & known) == prefix)
-            digit = ((key >> shift) & 255).to(tl.int32)
-            # Keys that do not match count in bin 0 and are taken back out of it.
-            hist += tl.histogram(tl.where(match, digit, 0), 256)
-            hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32)), 0)
-        # at_least[d]: matching keys whose byte is >= d; the k-th key's byte is the largest
-        # d with at_least[d] >= remaining.
-        at_least = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-        byte = tl.sum((at_least >= remaining).to(tl.int32)) - 1
-        remaining -= tl.sum(tl.where(bins > byte, hist, 0))
-        prefix = prefix | (byte.to(tl.uint32) << shift)
-        known = known | (tl.full([], 255, tl.uint32) << shift)
-    # prefix is now the k-th key T: k - remaining keys lie above it, and the first
-    # `remaining` keys equal to it (by index) complete the k.
-    above_count = k - remaining
-    above_seen = 0
-    ties_seen = 0
-    for start in range(0, n, BLOCK):
-        inside = start + offs < n
+    if PASS == 0:
+        prefix = tl.zeros([], dtype=tl.uint32)
+        remaining = k
+    else:
+        prefix, remaining = _state_after(hist_ptr, state_ptr, row, parts, k, PASS)
+    if part == 0:  # the row's state at this pass's start, for the passes after it
+        tl.store(state_ptr + (row * 5 + PASS) * 2, prefix.to(tl.int32, bitcast=True))
+        tl.store(state_ptr + (row * 5 + PASS) * 2 + 1, remaining)
+    known = (tl.full([], 0xFFFFFFFF, tl.uint32) << (32 - 8 * PASS)) if PASS > 0 else tl.zeros([], dtype=tl.uint32)
+    hist = tl.zeros([256], dtype=tl.int32)
+    s_row = s_ptr + row * stride_s
+    lo = part * chunk
+    for start in range(lo, lo + chunk, BLOCK):
+        inside = (start + offs < n) & (start + offs < lo + chunk)
+        key = _keys(tl.load(s_row + start + offs, mask=inside, other=0.0))
+        match = inside & ((key & known) == prefix)
+        digit = ((key >> (24 - 8 * PASS)) & 255).to(tl.int32)
+        # Keys that do not match count in bin 0 and are taken back out of it.
+        hist += tl.histogram(tl.where(match, digit, 0), 256)
+        hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32)), 0)
+    tl.store(hist_ptr + ((row * 4 + PASS) * parts + part) * 256 + bins, hist)
+
+
+@triton.jit
+def _count_pass(s_ptr, stride_s, hist_ptr, state_ptr, counts_ptr, n, k, chunk, BLOCK: tl.constexpr):
+    """The k-th key T from the four passes; each part counts its keys above T and equal to
+    T (the write pass places each part's after the parts before it)."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    offs = tl.arange(0, BLOCK)
+    threshold, remaining = _state_after(hist_ptr, state_ptr, row, parts, k, 4)
+    if part == 0:
+        tl.store(state_ptr + (row * 5 + 4) * 2, threshold.to(tl.int32, bitcast=True))
+        tl.store(state_ptr + (row * 5 + 4) * 2 + 1, remaining)
+    s_row = s_ptr + row * stride_s
+    lo = part * chunk
+    above = 0
+    ties = 0
+    for start in range(lo, lo + chunk, BLOCK):
+        inside = (start + offs < n) & (start + offs < lo + chunk)
+        key = _keys(tl.load(s_row + start + offs, mask=inside, other=0.0))
+        above += tl.sum((inside & (key > threshold)).to(tl.int32))
+        ties += tl.sum((inside & (key == threshold)).to(tl.int32))
+    tl.store(counts_ptr + (row * parts + part) * 2, above)
+    tl.store(counts_ptr + (row * parts + part) * 2 + 1, ties)
+
+
+@triton.jit
+def _write_pass(s_ptr, stride_s, state_ptr, counts_ptr, values_ptr, indices_ptr, stride_o, n, k, chunk,
+                BLOCK: tl.constexpr, MAX_PARTS: tl.constexpr):
+    """Each part writes its keys above T at their rank among all keys above T (by index),
+    then its keys equal to T at their rank among the ties, while the ties taken are fewer
+    than `remaining` (the lowest-index ones complete the k)."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    offs = tl.arange(0, BLOCK)
+    threshold = tl.load(state_ptr + (row * 5 + 4) * 2).to(tl.uint32, bitcast=True)
+    remaining = tl.load(state_ptr + (row * 5 + 4) * 2 + 1)
+    before = tl.arange(0, MAX_PARTS)
+    earlier = before < part
+    counts = counts_ptr + (row * parts + before) * 2
+    above_seen = tl.sum(tl.load(counts, mask=earlier, other=0))
+    ties_seen = tl.sum(tl.load(counts + 1, mask=earlier, other=0))
+    above_count = k - remaining  # every key above T is taken
+    s_row = s_ptr + row * stride_s
+    lo = part * chunk
+    for start in range(lo, lo + chunk, BLOCK):
+        inside = (start + offs < n) & (start + offs < lo + chunk)
         x = tl.load(s_row + start + offs, mask=inside, other=0.0)
         key = _keys(x)
-        above = (inside & (key > prefix)).to(tl.int32)
-        tie = (inside & (key == prefix)).to(tl.int32)
+        above = (inside & (key > threshold)).to(tl.int32)
+        tie = (inside & (key == threshold)).to(tl.int32)
         above_slot = above_seen + tl.cumsum(above, 0) - above
         tie_rank = ties_seen + tl.cumsum(tie, 0) - tie
         take = (above == 1) | ((tie == 1) & (tie_rank < remaining))
@@ -93,6 +174,16 @@ def _top_k_kernel(s_ptr, stride_s, values_ptr, indices_ptr, stride_o, n, k, BLOC
         tl.store(indices_ptr + out, (start + offs).to(tl.int64), mask=take)
         above_seen += tl.sum(above)
         ties_seen += tl.sum(tie)
+
+
+def plan_parts(rows: int, n: int) -> tuple[int, int, int]:
+    """(parts per row, scores per part, scores per iteration): rows split so that the batch
+    fills about TARGET_PROGRAMS programs, each part a whole number of iterations."""
+    parts = max(1, min(MAX_PARTS, TARGET_PROGRAMS // max(rows, 1), triton.cdiv(n, 256)))
+    per_part = triton.cdiv(n, parts)
+    block = min(BLOCK, triton.next_power_of_2(per_part))
+    chunk = triton.cdiv(per_part, block) * block
+    return triton.cdiv(n, chunk), chunk, block
 
 
 def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +202,19 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     indices = torch.empty(B, k, dtype=torch.int64, device=scores.device)
     if B and k:
         scores = scores.contiguous()
-        _top_k_kernel[(B,)](scores, scores.stride(0), values, indices, values.stride(0), n, k, BLOCK=BLOCK,
-                            num_warps=8)
+        parts, chunk, block = plan_parts(B, n)
+        dev = scores.device
+        # Every element of these is written before it is read (no zeroing launch).
+        hist = torch.empty(B, 4, parts, 256, dtype=torch.int32, device=dev)
+        state = torch.empty(B, 5, 2, dtype=torch.int32, device=dev)
+        counts = torch.empty(B, parts, 2, dtype=torch.int32, device=dev)
+        grid = (B, parts)
+        warps = 8 if block >= 1024 else 4
+        for p in range(4):
+            _radix_pass[grid](scores, scores.stride(0), hist, state, n, k, chunk, PASS=p, BLOCK=block,
+                              num_warps=warps)
+        _count_pass[grid](scores, scores.stride(0), hist, state, counts, n, k, chunk, BLOCK=block,
+                          num_warps=warps)
+        _write_pass[grid](scores, scores.stride(0), state, counts, values, indices, values.stride(0), n, k,
+                          chunk, BLOCK=block, MAX_PARTS=MAX_PARTS, num_warps=warps)
     return values, indices
