@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--c128-records", default="native", choices=C128_RECORDS,
                    help="packed modes' C128 records (retention.c128_records)")
     p.add_argument("--out", type=Path, required=True, help="JSON to write")
+    p.add_argument("--kernel-logs", type=Path, help="folder for each CUDA cell's kernels in order (TSV)")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
     bad = [m for m in modes if m not in MODE_NAMES]
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
               [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
               [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write,
               torch_compile=a.torch_compile, index_key_format=a.index_key_format, window_records=a.window_records,
-              c128_records=a.c128_records)
+              c128_records=a.c128_records, kernel_logs=a.kernel_logs)
     write(doc)
     for row in doc["rows"]:
         print(row_line(row))

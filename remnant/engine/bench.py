@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
@@ -88,7 +89,8 @@ def fill_pools(model, pools, seed: int = 0) -> None:
         buf[1:] = buf[0]
 
 
-def _timed_cell(model, batch: int, context: int, steps: int) -> tuple[float, "StepProfile | None"]:
+def _timed_cell(model, batch: int, context: int, steps: int,
+                kernel_log: Path | None = None) -> tuple[float, "StepProfile | None"]:
     """time_step over `batch` sequences of `context` tokens in pools of their own, filled
     with quantized random records. The model's graphs, captured over these pools, are
     dropped on return (also on an error), so that no cell's pools outlive it: the next
@@ -102,15 +104,16 @@ def _timed_cell(model, batch: int, context: int, steps: int) -> tuple[float, "St
         for s in seqs:
             s.length = context
             s.token_ids = [0] * context
-        return time_step(model, pools, seqs, steps)
+        return time_step(model, pools, seqs, steps, kernel_log)
     finally:
         if model.graphs is not None:
             model.graphs.clear()
 
 
-def time_step(model, pools, seqs: list, steps: int) -> tuple[float, "StepProfile | None"]:
+def time_step(model, pools, seqs: list, steps: int,
+              kernel_log: Path | None = None) -> tuple[float, "StepProfile | None"]:
     """Seconds per decode step of `seqs` (median of `steps`), and on CUDA where the GPU's
-    time goes in a step (None elsewhere)."""
+    time goes in a step (None elsewhere; kernel_log: profile_step's)."""
     tokens = [1] * len(seqs)
     lengths = [s.length for s in seqs]
 
@@ -130,7 +133,7 @@ def time_step(model, pools, seqs: list, steps: int) -> tuple[float, "StepProfile
             step()
             _sync(model.device)
             times.append(time.perf_counter() - t0)
-        profile = profile_step(step, model.device) if model.device.type == "cuda" else None
+        profile = profile_step(step, model.device, kernel_log=kernel_log) if model.device.type == "cuda" else None
     times.sort()
     return times[len(times) // 2], profile
 
@@ -179,9 +182,11 @@ class StepProfile:
     TOP = 12
 
 
-def profile_step(step, device: torch.device, steps: int = 3) -> StepProfile:
+def profile_step(step, device: torch.device, steps: int = 3, kernel_log: Path | None = None) -> StepProfile:
     """Profile `steps` calls of `step` (torch profiler, CUDA activity): the GPU's idle share,
-    kernels per step and the kernels taking most of the time (also printed, for the log)."""
+    kernels per step and the kernels taking most of the time (also printed, for the log).
+    kernel_log: a TSV written with the last step's kernels in order (start and gap before
+    it, duration, name), to tell one call site of a kernel from another."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
@@ -210,18 +215,36 @@ def profile_step(step, device: torch.device, steps: int = 3) -> StepProfile:
     result = StepProfile(max(0.0, 1.0 - busy / 1e6 / wall), len(spans) / steps,
                          [{"name": name, "calls_per_step": len(us) / steps, "us_per_step": sum(us) / steps}
                           for name, us in top])
+    if kernel_log is not None:
+        write_kernel_log(kernel_log, sorted(kernels, key=lambda e: e.time_range.start)[-len(spans) // steps:])
     print(f"{result.kernels_per_step:.0f} kernels per step; most GPU time:", file=sys.stderr)
     for k in result.top_kernels:
         print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.0f} x  {k['name'][:100]}", file=sys.stderr)
     return result
 
 
+def write_kernel_log(path: Path, kernels: list) -> None:
+    """Kernels (profiler events, in start order) as TSV: start_us (from the first), gap_us
+    (since the previous one ended), duration_us, name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = kernels[0].time_range.start if kernels else 0.0
+    end = t0
+    with path.open("w") as f:
+        f.write("start_us\tgap_us\tduration_us\tname\n")
+        for e in kernels:
+            start, stop = e.time_range.start, e.time_range.end
+            f.write(f"{start - t0:.1f}\t{max(0.0, start - end):.1f}\t{stop - start:.1f}\t{e.name[:160]}\n")
+            end = max(end, stop)
+
+
 def run(model_name: str, device: str, modes: list[str], batches: list[int], contexts: list[int],
         steps: int, cuda_graph: bool = True, prefill_contexts: list[int] | None = None, chunk: int = 8192,
         on_row=None, torch_compile: bool = True, index_key_format: str = "fp8",
-        window_records: str = "native", c128_records: str = "native") -> dict:
+        window_records: str = "native", c128_records: str = "native", kernel_logs: Path | None = None) -> dict:
     """The benchmark document (see the module docstring). `on_row(doc)` is called after each
     row with the document so far (main writes it: a run stopped part-way keeps its rows).
+    kernel_logs: a folder for each CUDA cell's kernel log (profile_step), named
+    <mode>-b<batch>-<context>.tsv.
     index_key_format, window_records and c128_records: the KV parts beyond C4
     (host.index_key_format, retention.window_records, retention.c128_records), recorded in
     the document's kv_parts."""
@@ -260,7 +283,8 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
         for context in contexts:
             for batch in batches:
                 try:
-                    seconds, profile = _timed_cell(model, batch, context, steps)
+                    log = kernel_logs / f"{mode}-b{batch}-{context}.tsv" if kernel_logs else None
+                    seconds, profile = _timed_cell(model, batch, context, steps, log)
                 except torch.OutOfMemoryError:
                     seconds = None  # freed below, once the traceback no longer holds the pools
                 if seconds is None:

@@ -84,7 +84,8 @@ def expected_distinct_experts(tokens: int, experts: int, k: int) -> float:
 class MoE:
     """Router, E routed SwiGLU experts and an optional shared SwiGLU, of one layer.
 
-    Weights (after .to): router [hidden, E] and, with shared experts, shared_gate_up
+    Weights (after .to): router [hidden, E] (the compute dtype's values, held in float32)
+    and, with shared experts, shared_gate_up
     [hidden, 2 * S] and shared_down [S, hidden] (S = n_shared * I) in the compute dtype;
     w_gate_up [E, hidden, 2 * I] and w_down [E, I, hidden] in expert_dtype, with
     gate_up_scale float32 [E, 2 * I] and down_scale float32 [E, hidden] for FP8 experts
@@ -141,6 +142,9 @@ class MoE:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device, dtype))
+        # Routing multiplies in float32 (route_tokens): the router rounded to the compute
+        # dtype, held widened, so a step casts no [hidden, E] matrix per layer.
+        self.router = self.router.float()
         self.quantize()
         for name in ("w_gate_up", "w_down"):
             setattr(self, name, getattr(self, name).to(device, expert_dtype))
@@ -213,13 +217,14 @@ class MoE:
         if not isinstance(distinct_experts, int) or not 0 <= distinct_experts <= a.n_routed_experts:
             raise ValueError(f"distinct_experts={distinct_experts!r} is not allowed; allowed: 0..n_routed_experts="
                              f"{a.n_routed_experts}")
-        compute = self.router.element_size()
+        compute = self.dtype.itemsize
         h, inter = a.hidden_size, a.moe_intermediate_size
         shared = a.n_shared_experts * inter
         per_expert = 3 * h * inter * self.w_gate_up.element_size()
         if self.gate_up_scale is not None:
             per_expert += (2 * inter + h) * self.gate_up_scale.element_size()
-        return compute * (h * a.n_routed_experts + 3 * h * shared) + distinct_experts * per_expert
+        router = self.router.element_size() * h * a.n_routed_experts
+        return router + compute * 3 * h * shared + distinct_experts * per_expert
 
 
 def route_tokens(x: torch.Tensor, router: torch.Tensor, k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,12 @@ of vLLM's and SGLang's fused_moe, written here from scratch:
    own row of a float32 [T, k, hidden] buffer. Each pair's row is written by exactly one
    program, so no atomics; the k rows of a token are summed in torch, in a fixed order
    (deterministic), and rounded to x's dtype once.
+4. Split sums (MoEConfig.split_k, down_split_k): at batch 1 each routed expert is one
+   block with one real row, and (block, tile) programs number too few to keep the memory
+   system busy (the gate/up kernel took 86 us a call on an H100 for ~100 MB). With splits,
+   a third grid axis splits the summed axis: gate/up programs write float32 partial sums
+   [split_k, n, 2I], which the down kernel adds up (in split order) before silu(gate) *
+   up; down programs write [down_split_k, n, hidden] partial rows, summed with the pairs.
 
 Weight bytes read: the routed experts' gate_up and down tiles, each once per block (one
 block per expert at decode sizes), plus their scales: for FP8 experts
@@ -268,9 +274,10 @@ def _gate_up_kernel(
     w_ptr, stride_we, stride_wk,
     scale_ptr, stride_se,
     h_ptr, stride_h,
+    partial_ptr, stride_ps, stride_pr,
     rows_ptr, block_expert_ptr, n_pairs,
     K_TOP: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -284,11 +291,13 @@ def _gate_up_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
     w_e = w_ptr + e.to(tl.int64) * stride_we
+    split = tl.program_id(2)
+    k_lo = split * (HIDDEN // SPLIT_K)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < HIDDEN
+    for k0 in range(0, HIDDEN // SPLIT_K, BLOCK_K):
+        kk = k_lo + k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_lo + HIDDEN // SPLIT_K
         a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_tile = w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :]
         w_ok = k_ok[:, None] & n_ok[None, :]
@@ -301,20 +310,28 @@ def _gate_up_kernel(
         s = scale_ptr + e.to(tl.int64) * stride_se + n
         acc_gate *= tl.load(s, mask=n_ok, other=0.0)[None, :]
         acc_up *= tl.load(s + INTER, mask=n_ok, other=0.0)[None, :]
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h
-    tl.store(h_rows + n[None, :], h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    out_ok = row_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h
+        tl.store(h_rows + n[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
+    else:  # this split's share of the sums; the down kernel adds the splits up
+        p_rows = partial_ptr + split.to(tl.int64) * stride_ps + pair.to(tl.int64)[:, None] * stride_pr
+        tl.store(p_rows + n[None, :], acc_gate, mask=out_ok)
+        tl.store(p_rows + INTER + n[None, :], acc_up, mask=out_ok)
 
 
 @triton.jit
 def _down_kernel(
     h_ptr, stride_h,
+    partial_ptr, stride_ps, stride_pr,
     w_ptr, stride_we, stride_wk,
     scale_ptr, stride_se,
-    weights_ptr, out_ptr, stride_out,
+    weights_ptr, out_ptr, stride_os, stride_out,
     rows_ptr, block_expert_ptr, n_pairs,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATE_UP_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -325,49 +342,73 @@ def _down_kernel(
     pair = tl.load(rows_ptr + b * BLOCK_M + m)
     row_ok = pair < n_pairs
     h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h
+    p_rows = partial_ptr + pair.to(tl.int64)[:, None] * stride_pr
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < HIDDEN
     w_e = w_ptr + e.to(tl.int64) * stride_we
+    split = tl.program_id(2)
+    k_lo = split * (INTER // SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < INTER
-        a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    for k0 in range(0, INTER // SPLIT_K, BLOCK_K):
+        kk = k_lo + k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_lo + INTER // SPLIT_K
+        a_ok = row_ok[:, None] & k_ok[None, :]
+        if GATE_UP_SPLITS == 1:
+            a = tl.load(h_rows + kk[None, :], mask=a_ok, other=0.0)
+        else:  # the gate/up splits' sums, then silu(gate) * up as the unsplit kernel writes h
+            gate = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            for g in range(GATE_UP_SPLITS):
+                gate += tl.load(p_rows + g * stride_ps + kk[None, :], mask=a_ok, other=0.0)
+                up += tl.load(p_rows + g * stride_ps + INTER + kk[None, :], mask=a_ok, other=0.0)
+            a = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
         w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0).to(h_ptr.dtype.element_ty)
         acc += _dot(a, w, IEEE, INTERPRETED)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + e.to(tl.int64) * stride_se + n, mask=n_ok, other=0.0)[None, :]
     acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    out_rows = out_ptr + pair.to(tl.int64)[:, None] * stride_out
+    out_rows = out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_out
     tl.store(out_rows + n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @dataclass(frozen=True)
 class MoEConfig:
     """Launch settings: rows per block (block_m, >= 16 for tl.dot), output columns (block_n)
-    and summed inputs (block_k) per tile, warps and pipeline stages per program."""
+    and summed inputs (block_k) per tile, warps and pipeline stages per program, and the
+    splits of the summed axis (split_k of gate/up's hidden, down_split_k of down's I):
+    split sums go to float32 buffers that the next kernel (the down kernel, or the final
+    sum over a token's pairs) adds up, in a fixed order."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    down_split_k: int = 1
 
 
 def default_config(num_pairs: int, num_experts: int, on_gpu: bool) -> MoEConfig:
-    """Launch settings for num_pairs (token, expert) pairs over num_experts experts.
+    """Launch settings for num_pairs (token, expert) pairs over num_experts experts, from
+    runners/device/moe_topk_timings.py on an H100 at V4-Flash's expert shape (FP8, 32
+    experts of hidden 4096 and I 2048, top-6):
 
-    Decode (at most 32 pairs per expert on average): blocks of 16 rows, the least tl.dot
-    takes, so a batch-1 step spends no work on padding rows and a program's time is its
-    weight tile. Larger batches: 64-row blocks, each weight tile reused by more rows.
+    - a token or so (pairs <= experts: the batch-1 step): each routed expert is one block
+      with one real row, too few programs to keep the copy engines busy, so the summed axes
+      are split (their partial sums add up in the next kernel);
+    - up to 8 pairs per expert on average: blocks of 16 rows (the least tl.dot takes) and
+      128-column tiles, 128-byte rows of FP8 codes per load;
+    - more: 64-row blocks, each weight tile reused by more rows.
     Under the interpreter: small tiles (its cost is per element, not per launch).
     """
     if not on_gpu:
         return MoEConfig(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=1)
-    if num_pairs <= 32 * num_experts:
-        return MoEConfig(block_m=16, block_n=64, block_k=128)
-    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+    if num_pairs <= num_experts:
+        return MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=8, down_split_k=4)
+    if num_pairs <= 8 * num_experts:
+        return MoEConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)
+    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -382,9 +423,10 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     or the same function compiled (remnant.engine.step_ops: some twenty small kernels become
     a few).
 
-    h (x's dtype [T * k, I]) and pairs (float32 [T * k, hidden]): the intermediate and
-    per-pair output buffers, allocated here when None; every element is written (tests
-    pass them poisoned).
+    h (x's dtype [T * k, I]) and pairs (float32 [down_split_k * T * k, hidden]): the
+    intermediate (unused with gate/up splits, whose float32 sums are allocated here) and the
+    per-pair output buffers, allocated here when None; every element read is written first
+    (tests pass them poisoned).
     """
     T, k, E, hidden, inter = check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale,
                                           check_ids)
@@ -396,7 +438,11 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     cfg = config or default_config(n, E, x.is_cuda and not interp)
     if cfg.block_m < 16:
         raise ValueError(f"config.block_m={cfg.block_m} is not allowed; tl.dot needs block_m >= 16")
-    for name, buf, shape, dtype in (("h", h, (n, inter), x.dtype), ("pairs", pairs, (n, hidden), torch.float32)):
+    for name, splits, axis in (("split_k", cfg.split_k, hidden), ("down_split_k", cfg.down_split_k, inter)):
+        if splits < 1 or (splits > 1 and axis % (splits * cfg.block_k)):
+            raise ValueError(f"config.{name}={splits} must split {axis} into whole tiles of block_k={cfg.block_k}")
+    for name, buf, shape, dtype in (("h", h, (n, inter), x.dtype),
+                                    ("pairs", pairs, (cfg.down_split_k * n, hidden), torch.float32)):
         if buf is not None and (buf.shape != shape or buf.dtype != dtype or not buf.is_contiguous()
                                 or buf.device != x.device):
             raise ValueError(f"{name} must be contiguous {_name(dtype)} {shape} on {x.device}, got "
@@ -408,7 +454,10 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     al = align_pairs(topk_ids, E, cfg.block_m)
     blocks = al.block_expert.numel()
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device) if h is None else h
-    pairs = torch.empty(n, hidden, dtype=torch.float32, device=x.device) if pairs is None else pairs
+    pairs = torch.empty(cfg.down_split_k * n, hidden, dtype=torch.float32, device=x.device) if pairs is None else pairs
+    # Split gate/up sums [split_k, n, 2I]; only real pairs' rows are written and read.
+    partial = pairs if cfg.split_k == 1 else torch.empty(cfg.split_k, n, 2 * inter, dtype=torch.float32,
+                                                         device=x.device)
     fp8 = gate_up_scale is not None
     # Scales are unread without FP8 experts; any float32 pointer fills the argument.
     gu_scale = gate_up_scale.contiguous() if fp8 else pairs
@@ -417,18 +466,19 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     common = dict(rows_ptr=al.rows, block_expert_ptr=al.block_expert, n_pairs=n, HIDDEN=hidden, INTER=inter,
                   HAS_SCALE=fp8, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, IEEE=ieee,
                   INTERPRETED=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
+    partial_args = dict(partial_ptr=partial, stride_ps=n * 2 * inter, stride_pr=2 * inter)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
         x_ptr=x, stride_x=x.stride(0),
         w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
         scale_ptr=gu_scale, stride_se=2 * inter,
-        h_ptr=h, stride_h=h.stride(0), K_TOP=k, **common)
-    _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
+        h_ptr=h, stride_h=h.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **common)
+    _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n), cfg.down_split_k)](
         h_ptr=h, stride_h=h.stride(0),
         w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
         scale_ptr=dn_scale, stride_se=hidden,
-        weights_ptr=topk_weights.reshape(-1).float().contiguous(), out_ptr=pairs, stride_out=pairs.stride(0),
-        **common)
-    return pairs.view(T, k, hidden).sum(1).to(x.dtype)
+        weights_ptr=topk_weights.reshape(-1).float().contiguous(), out_ptr=pairs, stride_os=n * hidden,
+        stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **common)
+    return pairs.view(cfg.down_split_k, T, k, hidden).sum((0, 2)).to(x.dtype)
 
 
 def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

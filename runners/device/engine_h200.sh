@@ -10,7 +10,8 @@
 # (runners/device/setup_h200.sh says how to make it). The device's copy has no .git, so pass
 # the commit for the records' provenance:
 #   REMNANT_GIT_COMMIT=<hash> STAGES="tests bench serve" bash runners/device/engine_h200.sh
-# Stage variables: TESTS_S TIMINGS_S BENCH_S SERVE_S (limits, s), GPU_TESTS, BENCH_ARGS, MODES, RUN_ARGS.
+# Stage variables: TESTS_S TIMINGS_S BENCH_S SERVE_S (limits, s), GPU_TESTS, PYTEST_ARGS (e.g. -n 4:
+# the tests share the GPU), BENCH_ARGS, MODES, RUN_ARGS; the bench writes kernel logs to $OUT/kernels.
 set -u
 source runners/device/setup_h200.sh || exit 1
 
@@ -22,12 +23,12 @@ for stage in ${STAGES:-tests bench serve}; do
     # leaves only its progress dots, as on 2026-12-05).
     timeout -s INT -k 20 ${TESTS_S:-300} python3 -m pytest ${GPU_TESTS:-tests/engine tests/kernels/test_moe.py \
         tests/kernels/test_indexer.py tests/kernels/test_top_k.py} -q -m gpu \
-        -p no:cacheprovider --timeout 120 --tb=short -rfE 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25 ;;
+        -p no:cacheprovider --timeout 120 --tb=short -rfE ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25 ;;
   timings)
     timeout ${TIMINGS_S:-180} python3 runners/device/moe_topk_timings.py 2>&1 | tee "$OUT/timings.txt" | tail -20 ;;
   bench)
     timeout ${BENCH_S:-240} python3 -m remnant.cli.engine_bench --model dsv4_flash_h200 --out "$OUT/engine-bench.json" \
-        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine-bench.log" | tail -40 ;;
+        --kernel-logs "$OUT/kernels" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine-bench.log" | tail -40 ;;
   serve)
     # Native records through FlashMLA's V4 decode as SGLang runs them: native_decode=flashmla
     # fails a run where it cannot run rather than fall back.

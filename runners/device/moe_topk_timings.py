@@ -7,7 +7,10 @@
 - the RMS norm at the step's call sites (plain torch, compiled by remnant.engine.step_ops),
   each replayed 100 times in one CUDA graph: the time a call costs inside a step's graph.
 
-triton.testing.do_bench (L2 flushed between calls: weights come from HBM as in a step).
+Each timed as a step runs it: replayed in a CUDA graph (graph_us), so that launches cost
+what they cost inside a step's graph (do_bench's eager calls add tens of microseconds of
+host launch time to a batch-1 MoE call). The MoE's weights (150 MB at batch 1) do not fit
+in L2, so repeated calls read them from HBM as a step does.
     python runners/device/moe_topk_timings.py
 """
 
@@ -29,11 +32,13 @@ def moe_table() -> None:
     w_gate_up, gu_scale = quantize_experts(torch.randn(E, hidden, 2 * inter, device="cuda", generator=gen) / 64)
     w_down, dn_scale = quantize_experts(torch.randn(E, inter, hidden, device="cuda", generator=gen) / 45)
     expert_bytes = 3 * hidden * inter
-    grid = [MoEConfig(block_m=m, block_n=n, block_k=kk, num_warps=w, num_stages=s)
-            for m, n, kk, w, s in itertools.product((16, 64), (16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 5))]
-    print("| tokens | distinct experts | default us | best us | best config | best TB/s |")
-    print("|---|---|---|---|---|---|")
-    for T in (1, 32, 128, 8):
+    # Batch 1: the split sums' grid; larger batches: the defaults against the unsplit
+    # batch-1 tile and the former default (16, 64, 128).
+    small = [MoEConfig(block_m=16, block_n=n, block_k=kk, num_warps=4, num_stages=3, split_k=s, down_split_k=d)
+             for n, kk, s, d in itertools.product((64, 128), (64, 128), (1, 4, 8), (1, 2, 4))]
+    print("| tokens | distinct experts | default us | best us | best config | best TB/s | former default us |")
+    print("|---|---|---|---|---|---|---|")
+    for T in (1, 8, 32, 128):
         x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
         weights = torch.rand(T, k, device="cuda", generator=gen)
@@ -43,18 +48,16 @@ def moe_table() -> None:
             return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=cfg)
 
         default = default_config(T * k, E, True)
+        former = MoEConfig(block_m=16, block_n=64, block_k=128)
         times = {}
-        for cfg in grid:
-            if cfg.block_m == 64 and T * k <= 32 * E and T < 32:
-                continue
+        for cfg in (small if T == 1 else []) + [default, former]:
             try:
-                times[cfg] = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=40) * 1e3
+                times[cfg] = graph_us(lambda: run(cfg), calls=10)
             except Exception as e:  # out of shared memory for a tile: not a candidate
                 print(f"  {cfg}: {type(e).__name__}")
         best = min(times, key=times.get)
-        base = triton.testing.do_bench(lambda: run(default), warmup=5, rep=40) * 1e3
-        print(f"| {T} | {distinct} | {base:.1f} | {times[best]:.1f} | {best} | "
-              f"{distinct * expert_bytes / times[best] / 1e6:.2f} |", flush=True)
+        print(f"| {T} | {distinct} | {times[default]:.1f} | {times[best]:.1f} | {best} | "
+              f"{distinct * expert_bytes / times[best] / 1e6:.2f} | {times[former]:.1f} |", flush=True)
 
 
 def top_k_table() -> None:
@@ -64,7 +67,7 @@ def top_k_table() -> None:
         scores = torch.relu(torch.randn(B, n, device="cuda"))
         mine = top_k(scores, 512)[1].sort(-1).values
         same = torch.equal(mine, index_top_k(scores, 512)[1].sort(-1).values)
-        t = [triton.testing.do_bench(f, warmup=5, rep=40) * 1e3 for f in
+        t = [graph_us(f, calls=20) for f in
              (lambda: top_k(scores, 512), lambda: torch.topk(scores, 512), lambda: index_top_k(scores, 512))]
         print(f"| {B} x {n} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {same} |", flush=True)
 

@@ -100,3 +100,22 @@ def test_a_cell_out_of_memory_is_a_limit_and_the_others_run(tmp_path, monkeypatc
     assert [line for line in doc["limits"] if "not measured" in line] == [
         "native batch 3 context 260: not measured, its pools (3 x 261 tokens) did not fit in the GPU's memory "
         "beside the weights"]
+
+
+def test_kernel_log_lists_events_in_order_with_gaps(tmp_path):
+    # The profiler's CPU events stand where a GPU's kernels would (the same event type).
+    from torch.profiler import ProfilerActivity, profile
+
+    from remnant.engine.bench import write_kernel_log
+
+    x = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (x @ x).relu()
+    events = sorted((e for e in prof.events() if e.name in ("aten::mm", "aten::relu")),
+                    key=lambda e: e.time_range.start)
+    write_kernel_log(tmp_path / "log" / "native-b1-4096.tsv", events)
+    lines = (tmp_path / "log" / "native-b1-4096.tsv").read_text().splitlines()
+    assert lines[0] == "start_us\tgap_us\tduration_us\tname"
+    rows = [line.split("\t") for line in lines[1:]]
+    assert [r[3] for r in rows] == ["aten::mm", "aten::relu"]
+    assert float(rows[0][0]) == 0.0 and float(rows[1][0]) >= float(rows[0][2]) and float(rows[1][1]) >= 0.0

@@ -54,7 +54,8 @@ def test_seeded_weights_are_identical_across_constructions():
         assert getattr(a, n).dtype == getattr(b, n).dtype
         assert torch.equal(getattr(a, n).view(torch.uint8), getattr(b, n).view(torch.uint8)), n
     assert a.w_gate_up.dtype == torch.float8_e4m3fn and a.gate_up_scale.dtype == torch.float32
-    assert a.router.dtype == a.shared_down.dtype == torch.bfloat16
+    assert a.shared_down.dtype == torch.bfloat16 and a.router.dtype == torch.float32
+    assert torch.equal(a.router, a.router.bfloat16().float())  # bf16 values, held widened
     assert not torch.equal(_moe(4).router, _moe(3).router)
     # Init scale 1/sqrt(fan_in): unit-variance rows in, unit-variance columns out.
     big = MoE(hidden_size=512, moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=2,
@@ -68,7 +69,7 @@ def test_to_quantizes_once_and_moves_after():
     codes, scale = moe.w_gate_up, moe.gate_up_scale
     moe.to("cpu", torch.bfloat16)
     assert torch.equal(moe.w_gate_up.view(torch.uint8), codes.view(torch.uint8))
-    assert torch.equal(moe.gate_up_scale, scale) and moe.router.dtype == torch.bfloat16 and moe.dtype == torch.bfloat16
+    assert torch.equal(moe.gate_up_scale, scale) and moe.router.dtype == torch.float32 and moe.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("factor", [1.0, 2.5])
@@ -102,14 +103,14 @@ def test_weight_bytes_hand_computed():
     # hidden 8, I 4, E 4, k 2, one shared expert; bf16 compute, FP8 experts.
     moe = MoE(hidden_size=8, moe_intermediate_size=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
               expert_dtype="float8_e4m3fn", generator=torch.Generator().manual_seed(0)).to("cpu", torch.bfloat16)
-    router = 8 * 4 * 2                       # [8, 4] bf16
+    router = 8 * 4 * 4                       # [8, 4] bf16 values held in float32
     shared = (8 * 8 + 4 * 8) * 2             # gate_up [8, 8] + down [4, 8], bf16
     expert = (8 * 8 + 4 * 8) * 1 + (8 + 8) * 4  # FP8 codes + float32 scales per column (2I + hidden)
-    assert (router, shared, expert) == (64, 192, 160)
-    assert moe.weight_bytes(0) == 256 and moe.weight_bytes(3) == 256 + 3 * 160 == 736
+    assert (router, shared, expert) == (128, 192, 160)
+    assert moe.weight_bytes(0) == 320 and moe.weight_bytes(3) == 320 + 3 * 160 == 800
     bf16 = MoE(hidden_size=8, moe_intermediate_size=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=0,
                expert_dtype="bfloat16", generator=torch.Generator().manual_seed(0)).to("cpu", torch.bfloat16)
-    assert bf16.weight_bytes(4) == 64 + 4 * 96 * 2
+    assert bf16.weight_bytes(4) == 128 + 4 * 96 * 2
     with pytest.raises(ValueError, match="distinct_experts=5 is not allowed; allowed: 0..n_routed_experts=4"):
         moe.weight_bytes(5)
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.moe import (EXPERT_DTYPES, align, dequantize_experts, max_blocks, quantize_experts,
+from remnant.kernels.moe import (EXPERT_DTYPES, MoEConfig, align, dequantize_experts, max_blocks, quantize_experts,
                                  routed_experts, routed_experts_reference, routed_experts_torch,
                                  routed_experts_triton, torch_block_m)
 from tests.kernels.inputs import DEVICE, ON_GPU
@@ -39,14 +39,14 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return dict(rtol=0, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
 
 
-def _check(x, ids, weights, experts, impl: str = "triton") -> None:
+def _check(x, ids, weights, experts, impl: str = "triton", config: MoEConfig | None = None) -> None:
     """impl's output against the reference, with the triton buffers poisoned (NaN)."""
     ref = routed_experts_reference(x, ids, weights, *experts)
     if impl == "triton":
         n = ids.numel()
         h = torch.full((n, experts[1].shape[1]), float("nan"), dtype=x.dtype, device=x.device)
-        pairs = torch.full((n, x.shape[1]), float("nan"), device=x.device)
-        got = routed_experts_triton(x, ids, weights, *experts, check_ids=True, h=h, pairs=pairs)
+        pairs = torch.full(((config.down_split_k if config else 1) * n, x.shape[1]), float("nan"), device=x.device)
+        got = routed_experts_triton(x, ids, weights, *experts, check_ids=True, h=h, pairs=pairs, config=config)
     else:
         got = routed_experts_torch(x, ids, weights, *experts)
     assert got.dtype == x.dtype and got.shape == x.shape
@@ -132,6 +132,29 @@ def test_kernel_matches_reference(t, x_dtype, expert_dtype):
     x = torch.randn(t, HIDDEN, generator=gen).to(DEVICE, x_dtype)
     ids, weights = _routing(gen, t, E, K)
     _check(x, ids, weights, experts)
+
+
+@pytest.mark.parametrize("splits", [(2, 1), (1, 2), (4, 2)])
+@pytest.mark.parametrize("t,x_dtype", [(1, torch.bfloat16), (9, torch.float32)])
+def test_split_sums_match_reference(t, x_dtype, splits):
+    # The batch-1 launch: gate/up and down sums split over programs (float32 partial sums
+    # added in the next kernel); with 9 tokens blocks hold several real rows.
+    gen = torch.Generator().manual_seed(7 * t + splits[0])
+    experts = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(t, HIDDEN, generator=gen).to(DEVICE, x_dtype)
+    ids, weights = _routing(gen, t, E, K)
+    config = MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1, split_k=splits[0],
+                       down_split_k=splits[1])
+    _check(x, ids, weights, experts, config=config)
+
+
+def test_splits_must_cut_whole_tiles():
+    gen = torch.Generator().manual_seed(0)
+    experts = _experts(gen, E, HIDDEN, INTER, "bfloat16")
+    x = torch.randn(1, HIDDEN, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, 1, E, K)
+    with pytest.raises(ValueError, match="split_k=3 must split 128"):
+        routed_experts_triton(x, ids, weights, *experts, config=MoEConfig(block_k=32, split_k=3))
 
 
 @pytest.mark.parametrize("expert_dtype", list(EXPERT_DTYPES))
