@@ -181,7 +181,7 @@ def plan_parts(rows: int, n: int) -> tuple[int, int, int]:
     fills about TARGET_PROGRAMS programs, each part a whole number of iterations."""
     parts = max(1, min(MAX_PARTS, TARGET_PROGRAMS // max(rows, 1), triton.cdiv(n, 256)))
     per_part = triton.cdiv(n, parts)
-    block = min(BLOCK, triton.next_power_of_2(per_part))
+    block = min(BLOCK, max(128, triton.next_power_of_2(per_part)))  # 128: a warp-wide tile at least
     chunk = triton.cdiv(per_part, block) * block
     return triton.cdiv(n, chunk), chunk, block
 
