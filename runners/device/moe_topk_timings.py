@@ -35,7 +35,7 @@ def moe_table() -> None:
     # Batch 1: the split sums' grid; larger batches: the defaults against the unsplit
     # batch-1 tile and the former default (16, 64, 128).
     small = [MoEConfig(block_m=16, block_n=n, block_k=kk, num_warps=4, num_stages=3, split_k=s, down_split_k=d)
-             for n, kk, s, d in itertools.product((64, 128), (64, 128), (1, 4, 8), (1, 2, 4))]
+             for n, kk, s, d in itertools.product((64, 128), (128,), (1, 4, 8), (1, 2, 4))]
     print("| tokens | distinct experts | default us | best us | best config | best TB/s | former default us |")
     print("|---|---|---|---|---|---|---|")
     for T in (1, 8, 32, 128):
@@ -92,11 +92,15 @@ def rms_norm_table() -> None:
     compiled = compiled_ops().rms_norm
     print("| rows x width | plain us | compiled us |")
     print("|---|---|---|")
-    for rows, width in ((1, 4096), (1, 1024), (1, 512), (64, 512), (32, 4096), (2048, 512)):
-        x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    for rows, width, sliced in ((1, 4096, False), (1, 1024, False), (1, 512, False), (64, 512, False),
+                                (32, 4096, False), (2048, 512, False), (1, 1024, True), (1, 512, True),
+                                (32, 1024, True)):
+        # sliced: columns of one wider product, as Model.project's q_a and kv are.
+        x = torch.randn(rows, width + 4096 if sliced else width, device="cuda", dtype=torch.bfloat16)
+        x = x[:, 1024: 1024 + width] if sliced else x
         w = torch.randn(width, device="cuda", dtype=torch.bfloat16)
         t = [graph_us(lambda f=f: f(x, w, 1e-6)) for f in (rms_norm, compiled)]
-        print(f"| {rows} x {width} | {t[0]:.2f} | {t[1]:.2f} |", flush=True)
+        print(f"| {rows} x {width}{' (slice)' if sliced else ''} | {t[0]:.2f} | {t[1]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
