@@ -124,6 +124,57 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     return Alignment(rows.to(torch.int32), block_expert.to(torch.int32), block_m, n)
 
 
+#: Most (token, expert) pairs align_triton sorts in its one program (decode batches: 128
+#: tokens x 6 experts = 768); more go through `align` (a prefill chunk's thousands).
+ALIGN_KERNEL_MAX_PAIRS = 1024
+
+
+@triton.jit
+def _align_kernel(ids_ptr, rows_ptr, block_expert_ptr, n, E: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCKS: tl.constexpr, PAIRS_P: tl.constexpr, EXPERTS_P: tl.constexpr,
+                  BLOCKS_P: tl.constexpr, ROWS_P: tl.constexpr):
+    """`align` in one program: pairs against experts as a [pairs, experts] one-hot, whose
+    column sums are the counts and whose running sums down the pairs are each pair's rank
+    among its expert's pairs (pair order: a stable sort)."""
+    p = tl.arange(0, PAIRS_P)
+    e = tl.arange(0, EXPERTS_P)
+    pair_ok = p < n
+    ids = tl.load(ids_ptr + p, mask=pair_ok, other=-1).to(tl.int32)
+    hot = ((ids[:, None] == e[None, :]) & pair_ok[:, None]).to(tl.int32)  # [P, E]
+    counts = tl.sum(hot, 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)  # inclusive: expert e owns blocks [end - blocks, end)
+    rank = tl.sum((tl.cumsum(hot, 0) - hot) * hot, 1)  # earlier pairs of the same expert
+    first_block = tl.sum(hot * (block_end - blocks)[None, :], 1)
+    slot = first_block * BLOCK_M + rank
+    # Every row starts as padding (pair n); the routed pairs then overwrite theirs.
+    r = tl.arange(0, ROWS_P)
+    tl.store(rows_ptr + r, tl.full([ROWS_P], 0, tl.int32) + n, mask=r < BLOCKS * BLOCK_M)
+    tl.debug_barrier()  # the padding rows land before the pairs' rows (one program's threads)
+    tl.store(rows_ptr + slot, p, mask=pair_ok)
+    b = tl.arange(0, BLOCKS_P)
+    owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)  # first expert ending after b
+    tl.store(block_expert_ptr + b, tl.where(owner < E, owner, -1), mask=b < BLOCKS)
+
+
+def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, fallback=align) -> Alignment:
+    """`align`'s result in one launch (a dozen small kernels through `align` compiled, at
+    batch 1), for up to ALIGN_KERNEL_MAX_PAIRS pairs over experts whose one-hot fits one
+    program (pairs x experts <= 32768, powers of two); others go to `fallback` (`align`,
+    or the same compiled). On CUDA tensors, or CPU ones under Triton's interpreter."""
+    n = topk_ids.numel()
+    pow2 = triton.next_power_of_2
+    if n == 0 or n > ALIGN_KERNEL_MAX_PAIRS or pow2(n) * pow2(num_experts) > 1 << 15:
+        return fallback(topk_ids, num_experts, block_m)
+    blocks = max_blocks(n, num_experts, block_m)
+    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), rows, block_expert, n, E=num_experts, BLOCK_M=block_m,
+                        BLOCKS=blocks, PAIRS_P=pow2(n), EXPERTS_P=pow2(num_experts), BLOCKS_P=pow2(blocks),
+                        ROWS_P=pow2(blocks * block_m), num_warps=4)
+    return Alignment(rows, block_expert, block_m, n)
+
+
 def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 codes and float32 scales of expert weights w float [E, K, N] (K: the summed
     input axis), one scale per (expert, output column): scale = amax over K / 448, codes =

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.moe import (EXPERT_DTYPES, MoEConfig, align, dequantize_experts, max_blocks, quantize_experts,
+from remnant.kernels.moe import (ALIGN_KERNEL_MAX_PAIRS, EXPERT_DTYPES, MoEConfig, align, align_triton, dequantize_experts, max_blocks, quantize_experts,
                                  routed_experts, routed_experts_reference, routed_experts_torch,
                                  routed_experts_triton, torch_block_m)
 from tests.kernels.inputs import DEVICE, ON_GPU
@@ -109,6 +109,25 @@ def test_align_blocks_each_hold_one_experts_pairs(t, e, k, block_m):
     for b, (_, pairs) in enumerate(want):
         assert rows[b].tolist() == pairs + [n] * (block_m - len(pairs))
     assert (rows[len(want) :] == n).all()
+
+
+@pytest.mark.parametrize("t,e,k,block_m", [(1, 32, 6, 16), (5, 32, 6, 16), (128, 32, 6, 64), (170, 32, 6, 16),
+                                             (7, 5, 2, 16), (33, 8, 3, 4), (1, 1, 1, 16)])
+def test_align_kernel_is_align(t, e, k, block_m):
+    # The one-launch align of decode batches: the same rows and block experts as `align`,
+    # with routes spread over the experts and piled on a few (long blocks, idle experts).
+    gen = torch.Generator().manual_seed(t * e)
+    for ids in (_routing(gen, t, e, k)[0], torch.randint(0, min(e, 2), (t, k), generator=gen).to(DEVICE)):
+        want, got = align(ids, e, block_m), align_triton(ids, e, block_m)
+        assert (got.block_m, got.num_pairs) == (want.block_m, want.num_pairs)
+        assert torch.equal(got.rows, want.rows) and torch.equal(got.block_expert, want.block_expert), (t, e, k)
+
+
+def test_align_kernel_hands_large_batches_to_its_fallback():
+    ids = torch.zeros(ALIGN_KERNEL_MAX_PAIRS + 1, 1, dtype=torch.long, device=DEVICE)
+    calls = []
+    got = align_triton(ids, 4, 16, fallback=lambda *a: calls.append(a) or align(*a))
+    assert len(calls) == 1 and torch.equal(got.rows, align(ids, 4, 16).rows)
 
 
 def test_max_blocks_is_the_worst_case_and_attained():
