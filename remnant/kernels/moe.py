@@ -446,8 +446,12 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool) -> MoEConfig:
     experts of hidden 4096 and I 2048, top-6):
 
     - a token or so (pairs <= experts: the batch-1 step): each routed expert is one block
-      with one real row, too few programs to keep the copy engines busy, so the summed axes
-      are split (their partial sums add up in the next kernel);
+      with one real row, too few programs to keep the memory busy, so the summed axes are
+      split (their partial sums add up in the next kernel). Splits of 4 and 2: 159 us a
+      call (routing sort and sums included), against 173 us with 8 and 4 and 175 us
+      unsplit with the former (16, 64, 128) tiles: a small gain, and in a step the split
+      down kernel (8 and 4) took 49 us a call against 25 us unsplit, its reads of the
+      partial sums serialised with its weight loads (2026-12-06, H100);
     - up to 8 pairs per expert on average: blocks of 16 rows (the least tl.dot takes) and
       128-column tiles, 128-byte rows of FP8 codes per load;
     - more: 64-row blocks, each weight tile reused by more rows.
@@ -456,7 +460,7 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool) -> MoEConfig:
     if not on_gpu:
         return MoEConfig(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=1)
     if num_pairs <= num_experts:
-        return MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=8, down_split_k=4)
+        return MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=4, down_split_k=2)
     if num_pairs <= 8 * num_experts:
         return MoEConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)
     return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
