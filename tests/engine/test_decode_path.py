@@ -342,7 +342,17 @@ def test_kernels_match_reference_on_gpu(args, mode, retention):
     prompts, steps = LONG
     want, want_logits, _ = _greedy(reference, prompts, steps)
     _, got_logits, _ = _greedy(kernels, prompts, steps, forced=want)
-    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=0)
+    # CUDA graphs pad batches, so the kernels path multiplies in other shapes than the
+    # reference: as between devices (test_cuda_model_is_the_cpu_model), an FP8 code one
+    # step apart moves the logits that read it: 24 of 17,802 past ATOL, at most 0.078
+    # (native, H100, 2026-12-06). A wrong key set moves most of them.
+    _assert_mostly_close(got_logits, want_logits)
+
+
+def _assert_mostly_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Logits within 2 * ATOL everywhere and within ATOL at 99% of them."""
+    diff = (got.cpu() - want.cpu()).abs()
+    assert diff.max() < 2 * ATOL and (diff > ATOL).float().mean() < 0.01, (diff.max(), (diff > ATOL).sum())
 
 
 @pytest.mark.gpu
@@ -354,8 +364,7 @@ def test_cuda_model_is_the_cpu_model(args):
     prompts, steps = LONG
     want, want_logits, _ = _greedy(Model(args), prompts, steps)
     _, got_logits, _ = _greedy(Model(args, device="cuda", decode_path="reference"), prompts, steps, forced=want)
-    diff = (got_logits.cpu() - want_logits.cpu()).abs()
-    assert diff.max() < 2 * ATOL and (diff > ATOL).float().mean() < 0.01, (diff.max(), (diff > ATOL).sum())
+    _assert_mostly_close(got_logits, want_logits)
 
 
 @pytest.mark.gpu
