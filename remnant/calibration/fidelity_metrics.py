@@ -12,9 +12,9 @@ it).
 The indexer's key formats are measured here too: `top_k_overlap` (how much of one top-k
 selection another keeps) and `index_key_overlap` (the lightning indexer's top-k from keys
 stored as MXFP4 against the same from FP8 keys, and each against unquantized keys).
-Captures hold no indexer keys or queries yet (remnant.calibration.captures: C4 latents and
-attention queries only), so `synthetic_indexer_inputs` gives heavy-tailed stand-ins; run
-index_key_overlap on real indexer queries, weights and keys where a capture has them.
+The embedded engine's remnant-capture/2 files hold the indexer's queries, weights and keys
+(remnant.calibration.fidelity_parts runs index_key_overlap on them);
+`synthetic_indexer_inputs` gives heavy-tailed stand-ins where no capture has them.
 """
 
 from __future__ import annotations

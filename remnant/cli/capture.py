@@ -15,8 +15,10 @@ Record calibration captures: remnant-run with capture=on. A native server (host=
 or host=local: a container of the serving image, SGLang or the embedded engine) serves the
 workload; each CSA layer hands its first capture.tokens decode queries (after RoPE) and
 first capture.records C4 latents (before FP8) to a recorder, which writes
-capture.safetensors (remnant-capture/1) into the run directory: at once when every layer
-has both, else when the workload ends (the run asks for it before it stops the server).
+capture.safetensors into the run directory (remnant-capture/1 from SGLang; /2 from the
+embedded engine, which also records the parts beyond C4 records: docs/capture.md): at
+once when every layer has both, else when the workload ends (the run asks for it before
+it stops the server).
 run.json records the file's fingerprint; every map built from it, and every run that
 serves with that map, carries it on.
 

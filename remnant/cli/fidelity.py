@@ -14,8 +14,16 @@ across every policy, the learned one included, on a split by capture source
         [--limit TEXT ...]
     python -m remnant.cli.fidelity compare --synthetic --out NAME.json
 
-Each prints its table of mean error per R and policy on stderr and the report's path on
-stdout. Errors are one line, `fidelity: error: ...` or `fidelity compare: error: ...`,
+The fidelity of the KV parts beyond C4 records (remnant.calibration.fidelity_parts, schema
+remnant/fidelity-parts v1: packed window and C128 records, MXFP4 indexer keys, bf16
+compressor state, and all at once, per layer) on remnant-capture/2 files is another:
+
+    python -m remnant.cli.fidelity parts --train A.safetensors --eval B.safetensors
+        --out benchmarks/fidelity/NAME.json [--policy attention] [--retention 256]
+        [--top-k 64] [--index-top-k 512] [--window 128] [--seed 0] [--limit TEXT ...]
+
+Each prints its table (mean error per R and policy; per part, and per layer and part)
+on stderr and the report's path on stdout. Errors are one line, `fidelity: error: ...` or `fidelity compare: error: ...`,
 naming the file or flag; exit status 2.
 """
 
@@ -61,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:])
+    if argv[:1] == ["parts"]:
+        return parts_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m remnant.cli.fidelity", description=fidelity.__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--captures", type=Path, help="capture file (remnant-capture/1 safetensors)")
+    src.add_argument("--captures", type=Path, help="capture file (remnant-capture/1 or /2 safetensors)")
     src.add_argument("--synthetic", action="store_true",
                      help="use synthetic captures (see remnant.calibration.captures)")
     p.add_argument("--seed", type=int, default=0, help="synthetic generator seed and the random policy's seed")
@@ -152,6 +162,46 @@ def compare_main(argv: list[str]) -> int:
         print(f"fidelity compare: error: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)
         return 2
     print(table_markdown(doc), file=sys.stderr)
+    print(path)
+    return 0
+
+
+def parts_main(argv: list[str]) -> int:
+    """`python -m remnant.cli.fidelity parts ...` (see the module docstring)."""
+    from remnant.calibration import fidelity_parts
+    from remnant.records.schema import write_validated
+
+    p = OneLineParser(prog="fidelity parts", description=fidelity_parts.__doc__.split("\n\n")[0])
+    p.add_argument("--train", type=Path, required=True, metavar="FILE",
+                   help="capture file (remnant-capture/2) the policy chooses every layer's kept coordinates from")
+    p.add_argument("--eval", type=Path, required=True, metavar="FILE", help="capture file measured (another source)")
+    p.add_argument("--policy", choices=POLICIES, default="attention", help="training-free policy (default attention)")
+    p.add_argument("--retention", type=int, default=256, help="R of every layer's map (default 256)")
+    p.add_argument("--top-k", type=int, default=64, help="top-k of the score overlap metric (default 64)")
+    p.add_argument("--index-top-k", type=int, default=512, help="the indexer's top-k (default 512, V4's)")
+    p.add_argument("--window", type=int, default=128, help="window latents in part all's softmax (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="the random policy's seed")
+    p.add_argument("--limit", action="append", default=[], metavar="TEXT",
+                   help="a caveat to add to the report's limits (repeatable)")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="report JSON to write")
+    a = p.parse_args(argv)
+    try:
+        if a.retention not in RETENTION_VALUES:
+            raise ValueError(f"--retention={a.retention} is not allowed; allowed: {', '.join(map(str, RETENTION_VALUES))}")
+        for flag, value in (("top-k", a.top_k), ("index-top-k", a.index_top_k), ("window", a.window)):
+            if value < 1:
+                raise ValueError(f"--{flag}={value} must be >= 1")
+        train = (str(a.train), load_captures(a.train))
+        ev = (str(a.eval), load_captures(a.eval))
+        doc = fidelity_parts.report(train, ev, a.policy, a.retention, a.top_k, a.index_top_k, a.window, a.seed,
+                                    a.limit)
+        path = write_validated(a.out, doc)
+    except (ValueError, OSError) as exc:
+        print(f"fidelity parts: error: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)
+        return 2
+    print(fidelity_parts.table_markdown(doc), file=sys.stderr)
+    print(file=sys.stderr)
+    print(fidelity_parts.table_per_layer(doc), file=sys.stderr)
     print(path)
     return 0
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
+from remnant.engine.capture_hooks import record_blocks, record_tokens
 from remnant.engine.ops import SCRATCH_PER_PAGE, decode_config
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
 from remnant.kv import CSA_RATIO, HEAD_DIM
@@ -179,12 +180,13 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
         store_kept_first(kv, ring_pages, ring_layout, window_locs[:, -1], ring.columns)
     else:  # native records, or packed ones as the layer's C4 records are
         store(kv, ring_pages, ring_layout, window_locs[:, -1], ring.columns if ring.window_form == "packed" else None)
+    if model.recorder is not None:  # a capture: copies only (remnant.engine.capture_hooks)
+        n = batch.real
+        iw = None if p.iw is None else p.iw[:n]  # (the indexer's: CSA layers only)
+        record_tokens(model, li, layer, q[:n], iw, q_lora[:n], kv[:n], decode=True)
     locs = None
     if layer.ratio:
         _compress(model, li, layer, pools, batch, p, slots)
-        recorder = model.recorder
-        if recorder is not None and layer.ratio == CSA_RATIO and recorder.wants(li, "queries"):
-            recorder.add_queries(li, model.natural_q(li, q[: batch.real]))  # policies read natural q
         locs = _select(model, li, layer, pools, p.iw, q_lora, slots, kernels=attention == "kernels")
     if attention == "kernels":
         o = attend_kernels(model, li, layer, pools, q, window_locs, locs)
@@ -206,18 +208,21 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioS
     latents = model.compress(layer, block[:, :, 0], block[:, :, 1], slots.index)
     target = pools.c4[li] if csa else pools.c128[li]
     store(latents, target.buf, target.layout, slots.write_locs, model.layer_format(li).record_columns)
-    recorder = model.recorder
-    if recorder is not None and csa and recorder.wants(li, "latents"):
-        # A capture runs eagerly (never in a graph): selecting the completed rows syncs.
-        complete = batch.pos % layer.ratio == layer.ratio - 1
-        recorder.add_latents(li, latents[: batch.real][complete[: batch.real]])
+    ik = None
     if csa:
         d = model.args.index_head_dim
         index_state = pools.c4_index_state[li]
         index_state[slots.state_row, 0, :d] = p.ik.to(index_state.dtype)
-        keys = index_state[slots.block_rows, 0, :d].float().mean(1)
+        ik = index_state[slots.block_rows, 0, :d].float()
+        keys = ik.mean(1)
         indexer = pools.indexer[li]
         indexer.layout.write(indexer.buf, slots.write_locs, model.quantize_index_keys(keys))
+    if model.recorder is not None:
+        # A capture runs eagerly (never in a graph): selecting the completed rows syncs.
+        done = (batch.pos % layer.ratio == layer.ratio - 1)[: batch.real]
+        record_blocks(model, li, layer, block[: batch.real, :, 0][done], block[: batch.real, :, 1][done],
+                      slots.index[: batch.real][done], latents[: batch.real][done], state.dtype,
+                      None if ik is None else ik[: batch.real][done])
 
 
 def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor, slots: RatioSlots,

@@ -774,6 +774,11 @@ class Model:
         # into the ring.
         ring = self.layer_format(li)
         kv = ring.ring_records(st.kv)
+        if self.recorder is not None:  # a capture: copies only (remnant.engine.capture_hooks)
+            from remnant.engine.capture_hooks import record_tokens
+
+            # Decode steps are one-token chunks (so is a prompt's rare last chunk of one token).
+            record_tokens(self, li, layer, st.q, st.iw, st.q_lora, st.kv.float(), decode=st.q.shape[0] == 1)
         if self.capture_windows is not None and li in self.capture_windows:
             # Calibrating an HCA or window-only layer: its queries and window latents.
             self.capture[li].append(st.q.detach().clone())
@@ -820,10 +825,6 @@ class Model:
         n = self._compress_new_blocks(li, layer, seq, pools, st)
         if self.capture is not None and layer.ratio == CSA_RATIO and li in self.capture:
             self.capture[li].append(self.natural_q(li, st.q).detach().clone())  # policies read natural q
-        if self.recorder is not None and layer.ratio == CSA_RATIO and st.q.shape[0] == 1 \
-                and self.recorder.wants(li, "queries"):
-            # Decode steps are one-token chunks (so is a prompt's rare last chunk of one token).
-            self.recorder.add_queries(li, self.natural_q(li, st.q))
         if not n:
             return None
         rec_end = (torch.arange(n, device=self.device) + 1) * layer.ratio - 1
@@ -861,8 +862,11 @@ class Model:
             pages = seq.page_tensor(self.device)
             index = torch.arange(first, first + full, device=self.device)
             latents = self.compress(layer, pc[: full * r].view(full, r, -1), pg[: full * r].view(full, r, -1), index)
-            if self.recorder is not None and r == CSA_RATIO and self.recorder.wants(li, "latents"):
-                self.recorder.add_latents(li, latents)
+            if self.recorder is not None:  # a capture: copies only
+                from remnant.engine.capture_hooks import record_blocks
+
+                record_blocks(self, li, layer, pc[: full * r].view(full, r, -1), pg[: full * r].view(full, r, -1),
+                              index, latents, sd, None if pik is None else pik[: full * r].view(full, r, -1))
             self._write_records(li, layer, pools, pages, index, latents)
             if r == CSA_RATIO:
                 keys = pik[: full * r].view(full, r, -1).mean(1)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
+from remnant.engine.capture_hooks import record_blocks, record_tokens
 from remnant.engine.decode_step import attend_batched, attend_kernels
 from remnant.engine.ops import SCRATCH_PER_PAGE
 from remnant.kernels.dispatch import store
@@ -214,7 +215,10 @@ def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scr
     q, q_lora = model.queries(layer, p, plan.pos, folded)
     # The window: the previous records from the ring and the chunk's own, in the ring's
     # record form, into the scratch ring; then the chunk's last `window` into the ring.
-    records = model.layer_format(li).ring_records(model.window_latents(layer, p, plan.pos).float())
+    kv = model.window_latents(layer, p, plan.pos).float()
+    if model.recorder is not None:  # a capture: copies only (remnant.engine.capture_hooks)
+        record_tokens(model, li, layer, q, p.iw, q_lora, kv, decode=False)
+    records = model.layer_format(li).ring_records(kv)
     pages, layout = scratch
     layout.write(pages, plan.prev_rows, pools.swa.read(li, plan.prev_slots))
     layout.write(pages, plan.new_rows, records)
@@ -249,8 +253,6 @@ def _compress(model, li: int, layer, pools, rp: RatioPlan, p) -> None:
         pc = torch.cat([state[rp.state_rows, 0, :HEAD_DIM], c])[rp.gather].float()
         pg = torch.cat([state[rp.state_rows, 1, :HEAD_DIM], g])[rp.gather].float()
         latents = model.compress(layer, pc, pg, rp.block_index).float()
-        if model.recorder is not None and csa and model.recorder.wants(li, "latents"):
-            model.recorder.add_latents(li, latents)
         target = pools.c4[li] if csa else pools.c128[li]
         store(latents, target.buf, target.layout, rp.record_locs, model.layer_format(li).record_columns)
     ik = None
@@ -259,10 +261,13 @@ def _compress(model, li: int, layer, pools, rp: RatioPlan, p) -> None:
         index_state = pools.c4_index_state[li]
         ik = p.ik.to(index_state.dtype)
         if rp.gather.shape[0]:
-            keys = torch.cat([index_state[rp.state_rows, 0, :d], ik])[rp.gather].float().mean(1)
+            ik_rows = torch.cat([index_state[rp.state_rows, 0, :d], ik])[rp.gather].float()
+            keys = ik_rows.mean(1)
             indexer = pools.indexer[li]
             indexer.layout.write(indexer.buf, rp.record_locs, model.quantize_index_keys(keys))
         index_state[rp.tail_rows, 0, :d] = ik[rp.tail_tokens]
+    if model.recorder is not None and rp.gather.shape[0]:  # a capture: copies only
+        record_blocks(model, li, layer, pc, pg, rp.block_index, latents, state.dtype, ik_rows if csa else None)
     state[rp.tail_rows, 0, :HEAD_DIM] = c[rp.tail_tokens]
     state[rp.tail_rows, 1, :HEAD_DIM] = g[rp.tail_tokens]
 

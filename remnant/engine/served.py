@@ -241,7 +241,9 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
 
 
 def capture_recorder(model, capture, served_name: str, model_dir: Path):
-    """The recorder `model` hands its CSA layers' decode queries and latents to."""
+    """The recorder `model` hands its layers' decode queries and latents to: the CSA layers'
+    as always, and what the fidelity of the parts beyond C4 records reads (every layer's
+    window latents, HCA layers' C128 latents, the indexer's inputs, bf16-state twins)."""
     import dataclasses
 
     from remnant.calibration.capture_recorder import CaptureRecorder
@@ -250,8 +252,10 @@ def capture_recorder(model, capture, served_name: str, model_dir: Path):
     settings = dataclasses.replace(capture, model_id=capture.model_id or served_name)
     params = {"server": "remnant-serve", "engine": "remnant-embedded", "weights_seed": model.args.seed,
               "model_dir": str(model_dir), "heads": model.args.num_attention_heads,
-              "sources": sources()}
-    recorder = CaptureRecorder(settings, params, layers=model.csa_layers)
+              "sources": sources(), "compress_ratios": list(model.args.compress_ratios),
+              "window_size": model.args.window_size, "index_topk": model.args.index_topk}
+    ratios = dict(enumerate(model.args.compress_ratios))
+    recorder = CaptureRecorder(settings, params, layers=sorted(ratios), ratios=ratios)
     model.recorder = recorder
     return recorder
 

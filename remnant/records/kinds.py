@@ -70,9 +70,9 @@ class RecordKind:
 RUN = RecordKind("remnant/run", 5)
 FRONTIER = RecordKind("remnant/frontier", 1)
 COLLECTION = RecordKind("remnant/collection", 1)
-#: v4: v3 plus remnant/engine-bench (v3: v2 plus remnant/learned-scorer; v2: v1 plus
-#: remnant/client-bench).
-INDEX = RecordKind("remnant/index", 4)
+#: v5: v4 plus remnant/fidelity-parts (v4: v3 plus remnant/engine-bench; v3: v2 plus
+#: remnant/learned-scorer; v2: v1 plus remnant/client-bench).
+INDEX = RecordKind("remnant/index", 5)
 #: v2: v1 plus the standard combinations of stored parts (packed window and C128 records,
 #: MXFP4 indexer keys, bf16 compressor state) and settings.combination_retention.
 CAPACITY = RecordKind("remnant/capacity", 3)
@@ -96,6 +96,11 @@ FIDELITY_SINGLE_CAPTURE = FIDELITY.also_at(
        "by token and has no train/eval split, scorer or plots, which v2 requires: another layout, not an "
        "older form of v2")
 
+#: The fidelity of the KV parts beyond C4 records, per layer and part (`python -m
+#: remnant.cli.fidelity parts`: remnant.calibration.fidelity_parts). A kind of its own, not
+#: a remnant/fidelity version: it measures parts at one map, not policies across retentions.
+FIDELITY_PARTS = RecordKind("remnant/fidelity-parts", 1)
+
 ENGINE_BENCH = RecordKind("remnant/engine-bench", 3)
 MODAL_SERVE_REQUEST = RecordKind(
     "remnant/modal-serve-request", 1,
@@ -105,6 +110,7 @@ MODAL_SERVE_REQUEST = RecordKind(
 #: The registration: every declaration above.
 KINDS: tuple[RecordKind, ...] = (
     RUN, FRONTIER, COLLECTION, INDEX, CAPACITY, KERNEL_BENCH, CLIENT_BENCH, SESSIONS, LEARNED_SCORER,
-    RETENTION_MAP, RETENTION_MAP_TRAINING_FREE, FIDELITY, FIDELITY_SINGLE_CAPTURE, ENGINE_BENCH,
+    RETENTION_MAP, RETENTION_MAP_TRAINING_FREE, FIDELITY, FIDELITY_SINGLE_CAPTURE, FIDELITY_PARTS,
+    ENGINE_BENCH,
     MODAL_SERVE_REQUEST,
 )

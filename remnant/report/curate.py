@@ -22,7 +22,8 @@ from remnant.records.schema import validate, write_validated
 INDEX = "index.json"
 _DESCRIBE = {kinds.FIDELITY.name: "fidelity report", kinds.CAPACITY.name: "capacity report",
              kinds.KERNEL_BENCH.name: "kernel benchmark", kinds.CLIENT_BENCH.name: "client ceiling benchmark",
-             kinds.LEARNED_SCORER.name: "learned coordinate scorer", kinds.ENGINE_BENCH.name: "engine benchmark"}
+             kinds.LEARNED_SCORER.name: "learned coordinate scorer", kinds.ENGINE_BENCH.name: "engine benchmark",
+             kinds.FIDELITY_PARTS.name: "fidelity of the KV parts beyond C4 records"}
 
 
 def curate(sweep: Path, name: str, description: str, benchmarks: Path) -> Path:
