@@ -10,6 +10,12 @@
 #     jsonschema jsonschema-specifications referencing rpds-py docker
 #   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # an sdist only
 # (the versions of the project's own environment).
+# The records' provenance takes the commit whole (remnant.records.provenance); an abbreviated
+# one is ignored there, and a stale .git beside this copy would be named instead.
+if [ -n "${REMNANT_GIT_COMMIT:-}" ] && ! [[ $REMNANT_GIT_COMMIT =~ ^[0-9a-f]{40}$ ]]; then
+  echo "REMNANT_GIT_COMMIT=$REMNANT_GIT_COMMIT is not allowed; allowed: the commit's 40 hex digits" >&2
+  return 1
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
