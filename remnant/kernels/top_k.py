@@ -19,7 +19,10 @@ of rows x parts programs: a radix pass writes its part's histogram (no atomics, 
 zero), and the next pass's programs sum the row's histograms to find the byte. A count
 pass finds T and counts each part's keys above T and equal to T; the write pass places a
 part's keys after those of the parts before it. Six launches, each reading n / parts
-scores per program; the output is the same as one program per row's, bit for bit.
+scores per program; the output is the same as one program per row's, bit for bit. On an
+H100, in CUDA graphs (benchmarks/engine-h100-split/): 17.8 us a call for 1 x 8,192, 42 us
+for 128 x 8,192, against torch.topk's 53 and 81; at 128 x 32,768 no faster (125 us against
+117: each part is read six times).
 
 Order: the chosen k come out as above (all keys above T by index, then the ties), not by
 score; the decode step and prefill treat them as a set. `top_k_reference` is a stable sort
