@@ -216,7 +216,8 @@ def profile_step(step, device: torch.device, steps: int = 3, kernel_log: Path | 
                          [{"name": name, "calls_per_step": len(us) / steps, "us_per_step": sum(us) / steps}
                           for name, us in top])
     if kernel_log is not None:
-        write_kernel_log(kernel_log, sorted(kernels, key=lambda e: e.time_range.start)[-len(spans) // steps:])
+        last = len(spans) - len(spans) // steps  # the last step's share (a remainder goes before)
+        write_kernel_log(kernel_log, sorted(kernels, key=lambda e: e.time_range.start)[last:])
     print(f"{result.kernels_per_step:.0f} kernels per step; most GPU time:", file=sys.stderr)
     for k in result.top_kernels:
         print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.0f} x  {k['name'][:100]}", file=sys.stderr)

@@ -27,9 +27,9 @@ of vLLM's and SGLang's fused_moe, written here from scratch:
    the intermediate h [n, I] (x's dtype).
 3. down (Triton): one program per (block, tile of the hidden columns): h's rows times the
    expert's down tile, the FP8 scale and the pair's routing weight, written to the pair's
-   own row of a float32 [T, k, hidden] buffer. Each pair's row is written by exactly one
-   program, so no atomics; the k rows of a token are summed in torch, in a fixed order
-   (deterministic), and rounded to x's dtype once.
+   own row of a float32 [T, k, hidden] buffer ([down_split_k, T, k, hidden] with splits).
+   Each pair's row is written by exactly one program, so no atomics; the k rows of a token
+   are summed in torch, in a fixed order (deterministic), and rounded to x's dtype once.
 4. Split sums (MoEConfig.split_k, down_split_k): at batch 1 each routed expert is one
    block with one real row, and (block, tile) programs number too few to keep the memory
    system busy (the gate/up kernel took 86 us a call on an H100 for ~100 MB). With splits,
@@ -409,9 +409,11 @@ def _down_kernel(
         else:  # the gate/up splits' sums, then silu(gate) * up as the unsplit kernel writes h
             gate = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-            for g in range(GATE_UP_SPLITS):
-                gate += tl.load(p_rows + g * stride_ps + kk[None, :], mask=a_ok, other=0.0)
-                up += tl.load(p_rows + g * stride_ps + INTER + kk[None, :], mask=a_ok, other=0.0)
+            p_split = p_rows  # stepped by stride_ps: no split * stride product to overflow int32
+            for _ in range(GATE_UP_SPLITS):
+                gate += tl.load(p_split + kk[None, :], mask=a_ok, other=0.0)
+                up += tl.load(p_split + INTER + kk[None, :], mask=a_ok, other=0.0)
+                p_split += stride_ps
             a = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
         w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0).to(h_ptr.dtype.element_ty)
@@ -440,8 +442,17 @@ class MoEConfig:
     down_split_k: int = 1
 
 
-def default_config(num_pairs: int, num_experts: int, on_gpu: bool) -> MoEConfig:
-    """Launch settings for num_pairs (token, expert) pairs over num_experts experts, from
+def _whole_splits(axis: int, block_k: int, most: int) -> int:
+    """The largest split of `axis` up to `most` (a power of two) into whole block_k tiles."""
+    split = most
+    while split > 1 and axis % (split * block_k):
+        split //= 2
+    return split
+
+
+def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, inter: int) -> MoEConfig:
+    """Launch settings for num_pairs (token, expert) pairs over num_experts experts of
+    `hidden` inputs and `inter` intermediate columns, from
     runners/device/moe_topk_timings.py on an H100 at V4-Flash's expert shape (FP8, 32
     experts of hidden 4096 and I 2048, top-6):
 
@@ -460,7 +471,9 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool) -> MoEConfig:
     if not on_gpu:
         return MoEConfig(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=1)
     if num_pairs <= num_experts:
-        return MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=4, down_split_k=2)
+        # Splits cut hidden and I into whole tiles, fewer where they do not divide.
+        return MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3,
+                         split_k=_whole_splits(hidden, 128, 4), down_split_k=_whole_splits(inter, 128, 2))
     if num_pairs <= 8 * num_experts:
         return MoEConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)
     return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -490,7 +503,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         raise ValueError(f"routed_experts_triton runs on CUDA tensors or under Triton's interpreter "
                          f"(TRITON_INTERPRET=1), got device={x.device}")
     n = T * k
-    cfg = config or default_config(n, E, x.is_cuda and not interp)
+    cfg = config or default_config(n, E, x.is_cuda and not interp, hidden, inter)
     if cfg.block_m < 16:
         raise ValueError(f"config.block_m={cfg.block_m} is not allowed; tl.dot needs block_m >= 16")
     for name, splits, axis in (("split_k", cfg.split_k, hidden), ("down_split_k", cfg.down_split_k, inter)):

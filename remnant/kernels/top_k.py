@@ -94,15 +94,16 @@ def _radix_pass(s_ptr, stride_s, hist_ptr, state_ptr, n, k, chunk, PASS: tl.cons
     parts = tl.num_programs(1)
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
-    if PASS == 0:
+    if PASS == 0:  # nothing known yet (the next pass takes this state as implied)
         prefix = tl.zeros([], dtype=tl.uint32)
         remaining = k
+        known = tl.zeros([], dtype=tl.uint32)
     else:
         prefix, remaining = _state_after(hist_ptr, state_ptr, row, parts, k, PASS)
-    if part == 0:  # the row's state at this pass's start, for the passes after it
-        tl.store(state_ptr + (row * 5 + PASS) * 2, prefix.to(tl.int32, bitcast=True))
-        tl.store(state_ptr + (row * 5 + PASS) * 2 + 1, remaining)
-    known = (tl.full([], 0xFFFFFFFF, tl.uint32) << (32 - 8 * PASS)) if PASS > 0 else tl.zeros([], dtype=tl.uint32)
+        known = tl.full([], 0xFFFFFFFF, tl.uint32) << (32 - 8 * PASS)
+        if part == 0:  # the row's state at this pass's start, for the next pass
+            tl.store(state_ptr + (row * 5 + PASS) * 2, prefix.to(tl.int32, bitcast=True))
+            tl.store(state_ptr + (row * 5 + PASS) * 2 + 1, remaining)
     hist = tl.zeros([256], dtype=tl.int32)
     s_row = s_ptr + row * stride_s
     lo = part * chunk

@@ -47,7 +47,7 @@ def moe_table() -> None:
         def run(cfg):
             return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=cfg)
 
-        default = default_config(T * k, E, True)
+        default = default_config(T * k, E, True, hidden, inter)
         former = MoEConfig(block_m=16, block_n=64, block_k=128)
         times = {}
         for cfg in (small if T == 1 else []) + [default, former]:

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.moe import (ALIGN_KERNEL_MAX_PAIRS, EXPERT_DTYPES, MoEConfig, align, align_triton, dequantize_experts, max_blocks, quantize_experts,
+from remnant.kernels.moe import (ALIGN_KERNEL_MAX_PAIRS, EXPERT_DTYPES, MoEConfig, align, align_triton,
+                                 default_config, dequantize_experts, max_blocks, quantize_experts,
                                  routed_experts, routed_experts_reference, routed_experts_torch,
                                  routed_experts_triton, torch_block_m)
 from tests.kernels.inputs import DEVICE, ON_GPU
@@ -118,9 +119,13 @@ def test_align_kernel_is_align(t, e, k, block_m):
     # with routes spread over the experts and piled on a few (long blocks, idle experts).
     gen = torch.Generator().manual_seed(t * e)
     for ids in (_routing(gen, t, e, k)[0], torch.randint(0, min(e, 2), (t, k), generator=gen).to(DEVICE)):
-        want, got = align(ids, e, block_m), align_triton(ids, e, block_m)
+        want, got = align(ids, e, block_m), align_triton(ids, e, block_m, fallback=_no_fallback)
         assert (got.block_m, got.num_pairs) == (want.block_m, want.num_pairs)
         assert torch.equal(got.rows, want.rows) and torch.equal(got.block_expert, want.block_expert), (t, e, k)
+
+
+def _no_fallback(*args):
+    raise AssertionError(f"align_triton fell back at {args[1:]}")
 
 
 def test_align_kernel_hands_large_batches_to_its_fallback():
@@ -164,6 +169,19 @@ def test_split_sums_match_reference(t, x_dtype, splits):
     ids, weights = _routing(gen, t, E, K)
     config = MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1, split_k=splits[0],
                        down_split_k=splits[1])
+    _check(x, ids, weights, experts, config=config)
+
+
+@pytest.mark.parametrize("t,hidden,inter", [(1, HIDDEN, INTER), (1, 512, 256), (1, 384, 128)])
+def test_gpu_defaults_fit_any_expert_shape(t, hidden, inter):
+    # The batch-1 splits cut hidden and I into whole tiles, fewer where they do not
+    # divide (hidden 128 and 384: no split; 512: 4); run here under the interpreter.
+    config = default_config(t * K, E, True, hidden, inter)
+    assert (config.split_k, config.down_split_k) == {128: (1, 1), 512: (4, 2), 384: (1, 1)}[hidden]
+    gen = torch.Generator().manual_seed(hidden)
+    experts = _experts(gen, E, hidden, inter, "float8_e4m3fn")
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, t, E, K)
     _check(x, ids, weights, experts, config=config)
 
 

@@ -45,6 +45,24 @@ def test_chosen_keys_come_above_the_kth_then_its_ties_by_index():
     assert indices.cpu().tolist() == [[1, 4, 2, 3]] and values.cpu().tolist() == [[3.0, 5.0, 2.0, 2.0]]
 
 
+@pytest.mark.parametrize(("rows", "n"), [(1, 3000), (2, 1000)])
+def test_parts_write_in_the_one_program_order(rows, n):
+    # A row split in parts (plan_parts: 12 and 4 here) gives the order of one program per
+    # row: every key above the k-th by index, then the lowest-index ties.
+    from remnant.kernels.top_k import plan_parts
+
+    assert plan_parts(rows, n)[0] > 1
+    gen = torch.Generator().manual_seed(n)
+    scores = torch.randint(-4, 4, (rows, n), generator=gen).float()  # ties across parts
+    for k in (1, 512):
+        _, indices = top_k(scores.to(DEVICE), k)
+        for row, got in zip(scores, indices.cpu()):
+            t = float(top_k_reference(row[None], k)[0][0, -1])  # the k-th largest
+            above = (row > t).nonzero().flatten()
+            ties = (row == t).nonzero().flatten()[: k - above.numel()]
+            assert got.tolist() == torch.cat([above, ties]).tolist(), k
+
+
 def test_top_k_refuses_what_it_cannot_select():
     with pytest.raises(ValueError, match="float32 scores"):
         top_k(torch.zeros(2, 8, dtype=torch.float64, device=DEVICE), 2)
