@@ -1,8 +1,9 @@
-"""Timings on one GPU for the decode step's two selection-heavy parts, printed as tables:
+"""Timings on one GPU for parts of the decode step, printed as tables:
 
 - the routed-expert kernels (remnant.kernels.moe) at V4-Flash's expert shape (32 experts of
-  hidden 4096, moe_intermediate_size 2048, FP8, top-6) for each launch configuration of a
-  grid, at 1, 8, 32 and 128 tokens, beside the configuration default_config picks;
+  hidden 4096, moe_intermediate_size 2048, FP8, top-6) at 1, 8, 32 and 128 tokens: the
+  configuration default_config picks beside the former default, and at 1 token a grid of
+  tiles and splits;
 - remnant.kernels.top_k against torch.topk and remnant.engine.ops.index_top_k;
 - the RMS norm at the step's call sites (plain torch, compiled by remnant.engine.step_ops),
   each replayed 100 times in one CUDA graph: the time a call costs inside a step's graph.
