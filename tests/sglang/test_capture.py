@@ -336,7 +336,7 @@ def test_attention_hook_keeps_only_the_real_heads_of_a_padded_tp_shard(capture_m
     rec = capture_mode.recorder()
     assert rec.counts()[2] == (3, 0)
     assert rec.params["query_heads"]["heads"] == 16
-    (kept,) = rec._layers[2].queries
+    (kept,) = rec._layers[2].parts["queries"]
     assert kept.shape == (3, 16, 512) and torch.equal(kept, q[:, :16].float())
 
 
