@@ -492,7 +492,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     a few).
 
     h (x's dtype [T * k, I]) and pairs (float32 [down_split_k * T * k, hidden]): the
-    intermediate (unused with gate/up splits, whose float32 sums are allocated here) and the
+    intermediate (not allocated with gate/up splits, whose float32 sums are allocated here) and the
     per-pair output buffers, allocated here when None; every element read is written first
     (tests pass them poisoned).
     """
@@ -521,7 +521,10 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     al = align_pairs(topk_ids, E, cfg.block_m)
     blocks = al.block_expert.numel()
-    h = torch.empty(n, inter, dtype=x.dtype, device=x.device) if h is None else h
+    if h is None and cfg.split_k == 1:
+        h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    # With gate/up splits no h is read or written: x stands in (its dtype is the one read).
+    h_arg = x if h is None else h
     pairs = torch.empty(cfg.down_split_k * n, hidden, dtype=torch.float32, device=x.device) if pairs is None else pairs
     # Split gate/up sums [split_k, n, 2I]; only real pairs' rows are written and read.
     partial = pairs if cfg.split_k == 1 else torch.empty(cfg.split_k, n, 2 * inter, dtype=torch.float32,
@@ -539,9 +542,9 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         x_ptr=x, stride_x=x.stride(0),
         w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
         scale_ptr=gu_scale, stride_se=2 * inter,
-        h_ptr=h, stride_h=h.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **common)
+        h_ptr=h_arg, stride_h=h_arg.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **common)
     _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n), cfg.down_split_k)](
-        h_ptr=h, stride_h=h.stride(0),
+        h_ptr=h_arg, stride_h=h_arg.stride(0),
         w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
         scale_ptr=dn_scale, stride_se=hidden,
         weights_ptr=topk_weights.reshape(-1).float().contiguous(), out_ptr=pairs, stride_os=n * hidden,

@@ -20,9 +20,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-import triton
 
 from remnant.engine.ops import index_top_k
+from remnant.kernels.bench.harness import time_graph
 from remnant.kernels.moe import MoEConfig, default_config, quantize_experts, routed_experts_triton
 from remnant.kernels.top_k import top_k
 
@@ -74,16 +74,9 @@ def top_k_table() -> None:
 
 
 def graph_us(fn, calls: int = 100) -> float:
-    """Microseconds per call of fn() replayed `calls` times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # compiles and warms up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=40) * 1e3 / calls
+    """Microseconds per call of fn() replayed `calls` times in one CUDA graph (the kernel
+    benchmark's time_graph: median of 20 replays)."""
+    return time_graph([fn] * calls, reps=20) * 1e6
 
 
 def rms_norm_table() -> None:
