@@ -229,11 +229,14 @@ class MoE:
 
 def route_tokens(x: torch.Tensor, router: torch.Tensor, k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's experts and weights for x [T, hidden]: (topk_ids int64 [T, k],
-    topk_weights float32 [T, k], summing to `scaling` per token). Scores sigmoid(x @ router)
-    with the product in float32 (as DeepSeek-V3's gate: close scores must not swap experts
-    through bf16 rounding); graph-safe."""
-    scores = torch.sigmoid(x.float() @ router.float())
-    top, ids = torch.topk(scores, k, dim=-1)
+    topk_weights float32 [T, k], summing to `scaling` per token): the experts of the k
+    largest logits x @ router, with the product in float32 (as DeepSeek-V3's gate: close
+    scores must not swap experts through bf16 rounding), weighted by sigmoid(logit).
+    Ranking logits, not their sigmoids, is the same order without the ties of logits past
+    ~17, whose sigmoids round to 1.0 in float32. Graph-safe; remnant.kernels.route is the
+    same in two launches."""
+    logits, ids = torch.topk(x.float() @ router.float(), k, dim=-1)
+    top = torch.sigmoid(logits)
     return ids, top / top.sum(-1, keepdim=True) * scaling
 
 

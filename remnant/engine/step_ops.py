@@ -45,9 +45,9 @@ class StepOps:
     index_top_k: Callable
     #: MXFP4 index keys' codec (Model.quantize_index_keys picks it for index_key_format mxfp4).
     quantize_index_keys_mxfp4: Callable
-    #: The MoE's routing (remnant.engine.moe.route_tokens) and its pairs' sort by expert
-    #: (remnant.kernels.moe.align; compiled: align_triton, one launch for a decode batch);
-    #: None: the plain ones.
+    #: The MoE's routing (remnant.engine.moe.route_tokens; compiled: route_triton, two
+    #: launches) and its pairs' sort by expert (remnant.kernels.moe.align; compiled:
+    #: align_triton, one launch for a decode batch); None: the plain ones.
     moe_route: Callable | None = None
     moe_align: Callable | None = None
 
@@ -91,6 +91,7 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
     # Here, not at the top: Triton's interpreter is chosen before triton loads.
     from remnant.engine.moe import route_tokens
     from remnant.kernels.moe import align, align_triton
+    from remnant.kernels.route import route_triton
     from remnant.kernels.top_k import top_k
 
     # Each call site (shape family and dtype) of a function is one compiled entry; the
@@ -105,7 +106,8 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
         # Not torch.compile's: a radix select, a tenth of torch.topk's time.
         index_top_k=top_k,
         quantize_index_keys_mxfp4=_dynamic(quantize_index_keys_mxfp4, {0: (0,)}, backend),
-        moe_route=_dynamic(route_tokens, {0: (0,)}, backend),
+        # Not torch.compile's: two launches, not eight.
+        moe_route=functools.partial(route_triton, fallback=_dynamic(route_tokens, {0: (0,)}, backend)),
         # One launch for a decode batch's pairs; a prefill chunk's through align compiled.
         moe_align=functools.partial(align_triton, fallback=_dynamic(align, {0: (0,)}, backend)),
     )

@@ -425,14 +425,110 @@ def _down_kernel(
     tl.store(out_rows + n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _gate_up_pair_kernel(
+    x_ptr, stride_x, ids_ptr,
+    w_ptr, stride_we, stride_wk,
+    scale_ptr, stride_se,
+    h_ptr, stride_h,
+    partial_ptr, stride_ps, stride_pr,
+    K_TOP: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """_gate_up_kernel for one pair per program, as a GEMV: no alignment (the pair's expert
+    is read from ids) and no tl.dot, whose 16-row operand would be one real row and fifteen
+    of padding at batch 1. Each thread keeps float32 products of its [BLOCK_K, BLOCK_N]
+    elements and the K axis is summed once, after the loop."""
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // K_TOP).to(tl.int64) * stride_x
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    w_e = w_ptr + e * stride_we
+    split = tl.program_id(2)
+    k_lo = split * (HIDDEN // SPLIT_K)
+    acc_gate = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN // SPLIT_K, BLOCK_K):
+        kk = k_lo + k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_lo + HIDDEN // SPLIT_K
+        a = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[:, None]
+        w_tile = w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :]
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        acc_gate += a * tl.load(w_tile, mask=w_ok, other=0.0).to(tl.float32)
+        acc_up += a * tl.load(w_tile + INTER, mask=w_ok, other=0.0).to(tl.float32)
+    gate = tl.sum(acc_gate, 0)
+    up = tl.sum(acc_up, 0)
+    if HAS_SCALE:
+        s = scale_ptr + e * stride_se + n
+        gate *= tl.load(s, mask=n_ok, other=0.0)
+        up *= tl.load(s + INTER, mask=n_ok, other=0.0)
+    if SPLIT_K == 1:
+        h = gate * tl.sigmoid(gate) * up
+        tl.store(h_ptr + pair.to(tl.int64) * stride_h + n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        p_row = partial_ptr + split.to(tl.int64) * stride_ps + pair.to(tl.int64) * stride_pr
+        tl.store(p_row + n, gate, mask=n_ok)
+        tl.store(p_row + INTER + n, up, mask=n_ok)
+
+
+@triton.jit
+def _down_pair_kernel(
+    h_ptr, stride_h,
+    partial_ptr, stride_ps, stride_pr,
+    ids_ptr, w_ptr, stride_we, stride_wk,
+    scale_ptr, stride_se,
+    weights_ptr, out_ptr, stride_os, stride_out,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATE_UP_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """_down_kernel for one pair per program, as a GEMV (see _gate_up_pair_kernel)."""
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    h_row = h_ptr + pair.to(tl.int64) * stride_h
+    p_row = partial_ptr + pair.to(tl.int64) * stride_pr
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < HIDDEN
+    w_e = w_ptr + e * stride_we
+    split = tl.program_id(2)
+    k_lo = split * (INTER // SPLIT_K)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER // SPLIT_K, BLOCK_K):
+        kk = k_lo + k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_lo + INTER // SPLIT_K
+        if GATE_UP_SPLITS == 1:
+            a = tl.load(h_row + kk, mask=k_ok, other=0.0)
+        else:  # as _down_kernel: the splits' sums, then silu(gate) * up rounded as h would be
+            gate = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            up = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            p_split = p_row
+            for _ in range(GATE_UP_SPLITS):
+                gate += tl.load(p_split + kk, mask=k_ok, other=0.0)
+                up += tl.load(p_split + INTER + kk, mask=k_ok, other=0.0)
+                p_split += stride_ps
+            a = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
+        w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        acc += a.to(tl.float32)[:, None] * w.to(tl.float32)
+    out = tl.sum(acc, 0)
+    if HAS_SCALE:
+        out *= tl.load(scale_ptr + e * stride_se + n, mask=n_ok, other=0.0)
+    out *= tl.load(weights_ptr + pair)
+    tl.store(out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64) * stride_out + n, out, mask=n_ok)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Launch settings: rows per block (block_m, >= 16 for tl.dot), output columns (block_n)
     and summed inputs (block_k) per tile, warps and pipeline stages per program, and the
     splits of the summed axis (split_k of gate/up's hidden, down_split_k of down's I):
     split sums go to float32 buffers that the next kernel (the down kernel, or the final
-    sum over a token's pairs) adds up, in a fixed order."""
+    sum over a token's pairs) adds up, in a fixed order. per_pair: one program per (pair,
+    tile, split) as a GEMV, without alignment or tl.dot (block_m unused); an expert that
+    several pairs share is read once per pair, so it suits a token or so."""
 
+    per_pair: bool = False
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
@@ -456,6 +552,8 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
     runners/device/moe_topk_timings.py on an H100 at V4-Flash's expert shape (FP8, 32
     experts of hidden 4096 and I 2048, top-6):
 
+    - pairs at most a quarter of the experts (one token of V4-Flash): the per-pair GEMV,
+      whose few pairs rarely share an expert (NOT YET TIMED: tile and splits a guess);
     - a token or so (pairs <= experts: the batch-1 step): each routed expert is one block
       with one real row, too few programs to keep the memory busy, so the summed axes are
       split (their partial sums add up in the next kernel). Splits of 4 and 2: 159 us a
@@ -470,6 +568,9 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
     """
     if not on_gpu:
         return MoEConfig(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=1)
+    if 4 * num_pairs <= num_experts:
+        return MoEConfig(per_pair=True, block_m=1, block_n=128, block_k=32, num_warps=4, num_stages=3,
+                         split_k=_whole_splits(hidden, 32, 4), down_split_k=_whole_splits(inter, 32, 2))
     if num_pairs <= num_experts:
         # Splits cut hidden and I into whole tiles, fewer where they do not divide.
         return MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3,
@@ -504,7 +605,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
                          f"(TRITON_INTERPRET=1), got device={x.device}")
     n = T * k
     cfg = config or default_config(n, E, x.is_cuda and not interp, hidden, inter)
-    if cfg.block_m < 16:
+    if cfg.block_m < 16 and not cfg.per_pair:
         raise ValueError(f"config.block_m={cfg.block_m} is not allowed; tl.dot needs block_m >= 16")
     for name, splits, axis in (("split_k", cfg.split_k, hidden), ("down_split_k", cfg.down_split_k, inter)):
         if splits < 1 or (splits > 1 and axis % (splits * cfg.block_k)):
@@ -519,8 +620,6 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         return x.new_zeros(T, hidden)
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
-    al = align_pairs(topk_ids, E, cfg.block_m)
-    blocks = al.block_expert.numel()
     if h is None and cfg.split_k == 1:
         h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     # With gate/up splits no h is read or written: x stands in (its dtype is the one read).
@@ -533,11 +632,29 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     # Scales are unread without FP8 experts; any float32 pointer fills the argument.
     gu_scale = gate_up_scale.contiguous() if fp8 else pairs
     dn_scale = down_scale.contiguous() if fp8 else pairs
+    weights = topk_weights.reshape(-1).float().contiguous()
+    partial_args = dict(partial_ptr=partial, stride_ps=n * 2 * inter, stride_pr=2 * inter)
+    if cfg.per_pair:
+        ids = topk_ids.reshape(-1).contiguous()
+        sizes = dict(HIDDEN=hidden, INTER=inter, HAS_SCALE=fp8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _gate_up_pair_kernel[(n, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
+            x_ptr=x, stride_x=x.stride(0), ids_ptr=ids,
+            w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
+            scale_ptr=gu_scale, stride_se=2 * inter,
+            h_ptr=h_arg, stride_h=h_arg.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **sizes)
+        _down_pair_kernel[(n, triton.cdiv(hidden, cfg.block_n), cfg.down_split_k)](
+            h_ptr=h_arg, stride_h=h_arg.stride(0), ids_ptr=ids,
+            w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
+            scale_ptr=dn_scale, stride_se=hidden, weights_ptr=weights, out_ptr=pairs, stride_os=n * hidden,
+            stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **sizes)
+        return pairs.view(cfg.down_split_k, T, k, hidden).sum((0, 2)).to(x.dtype)
+    al = align_pairs(topk_ids, E, cfg.block_m)
+    blocks = al.block_expert.numel()
     ieee = x.dtype == torch.float32
     common = dict(rows_ptr=al.rows, block_expert_ptr=al.block_expert, n_pairs=n, HIDDEN=hidden, INTER=inter,
                   HAS_SCALE=fp8, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, IEEE=ieee,
                   INTERPRETED=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    partial_args = dict(partial_ptr=partial, stride_ps=n * 2 * inter, stride_pr=2 * inter)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
         x_ptr=x, stride_x=x.stride(0),
         w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
@@ -547,7 +664,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         h_ptr=h_arg, stride_h=h_arg.stride(0),
         w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
         scale_ptr=dn_scale, stride_se=hidden,
-        weights_ptr=topk_weights.reshape(-1).float().contiguous(), out_ptr=pairs, stride_os=n * hidden,
+        weights_ptr=weights, out_ptr=pairs, stride_os=n * hidden,
         stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **common)
     return pairs.view(cfg.down_split_k, T, k, hidden).sum((0, 2)).to(x.dtype)
 

@@ -1,10 +1,12 @@
 """Timings on one GPU for parts of the decode step, printed as tables:
 
 - the routed-expert kernels (remnant.kernels.moe) at V4-Flash's expert shape (32 experts of
-  hidden 4096, moe_intermediate_size 2048, FP8, top-6) at 1, 8, 32 and 128 tokens: the
-  configuration default_config picks beside the former default, and at 1 token a grid of
-  tiles and splits;
+  hidden 4096, moe_intermediate_size 2048, FP8, top-6) at 1 to 128 tokens: the
+  configuration default_config picks beside the aligned kernels' batch-1 splits and the
+  former default, and up to 4 tokens a grid of the per-pair GEMV's tiles and splits (each
+  checked against the former default's output);
 - remnant.kernels.top_k against torch.topk and remnant.engine.ops.index_top_k;
+- the MoE's routing: route_tokens' torch ops against remnant.kernels.route;
 - the RMS norm at the step's call sites (plain torch, compiled by remnant.engine.step_ops),
   each replayed 100 times in one CUDA graph: the time a call costs inside a step's graph.
 
@@ -17,6 +19,7 @@ in L2, so repeated calls read them from HBM as a step does.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -33,13 +36,13 @@ def moe_table() -> None:
     w_gate_up, gu_scale = quantize_experts(torch.randn(E, hidden, 2 * inter, device="cuda", generator=gen) / 64)
     w_down, dn_scale = quantize_experts(torch.randn(E, inter, hidden, device="cuda", generator=gen) / 45)
     expert_bytes = 3 * hidden * inter
-    # Batch 1: the split sums' grid; larger batches: the defaults against the unsplit
-    # batch-1 tile and the former default (16, 64, 128).
-    small = [MoEConfig(block_m=16, block_n=n, block_k=kk, num_warps=4, num_stages=3, split_k=s, down_split_k=d)
-             for n, kk, s, d in itertools.product((64, 128), (128,), (1, 4, 8), (1, 2, 4))]
-    print("| tokens | distinct experts | default us | best us | best config | best TB/s | former default us |")
-    print("|---|---|---|---|---|---|---|")
-    for T in (1, 8, 32, 128):
+    aligned_split = MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=4,
+                              down_split_k=2)
+    former = MoEConfig(block_m=16, block_n=64, block_k=128)
+    print("| tokens | distinct experts | default us | default | best us | best config | best TB/s | "
+          "aligned 4/2 us | former default us |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T in (1, 2, 4, 8, 32, 128):
         x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
         weights = torch.rand(T, k, device="cuda", generator=gen)
@@ -48,17 +51,37 @@ def moe_table() -> None:
         def run(cfg):
             return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=cfg)
 
-        default = default_config(T * k, E, True, hidden, inter)
-        former = MoEConfig(block_m=16, block_n=64, block_k=128)
+        ref = run(former).float()
         times = {}
-        for cfg in (small if T == 1 else []) + [default, former]:
+
+        def timed(cfg):
+            if cfg in times:
+                return
             try:
+                err = (run(cfg).float() - ref).abs().max().item() / ref.abs().max().item()
+                if err > 2e-2:
+                    print(f"  {cfg}: off the former default by {err:.3g}")
+                    return
                 times[cfg] = graph_us(lambda: run(cfg), calls=10)
-            except Exception as e:  # out of shared memory for a tile: not a candidate
+            except Exception as e:  # out of shared memory or registers for a tile: not a candidate
                 print(f"  {cfg}: {type(e).__name__}")
+
+        default = default_config(T * k, E, True, hidden, inter)
+        for cfg in (default, aligned_split, former):
+            timed(cfg)
+        if T <= 4:
+            # The per-pair GEMV: tiles at splits 4/2, then the splits at the best tile.
+            for bn, bk, warps in itertools.product((64, 128, 256), (16, 32, 64), (4, 8)):
+                timed(MoEConfig(per_pair=True, block_m=1, block_n=bn, block_k=bk, num_warps=warps, num_stages=3,
+                                split_k=4, down_split_k=2))
+            tile = min((c for c in times if c.per_pair), key=times.get)
+            for s, d in itertools.product((1, 2, 4, 8), (1, 2, 4)):
+                timed(dataclasses.replace(tile, split_k=s, down_split_k=d))
+            timed(dataclasses.replace(min((c for c in times if c.per_pair), key=times.get), num_stages=1))
         best = min(times, key=times.get)
-        print(f"| {T} | {distinct} | {times[default]:.1f} | {times[best]:.1f} | {best} | "
-              f"{distinct * expert_bytes / times[best] / 1e6:.2f} | {times[former]:.1f} |", flush=True)
+        print(f"| {T} | {distinct} | {times[default]:.1f} | {default} | {times[best]:.1f} | {best} | "
+              f"{distinct * expert_bytes / times[best] / 1e6:.2f} | {times.get(aligned_split, float('nan')):.1f} | "
+              f"{times[former]:.1f} |", flush=True)
 
 
 def top_k_table() -> None:
@@ -97,8 +120,25 @@ def rms_norm_table() -> None:
         print(f"| {rows} x {width}{' (slice)' if sliced else ''} | {t[0]:.2f} | {t[1]:.2f} |", flush=True)
 
 
+def route_table() -> None:
+    from remnant.engine.moe import route_tokens
+    from remnant.engine.step_ops import compiled_ops
+    from remnant.kernels.route import route_triton
+
+    compiled = compiled_ops()
+    print("| tokens | route_tokens us | compiled (route_triton) us | same experts |")
+    print("|---|---|---|---|")
+    router = torch.randn(4096, 32, device="cuda") / 64
+    for T in (1, 32, 128):
+        x = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16)
+        same = torch.equal(route_triton(x, router, 6, 2.5)[0], route_tokens(x, router, 6, 2.5)[0])
+        t = [graph_us(lambda f=f: f(x, router, 6, 2.5)) for f in (route_tokens, compiled.moe_route)]
+        print(f"| {T} | {t[0]:.2f} | {t[1]:.2f} | {same} |", flush=True)
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name())
     rms_norm_table()
+    route_table()
     top_k_table()
     moe_table()

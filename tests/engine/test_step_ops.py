@@ -33,7 +33,7 @@ def _calls(rows: int, device: str, dtype: torch.dtype, seed: int = 0):
         ("quantize_index_keys", (r(rows, 128, dt=torch.float32),)),
         ("quantize_index_keys_mxfp4", (r(rows, 128, dt=torch.float32) * 3,)),
         ("index_top_k", (scores, 512)),
-        ("moe_route", (r(rows, 256), r(256, 32), 6, 2.5)),
+        ("moe_route", (r(rows, 256), r(256, 32, dt=torch.float32), 6, 2.5)),  # the router held in float32
         ("moe_align", (torch.randint(0, 32, (rows, 6), generator=g).to(device), 32, 16)),
     ]
 
@@ -125,5 +125,10 @@ def test_compiled_ops_at_their_call_sites_in_prefill_and_decode():
             for _ in range(5):  # the same tokens for both: teacher forcing by the prompts' heads
                 rows.append(model.forward(seqs, [[p[len(rows)]] for p in prompts], pools))
         logits[name] = torch.cat(rows)
-    # index_top_k's order differs (remnant.kernels.top_k), so attention sums in another order.
-    torch.testing.assert_close(logits["compiled"], logits["plain"], atol=1e-4, rtol=0)
+    # index_top_k's order differs (remnant.kernels.top_k), so attention sums in another
+    # order, and route_triton's logits sum in another order than the CPU matmul's, so the
+    # routing weights differ in their last bits. That alone moves these logits (up to 3.3)
+    # by 2.3e-4: weights times (1 + 2^-23) in the plain ops did as much (2026-12-06, this
+    # test's model), through FP8 codes of cached records that round the other way. A wrong
+    # expert or a dropped record moves them by O(0.1).
+    torch.testing.assert_close(logits["compiled"], logits["plain"], atol=5e-4, rtol=0)

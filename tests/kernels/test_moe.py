@@ -172,16 +172,37 @@ def test_split_sums_match_reference(t, x_dtype, splits):
     _check(x, ids, weights, experts, config=config)
 
 
-@pytest.mark.parametrize("t,hidden,inter", [(1, HIDDEN, INTER), (1, 512, 256), (1, 384, 128)])
-def test_gpu_defaults_fit_any_expert_shape(t, hidden, inter):
-    # The batch-1 splits cut hidden and I into whole tiles, fewer where they do not
-    # divide (hidden 128 and 384: no split; 512: 4); run here under the interpreter.
-    config = default_config(t * K, E, True, hidden, inter)
-    assert (config.split_k, config.down_split_k) == {128: (1, 1), 512: (4, 2), 384: (1, 1)}[hidden]
-    gen = torch.Generator().manual_seed(hidden)
-    experts = _experts(gen, E, hidden, inter, "float8_e4m3fn")
-    x = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+@pytest.mark.parametrize("splits", [(1, 1), (4, 2)])
+@pytest.mark.parametrize("t,x_dtype,expert_dtype", [(1, torch.bfloat16, "float8_e4m3fn"),
+                                                    (1, torch.float32, "bfloat16"),
+                                                    (4, torch.bfloat16, "float8_e4m3fn"),
+                                                    (4, torch.float32, "float32")])
+def test_per_pair_gemv_matches_reference(t, x_dtype, expert_dtype, splits):
+    # One program per pair, no alignment: with 4 tokens of top-2 over 5 experts, pairs
+    # share experts (each reads its expert itself); hidden 128 and I 64 over 32-column
+    # tiles leave several tiles a pair.
+    gen = torch.Generator().manual_seed(31 * t + splits[0])
+    experts = _experts(gen, E, HIDDEN, INTER, expert_dtype)
+    x = torch.randn(t, HIDDEN, generator=gen).to(DEVICE, x_dtype)
     ids, weights = _routing(gen, t, E, K)
+    config = MoEConfig(per_pair=True, block_m=1, block_n=32, block_k=16, num_warps=1, num_stages=1,
+                       split_k=splits[0], down_split_k=splits[1])
+    _check(x, ids, weights, experts, config=config)
+
+
+@pytest.mark.parametrize("t,hidden,inter,e", [(1, HIDDEN, INTER, E), (1, 512, 256, E), (1, 384, 128, E),
+                                              (1, 512, 256, 8), (1, 96, 64, 8)])
+def test_gpu_defaults_fit_any_expert_shape(t, hidden, inter, e):
+    # The batch-1 splits cut hidden and I into whole tiles, fewer where they do not
+    # divide (hidden 128 and 384: no split; 512: 4); with 8 experts the 2 pairs take the
+    # per-pair GEMV (hidden 96: 3 tiles of 32, no split). Run here under the interpreter.
+    config = default_config(t * K, e, True, hidden, inter)
+    assert config.per_pair == (e == 8)
+    assert (config.split_k, config.down_split_k) == {128: (1, 1), 512: (4, 2), 384: (1, 1), 96: (1, 2)}[hidden]
+    gen = torch.Generator().manual_seed(hidden)
+    experts = _experts(gen, e, hidden, inter, "float8_e4m3fn")
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, t, e, K)
     _check(x, ids, weights, experts, config=config)
 
 
