@@ -3,7 +3,8 @@
 - the routed-expert kernels (remnant.kernels.moe) at V4-Flash's expert shape (32 experts of
   hidden 4096, moe_intermediate_size 2048, FP8, top-6) at 1 to 128 tokens: the
   configuration default_config picks beside the aligned kernels' batch-1 splits and the
-  former default, and up to 4 tokens a grid of the per-pair GEMV's tiles and splits (each
+  former default, at 1 token a grid of the per-pair GEMV's tiles and splits and at 2 and 4
+  its batch-1 tile (each
   checked against the former default's output);
 - remnant.kernels.top_k against torch.topk and remnant.engine.ops.index_top_k;
 - the MoE's routing: route_tokens' torch ops against remnant.kernels.route;
@@ -69,7 +70,9 @@ def moe_table() -> None:
         default = default_config(T * k, E, True, hidden, inter)
         for cfg in (default, aligned_split, former):
             timed(cfg)
-        if T <= 4:
+        if T in (2, 4):  # where the per-pair GEMV stops paying: its batch-1 tile
+            timed(dataclasses.replace(default_config(k, E, True, hidden, inter), per_pair=True))
+        if T == 1:
             # The per-pair GEMV: tiles at splits 4/2, then the splits at the best tile.
             for bn, bk, warps in itertools.product((64, 128, 256), (16, 32, 64), (4, 8)):
                 timed(MoEConfig(per_pair=True, block_m=1, block_n=bn, block_k=bk, num_warps=warps, num_stages=3,
