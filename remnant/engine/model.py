@@ -564,7 +564,7 @@ class Model:
         """h [T, hidden] + the layer's feed-forward block (routed MoE or dense SwiGLU)."""
         x = self.ops.rms_norm(h, layer.ffn_norm, self.args.rms_norm_eps)
         if layer.moe is not None:
-            return h + layer.moe.forward(x, route=self.ops.moe_route, align_pairs=self.ops.moe_align)
+            return layer.moe.forward(x, route=self.ops.moe_route, align_pairs=self.ops.moe_align, residual=h)
         return h + (F.silu(x @ layer.w_gate) * (x @ layer.w_up)) @ layer.w_down
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ of vLLM's and SGLang's fused_moe, written here from scratch:
    expert's down tile, the FP8 scale and the pair's routing weight, written to the pair's
    own row of a float32 [T, k, hidden] buffer ([down_split_k, T, k, hidden] with splits).
    Each pair's row is written by exactly one program, so no atomics; the k rows of a token
-   are summed in torch, in a fixed order (deterministic), and rounded to x's dtype once.
+   are summed in a fixed order (deterministic) by `_finish_kernel`, which also adds the
+   callers' addends (the shared expert, the residual), and rounded to x's dtype once.
 4. Split sums (MoEConfig.split_k, down_split_k): at batch 1 each routed expert is one
    block with one real row, and (block, tile) programs number too few to keep the memory
    system busy (the gate/up kernel took 86 us a call on an H100 for ~100 MB). With splits,
@@ -242,6 +243,15 @@ def check_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     return T, k, E, hidden, inter
 
 
+def _check_adds(adds: tuple[torch.Tensor, ...], x: torch.Tensor) -> None:
+    if len(adds) > 2:
+        raise ValueError(f"adds holds {len(adds)} tensors; allowed: at most 2 (the shared expert, the residual)")
+    for i, a in enumerate(adds):
+        if a.shape != x.shape or not a.is_floating_point() or a.device != x.device:
+            raise ValueError(f"adds[{i}] must be float {tuple(x.shape)} on {x.device} as x, got {a.dtype} "
+                             f"{tuple(a.shape)} on {a.device}")
+
+
 def routed_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                              w_gate_up: torch.Tensor, w_down: torch.Tensor,
                              gate_up_scale: torch.Tensor | None = None,
@@ -279,13 +289,15 @@ def torch_block_m(num_pairs: int, num_experts: int) -> int:
 def routed_experts_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          w_gate_up: torch.Tensor, w_down: torch.Tensor,
                          gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-                         block_m: int | None = None) -> torch.Tensor:
+                         block_m: int | None = None, adds: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """The kernel's blocks as batched torch: each block's rows of x times its expert's
     weights (gathered, widened to x's dtype) with bmm, the scales per column, silu(gate) *
     up rounded to x's dtype, the down bmm, the routing weights, then the pairs summed per
-    token in float32. x's dtype [T, hidden]; graph-safe (static shapes, no host sync).
-    block_m: rows per block, None taking torch_block_m."""
+    token in float32 with `adds` (as routed_experts_triton's). x's dtype [T, hidden];
+    graph-safe (static shapes, no host sync). block_m: rows per block, None taking
+    torch_block_m."""
     T, k, E, hidden, inter = check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale)
+    _check_adds(adds, x)
     n = T * k
     al = align(topk_ids, E, block_m or torch_block_m(n, E))
     rows = al.rows.long().view(-1, al.block_m)                             # [B, BM], n = padding
@@ -304,7 +316,10 @@ def routed_experts_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     # Each pair is one row; the padding rows all land on the extra row n, which is dropped.
     pairs = torch.zeros(n + 1, hidden, dtype=torch.float32, device=x.device)
     pairs.index_copy_(0, rows.reshape(-1), y.reshape(-1, hidden))
-    return pairs[:n].view(T, k, hidden).sum(1).to(x.dtype)
+    out = pairs[:n].view(T, k, hidden).sum(1)
+    for a in adds:
+        out = out + a.float()
+    return out.to(x.dtype)
 
 
 @triton.jit
@@ -518,6 +533,39 @@ def _down_pair_kernel(
     tl.store(out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64) * stride_out + n, out, mask=n_ok)
 
 
+@triton.jit
+def _finish_kernel(pairs_ptr, out_ptr, add_a_ptr, add_b_ptr, T,
+                   HIDDEN: tl.constexpr, K_TOP: tl.constexpr, SPLITS: tl.constexpr, NUM_ADDS: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """out[t] = the float32 rows of token t's pairs, pairs[s, t, j] of [SPLITS, T, K_TOP,
+    HIDDEN], summed over s then j in that order (the same sums every call), plus up to two
+    addends [T, HIDDEN], rounded once to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < HIDDEN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLITS):
+        for j in range(K_TOP):
+            acc += tl.load(pairs_ptr + ((s * T + t) * K_TOP + j) * HIDDEN + c, mask=ok, other=0.0)
+    if NUM_ADDS >= 1:
+        acc += tl.load(add_a_ptr + t * HIDDEN + c, mask=ok, other=0.0).to(tl.float32)
+    if NUM_ADDS >= 2:
+        acc += tl.load(add_b_ptr + t * HIDDEN + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * HIDDEN + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _finish(pairs: torch.Tensor, splits: int, T: int, k: int, hidden: int, dtype: torch.dtype,
+            adds: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The tokens' outputs from their pairs' float32 rows (`_finish_kernel`) in one launch."""
+    out = torch.empty(T, hidden, dtype=dtype, device=pairs.device)
+    if T:
+        args = [a.contiguous() for a in adds] + [out] * (2 - len(adds))  # unread where NUM_ADDS says so
+        block = min(1024, triton.next_power_of_2(hidden))
+        _finish_kernel[(T, triton.cdiv(hidden, block))](pairs, out, args[0], args[1], T, HIDDEN=hidden, K_TOP=k,
+                                                        SPLITS=splits, NUM_ADDS=len(adds), BLOCK=block, num_warps=4)
+    return out
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Launch settings: rows per block (block_m, >= 16 for tl.dot), output columns (block_n)
@@ -585,7 +633,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
                           gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
                           config: MoEConfig | None = None, check_ids: bool = False,
                           h: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
-                          align_pairs=align) -> torch.Tensor:
+                          align_pairs=align, adds: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """The fused routed-expert kernels (module docstring): x's dtype [T, hidden]. On CUDA
     tensors compiled, on CPU tensors only under Triton's interpreter. Graph-safe: static
     grids (max_blocks x column tiles), no host sync unless check_ids. align_pairs: `align`
@@ -596,9 +644,13 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     intermediate (not allocated with gate/up splits, whose float32 sums are allocated here) and the
     per-pair output buffers, allocated here when None; every element read is written first
     (tests pass them poisoned).
+
+    adds: up to two [T, hidden] tensors (the shared expert's output, the residual) added to
+    the pairs' float32 sums before the output's one rounding, in the launch that sums them.
     """
     T, k, E, hidden, inter = check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale,
                                           check_ids)
+    _check_adds(adds, x)
     interp = interpreted()
     if not x.is_cuda and not interp:
         raise ValueError(f"routed_experts_triton runs on CUDA tensors or under Triton's interpreter "
@@ -617,7 +669,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
             raise ValueError(f"{name} must be contiguous {_name(dtype)} {shape} on {x.device}, got "
                              f"{_name(buf.dtype)} {tuple(buf.shape)} on {buf.device}")
     if n == 0:
-        return x.new_zeros(T, hidden)
+        return _finish(x.new_empty(0), 1, T, k, hidden, x.dtype, adds)
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     if h is None and cfg.split_k == 1:
@@ -648,7 +700,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
             w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
             scale_ptr=dn_scale, stride_se=hidden, weights_ptr=weights, out_ptr=pairs, stride_os=n * hidden,
             stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **sizes)
-        return pairs.view(cfg.down_split_k, T, k, hidden).sum((0, 2)).to(x.dtype)
+        return _finish(pairs, cfg.down_split_k, T, k, hidden, x.dtype, adds)
     al = align_pairs(topk_ids, E, cfg.block_m)
     blocks = al.block_expert.numel()
     ieee = x.dtype == torch.float32
@@ -666,13 +718,14 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         scale_ptr=dn_scale, stride_se=hidden,
         weights_ptr=weights, out_ptr=pairs, stride_os=n * hidden,
         stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **common)
-    return pairs.view(cfg.down_split_k, T, k, hidden).sum((0, 2)).to(x.dtype)
+    return _finish(pairs, cfg.down_split_k, T, k, hidden, x.dtype, adds)
 
 
 def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-                   impl: str = "auto", check_ids: bool = False, align_pairs=align) -> torch.Tensor:
+                   impl: str = "auto", check_ids: bool = False, align_pairs=align,
+                   adds: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """The routed experts' output, x's dtype [T, hidden].
 
     x: bf16 or float32 [T, hidden]; topk_ids: int [T, k], each token's experts;
@@ -680,14 +733,14 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     columns 0..I-1, up columns I..2I-1); w_down: [E, I, hidden]; both bfloat16, float32 or
     float8_e4m3fn with gate_up_scale float32 [E, 2 * I] and down_scale float32 [E, hidden].
     impl: "auto" runs the Triton kernels on CUDA tensors and on CPU tensors under Triton's
-    interpreter, routed_experts_torch otherwise; "triton" and "torch" force one. align_pairs:
-    as routed_experts_triton's.
+    interpreter, routed_experts_torch otherwise; "triton" and "torch" force one. align_pairs,
+    adds: as routed_experts_triton's (adds: tensors added before the one rounding).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not allowed; allowed: {', '.join(map(repr, IMPLS))}")
     if impl == "triton" or (impl == "auto" and (x.is_cuda or interpreted())):
         return routed_experts_triton(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale,
-                                     check_ids=check_ids, align_pairs=align_pairs)
+                                     check_ids=check_ids, align_pairs=align_pairs, adds=adds)
     if check_ids:
         check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale, check_ids=True)
-    return routed_experts_torch(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale)
+    return routed_experts_torch(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale, adds=adds)

@@ -4,8 +4,7 @@
   hidden 4096, moe_intermediate_size 2048, FP8, top-6) at 1 to 128 tokens: the
   configuration default_config picks beside the aligned kernels' batch-1 splits and the
   former default, at 1 token a grid of the per-pair GEMV's tiles and splits and at 2 and 4
-  its batch-1 tile (each
-  checked against the former default's output);
+  its batch-1 tile (each checked against the former default's output);
 - remnant.kernels.top_k against torch.topk and remnant.engine.ops.index_top_k;
 - the MoE's routing: route_tokens' torch ops against remnant.kernels.route;
 - the RMS norm at the step's call sites (plain torch, compiled by remnant.engine.step_ops),

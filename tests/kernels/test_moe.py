@@ -40,16 +40,18 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return dict(rtol=0, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
 
 
-def _check(x, ids, weights, experts, impl: str = "triton", config: MoEConfig | None = None) -> None:
-    """impl's output against the reference, with the triton buffers poisoned (NaN)."""
-    ref = routed_experts_reference(x, ids, weights, *experts)
+def _check(x, ids, weights, experts, impl: str = "triton", config: MoEConfig | None = None, adds=()) -> None:
+    """impl's output against the reference (plus `adds`), with the triton buffers poisoned
+    (NaN)."""
+    ref = routed_experts_reference(x, ids, weights, *experts) + sum(a.double() for a in adds)
     if impl == "triton":
         n = ids.numel()
         h = torch.full((n, experts[1].shape[1]), float("nan"), dtype=x.dtype, device=x.device)
         pairs = torch.full(((config.down_split_k if config else 1) * n, x.shape[1]), float("nan"), device=x.device)
-        got = routed_experts_triton(x, ids, weights, *experts, check_ids=True, h=h, pairs=pairs, config=config)
+        got = routed_experts_triton(x, ids, weights, *experts, check_ids=True, h=h, pairs=pairs, config=config,
+                                    adds=adds)
     else:
-        got = routed_experts_torch(x, ids, weights, *experts)
+        got = routed_experts_torch(x, ids, weights, *experts, adds=adds)
     assert got.dtype == x.dtype and got.shape == x.shape
     assert torch.isfinite(got).all(), "an unwritten (poisoned) element reached the output"
     scale = ref.abs().max().clamp_min(1.0)
@@ -204,6 +206,25 @@ def test_gpu_defaults_fit_any_expert_shape(t, hidden, inter, e):
     x = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.bfloat16)
     ids, weights = _routing(gen, t, e, K)
     _check(x, ids, weights, experts, config=config)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("config", [None, MoEConfig(per_pair=True, block_m=1, block_n=32, block_k=32, num_warps=1,
+                                                    num_stages=1, split_k=2, down_split_k=2)])
+def test_adds_join_the_sums_before_the_one_rounding(impl, config):
+    # The shared expert's output and the residual, added where the pairs are summed. Each
+    # addend is a tenth or more of the largest output, so a missing one fails the bound.
+    gen = torch.Generator().manual_seed(5)
+    experts = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(3, HIDDEN, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, 3, E, K)
+    adds = ((10 * torch.randn(3, HIDDEN, generator=gen)).to(DEVICE, torch.bfloat16),
+            (30 * torch.randn(3, HIDDEN, generator=gen)).to(DEVICE, torch.bfloat16))
+    if impl == "torch" and config is not None:
+        pytest.skip("the torch path has no configs")
+    _check(x, ids, weights, experts, impl=impl, config=config, adds=adds)
+    with pytest.raises(ValueError, match=r"adds\[1\] must be float \(3, 128\)"):
+        routed_experts(x, ids, weights, *experts, impl=impl, adds=(adds[0], adds[1][:2]))
 
 
 def test_splits_must_cut_whole_tiles():
