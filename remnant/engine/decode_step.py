@@ -129,9 +129,12 @@ def decode_step(model, pools, batch: DecodeBatch, attention: str) -> torch.Tenso
     # Where each sequence's compressed records and compressor state sit: the same for every
     # layer of a ratio, so found once per step.
     slots = {r: RatioSlots.of(batch, pools, r) for r in set(a.compress_ratios) if r}
+    # Each token's own ring slot, where every layer stores its window record: int32 once
+    # here (the store kernel's index type), not a cast a layer.
+    own_locs = window_locs[:, -1].to(torch.int32)
     h = model.embed[batch.ids]
     for li, layer in enumerate(model.layers):
-        h = _layer(model, li, layer, pools, batch, h, window_locs, slots.get(layer.ratio), attention)
+        h = _layer(model, li, layer, pools, batch, h, window_locs, own_locs, slots.get(layer.ratio), attention)
     return model.logits(h).float()
 
 
@@ -147,7 +150,7 @@ class RatioSlots:
     state_row: torch.Tensor  # int64 [B] the token's compressor state row
     block_rows: torch.Tensor  # int64 [B, ratio] its open block's state rows, in order
     index: torch.Tensor  # int64 [B] the record index of its block (pos // ratio)
-    write_locs: torch.Tensor  # int64 [B] where its block's record goes: the padding page unless complete
+    write_locs: torch.Tensor  # int32 [B] where its block's record goes: the padding page unless complete
 
     @classmethod
     def of(cls, batch: DecodeBatch, pools, ratio: int) -> "RatioSlots":
@@ -163,27 +166,29 @@ class RatioSlots:
         visible = j[None, :] < counts[:, None]
         return cls(locs, visible, torch.where(visible, locs, -1), counts, batch.slot * ring + batch.pos % ratio,
                    batch.slot[:, None] * ring + torch.arange(ratio, device=batch.pos.device), index,
-                   torch.where(complete, page * per + index % per, pools.pad_page * per))
+                   torch.where(complete, page * per + index % per, pools.pad_page * per).to(torch.int32))
 
 
 def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, window_locs: torch.Tensor,
-           slots: RatioSlots | None, attention: str) -> torch.Tensor:
+           own_locs: torch.Tensor, slots: RatioSlots | None, attention: str) -> torch.Tensor:
     """One layer of the step: h [B, hidden] -> h [B, hidden]."""
     x = model.ops.rms_norm(h, layer.attn_norm, model.args.rms_norm_eps)
     folded = model.folded_weights.get(li)
     p = model.project(layer, x)
     q, q_lora = model.queries(layer, p, batch.pos, folded)
-    kv = model.window_latents(layer, p, batch.pos).float()
+    # In the compute dtype: the stores round to bf16 (SGLang's K) whatever they are given,
+    # so a float32 copy would be two casts a layer for the same bytes.
+    kv = model.window_latents(layer, p, batch.pos)
     ring = model.layer_format(li)
     ring_pages, ring_layout = pools.swa.pages(li), pools.swa.layouts[li]
     if ring.window_kept_first:
-        store_kept_first(kv, ring_pages, ring_layout, window_locs[:, -1], ring.columns)
+        store_kept_first(kv, ring_pages, ring_layout, own_locs, ring.columns)
     else:  # native records, or packed ones as the layer's C4 records are
-        store(kv, ring_pages, ring_layout, window_locs[:, -1], ring.columns if ring.window_form == "packed" else None)
+        store(kv, ring_pages, ring_layout, own_locs, ring.columns if ring.window_form == "packed" else None)
     if model.recorder is not None:  # a capture: copies only (remnant.engine.capture_hooks)
         n = batch.real
         iw = None if p.iw is None else p.iw[:n]  # (the indexer's: CSA layers only)
-        record_tokens(model, li, layer, q[:n], iw, q_lora[:n], kv[:n], decode=True)
+        record_tokens(model, li, layer, q[:n], iw, q_lora[:n], kv[:n].float(), decode=True)
     locs = None
     if layer.ratio:
         _compress(model, li, layer, pools, batch, p, slots)

@@ -518,7 +518,7 @@ def _down_pair_kernel(
             gate = tl.zeros((BLOCK_K,), dtype=tl.float32)
             up = tl.zeros((BLOCK_K,), dtype=tl.float32)
             p_split = p_row
-            for _ in range(GATE_UP_SPLITS):
+            for _ in tl.static_range(GATE_UP_SPLITS):
                 gate += tl.load(p_split + kk, mask=k_ok, other=0.0)
                 up += tl.load(p_split + INTER + kk, mask=k_ok, other=0.0)
                 p_split += stride_ps
@@ -544,8 +544,8 @@ def _finish_kernel(pairs_ptr, out_ptr, add_a_ptr, add_b_ptr, T,
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < HIDDEN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLITS):
-        for j in range(K_TOP):
+    for s in tl.static_range(SPLITS):  # unrolled: the rows' loads all in flight at once
+        for j in tl.static_range(K_TOP):
             acc += tl.load(pairs_ptr + ((s * T + t) * K_TOP + j) * HIDDEN + c, mask=ok, other=0.0)
     if NUM_ADDS >= 1:
         acc += tl.load(add_a_ptr + t * HIDDEN + c, mask=ok, other=0.0).to(tl.float32)
@@ -597,32 +597,27 @@ def _whole_splits(axis: int, block_k: int, most: int) -> int:
 def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, inter: int) -> MoEConfig:
     """Launch settings for num_pairs (token, expert) pairs over num_experts experts of
     `hidden` inputs and `inter` intermediate columns, from
-    runners/device/moe_topk_timings.py on an H100 at V4-Flash's expert shape (FP8, 32
-    experts of hidden 4096 and I 2048, top-6):
+    runners/device/moe_topk_timings.py at V4-Flash's expert shape (FP8, 32 experts of hidden
+    4096 and I 2048, top-6; routing and the pairs' sums included):
 
-    - pairs at most a quarter of the experts (one token of V4-Flash): the per-pair GEMV,
-      whose few pairs rarely share an expert (NOT YET TIMED: tile and splits a guess);
-    - a token or so (pairs <= experts: the batch-1 step): each routed expert is one block
-      with one real row, too few programs to keep the memory busy, so the summed axes are
-      split (their partial sums add up in the next kernel). Splits of 4 and 2: 159 us a
-      call (routing sort and sums included), against 173 us with 8 and 4 and 175 us
-      unsplit with the former (16, 64, 128) tiles: a small gain, and in a step the split
-      down kernel (8 and 4) took 49 us a call against 25 us unsplit, its reads of the
-      partial sums serialised with its weight loads (2026-12-06, H100);
-    - up to 8 pairs per expert on average: blocks of 16 rows (the least tl.dot takes) and
-      128-column tiles, 128-byte rows of FP8 codes per load;
+    - up to one pair per expert (up to 5 tokens of V4-Flash): the per-pair GEMV, 128-column
+      tiles of 64 rows, the summed axes split 4 and 2 (their partial sums added in the next
+      kernel). One token: 64.3 us a call on an H200, 2.35 TB/s of the 6 experts' weights,
+      against 150 us for the aligned kernels with the same splits and 170 us for the former
+      unsplit default; 2 and 4 tokens (32-row tiles, pipelined): 133 and 213 us against 234
+      and 314 (2026-12-06). Pairs that share an expert read it once each, which stops paying
+      somewhere past this;
+    - up to 8 pairs per expert on average: the aligned kernels, blocks of 16 rows (the least
+      tl.dot takes) and 128-column tiles, 128-byte rows of FP8 codes per load;
     - more: 64-row blocks, each weight tile reused by more rows.
     Under the interpreter: small tiles (its cost is per element, not per launch).
     """
     if not on_gpu:
         return MoEConfig(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=1)
-    if 4 * num_pairs <= num_experts:
-        return MoEConfig(per_pair=True, block_m=1, block_n=128, block_k=32, num_warps=4, num_stages=3,
-                         split_k=_whole_splits(hidden, 32, 4), down_split_k=_whole_splits(inter, 32, 2))
     if num_pairs <= num_experts:
         # Splits cut hidden and I into whole tiles, fewer where they do not divide.
-        return MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3,
-                         split_k=_whole_splits(hidden, 128, 4), down_split_k=_whole_splits(inter, 128, 2))
+        return MoEConfig(per_pair=True, block_m=1, block_n=128, block_k=64, num_warps=4, num_stages=1,
+                         split_k=_whole_splits(hidden, 64, 4), down_split_k=_whole_splits(inter, 64, 2))
     if num_pairs <= 8 * num_experts:
         return MoEConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)
     return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)

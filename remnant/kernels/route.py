@@ -60,7 +60,7 @@ def _select_kernel(part_ptr, stride_ps, ids_ptr, weights_ptr, T, scaling,
     ok = t_ok[:, None] & (e < E)[None, :]
     rows = part_ptr + t.to(tl.int64)[:, None] * E + e[None, :]
     logits = tl.zeros((BLOCK_T, E_P), dtype=tl.float32)
-    for s in range(SPLITS):  # in split order: the same sums every call
+    for s in tl.static_range(SPLITS):  # in split order (the same sums every call), unrolled
         logits += tl.load(rows + s * stride_ps, mask=ok, other=0.0)
     logits = tl.where(ok, logits, float("-inf"))
     j = tl.arange(0, K_P)

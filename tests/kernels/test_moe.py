@@ -193,14 +193,16 @@ def test_per_pair_gemv_matches_reference(t, x_dtype, expert_dtype, splits):
 
 
 @pytest.mark.parametrize("t,hidden,inter,e", [(1, HIDDEN, INTER, E), (1, 512, 256, E), (1, 384, 128, E),
-                                              (1, 512, 256, 8), (1, 96, 64, 8)])
+                                              (2, 192, 128, E), (3, 512, 256, E)])
 def test_gpu_defaults_fit_any_expert_shape(t, hidden, inter, e):
-    # The batch-1 splits cut hidden and I into whole tiles, fewer where they do not
-    # divide (hidden 128 and 384: no split; 512: 4); with 8 experts the 2 pairs take the
-    # per-pair GEMV (hidden 96: 3 tiles of 32, no split). Run here under the interpreter.
+    # Up to a pair per expert, the per-pair GEMV, whose splits cut hidden and I into whole
+    # 64-row tiles, fewer where they do not divide (hidden 128 and 384: 2, 192: none; I 64:
+    # none); 6 pairs over 5 experts take the aligned kernels. Run here under the interpreter.
     config = default_config(t * K, e, True, hidden, inter)
-    assert config.per_pair == (e == 8)
-    assert (config.split_k, config.down_split_k) == {128: (1, 1), 512: (4, 2), 384: (1, 1), 96: (1, 2)}[hidden]
+    assert config.per_pair == (t * K <= e)
+    if config.per_pair:
+        assert (config.split_k, config.down_split_k) == {(128, 64): (2, 1), (512, 256): (4, 2), (384, 128): (2, 2),
+                                                         (192, 128): (1, 2)}[hidden, inter]
     gen = torch.Generator().manual_seed(hidden)
     experts = _experts(gen, e, hidden, inter, "float8_e4m3fn")
     x = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.bfloat16)
