@@ -551,14 +551,12 @@ class Model:
         q_lora = ops.rms_norm(p.q_a, layer.q_norm, a.rms_norm_eps)
         wq_b = layer.wq_b if folded is None else folded.wq_b
         q = (q_lora @ wq_b).view(-1, a.num_attention_heads, HEAD_DIM)
-        q = ops.rms_norm(q, self.head_norm, a.rms_norm_eps)
-        return ops.rope(q, pos, a.rope_theta), q_lora
+        return ops.norm_rope(q, self.head_norm, a.rms_norm_eps, pos, a.rope_theta), q_lora
 
     def window_latents(self, layer: Layer, p: "Projections", pos: torch.Tensor) -> torch.Tensor:
         """The layer's projections `p` of T tokens -> their K=V latents [T, 512] with RoPE
         (the window ring holds them quantized: native records)."""
-        kv = self.ops.rms_norm(p.kv, layer.kv_norm, self.args.rms_norm_eps)
-        return self.ops.rope(kv, pos, self.args.rope_theta)
+        return self.ops.norm_rope(p.kv, layer.kv_norm, self.args.rms_norm_eps, pos, self.args.rope_theta)
 
     def ffn(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] + the layer's feed-forward block (routed MoE or dense SwiGLU)."""

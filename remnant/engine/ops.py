@@ -25,6 +25,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+              theta: float) -> torch.Tensor:
+    """rope(rms_norm(x, weight, eps), positions, theta): the queries' and window latents'
+    chain, one call so that a compiled step fuses it into one kernel (remnant.engine.step_ops)."""
+    return rope(rms_norm(x, weight, eps), positions, theta)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate the last ROPE_DIM coordinates of x [T, 512] or [T, H, 512] by positions [T]."""
     half = ROPE_DIM // 2

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from remnant.engine.ops import compress_latents, index_top_k, rms_norm, rope
+from remnant.engine.ops import compress_latents, index_top_k, norm_rope, rms_norm
 from remnant.kv.index_keys import index_key_codes, join_index_keys, quantize_index_keys, quantize_index_keys_mxfp4
 
 
@@ -39,7 +39,6 @@ class StepOps:
 
     name: str  # "plain" or "compiled", as /server_info reports it
     rms_norm: Callable
-    rope: Callable
     compress_latents: Callable
     quantize_index_keys: Callable
     index_top_k: Callable
@@ -50,17 +49,22 @@ class StepOps:
     #: align_triton, one launch for a decode batch); None: the plain ones.
     moe_route: Callable | None = None
     moe_align: Callable | None = None
+    #: rope(rms_norm(...)) in one call (remnant.engine.ops.norm_rope).
+    norm_rope: Callable = norm_rope
 
 
-PLAIN_OPS = StepOps("plain", rms_norm, rope, compress_latents, quantize_index_keys, index_top_k,
+PLAIN_OPS = StepOps("plain", rms_norm, compress_latents, quantize_index_keys, index_top_k,
                     quantize_index_keys_mxfp4)
 
 
-def _dynamic(fn: Callable, dims: dict[int, tuple[int, ...]], backend: str) -> Callable:
+def _dynamic(fn: Callable, dims: dict[int, tuple[int, ...]], backend: str, eager_rounding: bool = False) -> Callable:
     """torch.compile(fn) whole (a graph break would be an error, not a silent slow path),
     its positional tensor arguments' `dims` ({argument index: dims}) marked dynamic before
-    each call."""
-    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    each call. eager_rounding: Inductor keeps every bf16 rounding eager makes between fused
+    operations (its emulate_precision_casts), so that a chain of two ops gives the plain
+    ops' values, not those of one rounding at the end."""
+    options = {"emulate_precision_casts": True} if eager_rounding and backend == "inductor" else None
+    compiled = torch.compile(fn, fullgraph=True, backend=backend, options=options)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -100,7 +104,7 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
     return StepOps(
         "compiled",
         rms_norm=_dynamic(rms_norm, {0: (0,)}, backend),
-        rope=_dynamic(rope, {0: (0,), 1: (0,)}, backend),
+        norm_rope=_dynamic(norm_rope, {0: (0,), 3: (0,)}, backend, eager_rounding=True),
         compress_latents=_dynamic(compress_latents, {0: (0,), 1: (0,), 4: (0,)}, backend),
         quantize_index_keys=_joined(_dynamic(index_key_codes, {0: (0,)}, backend)),
         # Not torch.compile's: a radix select, a tenth of torch.topk's time.

@@ -26,8 +26,8 @@ def _calls(rows: int, device: str, dtype: torch.dtype, seed: int = 0):
     return [
         ("rms_norm", (r(rows, 1024), r(1024), 1e-6)),
         ("rms_norm", (r(rows, 8, 512), torch.ones(512, device=device, dtype=dtype), 1e-6)),
-        ("rope", (r(rows, 8, 512), pos, 10000.0)),
-        ("rope", (r(rows, 512), pos, 10000.0)),
+        ("norm_rope", (r(rows, 8, 512), torch.ones(512, device=device, dtype=dtype), 1e-6, pos, 10000.0)),
+        ("norm_rope", (r(rows, 512), r(512), 1e-6, pos, 10000.0)),
         ("compress_latents", (r(rows, 4, 512, dt=torch.float32), r(rows, 4, 512, dt=torch.float32), r(4, 512),
                               r(512), pos // 4, 4, 1e-6, 160000.0)),
         ("quantize_index_keys", (r(rows, 128, dt=torch.float32),)),
