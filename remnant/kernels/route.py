@@ -62,17 +62,22 @@ def _select_kernel(part_ptr, stride_ps, ids_ptr, weights_ptr, T, scaling,
     logits = tl.zeros((BLOCK_T, E_P), dtype=tl.float32)
     for s in tl.static_range(SPLITS):  # in split order (the same sums every call), unrolled
         logits += tl.load(rows + s * stride_ps, mask=ok, other=0.0)
-    logits = tl.where(ok, logits, float("-inf"))
+    # NaN logits (a row gone non-finite upstream) rank lowest: every pick must be an expert,
+    # since the per-pair MoE kernels index the weights by it.
+    logits = tl.where(ok & (logits == logits), logits, float("-inf"))
+    free = (e < E)[None, :] & (tl.zeros((BLOCK_T, E_P), dtype=tl.int32) == 0)  # [T, E_P]: not yet taken
     j = tl.arange(0, K_P)
     ids = tl.zeros((BLOCK_T, K_P), dtype=tl.int32)
     scores = tl.zeros((BLOCK_T, K_P), dtype=tl.float32)
     for slot in range(K):
-        best = tl.max(logits, 1)
-        pick = tl.min(tl.where(logits == best[:, None], e[None, :], E_P), 1)  # the lowest of equal ones
+        best = tl.max(tl.where(free, logits, float("-inf")), 1)
+        # The lowest free expert of the largest logit (of equal ones; -inf ones too).
+        pick = tl.min(tl.where(free & (logits == best[:, None]), e[None, :], E_P), 1)
         ids = tl.where(j[None, :] == slot, pick[:, None], ids)
         scores = tl.where(j[None, :] == slot, tl.sigmoid(best)[:, None], scores)
-        logits = tl.where(e[None, :] == pick[:, None], float("-inf"), logits)
-    total = tl.where(t_ok, tl.sum(scores, 1), 1.0)  # rows past T: all -inf, no 0 / 0
+        free = free & (e[None, :] != pick[:, None])
+    total = tl.sum(scores, 1)
+    total = tl.where(total > 0, total, 1.0)  # rows past T, or all -inf: no 0 / 0
     weights = scores / total[:, None] * scaling
     out = t.to(tl.int64)[:, None] * K + j[None, :]
     out_ok = t_ok[:, None] & (j < K)[None, :]

@@ -48,6 +48,19 @@ def test_equal_logits_take_the_lowest_expert():
     torch.testing.assert_close(weights.sum(), torch.tensor(3.0, device=DEVICE))
 
 
+def test_non_finite_rows_still_pick_k_distinct_experts():
+    # The per-pair MoE kernels index expert weights by these ids: a NaN row must not yield
+    # an id past E (nor a repeated one). Rows of +inf and -inf logits too.
+    x, router = _inputs(4, 64, 8, seed=1, dtype=torch.float32)
+    x[1] = float("nan")
+    x[2, 0] = float("inf")
+    router[0, :] = torch.linspace(-1, 1, 8)
+    ids, weights = route_triton(x, router, 3, 1.0)
+    assert ((ids >= 0) & (ids < 8)).all()
+    assert all(len(set(row)) == 3 for row in ids.tolist())
+    assert torch.equal(ids[[0, 3]], route_tokens(x[[0, 3]], router, 3, 1.0)[0])
+
+
 def test_shapes_it_cannot_take_go_to_the_fallback_or_name_the_field():
     x, router = _inputs(2, 96, 8, seed=0)  # hidden 96: not whole steps of 64
     with pytest.raises(ValueError, match="hidden a multiple of 64"):
