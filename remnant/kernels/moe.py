@@ -447,7 +447,7 @@ def _gate_up_pair_kernel(
     scale_ptr, stride_se,
     h_ptr, stride_h,
     partial_ptr, stride_ps, stride_pr,
-    K_TOP: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    K_TOP: tl.constexpr, E: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """_gate_up_kernel for one pair per program, as a GEMV: no alignment (the pair's expert
@@ -456,6 +456,8 @@ def _gate_up_pair_kernel(
     elements and the K axis is summed once, after the loop."""
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64)
+    if (e < 0) | (e >= E):  # no such expert (a garbage row's id): read nothing, as the aligned kernels
+        return
     x_row = x_ptr + (pair // K_TOP).to(tl.int64) * stride_x
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
@@ -494,13 +496,15 @@ def _down_pair_kernel(
     ids_ptr, w_ptr, stride_we, stride_wk,
     scale_ptr, stride_se,
     weights_ptr, out_ptr, stride_os, stride_out,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    E: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATE_UP_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """_down_kernel for one pair per program, as a GEMV (see _gate_up_pair_kernel)."""
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64)
+    if (e < 0) | (e >= E):
+        return
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     p_row = partial_ptr + pair.to(tl.int64) * stride_pr
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -683,7 +687,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     partial_args = dict(partial_ptr=partial, stride_ps=n * 2 * inter, stride_pr=2 * inter)
     if cfg.per_pair:
         ids = topk_ids.reshape(-1).contiguous()
-        sizes = dict(HIDDEN=hidden, INTER=inter, HAS_SCALE=fp8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        sizes = dict(E=E, HIDDEN=hidden, INTER=inter, HAS_SCALE=fp8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _gate_up_pair_kernel[(n, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
             x_ptr=x, stride_x=x.stride(0), ids_ptr=ids,

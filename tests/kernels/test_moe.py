@@ -192,6 +192,35 @@ def test_per_pair_gemv_matches_reference(t, x_dtype, expert_dtype, splits):
     _check(x, ids, weights, experts, config=config)
 
 
+_OUT_OF_RANGE = """
+import torch
+from remnant.kernels.moe import MoEConfig, quantize_experts, routed_experts_reference, routed_experts_triton
+g = torch.Generator().manual_seed(0)
+(gu, gs), (dn, ds) = quantize_experts(torch.randn(5, 128, 128, generator=g) / 11), quantize_experts(
+    torch.randn(5, 64, 128, generator=g) / 8)
+x = torch.randn(2, 128, generator=g).bfloat16()
+ids, w = torch.tensor([[0, 1], [2, 1_000_000]]), torch.rand(2, 2, generator=g)
+config = MoEConfig(per_pair=True, block_m=1, block_n=32, block_k=16, num_warps=1, num_stages=1)
+got = routed_experts_triton(x, ids, w, gu, dn, gs, ds, config=config)[0].double()
+ref = routed_experts_reference(x[:1], ids[:1], w[:1], gu, dn, gs, ds)[0]
+print(float((got - ref).abs().max() / ref.abs().max()))
+"""
+
+
+def test_per_pair_reads_nothing_for_an_expert_id_out_of_range():
+    # A garbage row (a NaN hidden state, a padded graph row) must not take the server down:
+    # the per-pair kernels index expert weights by the id, where the aligned kernels only
+    # compare it. Without the range check the interpreter segfaults (so: a subprocess).
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # CPU tensors, whatever GPU the machine has
+    p = subprocess.run([sys.executable, "-c", _OUT_OF_RANGE], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, f"rc={p.returncode}: {p.stderr[-2000:]}"
+    assert float(p.stdout.strip().splitlines()[-1]) < 2e-2  # the other token's row is untouched
+
+
 @pytest.mark.parametrize("t,hidden,inter,e", [(1, HIDDEN, INTER, E), (1, 512, 256, E), (1, 384, 128, E),
                                               (2, 192, 128, E), (3, 512, 256, E)])
 def test_gpu_defaults_fit_any_expert_shape(t, hidden, inter, e):
