@@ -503,14 +503,16 @@ def _down_pair_kernel(
     """_down_kernel for one pair per program, as a GEMV (see _gate_up_pair_kernel)."""
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    if (e < 0) | (e >= E):
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < HIDDEN
+    split = tl.program_id(2)
+    out_row = out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64) * stride_out
+    if (e < 0) | (e >= E):  # no such expert: the pair adds nothing (its gate/up rows were never written)
+        tl.store(out_row + n, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=n_ok)
         return
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     p_row = partial_ptr + pair.to(tl.int64) * stride_pr
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < HIDDEN
     w_e = w_ptr + e * stride_we
-    split = tl.program_id(2)
     k_lo = split * (INTER // SPLIT_K)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER // SPLIT_K, BLOCK_K):
@@ -534,7 +536,7 @@ def _down_pair_kernel(
     if HAS_SCALE:
         out *= tl.load(scale_ptr + e * stride_se + n, mask=n_ok, other=0.0)
     out *= tl.load(weights_ptr + pair)
-    tl.store(out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64) * stride_out + n, out, mask=n_ok)
+    tl.store(out_row + n, out, mask=n_ok)
 
 
 @triton.jit
@@ -608,8 +610,9 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
       tiles of 64 rows, the summed axes split 4 and 2 (their partial sums added in the next
       kernel). One token: 64.3 us a call on an H200, 2.35 TB/s of the 6 experts' weights,
       against 150 us for the aligned kernels with the same splits and 170 us for the former
-      unsplit default; 2 and 4 tokens (32-row tiles, pipelined): 133 and 213 us against 234
-      and 314 (2026-12-06). Pairs that share an expert read it once each, which stops paying
+      unsplit default; 2 and 4 tokens, timed with 32-row tiles pipelined (the default gives
+      them the one-token tile, not timed there): 133 and 213 us against 234 and 314
+      (2026-12-06). Pairs that share an expert read it once each, which stops paying
       somewhere past this;
     - up to 8 pairs per expert on average: the aligned kernels, blocks of 16 rows (the least
       tl.dot takes) and 128-column tiles, 128-byte rows of FP8 codes per load;

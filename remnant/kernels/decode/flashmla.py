@@ -102,21 +102,47 @@ def indices(locs: torch.Tensor) -> torch.Tensor:
     return out.unsqueeze(1)
 
 
-_schedules: dict[tuple, object] = {}
+class ScheduleCache:
+    """Objects made by `make()` per key, at most `kept` of them besides the pinned ones.
+
+    A key used while a CUDA graph is being captured is pinned for good: the graph holds
+    the raw addresses of its schedule's tensors, so dropping it (as the oldest key, once
+    eager prefills of many token counts had added theirs) freed memory that later
+    replays read: an illegal memory access in a served run. Unpinned keys (eager calls'
+    shapes: a prefill chunk's token count) are dropped oldest first."""
+
+    def __init__(self, kept: int, make):
+        self.kept, self.make = kept, make
+        self.items: dict[tuple, object] = {}
+        self.pinned: set[tuple] = set()
+
+    def get(self, key: tuple, pin: bool = False):
+        if key not in self.items:
+            unpinned = [k for k in self.items if k not in self.pinned]
+            if len(unpinned) >= self.kept:
+                del self.items[unpinned[0]]
+            self.items[key] = self.make()
+        if pin:
+            self.pinned.add(key)
+        return self.items[key]
+
+
+def _new_schedule():
+    from flash_mla import get_mla_metadata
+
+    return get_mla_metadata()[0]
+
+
+_schedules = ScheduleCache(_SCHEDULES_KEPT, _new_schedule)
 
 
 def _schedule(key: tuple):
     """One FlashMLASchedMeta per call shape. Without topk_length, FlashMLA's split plan
     depends on the shapes alone (its docstring), so a plan is reused across calls of one
     shape, as SGLang reuses one per forward batch; the first call fills it in, outside any
-    CUDA graph being captured (the benchmark warms up before capture)."""
-    from flash_mla import get_mla_metadata
-
-    if key not in _schedules:
-        if len(_schedules) >= _SCHEDULES_KEPT:
-            _schedules.pop(next(iter(_schedules)))
-        _schedules[key] = get_mla_metadata()[0]
-    return _schedules[key]
+    CUDA graph being captured (the engine and the benchmark warm up before capture). Shapes
+    a graph captures stay (ScheduleCache)."""
+    return _schedules.get(key, pin=torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def decode(

@@ -236,3 +236,18 @@ def test_decode_takes_flashmla_for_native_records_where_it_runs(monkeypatch):
         got = decode(q, c4, c4_layout, c4_locs, win, win_layout, win_locs, sink, config=DecodeConfig(kernel=kernel))
         assert len(calls) == expected, kernel
         assert ((got.double() - want).norm() / want.norm()).item() < TOLERANCE
+
+
+def test_schedules_a_graph_captured_are_never_dropped():
+    # Eager calls of many shapes (prefill chunks' token counts) must not drop the schedule a
+    # captured graph replays: its tensors' addresses are baked into the graph.
+    made = []
+    cache = flashmla.ScheduleCache(2, lambda: made.append(object()) or made[-1])
+    graph_schedule = cache.get(("decode", 1))
+    assert cache.get(("decode", 1), pin=True) is graph_schedule  # the capture after the warm-up
+    for tokens in range(100):
+        cache.get(("prefill", tokens))
+    assert cache.get(("decode", 1)) is graph_schedule and len(made) == 101
+    assert set(cache.items) == {("decode", 1), ("prefill", 98), ("prefill", 99)}  # 2 unpinned: the newest
+    cache.get(("prefill", 0))  # dropped long ago: made again
+    assert len(made) == 102
