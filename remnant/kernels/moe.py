@@ -388,6 +388,21 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _summed_swiglu(p, mask, stride_ps, INTER: tl.constexpr, SPLITS: tl.constexpr):
+    """silu(gate) * up in float32 from the gate/up kernel's split sums: gate at `p` (any
+    shape of pointers into split 0's rows), up INTER columns on, each split stride_ps
+    further (the pointer stepped, so no split * stride product overflows int32), summed in
+    split order."""
+    gate = tl.load(p, mask=mask, other=0.0)
+    up = tl.load(p + INTER, mask=mask, other=0.0)
+    for _ in tl.static_range(SPLITS - 1):
+        p += stride_ps
+        gate += tl.load(p, mask=mask, other=0.0)
+        up += tl.load(p + INTER, mask=mask, other=0.0)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _down_kernel(
     h_ptr, stride_h,
     partial_ptr, stride_ps, stride_pr,
@@ -421,15 +436,8 @@ def _down_kernel(
         a_ok = row_ok[:, None] & k_ok[None, :]
         if GATE_UP_SPLITS == 1:
             a = tl.load(h_rows + kk[None, :], mask=a_ok, other=0.0)
-        else:  # the gate/up splits' sums, then silu(gate) * up as the unsplit kernel writes h
-            gate = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-            up = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-            p_split = p_rows  # stepped by stride_ps: no split * stride product to overflow int32
-            for _ in range(GATE_UP_SPLITS):
-                gate += tl.load(p_split + kk[None, :], mask=a_ok, other=0.0)
-                up += tl.load(p_split + INTER + kk[None, :], mask=a_ok, other=0.0)
-                p_split += stride_ps
-            a = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
+        else:  # as the unsplit kernel writes h
+            a = _summed_swiglu(p_rows + kk[None, :], a_ok, stride_ps, INTER, GATE_UP_SPLITS).to(h_ptr.dtype.element_ty)
         w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0).to(h_ptr.dtype.element_ty)
         acc += _dot(a, w, IEEE, INTERPRETED)
@@ -520,15 +528,8 @@ def _down_pair_kernel(
         k_ok = kk < k_lo + INTER // SPLIT_K
         if GATE_UP_SPLITS == 1:
             a = tl.load(h_row + kk, mask=k_ok, other=0.0)
-        else:  # as _down_kernel: the splits' sums, then silu(gate) * up rounded as h would be
-            gate = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            up = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            p_split = p_row
-            for _ in tl.static_range(GATE_UP_SPLITS):
-                gate += tl.load(p_split + kk, mask=k_ok, other=0.0)
-                up += tl.load(p_split + INTER + kk, mask=k_ok, other=0.0)
-                p_split += stride_ps
-            a = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
+        else:  # rounded as h would be
+            a = _summed_swiglu(p_row + kk, k_ok, stride_ps, INTER, GATE_UP_SPLITS).to(h_ptr.dtype.element_ty)
         w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)
         acc += a.to(tl.float32)[:, None] * w.to(tl.float32)

@@ -65,7 +65,7 @@ def _select_kernel(part_ptr, stride_ps, ids_ptr, weights_ptr, T, scaling,
     # NaN logits (a row gone non-finite upstream) rank lowest: every pick must be an expert,
     # since the per-pair MoE kernels index the weights by it.
     logits = tl.where(ok & (logits == logits), logits, float("-inf"))
-    free = (e < E)[None, :] & (tl.zeros((BLOCK_T, E_P), dtype=tl.int32) == 0)  # [T, E_P]: not yet taken
+    free = tl.broadcast_to((e < E)[None, :], (BLOCK_T, E_P))  # not yet taken
     j = tl.arange(0, K_P)
     ids = tl.zeros((BLOCK_T, K_P), dtype=tl.int32)
     scores = tl.zeros((BLOCK_T, K_P), dtype=tl.float32)
