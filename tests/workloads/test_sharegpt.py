@@ -196,7 +196,7 @@ def test_a_file_with_no_usable_record_is_refused_naming_it_and_the_first_reasons
                                                      r"column 42\)$"),
     (b'{"id": "x"}', r"expected a JSON list of conversations \(or JSONL, one per line\), got dict"),
     (b"[]", r"bad.json: no conversation in the file$"),
-    (gzip.compress(b"[]")[:12], r"bad.json: a gzip file that cannot be decompressed"),
+    (gzip.compress(b"[]", mtime=0)[:12], r"bad.json: a gzip file that cannot be decompressed"),
     (b'["\xff"]', r"bad.json: not UTF-8 text \(byte 2\)"),
 ])
 def test_malformed_files_are_refused_naming_the_file(tmp_path, content, message):
