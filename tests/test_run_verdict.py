@@ -8,7 +8,6 @@ import signal
 from importlib import resources
 from pathlib import Path
 
-import pytest
 
 from remnant.client.metrics import client_summary, failure_summary, summarize
 from remnant.client.request_record import RequestRecord

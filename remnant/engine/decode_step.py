@@ -30,7 +30,8 @@ import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
 from remnant.engine.capture_hooks import record_blocks, record_tokens
-from remnant.engine.ops import SCRATCH_PER_PAGE, decode_config
+from remnant.engine.ops import SCRATCH_PER_PAGE, decode_config, index_key_decode
+from remnant.engine.step_ops import PLAIN_OPS
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
 from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.layout import PageLayout
@@ -125,13 +126,13 @@ def decode_step(model, pools, batch: DecodeBatch, attention: str) -> torch.Tenso
     "torch" (the module docstring). Returns float32 [B, vocab] logits. Sequences' lengths
     are the caller's to advance."""
     a = model.args
-    window_locs = window_locations(batch, a.window_size)
+    # int32 once here (the kernels' index type), not a cast in each layer's kernels.
+    window_locs = window_locations(batch, a.window_size).to(torch.int32)
     # Where each sequence's compressed records and compressor state sit: the same for every
     # layer of a ratio, so found once per step.
     slots = {r: RatioSlots.of(batch, pools, r) for r in set(a.compress_ratios) if r}
-    # Each token's own ring slot, where every layer stores its window record: int32 once
-    # here (the store kernel's index type), not a cast a layer.
-    own_locs = window_locs[:, -1].to(torch.int32)
+    # Each token's own ring slot, where every layer stores its window record.
+    own_locs = window_locs[:, -1].contiguous()
     h = model.embed[batch.ids]
     for li, layer in enumerate(model.layers):
         h = _layer(model, li, layer, pools, batch, h, window_locs, own_locs, slots.get(layer.ratio), attention)
@@ -143,10 +144,10 @@ class RatioSlots:
     """A decode step's positions in the records and compressor state of one ratio, shared
     by every layer of that ratio."""
 
-    locs: torch.Tensor  # int64 [B, P * per_page] every record slot the page table reaches
+    locs: torch.Tensor  # int32 [B, P * per_page] every record slot the page table reaches
     visible: torch.Tensor  # bool [B, P * per_page] which of them the token may read
-    visible_locs: torch.Tensor  # int64 [B, P * per_page] locs where visible, else -1 (what HCA layers read)
-    counts: torch.Tensor  # int64 [B] how many are visible (they come first)
+    visible_locs: torch.Tensor  # int32 [B, P * per_page] locs where visible, else -1 (what HCA layers read)
+    counts: torch.Tensor  # int32 [B] how many are visible (they come first)
     state_row: torch.Tensor  # int64 [B] the token's compressor state row
     block_rows: torch.Tensor  # int64 [B, ratio] its open block's state rows, in order
     index: torch.Tensor  # int64 [B] the record index of its block (pos // ratio)
@@ -154,7 +155,9 @@ class RatioSlots:
 
     @classmethod
     def of(cls, batch: DecodeBatch, pools, ratio: int) -> "RatioSlots":
-        """Record j is visible once its block is complete: j * ratio + ratio - 1 <= pos."""
+        """Record j is visible once its block is complete: j * ratio + ratio - 1 <= pos.
+        Locations and counts are int32, the kernels' index type, cast here once a step
+        rather than by each layer's kernels."""
         per = pools.page_size // ratio
         j = torch.arange(batch.page_table.shape[1] * per, device=batch.pos.device)
         locs = batch.page_table[:, j // per] * per + j % per
@@ -164,7 +167,9 @@ class RatioSlots:
         complete = batch.pos % ratio == ratio - 1
         page = batch.page_table.gather(1, (index // per)[:, None])[:, 0]
         visible = j[None, :] < counts[:, None]
-        return cls(locs, visible, torch.where(visible, locs, -1), counts, batch.slot * ring + batch.pos % ratio,
+        i32 = torch.int32
+        return cls(locs.to(i32), visible, torch.where(visible, locs, -1).to(i32), counts.to(i32),
+                   batch.slot * ring + batch.pos % ratio,
                    batch.slot[:, None] * ring + torch.arange(ratio, device=batch.pos.device), index,
                    torch.where(complete, page * per + index % per, pools.pad_page * per).to(torch.int32))
 
@@ -203,36 +208,39 @@ def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, wi
 def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioSlots) -> None:
     """The token joins its compressor's open block (state rows in the pools' state dtype);
     where it completes the block, the block becomes a record (and, on CSA layers, an index
-    key) at record index pos // ratio; elsewhere those writes go to the padding page."""
+    key) at record index pos // ratio; elsewhere those writes go to the padding page.
+    model.ops' compress_decode and index_key_decode (one launch each in a compiled step);
+    a capture runs the plain ones (remnant.engine.ops), whose float32 latents it records."""
+    a = model.args
     csa = layer.ratio == CSA_RATIO
+    ops = model.ops if model.recorder is None else PLAIN_OPS
     state = pools.c4_state[li] if csa else pools.c128_state[li]
-    # Content and gate are adjacent columns of the projections: one write of both, in the
-    # state's dtype (float32, or bfloat16 with compressor_state_dtype); read back in float32.
-    state[slots.state_row, :, :HEAD_DIM] = torch.stack([p.c, p.g], dim=1).to(state.dtype)
-    block = state[slots.block_rows, :, :HEAD_DIM].float()  # [B, ratio, 2, 512]: one gather for both
-    latents = model.compress(layer, block[:, :, 0], block[:, :, 1], slots.index)
+    latents = ops.compress_decode(p.c, p.g, state, slots.state_row, slots.block_rows, layer.gate_bias,
+                                  layer.kv_norm, slots.index, layer.ratio, a.rms_norm_eps, a.compress_rope_theta)
     target = pools.c4[li] if csa else pools.c128[li]
     store(latents, target.buf, target.layout, slots.write_locs, model.layer_format(li).record_columns)
-    ik = None
     if csa:
-        d = model.args.index_head_dim
-        index_state = pools.c4_index_state[li]
-        index_state[slots.state_row, 0, :d] = p.ik.to(index_state.dtype)
-        ik = index_state[slots.block_rows, 0, :d].float()
-        keys = ik.mean(1)
-        indexer = pools.indexer[li]
-        indexer.layout.write(indexer.buf, slots.write_locs, model.quantize_index_keys(keys))
+        index_state, indexer = pools.c4_index_state[li], pools.indexer[li]
+        key_args = (p.ik, index_state, slots.state_row, slots.block_rows, indexer.buf, indexer.layout,
+                    slots.write_locs)
+        if model.index_key_format.name == "fp8":
+            ops.index_key_decode(*key_args)
+        else:  # the MXFP4 codec, through the plain update
+            index_key_decode(*key_args, quantize=model.quantize_index_keys)
     if model.recorder is not None:
         # A capture runs eagerly (never in a graph): selecting the completed rows syncs.
         done = (batch.pos % layer.ratio == layer.ratio - 1)[: batch.real]
-        record_blocks(model, li, layer, block[: batch.real, :, 0][done], block[: batch.real, :, 1][done],
-                      slots.index[: batch.real][done], latents[: batch.real][done], state.dtype,
-                      None if ik is None else ik[: batch.real][done])
+        block = state[slots.block_rows[: batch.real][done], :, :HEAD_DIM].float()
+        ik = None
+        if csa:
+            ik = pools.c4_index_state[li][slots.block_rows[: batch.real][done], 0, : a.index_head_dim].float()
+        record_blocks(model, li, layer, block[:, :, 0], block[:, :, 1], slots.index[: batch.real][done],
+                      latents[: batch.real][done], state.dtype, ik)
 
 
 def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor, slots: RatioSlots,
             kernels: bool = False) -> torch.Tensor:
-    """Locations int64 [B, K] of the records each token reads (-1: none), of those the page
+    """Locations int32 [B, K] of the records each token reads (-1: none), of those the page
     table reaches (slots.locs): on CSA layers the indexer's top-k over every visible
     C4 index key, on HCA layers every visible C128 record. `kernels`: scores from
     remnant.kernels.indexer (the FP8 keys read in place), else gathered and scored in torch."""
@@ -243,15 +251,14 @@ def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor
     if kernels:
         from remnant.kernels.indexer import index_scores
 
-        qi, wi = model.index_queries(layer, iw, q_lora)
-        scores = index_scores(qi.contiguous(), wi, indexer.buf, indexer.layout, all_locs, slots.counts,
-                              key_format=model.index_key_format)
+        # The head weights as projected: the kernel divides them (no cast or scale launch).
+        scores = index_scores(model.index_q(layer, q_lora), iw, indexer.buf, indexer.layout, all_locs, slots.counts,
+                              key_format=model.index_key_format, w_divisor=model.index_weight_divisor)
     else:
         keys = model.index_key_format.dequantize(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
         scores = model.index_scores_batched(layer, iw, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))
         scores = scores.masked_fill(~slots.visible, float("-inf"))
-    values, indices = model.ops.index_top_k(scores, min(model.args.index_topk, all_locs.shape[1]))
-    return torch.where(values > float("-inf"), all_locs.gather(1, indices), -1)
+    return model.ops.index_top_locations(scores, min(model.args.index_topk, all_locs.shape[1]), all_locs)
 
 
 def _ring(pools, li: int, ring: tuple | None) -> tuple:

@@ -562,7 +562,8 @@ class Model:
         """h [T, hidden] + the layer's feed-forward block (routed MoE or dense SwiGLU)."""
         x = self.ops.rms_norm(h, layer.ffn_norm, self.args.rms_norm_eps)
         if layer.moe is not None:
-            return layer.moe.forward(x, route=self.ops.moe_route, align_pairs=self.ops.moe_align, residual=h)
+            return layer.moe.forward(x, route=self.ops.moe_route, align_pairs=self.ops.moe_align, residual=h,
+                                     silu_mul=self.ops.silu_mul)
         return h + (F.silu(x @ layer.w_gate) * (x @ layer.w_up)) @ layer.w_down
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -650,10 +651,17 @@ class Model:
 
     def index_queries(self, layer: Layer, iw: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer's queries [T, heads, d] (compute dtype) and head weights float32 [T,
-        heads] of T tokens (index_scores' q and w)."""
-        a = self.args
-        qi = (q_lora @ layer.wi_q).view(-1, a.index_n_heads, a.index_head_dim)
-        return qi, iw.float() / math.sqrt(a.index_n_heads)
+        heads] of T tokens (index_scores' q and w): iw divided by index_weight_divisor."""
+        return self.index_q(layer, q_lora), iw.float() / self.index_weight_divisor
+
+    def index_q(self, layer: Layer, q_lora: torch.Tensor) -> torch.Tensor:
+        """The indexer's queries [T, heads, d] (compute dtype) of T tokens."""
+        return (q_lora @ layer.wi_q).view(-1, self.args.index_n_heads, self.args.index_head_dim)
+
+    @property
+    def index_weight_divisor(self) -> float:
+        """What the indexer's head weights are divided by: sqrt(heads)."""
+        return math.sqrt(self.args.index_n_heads)
 
     def index_scores_batched(self, layer: Layer, iw: torch.Tensor, q_lora: torch.Tensor,
                              keys: torch.Tensor) -> torch.Tensor:

@@ -24,12 +24,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 # expert_dtype values (remnant.kernels.moe maps them to torch dtypes): FP8 is the engine's
 # choice (V4-Flash keeps its experts in FP4; bf16 experts would be most of a step's bytes and
 # hide what an attention mode changes).
 from remnant.config import EXPERT_DTYPES
+from remnant.engine.ops import silu_mul
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -175,20 +175,21 @@ class MoE:
             raise ValueError(f"x must be [T, hidden_size={self.args.hidden_size}], got {tuple(x.shape)}")
 
     def forward(self, x: torch.Tensor, impl: str = "auto", route=None, align_pairs=None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, silu_mul=None) -> torch.Tensor:
         """The block's output [T, hidden] in x's dtype (the compute dtype) for x [T, hidden]:
         routed experts plus the shared expert, plus `residual` [T, hidden] where given, summed
         in float32 and rounded once (in the routed kernels' last launch). No host sync and
         static shapes (CUDA-graph safe). impl: remnant.kernels.moe.routed_experts' choice of
         routed path ("auto": the Triton kernel on CUDA and under Triton's interpreter, batched
-        torch otherwise). route, align_pairs: route_tokens and remnant.kernels.moe.align, or
-        the same compiled (remnant.engine.step_ops); None: the plain ones."""
+        torch otherwise). route, align_pairs, silu_mul: route_tokens,
+        remnant.kernels.moe.align and the shared expert's remnant.engine.ops.silu_mul, or the
+        same compiled (remnant.engine.step_ops); None: the plain ones."""
         from remnant.kernels.moe import align, routed_experts
 
         self._check_input(x)
         ids, weights = (route or route_tokens)(x, self.router, self.args.num_experts_per_tok,
                                                self.args.routed_scaling_factor)
-        adds = () if self.shared_gate_up is None else (_swiglu(x, self.shared_gate_up, self.shared_down),)
+        adds = () if self.shared_gate_up is None else (_swiglu(x, self.shared_gate_up, self.shared_down, silu_mul),)
         adds += () if residual is None else (residual,)
         return routed_experts(x, ids, weights, self.w_gate_up, self.w_down, self.gate_up_scale, self.down_scale,
                               impl=impl, align_pairs=align_pairs or align, adds=adds)
@@ -241,8 +242,8 @@ def route_tokens(x: torch.Tensor, router: torch.Tensor, k: int, scaling: float) 
     return ids, top / top.sum(-1, keepdim=True) * scaling
 
 
-def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act=None) -> torch.Tensor:
     """silu(x @ gate) * (x @ up) @ down for x [T, hidden], gate_up [hidden, 2 * S] (gate
-    columns first), down [S, hidden]; activations rounded to x's dtype between the two."""
-    g, u = (x @ gate_up).chunk(2, dim=-1)
-    return (F.silu(g) * u) @ down
+    columns first), down [S, hidden]; activations rounded to x's dtype between the two.
+    act: silu_mul or the same compiled (None: the plain one)."""
+    return (act or silu_mul)(x @ gate_up) @ down

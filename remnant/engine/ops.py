@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from remnant.kv import NOPE_DIM, ROPE_DIM
+from remnant.kv import HEAD_DIM, NOPE_DIM, ROPE_DIM
+from remnant.kv.index_keys import quantize_index_keys
 
 if TYPE_CHECKING:
     from remnant.kernels.decode import DecodeConfig
@@ -23,6 +24,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm computed in float32 (bf16 sums of squares lose the mean), result in x's dtype."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2 * S] (gate columns first): SwiGLU's activation,
+    rounded to gate_up's dtype after the silu as after the product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
@@ -57,6 +65,33 @@ def compress_latents(c: torch.Tensor, g: torch.Tensor, gate_bias: torch.Tensor, 
     return rope(latent, block_index * ratio, theta).float()
 
 
+def compress_decode(c: torch.Tensor, g: torch.Tensor, state: torch.Tensor, state_row: torch.Tensor,
+                    block_rows: torch.Tensor, gate_bias: torch.Tensor, norm: torch.Tensor,
+                    block_index: torch.Tensor, ratio: int, eps: float, theta: float,
+                    compress=compress_latents) -> torch.Tensor:
+    """A decode token per row joins its compressor's open block: c, g [B, 512] into state
+    [rows, 2, >= 512] at state_row [B] (content, then gate, in the state's dtype), then the
+    block's rows block_rows [B, ratio] (its own among them), read back in float32, through
+    `compress` (compress_latents: latents float32 [B, 512]). The plain reference of
+    remnant.kernels.compress.compress_decode, the compiled step's one launch."""
+    state[state_row, :, :HEAD_DIM] = torch.stack([c, g], dim=1).to(state.dtype)
+    block = state[block_rows, :, :HEAD_DIM].float()  # [B, ratio, 2, 512]: one gather for both
+    return compress(block[:, :, 0], block[:, :, 1], gate_bias, norm, block_index, ratio, eps, theta)
+
+
+def index_key_decode(ik: torch.Tensor, state: torch.Tensor, state_row: torch.Tensor, block_rows: torch.Tensor,
+                     pages: torch.Tensor, layout, locs: torch.Tensor, quantize=quantize_index_keys) -> None:
+    """The indexer keys' decode update: ik [B, d] into state [rows, 2, >= d] at [state_row, 0]
+    (state's dtype); the mean of its block's rows block_rows [B, ratio], through `quantize`
+    (FP8 by default, or the MXFP4 codec), written at locs [B] into the indexer pages
+    (`layout`, a remnant.kv.layout.PageLayout). The plain reference of
+    remnant.kernels.compress.index_key_decode (FP8 keys)."""
+    d = ik.shape[1]
+    state[state_row, 0, :d] = ik.to(state.dtype)
+    keys = state[block_rows, 0, :d].float().mean(1)
+    layout.write(pages, locs, quantize(keys))
+
+
 def decode_config(heads: int) -> "DecodeConfig | None":
     """Launch settings of remnant.kernels.decode: its plan's own (None), tuned for V4's 64
     heads; for 16 heads or fewer (the tiny model has 8), blocks of 16 heads (tl.dot's
@@ -89,3 +124,12 @@ def index_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     packed = (ordered << 32) | (n - 1 - torch.arange(n, device=scores.device))
     indices = n - 1 - (torch.topk(packed, k, dim=-1).values & 0xFFFFFFFF)
     return scores.gather(-1, indices), indices
+
+
+def index_top_locations(scores: torch.Tensor, k: int, locs: torch.Tensor) -> torch.Tensor:
+    """Where index_top_k's choice of each row of scores [B, n] lies: locs [B, n] at the
+    chosen indices as int32 [B, k] (the attention kernels' index type), -1 where the chosen
+    score is -inf (a record not visible). The plain form of
+    remnant.kernels.top_k.top_k_locations."""
+    values, indices = index_top_k(scores, k)
+    return torch.where(values > float("-inf"), locs.gather(1, indices), -1).to(torch.int32)

@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from remnant.engine.ops import compress_latents, index_top_k, norm_rope, rms_norm
+from remnant.engine.ops import (compress_decode, compress_latents, index_key_decode, index_top_k, index_top_locations,
+                                norm_rope, rms_norm, silu_mul)
 from remnant.kv.index_keys import index_key_codes, join_index_keys, quantize_index_keys, quantize_index_keys_mxfp4
 
 
@@ -51,6 +52,18 @@ class StepOps:
     moe_align: Callable | None = None
     #: rope(rms_norm(...)) in one call (remnant.engine.ops.norm_rope).
     norm_rope: Callable = norm_rope
+    #: A decode token's compressor update (remnant.engine.ops.compress_decode; compiled:
+    #: remnant.kernels.compress's one launch, for some ten) and its FP8 index key's
+    #: (index_key_decode; compiled: one launch for some thirteen).
+    compress_decode: Callable = compress_decode
+    index_key_decode: Callable = index_key_decode
+    #: The decode step's indexer choice as int32 record locations (remnant.engine.ops.
+    #: index_top_locations; compiled: remnant.kernels.top_k.top_k_locations, no launch
+    #: after the top-k's own).
+    index_top_locations: Callable = index_top_locations
+    #: The shared expert's activation (remnant.engine.ops.silu_mul; compiled: one kernel
+    #: for two, keeping eager's bf16 rounding between them).
+    silu_mul: Callable = silu_mul
 
 
 PLAIN_OPS = StepOps("plain", rms_norm, compress_latents, quantize_index_keys, index_top_k,
@@ -94,9 +107,10 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
     each function compiles on its first call). Tests on the CPU trace with "aot_eager"."""
     # Here, not at the top: Triton's interpreter is chosen before triton loads.
     from remnant.engine.moe import route_tokens
+    from remnant.kernels import compress, rope
     from remnant.kernels.moe import align, align_triton
     from remnant.kernels.route import route_triton
-    from remnant.kernels.top_k import top_k
+    from remnant.kernels.top_k import top_k, top_k_locations
 
     # Each call site (shape family and dtype) of a function is one compiled entry; the
     # default limit (8 per function) would send later call sites back to eager silently.
@@ -104,7 +118,8 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
     return StepOps(
         "compiled",
         rms_norm=_dynamic(rms_norm, {0: (0,)}, backend),
-        norm_rope=_dynamic(norm_rope, {0: (0,), 3: (0,)}, backend, eager_rounding=True),
+        # Not torch.compile's (three kernels a call): one program per row.
+        norm_rope=rope.norm_rope,
         compress_latents=_dynamic(compress_latents, {0: (0,), 1: (0,), 4: (0,)}, backend),
         quantize_index_keys=_joined(_dynamic(index_key_codes, {0: (0,)}, backend)),
         # Not torch.compile's: a radix select, a tenth of torch.topk's time.
@@ -114,4 +129,10 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
         moe_route=functools.partial(route_triton, fallback=_dynamic(route_tokens, {0: (0,)}, backend)),
         # One launch for a decode batch's pairs; a prefill chunk's through align compiled.
         moe_align=functools.partial(align_triton, fallback=_dynamic(align, {0: (0,)}, backend)),
+        # Not torch.compile's: one Triton program per sequence for each chain, which also
+        # writes the state rows and the index key's page in place.
+        compress_decode=compress.compress_decode,
+        index_key_decode=compress.index_key_decode,
+        index_top_locations=top_k_locations,
+        silu_mul=_dynamic(silu_mul, {0: (0,)}, backend, eager_rounding=True),
     )

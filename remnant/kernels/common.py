@@ -111,3 +111,14 @@ def launch_in_pairs(kernel) -> None:
     if any(scratch.values()):
         raise ValueError(f"launch_in_pairs takes a kernel without global or profile scratch, got {scratch}")
     kernel.packed_metadata = (num_warps, 2, shared)
+
+
+@triton.jit
+def cast_nearest(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x.to(dtype), rounding to nearest even as a GPU does: Triton's interpreter truncates
+    float32 to bf16 (measured with Triton 3.9 on this project's CPU: half of all values
+    off by one bf16 step), so there the rounding is done on the bits first."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return x.to(dtype)

@@ -144,11 +144,12 @@ def _count_pass(s_ptr, stride_s, hist_ptr, state_ptr, counts_ptr, n, k, chunk, B
 
 
 @triton.jit
-def _write_pass(s_ptr, stride_s, state_ptr, counts_ptr, values_ptr, indices_ptr, stride_o, n, k, chunk,
-                BLOCK: tl.constexpr, MAX_PARTS: tl.constexpr):
+def _write_pass(s_ptr, stride_s, state_ptr, counts_ptr, values_ptr, indices_ptr, stride_o, locs_ptr, stride_l,
+                n, k, chunk, BLOCK: tl.constexpr, MAX_PARTS: tl.constexpr, LOCS: tl.constexpr):
     """Each part writes its keys above T at their rank among all keys above T (by index),
     then its keys equal to T at their rank among the ties, while the ties taken are fewer
-    than `remaining` (the lowest-index ones complete the k)."""
+    than `remaining` (the lowest-index ones complete the k). LOCS: instead of values and
+    indices, indices_ptr gets int32 locs[row, index] where the score is above -inf, else -1."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -174,8 +175,12 @@ def _write_pass(s_ptr, stride_s, state_ptr, counts_ptr, values_ptr, indices_ptr,
         take = (above == 1) | ((tie == 1) & (tie_rank < remaining))
         slot = tl.where(above == 1, above_slot, above_count + tie_rank)
         out = row * stride_o + slot
-        tl.store(values_ptr + out, x, mask=take)
-        tl.store(indices_ptr + out, (start + offs).to(tl.int64), mask=take)
+        if LOCS:
+            loc = tl.load(locs_ptr + row * stride_l + start + offs, mask=take, other=-1)
+            tl.store(indices_ptr + out, tl.where(x > float("-inf"), loc, -1).to(tl.int32), mask=take)
+        else:
+            tl.store(values_ptr + out, x, mask=take)
+            tl.store(indices_ptr + out, (start + offs).to(tl.int64), mask=take)
         above_seen += tl.sum(above)
         ties_seen += tl.sum(tie)
 
@@ -190,35 +195,62 @@ def plan_parts(rows: int, n: int) -> tuple[int, int, int]:
     return triton.cdiv(n, chunk), chunk, block
 
 
-def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest of each row of `scores` float32 [B, n] (ties to the lower index), in
-    the module docstring's order: (values float32 [B, k], indices int64 [B, k]). On CUDA
-    tensors compiled, on CPU tensors under Triton's interpreter. Graph-safe (no sync)."""
+def _check(scores: torch.Tensor, k: int) -> None:
     if scores.dtype != torch.float32 or scores.ndim != 2:
         raise ValueError(f"top_k takes float32 scores [B, n], got {scores.dtype} {tuple(scores.shape)}")
-    B, n = scores.shape
+    n = scores.shape[1]
     if not 0 <= k <= n:
         raise ValueError(f"k={k} is not allowed for rows of n={n}; allowed: 0..n")
     if not scores.is_cuda and not interpreted():
         raise ValueError(f"top_k runs on CUDA tensors or under Triton's interpreter (TRITON_INTERPRET=1), "
                          f"got device={scores.device}")
-    values = torch.empty(B, k, dtype=torch.float32, device=scores.device)
-    indices = torch.empty(B, k, dtype=torch.int64, device=scores.device)
-    if B and k:
-        scores = scores.contiguous()
-        parts, chunk, block = plan_parts(B, n)
-        dev = scores.device
-        # Every element of these is written before it is read (no zeroing launch).
-        hist = torch.empty(B, 4, parts, 256, dtype=torch.int32, device=dev)
-        state = torch.empty(B, 5, 2, dtype=torch.int32, device=dev)
-        counts = torch.empty(B, parts, 2, dtype=torch.int32, device=dev)
-        grid = (B, parts)
-        warps = 8 if block >= 1024 else 4
-        for p in range(4):
-            _radix_pass[grid](scores, scores.stride(0), hist, state, n, k, chunk, PASS=p, BLOCK=block,
-                              num_warps=warps)
-        _count_pass[grid](scores, scores.stride(0), hist, state, counts, n, k, chunk, BLOCK=block,
-                          num_warps=warps)
-        _write_pass[grid](scores, scores.stride(0), state, counts, values, indices, values.stride(0), n, k,
-                          chunk, BLOCK=block, MAX_PARTS=MAX_PARTS, num_warps=warps)
+
+
+def _select(scores: torch.Tensor, k: int, values: torch.Tensor | None, out: torch.Tensor,
+            locs: torch.Tensor | None) -> None:
+    """The six launches: indices into `out` with values into `values`, or (locs given)
+    locations into `out`."""
+    B, n = scores.shape
+    if not (B and k):
+        return
+    scores = scores.contiguous()
+    parts, chunk, block = plan_parts(B, n)
+    dev = scores.device
+    # Every element of these is written before it is read (no zeroing launch).
+    hist = torch.empty(B, 4, parts, 256, dtype=torch.int32, device=dev)
+    state = torch.empty(B, 5, 2, dtype=torch.int32, device=dev)
+    counts = torch.empty(B, parts, 2, dtype=torch.int32, device=dev)
+    grid = (B, parts)
+    warps = 8 if block >= 1024 else 4
+    for p in range(4):
+        _radix_pass[grid](scores, scores.stride(0), hist, state, n, k, chunk, PASS=p, BLOCK=block, num_warps=warps)
+    _count_pass[grid](scores, scores.stride(0), hist, state, counts, n, k, chunk, BLOCK=block, num_warps=warps)
+    _write_pass[grid](scores, scores.stride(0), state, counts, out if values is None else values, out, out.stride(0),
+                      out if locs is None else locs, 0 if locs is None else locs.stride(0), n, k, chunk,
+                      BLOCK=block, MAX_PARTS=MAX_PARTS, LOCS=locs is not None, num_warps=warps)
+
+
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of `scores` float32 [B, n] (ties to the lower index), in
+    the module docstring's order: (values float32 [B, k], indices int64 [B, k]). On CUDA
+    tensors compiled, on CPU tensors under Triton's interpreter. Graph-safe (no sync)."""
+    _check(scores, k)
+    values = torch.empty(scores.shape[0], k, dtype=torch.float32, device=scores.device)
+    indices = torch.empty(scores.shape[0], k, dtype=torch.int64, device=scores.device)
+    _select(scores, k, values, indices, None)
     return values, indices
+
+
+def top_k_locations(scores: torch.Tensor, k: int, locs: torch.Tensor) -> torch.Tensor:
+    """The locations of top_k's choice: int32 [B, k], locs [B, n] (int32 or int64) at the
+    chosen indices, -1 where the chosen score is -inf (fewer than k visible), in top_k's
+    order. What the decode step's indexer hands the attention, in the one write pass that
+    would otherwise be followed by four launches (compare, gather, fill, where) and a cast
+    (remnant.engine.ops.index_top_locations is the plain form). Graph-safe."""
+    _check(scores, k)
+    if locs.shape != scores.shape or locs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"locs must be int32 or int64 {tuple(scores.shape)} like the scores, got {locs.dtype} "
+                         f"{tuple(locs.shape)}")
+    out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
+    _select(scores, k, None, out, locs.contiguous())
+    return out

@@ -35,6 +35,7 @@ def _calls(rows: int, device: str, dtype: torch.dtype, seed: int = 0):
         ("index_top_k", (scores, 512)),
         ("moe_route", (r(rows, 256), r(256, 32, dt=torch.float32), 6, 2.5)),  # the router held in float32
         ("moe_align", (torch.randint(0, 32, (rows, 6), generator=g).to(device), 32, 16)),
+        ("silu_mul", (r(rows, 2 * 96),)),
     ]
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remnant.kernels.top_k import top_k, top_k_reference
+from remnant.engine.ops import index_top_locations
+from remnant.kernels.top_k import top_k, top_k_locations, top_k_reference
 from tests.kernels.inputs import DEVICE
 
 
@@ -63,11 +64,27 @@ def test_parts_write_in_the_one_program_order(rows, n):
             assert got.tolist() == torch.cat([above, ties]).tolist(), k
 
 
+@pytest.mark.parametrize("locs_dtype", [torch.int64, torch.int32])
+def test_top_k_locations_are_the_plain_choices_locations(locs_dtype):
+    # The decode step's form: each chosen index's location, -1 for a chosen -inf score
+    # (fewer visible records than k), int32; top_k's order, so compared as sorted rows.
+    scores = _rows(2100, torch.Generator().manual_seed(3))
+    locs = torch.randperm(50_000, generator=torch.Generator().manual_seed(4))[: scores.numel()].view(scores.shape)
+    for k in (1, 512, 2100):
+        got = top_k_locations(scores.to(DEVICE), k, locs.to(DEVICE, locs_dtype))
+        want = index_top_locations(scores, k, locs)
+        assert got.dtype == torch.int32 and got.shape == want.shape
+        assert torch.equal(got.cpu().sort(-1).values, want.sort(-1).values), k
+    assert (got.cpu()[3] == -1).all()  # the all -inf row: nothing to read
+
+
 def test_top_k_refuses_what_it_cannot_select():
     with pytest.raises(ValueError, match="float32 scores"):
         top_k(torch.zeros(2, 8, dtype=torch.float64, device=DEVICE), 2)
     with pytest.raises(ValueError, match="k=9"):
         top_k(torch.zeros(2, 8, device=DEVICE), 9)
+    with pytest.raises(ValueError, match="locs must be"):
+        top_k_locations(torch.zeros(2, 8, device=DEVICE), 2, torch.zeros(2, 7, dtype=torch.long, device=DEVICE))
 
 
 @pytest.mark.gpu
@@ -77,5 +94,8 @@ def test_top_k_at_the_engines_sizes_on_the_gpu(rows, n):
     gen = torch.Generator().manual_seed(rows + n)
     scores = torch.relu(torch.randn(rows, n, generator=gen))  # relu: a quarter of the row ties at 0
     scores[:, n // 3:] = float("-inf")  # records not yet visible
+    locs = torch.randperm(4 * rows * n, generator=gen)[: rows * n].view(rows, n)
     for k in (512, n // 3 + 7):  # the second takes every visible record and some -inf ties
         _check(scores, k)
+        got = top_k_locations(scores.to(DEVICE), k, locs.to(DEVICE, torch.int32)).cpu()
+        assert torch.equal(got.sort(-1).values, index_top_locations(scores, k, locs).sort(-1).values)

@@ -1,0 +1,94 @@
+"""RoPE in Triton, and norm_rope: the queries' and window latents' RMS norm and RoPE in one
+launch.
+
+A 512-coordinate latent is held as a [ROWS, 32] tile, so RoPE's two halves (coordinates
+448-479 and 480-511) are its last two rows and rotate as whole rows (`rotate`). Angles are
+formed as remnant.engine.ops.rope forms them (float32 position times the same float32
+inverse frequencies, made by the same expression on the same device), then reduced to
+[-pi, pi] in float64 before cos and sin: a fast cosine on the GPU then loses nothing at the
+1e5-1e6 rad angles of long contexts.
+
+norm_rope replaces TorchInductor's three kernels a call (a reduction and two pointwise
+kernels, `step_ops`' compiled norm_rope) with one program per row: twice a layer, 86
+launches of a V4-Flash step. It rounds where the plain ops round (the norm's bf16 result,
+its product with the weight, each rotated half), so it gives their values up to float32
+summation order. Plain reference: remnant.engine.ops.norm_rope (tests/kernels/test_rope.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from remnant.kernels.common import cast_nearest, interpreted
+from remnant.kv.formats import HEAD_DIM, NOPE_DIM
+
+ROPE_HALF = (HEAD_DIM - NOPE_DIM) // 2  # 32: RoPE rotates coordinate i with i + 32 of the last 64
+#: A latent as a [ROWS, ROPE_HALF] tile: its last two rows are RoPE's two halves.
+ROWS = HEAD_DIM // ROPE_HALF
+
+
+@functools.cache
+def rope_inverse_frequencies(theta: float, device: torch.device) -> torch.Tensor:
+    """float32 [32]: RoPE's inverse frequencies as remnant.engine.ops.rope forms them, on
+    `device` (the same expression on the same device, so the same roundings). Cached: a
+    CUDA graph replays the tensor made by the eager call before its capture."""
+    return theta ** (-torch.arange(ROPE_HALF, dtype=torch.float32, device=device) / ROPE_HALF)
+
+
+@triton.jit
+def rotate(x, position, inv_ptr, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """x float32 [ROWS, HALF] (a latent) rotated at `position` (an integer): its last two
+    rows are the halves r1, r2 -> r1 cos - r2 sin, r1 sin + r2 cos, in float32."""
+    r = tl.arange(0, ROWS)[:, None]
+    angle = position.to(tl.float32) * tl.load(inv_ptr + tl.arange(0, HALF))  # float32, as torch forms it
+    turns = tl.floor(angle.to(tl.float64) / (2 * 3.141592653589793) + 0.5)
+    reduced = (angle.to(tl.float64) - turns * (2 * 3.141592653589793)).to(tl.float32)
+    cos = tl.cos(reduced)[None, :]
+    sin = tl.sin(reduced)[None, :]
+    r1 = tl.sum(tl.where(r == ROWS - 2, x, 0.0), axis=0)[None, :]
+    r2 = tl.sum(tl.where(r == ROWS - 1, x, 0.0), axis=0)[None, :]
+    return tl.where(r == ROWS - 2, r1 * cos - r2 * sin, tl.where(r == ROWS - 1, r1 * sin + r2 * cos, x))
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, x_stride_t, x_stride_h, w_ptr, pos_ptr, inv_ptr, out_ptr, eps, H,
+                      ROWS: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = row // H
+    h = row % H
+    d = tl.arange(0, ROWS)[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + d)
+    xf = x.to(tl.float32)
+    ms = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / (ROWS * HALF)
+    # rms_norm: (x * rsqrt(mean + eps)) in x's dtype, times the weight in the product's dtype.
+    normed = cast_nearest(xf * (1.0 / tl.sqrt(ms + eps)), x.dtype, INTERPRETED)
+    w = tl.load(w_ptr + d)
+    y = cast_nearest(normed.to(tl.float32) * w.to(tl.float32), out_ptr.dtype.element_ty, INTERPRETED)
+    rotated = rotate(y.to(tl.float32), tl.load(pos_ptr + t), inv_ptr, ROWS, HALF)
+    out = tl.where(d < ROWS * HALF - 2 * HALF, y, cast_nearest(rotated, out_ptr.dtype.element_ty, INTERPRETED))
+    tl.store(out_ptr + row * (ROWS * HALF) + d, out)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+              theta: float) -> torch.Tensor:
+    """remnant.engine.ops.norm_rope in one launch: x [T, 512] or [T, H, 512] (a row-strided
+    view is fine), weight [512], positions int [T]. Returns a new contiguous tensor of the
+    plain function's dtype (x's and weight's promoted). Graph-safe."""
+    if x.ndim not in (2, 3) or x.shape[-1] != HEAD_DIM or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, {HEAD_DIM}] or [T, H, {HEAD_DIM}] with unit column stride, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    if positions.shape != x.shape[:1] or weight.shape != (HEAD_DIM,):
+        raise ValueError(f"positions must be [{x.shape[0]}] and weight [{HEAD_DIM}], got {tuple(positions.shape)} "
+                         f"and {tuple(weight.shape)}")
+    heads = x.shape[1] if x.ndim == 3 else 1
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if x.numel():
+        _norm_rope_kernel[(x.shape[0] * heads,)](
+            x, x.stride(0), x.stride(1) if x.ndim == 3 else 0, weight.contiguous(), positions.contiguous(),
+            rope_inverse_frequencies(float(theta), x.device), out, eps, heads,
+            ROWS=ROWS, HALF=ROPE_HALF, INTERPRETED=interpreted(), num_warps=4)
+    return out
