@@ -47,6 +47,8 @@ def _compile_and_list(kernel: str, signature: dict, constants: dict, num_warps: 
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     with open(cubin, "wb") as f:
         f.write(compiled.asm["cubin"])
+    with open(cubin.removesuffix(".cubin") + ".ptx", "w") as f:
+        f.write(compiled.asm["ptx"])
     return subprocess.run([os.path.join(TOOLS, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
                           check=True).stdout
 
@@ -136,6 +138,56 @@ def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed,
     for op in ("UCGABAR_ARV", "UCGABAR_WAIT"):
         lines = [line for line in listing.splitlines() if re.search(rf"\b{op}\b", line)]
         assert len(lines) == 1 and not re.search(r"@!?U?P\w+\s+" + op, lines[0]), lines
+
+
+
+
+# The decode step's one-program-per-row kernels (remnant.kernels.compress, rope, top_k's
+# location pass, the indexer's scores with raw head weights), at the engine's shapes.
+ROW_KERNELS = [
+    pytest.param("remnant.kernels.compress:_compress_kernel",
+                 dict(c_ptr="*bf16", c_stride="i64", g_ptr="*bf16", g_stride="i64", state_ptr=f"*{state}",
+                      state_stride0="i64", state_stride1="i64", state_row_ptr="*i64", block_rows_ptr="*i64",
+                      bias_ptr="*bf16", norm_ptr="*bf16", index_ptr="*i64", inv_ptr="*fp32", out_ptr="*bf16",
+                      eps="fp32"),
+                 dict(RATIO=ratio, ROWS=16, HALF=32, INTERPRETED=False), 4, id=f"compress-{state}-{ratio}")
+    for state in ("fp32", "bf16") for ratio in (4, 128)
+] + [
+    pytest.param("remnant.kernels.compress:_index_key_kernel",
+                 dict(ik_ptr="*bf16", ik_stride="i64", state_ptr="*fp32", state_stride0="i64", state_row_ptr="*i64",
+                      block_rows_ptr="*i64", pages_ptr="*u8", scales_ptr="*fp32", locs_ptr="*i32", page_stride="i64"),
+                 dict(RATIO=4, D=128, BLOCK=128, PER_PAGE=64, INTERPRETED=False), 1, id="index-key"),
+    pytest.param("remnant.kernels.rope:_norm_rope_kernel",
+                 dict(x_ptr="*bf16", x_stride_t="i64", x_stride_h="i64", w_ptr="*bf16", pos_ptr="*i64",
+                      inv_ptr="*fp32", out_ptr="*bf16", eps="fp32", H="i32"),
+                 dict(ROWS=16, HALF=32, INTERPRETED=False), 4, id="norm-rope"),
+    pytest.param("remnant.kernels.top_k:_write_pass",
+                 dict(s_ptr="*fp32", stride_s="i64", state_ptr="*i32", counts_ptr="*i32", values_ptr="*i32",
+                      indices_ptr="*i32", stride_o="i64", locs_ptr="*i32", stride_l="i64", n="i32", k="i32",
+                      chunk="i32"),
+                 dict(BLOCK=1024, MAX_PARTS=16, LOCS=True), 8, id="top-k-locations"),
+    pytest.param("remnant.kernels.indexer:_scores_kernel",
+                 dict(q_ptr="*bf16", w_ptr="*bf16", w_stride="i64", w_div="fp32", pages_ptr="*u8", scales_ptr="*fp32",
+                      locs_ptr="*i32", counts_ptr="*i32", out_ptr="*fp32", B="i32", n="i32", H="i32",
+                      page_stride="i64"),
+                 dict(PER_PAGE=64, D=128, BLOCK_H=64, BLOCK_N=64, BLOCK_T=1, SHARED=False, INTERPRETED=False,
+                      MXFP4=False, MX=32), 4, id="index-scores"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kernel", "signature", "constants", "warps"), ROW_KERNELS)
+def test_the_steps_row_kernels_compile_for_sm90_without_spills(kernel, signature, constants, warps, tmp_path):
+    # They are tested on the CPU under the interpreter, which takes code a GPU compile may
+    # refuse. ptxas -v names register spills apart from the stack frame that cos and sin's
+    # rarely taken large-argument path keeps (its local array is no spill).
+    assert "EXIT" in _listing(kernel, signature, constants, warps, tmp_path)
+    from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton itself compiled with
+
+    report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(tmp_path / "kernel.ptx"),
+                             "-o", str(tmp_path / "again.cubin")], capture_output=True, text=True, check=True).stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), report
 
 
 if __name__ == "__main__":
