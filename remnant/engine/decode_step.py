@@ -30,8 +30,7 @@ import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING
 from remnant.engine.capture_hooks import record_blocks, record_tokens
-from remnant.engine.ops import SCRATCH_PER_PAGE, decode_config, index_key_decode
-from remnant.engine.step_ops import PLAIN_OPS
+from remnant.engine.ops import SCRATCH_PER_PAGE, compress_decode, decode_config, index_key_decode
 from remnant.kernels.dispatch import reconstruct, store, store_kept_first
 from remnant.kv import CSA_RATIO, HEAD_DIM
 from remnant.kv.layout import PageLayout
@@ -210,22 +209,26 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioS
     where it completes the block, the block becomes a record (and, on CSA layers, an index
     key) at record index pos // ratio; elsewhere those writes go to the padding page.
     model.ops' compress_decode and index_key_decode (one launch each in a compiled step);
-    a capture runs the plain ones (remnant.engine.ops), whose float32 latents it records."""
+    a capture runs the plain ones around the model's compress_latents and index-key codec,
+    as before they were fused, and records the float32 latents."""
     a = model.args
     csa = layer.ratio == CSA_RATIO
-    ops = model.ops if model.recorder is None else PLAIN_OPS
     state = pools.c4_state[li] if csa else pools.c128_state[li]
-    latents = ops.compress_decode(p.c, p.g, state, slots.state_row, slots.block_rows, layer.gate_bias,
-                                  layer.kv_norm, slots.index, layer.ratio, a.rms_norm_eps, a.compress_rope_theta)
+    args = (p.c, p.g, state, slots.state_row, slots.block_rows, layer.gate_bias, layer.kv_norm, slots.index,
+            layer.ratio, a.rms_norm_eps, a.compress_rope_theta)
+    if model.recorder is None:
+        latents = model.ops.compress_decode(*args)
+    else:
+        latents = compress_decode(*args, compress=model.ops.compress_latents)
     target = pools.c4[li] if csa else pools.c128[li]
     store(latents, target.buf, target.layout, slots.write_locs, model.layer_format(li).record_columns)
     if csa:
         index_state, indexer = pools.c4_index_state[li], pools.indexer[li]
         key_args = (p.ik, index_state, slots.state_row, slots.block_rows, indexer.buf, indexer.layout,
                     slots.write_locs)
-        if model.index_key_format.name == "fp8":
-            ops.index_key_decode(*key_args)
-        else:  # the MXFP4 codec, through the plain update
+        if model.index_key_format.name == "fp8" and model.recorder is None:
+            model.ops.index_key_decode(*key_args)
+        else:  # the MXFP4 codec (or a capture), through the plain update
             index_key_decode(*key_args, quantize=model.quantize_index_keys)
     if model.recorder is not None:
         # A capture runs eagerly (never in a graph): selecting the completed rows syncs.
@@ -251,9 +254,9 @@ def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor
     if kernels:
         from remnant.kernels.indexer import index_scores
 
-        # The head weights as projected: the kernel divides them (no cast or scale launch).
+        # The head weights as projected: the kernel scales them (no cast or scale launch).
         scores = index_scores(model.index_q(layer, q_lora), iw, indexer.buf, indexer.layout, all_locs, slots.counts,
-                              key_format=model.index_key_format, w_divisor=model.index_weight_divisor)
+                              key_format=model.index_key_format, w_scale=model.index_weight_scale)
     else:
         keys = model.index_key_format.dequantize(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
         scores = model.index_scores_batched(layer, iw, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))
@@ -360,9 +363,9 @@ def _rebuilt(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor, column
         if unique.numel():
             reconstruct(pages, layout, unique, columns, scratch, scratch_layout,
                         torch.arange(unique.numel(), device=locs.device))
-        return scratch, scratch_layout, torch.full_like(locs, -1).masked_scatter_(wanted, inverse)
+        return scratch, scratch_layout, torch.full_like(locs, -1).masked_scatter_(wanted, inverse.to(locs.dtype))
     scratch, scratch_layout = _scratch_pages(locs.numel(), locs.device)
-    rows = torch.arange(locs.numel(), device=locs.device)
+    rows = torch.arange(locs.numel(), device=locs.device, dtype=locs.dtype)  # int32 in a decode step
     reconstruct(pages, layout, locs.clamp_min(0).flatten(), columns, scratch, scratch_layout, rows)
     return scratch, scratch_layout, torch.where(locs >= 0, rows.view_as(locs), -1)
 

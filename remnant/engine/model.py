@@ -563,7 +563,7 @@ class Model:
         x = self.ops.rms_norm(h, layer.ffn_norm, self.args.rms_norm_eps)
         if layer.moe is not None:
             return layer.moe.forward(x, route=self.ops.moe_route, align_pairs=self.ops.moe_align, residual=h,
-                                     silu_mul=self.ops.silu_mul)
+                                     activation=self.ops.silu_mul)
         return h + (F.silu(x @ layer.w_gate) * (x @ layer.w_up)) @ layer.w_down
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -646,22 +646,24 @@ class Model:
         iw: the tokens' head-weight projection (Projections.iw)."""
         a = self.args
         qi = (q_lora @ layer.wi_q).view(-1, a.index_n_heads, a.index_head_dim).float()
-        wi = iw.float() / math.sqrt(a.index_n_heads)
+        wi = iw.float() * self.index_weight_scale
         return torch.einsum("th,thj->tj", wi, torch.relu(torch.einsum("thd,jd->thj", qi, keys.float())))
 
     def index_queries(self, layer: Layer, iw: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer's queries [T, heads, d] (compute dtype) and head weights float32 [T,
-        heads] of T tokens (index_scores' q and w): iw divided by index_weight_divisor."""
-        return self.index_q(layer, q_lora), iw.float() / self.index_weight_divisor
+        heads] of T tokens (index_scores' q and w): iw times index_weight_scale."""
+        return self.index_q(layer, q_lora), iw.float() * self.index_weight_scale
 
     def index_q(self, layer: Layer, q_lora: torch.Tensor) -> torch.Tensor:
         """The indexer's queries [T, heads, d] (compute dtype) of T tokens."""
         return (q_lora @ layer.wi_q).view(-1, self.args.index_n_heads, self.args.index_head_dim)
 
     @property
-    def index_weight_divisor(self) -> float:
-        """What the indexer's head weights are divided by: sqrt(heads)."""
-        return math.sqrt(self.args.index_n_heads)
+    def index_weight_scale(self) -> float:
+        """What the indexer's head weights are multiplied by in float32: 1 / sqrt(heads) (a
+        product, as CUDA's torch makes a division by a constant, so that every device and
+        the indexer kernel (its w_scale) give the same weights)."""
+        return 1.0 / math.sqrt(self.args.index_n_heads)
 
     def index_scores_batched(self, layer: Layer, iw: torch.Tensor, q_lora: torch.Tensor,
                              keys: torch.Tensor) -> torch.Tensor:

@@ -175,13 +175,13 @@ class MoE:
             raise ValueError(f"x must be [T, hidden_size={self.args.hidden_size}], got {tuple(x.shape)}")
 
     def forward(self, x: torch.Tensor, impl: str = "auto", route=None, align_pairs=None,
-                residual: torch.Tensor | None = None, silu_mul=None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, activation=None) -> torch.Tensor:
         """The block's output [T, hidden] in x's dtype (the compute dtype) for x [T, hidden]:
         routed experts plus the shared expert, plus `residual` [T, hidden] where given, summed
         in float32 and rounded once (in the routed kernels' last launch). No host sync and
         static shapes (CUDA-graph safe). impl: remnant.kernels.moe.routed_experts' choice of
         routed path ("auto": the Triton kernel on CUDA and under Triton's interpreter, batched
-        torch otherwise). route, align_pairs, silu_mul: route_tokens,
+        torch otherwise). route, align_pairs, activation: route_tokens,
         remnant.kernels.moe.align and the shared expert's remnant.engine.ops.silu_mul, or the
         same compiled (remnant.engine.step_ops); None: the plain ones."""
         from remnant.kernels.moe import align, routed_experts
@@ -189,7 +189,7 @@ class MoE:
         self._check_input(x)
         ids, weights = (route or route_tokens)(x, self.router, self.args.num_experts_per_tok,
                                                self.args.routed_scaling_factor)
-        adds = () if self.shared_gate_up is None else (_swiglu(x, self.shared_gate_up, self.shared_down, silu_mul),)
+        adds = () if self.shared_gate_up is None else (_swiglu(x, self.shared_gate_up, self.shared_down, activation),)
         adds += () if residual is None else (residual,)
         return routed_experts(x, ids, weights, self.w_gate_up, self.w_down, self.gate_up_scale, self.down_scale,
                               impl=impl, align_pairs=align_pairs or align, adds=adds)

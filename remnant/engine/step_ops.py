@@ -36,7 +36,8 @@ from remnant.kv.index_keys import index_key_codes, join_index_keys, quantize_ind
 @dataclass(frozen=True)
 class StepOps:
     """The functions a step calls for its elementwise chains (signatures as in
-    remnant.engine.ops and remnant.kv.index_keys)."""
+    remnant.engine.ops and remnant.kv.index_keys; compiled compress_decode returns bf16
+    latents where the plain one returns float32: the record store rounds both to bf16)."""
 
     name: str  # "plain" or "compiled", as /server_info reports it
     rms_norm: Callable

@@ -17,12 +17,9 @@ read from the state), so no program reads a row another one writes: sequences ow
 state slots (padding rows share the padding slot, and what they compute goes to the
 padding page).
 
-Plain reference of the same operations: remnant.engine.decode_step's torch path
-(compress_latents of remnant.engine.ops, quantize_index_keys of remnant.kv.index_keys,
-PageLayout.write), which tests/kernels/test_compress.py compares against. RoPE's angles
-are formed as there (float32 positions times the same float32 inverse frequencies), then
-reduced to [-pi, pi] in float64 before cos and sin, so that a fast cosine on the GPU
-loses nothing at angles of 1e5 rad.
+Plain references of the same operations: remnant.engine.ops.compress_decode and
+index_key_decode (the CPU's decode step runs them), which tests/kernels/test_compress.py
+compares against. RoPE as remnant.kernels.rope rotates.
 """
 
 from __future__ import annotations
@@ -34,10 +31,9 @@ import triton.language as tl
 from remnant.kernels.common import cast_nearest, interpreted
 from remnant.kernels.rope import ROPE_HALF, ROWS, rope_inverse_frequencies, rotate
 from remnant.kv.formats import HEAD_DIM
+from remnant.kv.index_keys import BLOCK
 from remnant.kv.layout import PageLayout
 
-#: Coordinates per FP8 index-key scale (remnant.kv.index_keys.BLOCK).
-KEY_BLOCK = 128
 
 
 @triton.jit
@@ -123,8 +119,9 @@ def _index_key_kernel(ik_ptr, ik_stride, state_ptr, state_stride0, state_row_ptr
         row = tl.load(block_rows_ptr + b * RATIO + j)
         total += tl.where(row == own, k_new, tl.load(state_ptr + row * state_stride0 + d)).to(tl.float32)
     key = total / RATIO
-    # div_rn: IEEE division, as torch divides (Triton's own '/' may round otherwise on a GPU).
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(key), axis=1), 448.0), 1e-12)  # [D / BLOCK]
+    # The scale as remnant.kv.index_keys forms it (times 1/448 in float32); the codes by an
+    # IEEE division, as torch divides two tensors (Triton's own '/' may round otherwise).
+    scale = tl.maximum(tl.max(tl.abs(key), axis=1) * (1.0 / 448.0), 1e-12)  # [D / BLOCK]
     codes = tl.math.div_rn(key, scale[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     loc = tl.load(locs_ptr + b)
     page = (loc // PER_PAGE).to(tl.int64)
@@ -144,12 +141,12 @@ def index_key_decode(ik: torch.Tensor, state: torch.Tensor, state_row: torch.Ten
     (`layout`: d code bytes a key, then the page's scales). Graph-safe."""
     B, D = ik.shape
     ratio = block_rows.shape[1]
-    if D % KEY_BLOCK or ik.stride(-1) != 1:
-        raise ValueError(f"ik must be [B, d] with d a multiple of {KEY_BLOCK} and unit column stride, got "
+    if D % BLOCK or ik.stride(-1) != 1:
+        raise ValueError(f"ik must be [B, d] with d a multiple of {BLOCK} and unit column stride, got "
                          f"{tuple(ik.shape)}")
     if state.ndim != 3 or state.shape[2] < D or state.stride(2) != 1:
         raise ValueError(f"state must be [rows, 2, >= {D}] with unit column stride, got {tuple(state.shape)}")
-    scale_bytes = 4 * D // KEY_BLOCK
+    scale_bytes = 4 * D // BLOCK
     if (layout.data_bytes, layout.tail_bytes) != (D, scale_bytes) or layout.page_stride % 4:
         raise ValueError(f"the indexer pages must hold {D} code bytes and {scale_bytes} scale bytes a key with a "
                          f"page stride a multiple of 4, got data_bytes={layout.data_bytes}, "
@@ -158,6 +155,6 @@ def index_key_decode(ik: torch.Tensor, state: torch.Tensor, state_row: torch.Ten
         _index_key_kernel[(B,)](ik, ik.stride(0), state, state.stride(0), state_row.contiguous(),
                                 block_rows.contiguous(), pages, pages.view(torch.float32),
                                 locs.to(torch.int32).contiguous(), layout.page_stride,
-                                RATIO=ratio, D=D, BLOCK=KEY_BLOCK, PER_PAGE=layout.per_page,
+                                RATIO=ratio, D=D, BLOCK=BLOCK, PER_PAGE=layout.per_page,
                                 INTERPRETED=interpreted(), num_warps=1)
 

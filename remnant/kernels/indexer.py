@@ -146,7 +146,7 @@ def _load_mxfp4_keys(locs_ptr, pages_ptr, j, n, page_stride, PER_PAGE: tl.conste
 
 
 @triton.jit
-def _scores_kernel(q_ptr, w_ptr, w_stride, w_div, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, B, n, H, page_stride,
+def _scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, B, n, H, page_stride,
                    PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_T: tl.constexpr, SHARED: tl.constexpr, INTERPRETED: tl.constexpr,
                    MXFP4: tl.constexpr, MX: tl.constexpr):
@@ -184,9 +184,7 @@ def _scores_kernel(q_ptr, w_ptr, w_stride, w_div, pages_ptr, scales_ptr, locs_pt
                 dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
             else:
                 dots = tl.dot(q, tl.trans(keys))                      # [BLOCK_H, BLOCK_N] float32
-            # div_rn: the plain path's float32 division (Triton's '/' may round otherwise on a GPU).
-            wh = tl.math.div_rn(tl.load(w_ptr + b.to(tl.int64) * w_stride + h, mask=h < H, other=0.0).to(tl.float32),
-                                w_div)
+            wh = tl.load(w_ptr + b.to(tl.int64) * w_stride + h, mask=h < H, other=0.0).to(tl.float32) * w_scale
             if MXFP4:
                 s = tl.sum(tl.maximum(dots, 0.0) * wh[:, None], axis=0)
             else:
@@ -196,7 +194,7 @@ def _scores_kernel(q_ptr, w_ptr, w_stride, w_div, pages_ptr, scales_ptr, locs_pt
 
 
 def _launch(q, w, pages, layout, locs, counts, block_t: int, block_n: int, fmt: IndexKeyFormat,
-            w_divisor: float = 1.0) -> torch.Tensor:
+            w_scale: float = 1.0) -> torch.Tensor:
     B, H, D = q.shape
     n = locs.shape[-1]
     out = torch.empty(B, n, dtype=torch.float32, device=q.device)
@@ -208,7 +206,7 @@ def _launch(q, w, pages, layout, locs, counts, block_t: int, block_n: int, fmt: 
     # FP8 pages are also read as float32 words (their scales); MXFP4 pages need no such view.
     scales = pages if mxfp4 else pages.view(torch.float32)
     w = w if w.stride(1) == 1 else w.contiguous()
-    _scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_divisor), pages, scales, locs,
+    _scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs,
                          counts.to(torch.int32).contiguous(), out, B, n, H, layout.page_stride,
                          PER_PAGE=layout.per_page, D=D, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_N=block_n,
                          BLOCK_T=block_t, SHARED=locs.ndim == 1, INTERPRETED=interpreted(), MXFP4=mxfp4, MX=MX_BLOCK)
@@ -217,10 +215,10 @@ def _launch(q, w, pages, layout, locs, counts, block_t: int, block_n: int, fmt: 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
                  counts: torch.Tensor, block_n: int = 64, key_format: "str | IndexKeyFormat" = "fp8",
-                 w_divisor: float = 1.0) -> torch.Tensor:
+                 w_scale: float = 1.0) -> torch.Tensor:
     """A decode step's scores float32 [B, n]: row b's queries q [B, H, 128] (bfloat16 or
     float32) with head weights w [B, H] (any float dtype, a row-strided view is fine; in
-    float32 divided by w_divisor, the engine's 1/sqrt(heads) without a launch of its own)
+    float32 times w_scale: the engine's 1/sqrt(heads) without a launch of its own)
     against the keys at its own locations locs
     int [B, n]; -inf at column j >= counts[b] (int [B]: the records visible to the row) and
     at location -1. pages: the indexer pool's uint8 [pages, page_stride] (`layout`: per key
@@ -228,7 +226,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: 
     bytes for "mxfp4"). Nothing is read back to the host: a CUDA graph can capture it."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, False, fmt)
-    return _launch(q, w, pages, layout, locs, counts, 1, block_n, fmt, w_divisor)
+    return _launch(q, w, pages, layout, locs, counts, 1, block_n, fmt, w_scale)
 
 
 def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,

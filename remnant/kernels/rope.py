@@ -4,15 +4,17 @@ launch.
 A 512-coordinate latent is held as a [ROWS, 32] tile, so RoPE's two halves (coordinates
 448-479 and 480-511) are its last two rows and rotate as whole rows (`rotate`). Angles are
 formed as remnant.engine.ops.rope forms them (float32 position times the same float32
-inverse frequencies, made by the same expression on the same device), then reduced to
-[-pi, pi] in float64 before cos and sin: a fast cosine on the GPU then loses nothing at the
-1e5-1e6 rad angles of long contexts.
+inverse frequencies, made by the same expression on the same device); tl.cos and tl.sin
+are libdevice's accurate ones on the GPU (full range reduction, as torch's), so the 1e5-1e6
+rad angles of long contexts lose nothing to them.
 
 norm_rope replaces TorchInductor's three kernels a call (a reduction and two pointwise
 kernels, `step_ops`' compiled norm_rope) with one program per row: twice a layer, 86
 launches of a V4-Flash step. It rounds where the plain ops round (the norm's bf16 result,
-its product with the weight, each rotated half), so it gives their values up to float32
-summation order. Plain reference: remnant.engine.ops.norm_rope (tests/kernels/test_rope.py).
+its product with the weight, each rotated half), so it gives their values but where a
+float32 rounding apart (the mean's summation order, sqrt then divide for rsqrt) crosses a
+bf16 rounding boundary. Plain reference: remnant.engine.ops.norm_rope
+(tests/kernels/test_rope.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ ROWS = HEAD_DIM // ROPE_HALF
 def rope_inverse_frequencies(theta: float, device: torch.device) -> torch.Tensor:
     """float32 [32]: RoPE's inverse frequencies as remnant.engine.ops.rope forms them, on
     `device` (the same expression on the same device, so the same roundings). Cached: a
-    CUDA graph replays the tensor made by the eager call before its capture."""
+    CUDA graph replays the tensor made by the eager call before its capture (the engine
+    runs each bucket eagerly first, remnant.engine.graphs; made inside a capture, it would
+    hold whatever the graph's first replay left there)."""
     return theta ** (-torch.arange(ROPE_HALF, dtype=torch.float32, device=device) / ROPE_HALF)
 
 
@@ -45,10 +49,8 @@ def rotate(x, position, inv_ptr, ROWS: tl.constexpr, HALF: tl.constexpr):
     rows are the halves r1, r2 -> r1 cos - r2 sin, r1 sin + r2 cos, in float32."""
     r = tl.arange(0, ROWS)[:, None]
     angle = position.to(tl.float32) * tl.load(inv_ptr + tl.arange(0, HALF))  # float32, as torch forms it
-    turns = tl.floor(angle.to(tl.float64) / (2 * 3.141592653589793) + 0.5)
-    reduced = (angle.to(tl.float64) - turns * (2 * 3.141592653589793)).to(tl.float32)
-    cos = tl.cos(reduced)[None, :]
-    sin = tl.sin(reduced)[None, :]
+    cos = tl.cos(angle)[None, :]
+    sin = tl.sin(angle)[None, :]
     r1 = tl.sum(tl.where(r == ROWS - 2, x, 0.0), axis=0)[None, :]
     r2 = tl.sum(tl.where(r == ROWS - 1, x, 0.0), axis=0)[None, :]
     return tl.where(r == ROWS - 2, r1 * cos - r2 * sin, tl.where(r == ROWS - 1, r1 * sin + r2 * cos, x))

@@ -80,7 +80,10 @@ def index_key_codes(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Indexer keys float [k, d] -> (FP8 codes as uint8 [k, d], scales float32 [k, d/128])."""
     k, d = keys.shape
     blocks = keys.view(k, d // BLOCK, BLOCK)
-    scale = (blocks.abs().amax(-1) / 448.0).clamp_min(1e-12)
+    # Times the float32 reciprocal of 448: what torch on CUDA (and Inductor) make of a
+    # division by a constant, and the CPU's and the kernels' too, so every path writes the
+    # same scales (remnant.kernels.compress.index_key_decode, the compiled codec).
+    scale = (blocks.abs().amax(-1) * (1.0 / 448.0)).clamp_min(1e-12)
     return (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(k, d), scale
 
 

@@ -1,6 +1,7 @@
 """The elementwise chains compiled (remnant.engine.step_ops) against the plain functions:
 traced whole on the CPU (backend aot_eager: no graph break, one graph for every batch
-size), and through TorchInductor on a GPU (marked `gpu`)."""
+size), and through TorchInductor on a GPU (marked `gpu`). The ops that are Triton kernels
+of their own (norm_rope, the top-k, the routing) run under Triton's interpreter here."""
 
 from __future__ import annotations
 
@@ -61,10 +62,11 @@ def _assert_same(name, got, want):
         assert torch.equal(got, want), name
     elif name in ("compress_latents", "norm_rope"):
         # RoPE's angles reach 4e4 rad (positions up to 40,000, as at 160k context), whose
-        # float32 ulp is 4e-3: Inductor forms the inverse frequencies and angles in another
-        # order, and one rounding apart in an angle moves cos and sin by up to angle * 2^-23
-        # (compress_latents, float32: 8.4e-4 measured on an H100, 2026-12-06; norm_rope, bf16
-        # out: 9.8e-3 at one of 524,288 values, a bf16 step of a rotated value near 0.13).
+        # float32 ulp is 4e-3: Inductor (compress_latents) forms the inverse frequencies and
+        # angles in another order, and one rounding apart in an angle moves cos and sin by up
+        # to angle * 2^-23 (8.4e-4 measured on an H100, 2026-12-06; norm_rope through
+        # Inductor, bf16 out: 9.8e-3 at one of 524,288 values, a bf16 step of a rotated value
+        # near 0.13). norm_rope is now remnant.kernels.rope's, with torch's angles.
         # The NoPE columns match to rounding; a wrong rotation is off by O(1).
         bf16 = got.dtype == torch.bfloat16
         torch.testing.assert_close(got[..., :NOPE_DIM], want[..., :NOPE_DIM], rtol=2e-2 if bf16 else 1e-5,
@@ -103,10 +105,12 @@ def test_inductor_ops_are_the_plain_ops_on_the_gpu():
 
 
 @pytest.mark.slow
-def test_compiled_ops_at_their_call_sites_in_prefill_and_decode():
+@pytest.mark.parametrize("decode_path", ["batched", "kernels"])
+def test_compiled_ops_at_their_call_sites_in_prefill_and_decode(decode_path):
     """A routed-MoE model's batched prefill and decode steps with the compiled ops (traced
     on the CPU: what the call sites pass, views and strides included, must trace whole)
-    give the plain ops' logits."""
+    give the plain ops' logits; with attention in torch, and through remnant.kernels as on
+    a GPU (the indexer kernel on the raw head weights, its choice as int32 locations)."""
     import dataclasses
 
     from remnant.config import ModelConfig
@@ -119,7 +123,7 @@ def test_compiled_ops_at_their_call_sites_in_prefill_and_decode():
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (300, 37)]
     logits = {}
     for name, ops in (("plain", PLAIN_OPS), ("compiled", compiled_ops("aot_eager"))):
-        model = Model(args, decode_path="batched")
+        model = Model(args, decode_path=decode_path)
         model.ops = ops
         pools = scratch_pools(model, 320, sequences=2)
         seqs = [new_sequence(pools, 320) for _ in prompts]
@@ -134,5 +138,8 @@ def test_compiled_ops_at_their_call_sites_in_prefill_and_decode():
     # routing weights differ in their last bits. That alone moves these logits (up to 3.3)
     # by 2.3e-4: weights times (1 + 2^-23) in the plain ops did as much (2026-12-06, this
     # test's model), through FP8 codes of cached records that round the other way. A wrong
-    # expert or a dropped record moves them by O(0.1).
-    torch.testing.assert_close(logits["compiled"], logits["plain"], atol=5e-4, rtol=0)
+    # expert or a dropped record moves them by O(0.1). Through remnant.kernels the decode
+    # kernel also sums the chosen records in the top-k's order, not the sorted one: 8.3e-4
+    # measured (21 of 3,096 logits above 5e-4; this CPU, 2026-12-06).
+    bound = 5e-4 if decode_path == "batched" else 2e-3
+    torch.testing.assert_close(logits["compiled"], logits["plain"], atol=bound, rtol=0)

@@ -167,7 +167,7 @@ ROW_KERNELS = [
                       chunk="i32"),
                  dict(BLOCK=1024, MAX_PARTS=16, LOCS=True), 8, id="top-k-locations"),
     pytest.param("remnant.kernels.indexer:_scores_kernel",
-                 dict(q_ptr="*bf16", w_ptr="*bf16", w_stride="i64", w_div="fp32", pages_ptr="*u8", scales_ptr="*fp32",
+                 dict(q_ptr="*bf16", w_ptr="*bf16", w_stride="i64", w_scale="fp32", pages_ptr="*u8", scales_ptr="*fp32",
                       locs_ptr="*i32", counts_ptr="*i32", out_ptr="*fp32", B="i32", n="i32", H="i32",
                       page_stride="i64"),
                  dict(PER_PAGE=64, D=128, BLOCK_H=64, BLOCK_N=64, BLOCK_T=1, SHARED=False, INTERPRETED=False,

@@ -83,8 +83,10 @@ def test_compress_decode_refuses_wrong_shapes_naming_them():
 
 
 def _index_pages(per_page: int, pages: int, d: int) -> tuple[torch.Tensor, PageLayout]:
+    """Pages padded past their keys, as the engine's pools pad them (to a multiple of a
+    data row)."""
     scale_bytes = 4 * d // BLOCK
-    layout = PageLayout(per_page, d + scale_bytes, per_page * (d + scale_bytes), scale_bytes)
+    layout = PageLayout(per_page, d + scale_bytes, per_page * (d + scale_bytes) + 3 * d, scale_bytes)
     return torch.full((pages, layout.page_stride), 0xAB, dtype=torch.uint8, device=DEVICE), layout
 
 

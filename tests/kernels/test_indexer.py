@@ -47,9 +47,9 @@ def test_scores_are_the_reference(heads, dtype, n, key_format):
     assert torch.isneginf(got[2]).all() and torch.isneginf(got[1, n // 2:]).all() and torch.isneginf(got[1, ::7]).all()
 
 
-def test_raw_head_weights_with_a_divisor_are_the_divided_weights():
-    # The decode step hands the projection's bf16 column slice and sqrt(heads), as
-    # Model.index_queries would divide them in float32 first: the same scores, bit for bit.
+def test_raw_head_weights_with_a_scale_are_the_scaled_weights():
+    # The decode step hands the projection's bf16 column slice and 1 / sqrt(heads), as
+    # Model.index_queries would scale them in float32 first: the same scores, bit for bit.
     gen = torch.Generator().manual_seed(5)
     pool = _pool(gen, 8, 16, "fp8")
     locs = torch.randint(0, 128, (3, 70), generator=gen).to(DEVICE)
@@ -57,8 +57,8 @@ def test_raw_head_weights_with_a_divisor_are_the_divided_weights():
     q = torch.randn(3, 8, 128, generator=gen).to(DEVICE, torch.bfloat16)
     projection = torch.randn(3, 40, generator=gen).to(DEVICE, torch.bfloat16)
     raw = projection[:, 16:24]                                # a row-strided view, as Projections.iw
-    got = index_scores(q, raw, pool.buf, pool.layout, locs, counts, w_divisor=8**0.5)
-    want = index_scores(q, raw.float() / 8**0.5, pool.buf, pool.layout, locs, counts)
+    got = index_scores(q, raw, pool.buf, pool.layout, locs, counts, w_scale=8**-0.5)
+    want = index_scores(q, raw.float() * 8**-0.5, pool.buf, pool.layout, locs, counts)
     assert torch.equal(got, want)
 
 
