@@ -108,7 +108,7 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
     each function compiles on its first call). Tests on the CPU trace with "aot_eager"."""
     # Here, not at the top: Triton's interpreter is chosen before triton loads.
     from remnant.engine.moe import route_tokens
-    from remnant.kernels import compress, rope
+    from remnant.kernels import compress, norm, rope
     from remnant.kernels.moe import align, align_triton
     from remnant.kernels.route import route_triton
     from remnant.kernels.top_k import top_k, top_k_locations
@@ -118,7 +118,9 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return StepOps(
         "compiled",
-        rms_norm=_dynamic(rms_norm, {0: (0,)}, backend),
+        # Not torch.compile's (its config, chosen by size hints, took 3.6 us or 17 us a
+        # call at batch 1): one program per row.
+        rms_norm=norm.rms_norm,
         # Not torch.compile's (three kernels a call): one program per row.
         norm_rope=rope.norm_rope,
         compress_latents=_dynamic(compress_latents, {0: (0,), 1: (0,), 4: (0,)}, backend),

@@ -1,6 +1,6 @@
-"""The compressors' decode update in two launches a layer: compress_decode (state write,
-gated sum, RMS norm, RoPE) and index_key_decode (the indexer keys' state write, mean, FP8
-quantization and store).
+"""The compressors' decode update in three launches a layer: compress_decode (state write
+and gated sums, then remnant.kernels.rope.norm_rope's RMS norm and RoPE) and
+index_key_decode (the indexer keys' state write, mean, FP8 quantization and store).
 
 A decode token joins its sequence's open block: its content and gate rows go into the
 compressor state, the block's rows are read back, and a softmax gate over the block's
@@ -10,16 +10,17 @@ index_put, gather, then Inductor's four kernels and a cast), and the indexer key
 another thirteen (cast, index_put, gather, mean, quantize, cat, the page write's
 index arithmetic and two index_puts): at batch 1 each launch reads almost nothing and
 costs 1.5-2 us, some 1.1 ms of an H100's 12.9 ms step at V4-Flash's 41 compressed
-layers (benchmarks/engine-h200-per-pair/). Here one program per sequence does each chain.
+layers (benchmarks/engine-h200-per-pair/). Here the gated sums take 16 programs per
+sequence (32 coordinates each: the gate is per coordinate), and the index key one.
 
 The token's own row is written and also used from registers (its block's other rows are
-read from the state), so no program reads a row another one writes: sequences own their
-state slots (padding rows share the padding slot, and what they compute goes to the
-padding page).
+read from the state), so no program reads what another one writes: sequences own their
+state slots, programs their coordinates (padding rows share the padding slot, and what
+they compute goes to the padding page).
 
 Plain references of the same operations: remnant.engine.ops.compress_decode and
 index_key_decode (the CPU's decode step runs them), which tests/kernels/test_compress.py
-compares against. RoPE as remnant.kernels.rope rotates.
+compares against.
 """
 
 from __future__ import annotations
@@ -29,49 +30,49 @@ import triton
 import triton.language as tl
 
 from remnant.kernels.common import cast_nearest, interpreted
-from remnant.kernels.rope import ROPE_HALF, ROWS, rope_inverse_frequencies, rotate
+from remnant.kernels.rope import norm_rope
 from remnant.kv.formats import HEAD_DIM
 from remnant.kv.index_keys import BLOCK
 from remnant.kv.layout import PageLayout
 
+#: Coordinates a gate program takes, and block rows it reads at once: a C128 block's
+#: state (2 x 128 rows of 512 float32, 512 KB) read by one program took 77 us on an H100
+#: (2026-12-06); spread over 16 programs a row, in tiles of 32 rows, it is read in parallel.
+GATE_COLUMNS = 32
+GATE_ROWS = 32
 
 
 @triton.jit
-def _compress_kernel(c_ptr, c_stride, g_ptr, g_stride, state_ptr, state_stride0, state_stride1,
-                     state_row_ptr, block_rows_ptr, bias_ptr, norm_ptr, index_ptr, inv_ptr, out_ptr, eps,
-                     RATIO: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
+def _gate_kernel(c_ptr, c_stride, g_ptr, g_stride, state_ptr, state_stride0, state_stride1,
+                 state_row_ptr, block_rows_ptr, bias_ptr, latent_ptr,
+                 RATIO: tl.constexpr, J: tl.constexpr, CB: tl.constexpr, D: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, ROWS)[:, None]
-    col = tl.arange(0, HALF)[None, :]
-    d = r * HALF + col                                            # [ROWS, HALF]: coordinate
+    d = tl.program_id(1) * CB + tl.arange(0, CB)                  # [CB]: this program's coordinates
     own = tl.load(state_row_ptr + b)
     c_new = cast_nearest(tl.load(c_ptr + b * c_stride + d), state_ptr.dtype.element_ty, INTERPRETED)
     g_new = cast_nearest(tl.load(g_ptr + b * g_stride + d), state_ptr.dtype.element_ty, INTERPRETED)
     tl.store(state_ptr + own * state_stride0 + d, c_new)
     tl.store(state_ptr + own * state_stride0 + state_stride1 + d, g_new)
-    # Online softmax over the block's rows, per coordinate: running max, sum and weighted content.
-    m = tl.full([ROWS, HALF], float("-inf"), tl.float32)
-    s = tl.zeros([ROWS, HALF], tl.float32)
-    acc = tl.zeros([ROWS, HALF], tl.float32)
-    for j in range(RATIO):
-        row = tl.load(block_rows_ptr + b * RATIO + j)
-        base = state_ptr + row * state_stride0 + d
-        mine = row == own
-        cj = tl.where(mine, c_new, tl.load(base)).to(tl.float32)
-        gj = tl.where(mine, g_new, tl.load(base + state_stride1)).to(tl.float32)
-        logit = gj + tl.load(bias_ptr + j * (ROWS * HALF) + d).to(tl.float32)
-        m_new = tl.maximum(m, logit)
+    # Online softmax over the block's rows, J at a time, per coordinate.
+    m = tl.full([CB], float("-inf"), tl.float32)
+    s = tl.zeros([CB], tl.float32)
+    acc = tl.zeros([CB], tl.float32)
+    for j0 in range(0, RATIO, J):
+        j = j0 + tl.arange(0, J)
+        rows = tl.load(block_rows_ptr + b * RATIO + j)
+        base = state_ptr + rows.to(tl.int64)[:, None] * state_stride0 + d[None, :]  # [J, CB]
+        mine = (rows == own)[:, None]
+        cj = tl.where(mine, c_new[None, :], tl.load(base)).to(tl.float32)
+        gj = tl.where(mine, g_new[None, :], tl.load(base + state_stride1)).to(tl.float32)
+        logit = gj + tl.load(bias_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(logit, axis=0))
+        e = tl.exp(logit - m_new[None, :])
         decay = tl.exp(m - m_new)
-        e = tl.exp(logit - m_new)
-        s = s * decay + e
-        acc = acc * decay + e * cj
+        s = s * decay + tl.sum(e, axis=0)
+        acc = acc * decay + tl.sum(e * cj, axis=0)
         m = m_new
-    latent = acc / s
-    ms = tl.sum(tl.sum(latent * latent, axis=1), axis=0) / (ROWS * HALF)
-    latent = latent * (1.0 / tl.sqrt(ms + eps)) * tl.load(norm_ptr + d).to(tl.float32)
-    # RoPE at the block's first position.
-    latent = rotate(latent, tl.load(index_ptr + b) * RATIO, inv_ptr, ROWS, HALF)
-    tl.store(out_ptr + b * (ROWS * HALF) + d, cast_nearest(latent, out_ptr.dtype.element_ty, INTERPRETED))
+    tl.store(latent_ptr + b * D + d, acc / s)
 
 
 def compress_decode(c: torch.Tensor, g: torch.Tensor, state: torch.Tensor, state_row: torch.Tensor,
@@ -93,14 +94,17 @@ def compress_decode(c: torch.Tensor, g: torch.Tensor, state: torch.Tensor, state
     if tuple(block_rows.shape) != (B, ratio) or tuple(gate_bias.shape) != (ratio, HEAD_DIM):
         raise ValueError(f"block_rows must be [{B}, {ratio}] and gate_bias [{ratio}, {HEAD_DIM}], got "
                          f"{tuple(block_rows.shape)} and {tuple(gate_bias.shape)}")
-    out = torch.empty(B, HEAD_DIM, dtype=out_dtype, device=c.device)
+    if ratio & (ratio - 1):
+        raise ValueError(f"ratio must be a power of two, got {ratio}")
+    # The gated sums (float32), then their RMS norm and RoPE: the norm needs a whole row,
+    # which one program no longer holds.
+    latent = torch.empty(B, HEAD_DIM, dtype=torch.float32, device=c.device)
     if B:
-        _compress_kernel[(B,)](c, c.stride(0), g, g.stride(0), state, state.stride(0), state.stride(1),
-                               state_row.contiguous(), block_rows.contiguous(), gate_bias.contiguous(),
-                               norm.contiguous(), block_index.contiguous(),
-                               rope_inverse_frequencies(float(theta), c.device), out, eps,
-                               RATIO=ratio, ROWS=ROWS, HALF=ROPE_HALF, INTERPRETED=interpreted(), num_warps=4)
-    return out
+        _gate_kernel[(B, HEAD_DIM // GATE_COLUMNS)](
+            c, c.stride(0), g, g.stride(0), state, state.stride(0), state.stride(1), state_row.contiguous(),
+            block_rows.contiguous(), gate_bias.contiguous(), latent, RATIO=ratio, J=min(ratio, GATE_ROWS),
+            CB=GATE_COLUMNS, D=HEAD_DIM, INTERPRETED=interpreted(), num_warps=4)
+    return norm_rope(latent, norm, eps, block_index, theta, position_scale=ratio, out_dtype=out_dtype)
 
 
 @triton.jit

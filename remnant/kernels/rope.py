@@ -57,8 +57,8 @@ def rotate(x, position, inv_ptr, ROWS: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, x_stride_t, x_stride_h, w_ptr, pos_ptr, inv_ptr, out_ptr, eps, H,
-                      ROWS: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
+def _norm_rope_kernel(x_ptr, x_stride_t, x_stride_h, w_ptr, pos_ptr, pos_scale, inv_ptr, out_ptr, eps, H,
+                      ROWS: tl.constexpr, HALF: tl.constexpr, Y_F32: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = row // H
     h = row % H
@@ -66,20 +66,24 @@ def _norm_rope_kernel(x_ptr, x_stride_t, x_stride_h, w_ptr, pos_ptr, inv_ptr, ou
     x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + d)
     xf = x.to(tl.float32)
     ms = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / (ROWS * HALF)
-    # rms_norm: (x * rsqrt(mean + eps)) in x's dtype, times the weight in the product's dtype.
+    # rms_norm: (x * rsqrt(mean + eps)) in x's dtype, times the weight in the product's
+    # dtype (float32 where Y_F32, else x's: then x and the weight share a 16-bit dtype).
     normed = cast_nearest(xf * (1.0 / tl.sqrt(ms + eps)), x.dtype, INTERPRETED)
-    w = tl.load(w_ptr + d)
-    y = cast_nearest(normed.to(tl.float32) * w.to(tl.float32), out_ptr.dtype.element_ty, INTERPRETED)
-    rotated = rotate(y.to(tl.float32), tl.load(pos_ptr + t), inv_ptr, ROWS, HALF)
-    out = tl.where(d < ROWS * HALF - 2 * HALF, y, cast_nearest(rotated, out_ptr.dtype.element_ty, INTERPRETED))
-    tl.store(out_ptr + row * (ROWS * HALF) + d, out)
+    y = normed.to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)
+    if not Y_F32:
+        y = cast_nearest(y, x.dtype, INTERPRETED).to(tl.float32)
+    rotated = rotate(y, tl.load(pos_ptr + t) * pos_scale, inv_ptr, ROWS, HALF)
+    # Where y is already in the output's dtype its cast is exact: each value rounds once.
+    out = tl.where(d < ROWS * HALF - 2 * HALF, y, rotated)
+    tl.store(out_ptr + row * (ROWS * HALF) + d, cast_nearest(out, out_ptr.dtype.element_ty, INTERPRETED))
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-              theta: float) -> torch.Tensor:
+              theta: float, position_scale: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """remnant.engine.ops.norm_rope in one launch: x [T, 512] or [T, H, 512] (a row-strided
-    view is fine), weight [512], positions int [T]. Returns a new contiguous tensor of the
-    plain function's dtype (x's and weight's promoted). Graph-safe."""
+    view is fine), weight [512], positions int [T] (times position_scale: a compressor's
+    block index times its ratio). Returns a new contiguous tensor of the plain function's
+    dtype (x's and weight's promoted), or that value rounded once to out_dtype. Graph-safe."""
     if x.ndim not in (2, 3) or x.shape[-1] != HEAD_DIM or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, {HEAD_DIM}] or [T, H, {HEAD_DIM}] with unit column stride, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -87,10 +91,11 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torc
         raise ValueError(f"positions must be [{x.shape[0]}] and weight [{HEAD_DIM}], got {tuple(positions.shape)} "
                          f"and {tuple(weight.shape)}")
     heads = x.shape[1] if x.ndim == 3 else 1
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    product = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype or product, device=x.device)
     if x.numel():
         _norm_rope_kernel[(x.shape[0] * heads,)](
             x, x.stride(0), x.stride(1) if x.ndim == 3 else 0, weight.contiguous(), positions.contiguous(),
-            rope_inverse_frequencies(float(theta), x.device), out, eps, heads,
-            ROWS=ROWS, HALF=ROPE_HALF, INTERPRETED=interpreted(), num_warps=4)
+            position_scale, rope_inverse_frequencies(float(theta), x.device), out, eps, heads,
+            ROWS=ROWS, HALF=ROPE_HALF, Y_F32=product == torch.float32, INTERPRETED=interpreted(), num_warps=4)
     return out

@@ -20,11 +20,14 @@ for stage in ${STAGES:-tests bench serve}; do
   case $stage in
   tests)
     # SIGINT at the limit: pytest then reports the failures so far (a SIGTERM or SIGKILL
-    # leaves only its progress dots, as on 2026-12-05).
+    # leaves only its progress dots, as on 2026-12-05). -v: each result's line names its
+    # test, which survives where xdist's summary does not (an interrupted run on 2026-12-06).
     timeout -s INT -k 20 ${TESTS_S:-300} python3 -m pytest ${GPU_TESTS:-tests/engine tests/kernels/test_moe.py \
         tests/kernels/test_indexer.py tests/kernels/test_top_k.py tests/kernels/test_compress.py \
-        tests/kernels/test_rope.py tests/kernels/test_route.py} -q -m gpu \
-        -p no:cacheprovider --timeout 120 --tb=short -rfE ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25 ;;
+        tests/kernels/test_rope.py tests/kernels/test_norm.py tests/kernels/test_route.py} -v -m gpu \
+        -p no:cacheprovider --timeout 120 --tb=short -rfE ${PYTEST_ARGS:-} > "$OUT/pytest-gpu.txt" 2>&1
+    grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|^E  " "$OUT/pytest-gpu.txt" | head -40
+    grep -E "passed|failed" "$OUT/pytest-gpu.txt" | tail -2 ;;
   timings)
     timeout ${TIMINGS_S:-180} python3 runners/device/moe_topk_timings.py 2>&1 | tee "$OUT/timings.txt" | tail -20 ;;
   bench)

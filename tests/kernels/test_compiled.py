@@ -142,25 +142,32 @@ def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed,
 
 
 
-# The decode step's one-program-per-row kernels (remnant.kernels.compress, rope, top_k's
+# The decode step's row kernels (remnant.kernels.compress, rope, norm, top_k's
 # location pass, the indexer's scores with raw head weights), at the engine's shapes.
 ROW_KERNELS = [
-    pytest.param("remnant.kernels.compress:_compress_kernel",
+    pytest.param("remnant.kernels.compress:_gate_kernel",
                  dict(c_ptr="*bf16", c_stride="i64", g_ptr="*bf16", g_stride="i64", state_ptr=f"*{state}",
                       state_stride0="i64", state_stride1="i64", state_row_ptr="*i64", block_rows_ptr="*i64",
-                      bias_ptr="*bf16", norm_ptr="*bf16", index_ptr="*i64", inv_ptr="*fp32", out_ptr="*bf16",
-                      eps="fp32"),
-                 dict(RATIO=ratio, ROWS=16, HALF=32, INTERPRETED=False), 4, id=f"compress-{state}-{ratio}")
+                      bias_ptr="*bf16", latent_ptr="*fp32"),
+                 dict(RATIO=ratio, J=min(ratio, 32), CB=32, D=512, INTERPRETED=False), 4, id=f"gate-{state}-{ratio}")
     for state in ("fp32", "bf16") for ratio in (4, 128)
 ] + [
     pytest.param("remnant.kernels.compress:_index_key_kernel",
                  dict(ik_ptr="*bf16", ik_stride="i64", state_ptr="*fp32", state_stride0="i64", state_row_ptr="*i64",
                       block_rows_ptr="*i64", pages_ptr="*u8", scales_ptr="*fp32", locs_ptr="*i32", page_stride="i64"),
                  dict(RATIO=4, D=128, BLOCK=128, PER_PAGE=64, INTERPRETED=False), 1, id="index-key"),
+] + [
     pytest.param("remnant.kernels.rope:_norm_rope_kernel",
-                 dict(x_ptr="*bf16", x_stride_t="i64", x_stride_h="i64", w_ptr="*bf16", pos_ptr="*i64",
-                      inv_ptr="*fp32", out_ptr="*bf16", eps="fp32", H="i32"),
-                 dict(ROWS=16, HALF=32, INTERPRETED=False), 4, id="norm-rope"),
+                 dict(x_ptr=f"*{x}", x_stride_t="i64", x_stride_h="i64", w_ptr="*bf16", pos_ptr="*i64",
+                      pos_scale="i32", inv_ptr="*fp32", out_ptr="*bf16", eps="fp32", H="i32"),
+                 dict(ROWS=16, HALF=32, Y_F32=x == "fp32", INTERPRETED=False), 4, id=f"norm-rope-{x}")
+    for x in ("bf16", "fp32")
+] + [
+    pytest.param("remnant.kernels.norm:_rms_norm_kernel",
+                 dict(x_ptr="*bf16", x_stride="i64", w_ptr="*bf16", out_ptr="*bf16", eps="fp32"),
+                 dict(D=width, BLOCK=width, Y_F32=False, INTERPRETED=False), warps, id=f"rms-norm-{width}")
+    for width, warps in ((1024, 4), (4096, 8))
+] + [
     pytest.param("remnant.kernels.top_k:_write_pass",
                  dict(s_ptr="*fp32", stride_s="i64", state_ptr="*i32", counts_ptr="*i32", values_ptr="*i32",
                       indices_ptr="*i32", stride_o="i64", locs_ptr="*i32", stride_l="i64", n="i32", k="i32",
