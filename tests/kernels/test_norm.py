@@ -25,11 +25,13 @@ def test_bf16_rms_norm_rounds_where_the_plain_op_rounds(width, tokens=5):
     got = rms_norm(x, weight, 1e-6)
     want = rms_norm_plain(x, weight, 1e-6)
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape and got.is_contiguous()
-    # The same values but where the float32 mean's summation order (or rsqrt against
-    # 1/sqrt) puts one across a bf16 rounding boundary: one step, rarely. A wrong mean or a
-    # missing rounding would move most values.
+    # The same values but where the float32 mean's summation order (or 1/sqrt against the
+    # GPU's approximate rsqrt) puts one across a bf16 rounding boundary: rarely. Two
+    # roundings in a row (the normed row, then its product with the weight) can each cross
+    # one: up to 1.5 steps, under 2^-6 of the value (the H100 met 2-step values among 33M
+    # on 2026-12-06). A wrong mean or a missing rounding would move most values.
     assert (got != want).float().mean() < 0.01
-    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0**-7 + 1e-6).all()
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0**-6 + 1e-6).all()
 
 
 @pytest.mark.parametrize("x_dtype,weight_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])

@@ -27,12 +27,20 @@ def test_bf16_norm_rope_rounds_where_the_plain_ops_round(shape):
     got = norm_rope(x, weight, 1e-6, pos, 10000.0)
     want = norm_rope_plain(x, weight, 1e-6, pos, 10000.0)
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape and got.is_contiguous()
-    # The same bf16 values but where float32 summation order (the norm's mean) or a cos
-    # rounding puts a value on the other side of a bf16 rounding boundary: one step, rarely.
+    # The same bf16 values but where float32 summation order (the norm's mean), 1/sqrt
+    # against the GPU's approximate rsqrt, or a cos rounding puts a value across a bf16
+    # rounding boundary: rarely. Two roundings in a row (the normed row, then its product
+    # with the weight) can each cross one, so up to 1.5 steps of the NoPE value; a rotated
+    # pair carries its inputs' difference, so that bound scales with the pair's length (a
+    # rotation keeps it), not with a value cancellation made small (the H100 met such
+    # values among 33M on 2026-12-06).
     differ = got != want
     assert differ.float().mean() < 0.01
-    step = want.float().abs() * 2.0**-7 + 1e-6
-    assert ((got.float() - want.float()).abs() <= step).all()
+    w = want.float()
+    nope, r1, r2 = w[..., :NOPE_DIM], w[..., NOPE_DIM:NOPE_DIM + 32], w[..., NOPE_DIM + 32:]
+    pair = torch.hypot(r1, r2)
+    step = torch.cat([nope.abs(), torch.cat([pair, pair], dim=-1) * 2.0**0.5], dim=-1) * 2.0**-6 + w.abs() * 2.0**-8
+    assert ((got.float() - w).abs() <= step + 1e-6).all()
     # The NoPE part: the norm alone. A rotation by a wrong angle would move the rest by O(1).
     assert differ[..., :NOPE_DIM].float().mean() < 0.01
 
