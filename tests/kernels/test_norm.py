@@ -28,8 +28,8 @@ def test_bf16_rms_norm_rounds_where_the_plain_op_rounds(width, tokens=5):
     # The same values but where the float32 mean's summation order (or 1/sqrt against the
     # GPU's approximate rsqrt) puts one across a bf16 rounding boundary: rarely. Two
     # roundings in a row (the normed row, then its product with the weight) can each cross
-    # one: up to 1.5 steps, under 2^-6 of the value (the H100 met 2-step values among 33M
-    # on 2026-12-06). A wrong mean or a missing rounding would move most values.
+    # one: up to 1.5 steps, under 2^-6 of the value (a one-step bound failed on the H100
+    # at 8192 x 4096 values, 2026-12-06). A wrong mean or a missing rounding would move most values.
     assert (got != want).float().mean() < 0.01
     assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0**-6 + 1e-6).all()
 

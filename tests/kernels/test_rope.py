@@ -32,8 +32,8 @@ def test_bf16_norm_rope_rounds_where_the_plain_ops_round(shape):
     # rounding boundary: rarely. Two roundings in a row (the normed row, then its product
     # with the weight) can each cross one, so up to 1.5 steps of the NoPE value; a rotated
     # pair carries its inputs' difference, so that bound scales with the pair's length (a
-    # rotation keeps it), not with a value cancellation made small (the H100 met such
-    # values among 33M on 2026-12-06).
+    # rotation keeps it), not with a value cancellation made small (one-step bounds
+    # failed on the H100 at 128 and 8192 tokens, 2026-12-06).
     differ = got != want
     assert differ.float().mean() < 0.01
     w = want.float()
