@@ -130,49 +130,66 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
 ALIGN_KERNEL_MAX_PAIRS = 1024
 
 
+#: Pairs x experts of the one-hot each align program counts at once: a one-hot of all 768
+#: pairs of a batch of 128 (x 32 experts) spilled 12 KB a thread and took 138 us a layer
+#: on an H100 (2026-12-06).
+ALIGN_ONE_HOT = 4096
+
+
 @triton.jit
 def _align_kernel(ids_ptr, rows_ptr, block_expert_ptr, n, E: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCKS: tl.constexpr, PAIRS_P: tl.constexpr, EXPERTS_P: tl.constexpr,
-                  BLOCKS_P: tl.constexpr, ROWS_P: tl.constexpr):
-    """`align` in one program: pairs against experts as a [pairs, experts] one-hot, whose
-    column sums are the counts and whose running sums down the pairs are each pair's rank
-    among its expert's pairs (pair order: a stable sort)."""
-    p = tl.arange(0, PAIRS_P)
-    e = tl.arange(0, EXPERTS_P)
-    pair_ok = p < n
-    ids = tl.load(ids_ptr + p, mask=pair_ok, other=-1).to(tl.int32)
-    hot = ((ids[:, None] == e[None, :]) & pair_ok[:, None]).to(tl.int32)  # [P, E]
-    counts = tl.sum(hot, 0)
+                  BLOCKS: tl.constexpr, PAIRS_P: tl.constexpr, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr,
+                  PAD_P: tl.constexpr, BLOCKS_P: tl.constexpr, ROWS_P: tl.constexpr):
+    """`align` with one program per expert: every expert's count (one-hot column sums, CHUNK
+    pairs at a time) gives where each expert's blocks start; the program places its own
+    expert's pairs (rank: earlier pairs of that expert, a stable sort), pads its last block
+    and names its blocks' expert. Program 0 also pads the blocks after the last expert's.
+    Each row and block is written by one program."""
+    e = tl.program_id(0)
+    x = tl.arange(0, EXPERTS_P)
+    counts = tl.zeros([EXPERTS_P], tl.int32)
+    for c0 in range(0, PAIRS_P, CHUNK):
+        q = c0 + tl.arange(0, CHUNK)
+        ids_q = tl.load(ids_ptr + q, mask=q < n, other=-1).to(tl.int32)
+        counts += tl.sum((ids_q[:, None] == x[None, :]).to(tl.int32), 0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, 0)  # inclusive: expert e owns blocks [end - blocks, end)
-    rank = tl.sum((tl.cumsum(hot, 0) - hot) * hot, 1)  # earlier pairs of the same expert
-    first_block = tl.sum(hot * (block_end - blocks)[None, :], 1)
-    slot = first_block * BLOCK_M + rank
-    # Every row starts as padding (pair n); the routed pairs then overwrite theirs.
-    r = tl.arange(0, ROWS_P)
-    tl.store(rows_ptr + r, tl.full([ROWS_P], 0, tl.int32) + n, mask=r < BLOCKS * BLOCK_M)
-    tl.debug_barrier()  # the padding rows land before the pairs' rows (one program's threads)
-    tl.store(rows_ptr + slot, p, mask=pair_ok)
+    first = tl.sum(tl.where(x == e, block_end - blocks, 0), 0)
+    own_blocks = tl.sum(tl.where(x == e, blocks, 0), 0)
+    count = tl.sum(tl.where(x == e, counts, 0), 0)
+    p = tl.arange(0, PAIRS_P)
+    mine = (tl.load(ids_ptr + p, mask=p < n, other=-1).to(tl.int32) == e).to(tl.int32)
+    rank = tl.cumsum(mine, 0) - mine
+    tl.store(rows_ptr + first * BLOCK_M + rank, p, mask=mine != 0)
+    j = tl.arange(0, PAD_P)
+    tl.store(rows_ptr + first * BLOCK_M + count + j, tl.full([PAD_P], 0, tl.int32) + n,
+             mask=j < own_blocks * BLOCK_M - count)
     b = tl.arange(0, BLOCKS_P)
-    owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)  # first expert ending after b
-    tl.store(block_expert_ptr + b, tl.where(owner < E, owner, -1), mask=b < BLOCKS)
+    tl.store(block_expert_ptr + first + b, tl.full([BLOCKS_P], 0, tl.int32) + e, mask=b < own_blocks)
+    if e == 0:
+        used = tl.sum(blocks, 0)
+        r = used * BLOCK_M + tl.arange(0, ROWS_P)
+        tl.store(rows_ptr + r, tl.full([ROWS_P], 0, tl.int32) + n, mask=r < BLOCKS * BLOCK_M)
+        t = used + b
+        tl.store(block_expert_ptr + t, tl.full([BLOCKS_P], -1, tl.int32), mask=t < BLOCKS)
 
 
 def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, fallback=align) -> Alignment:
     """`align`'s result in one launch (a dozen small kernels through `align` compiled, at
-    batch 1), for up to ALIGN_KERNEL_MAX_PAIRS pairs over experts whose one-hot fits one
-    program (pairs x experts <= 32768, powers of two); others go to `fallback` (`align`,
-    or the same compiled). On CUDA tensors, or CPU ones under Triton's interpreter."""
+    batch 1), for up to ALIGN_KERNEL_MAX_PAIRS pairs over up to ALIGN_ONE_HOT experts; others
+    go to `fallback` (`align`, or the same compiled). On CUDA tensors, or CPU ones under
+    Triton's interpreter."""
     n = topk_ids.numel()
     pow2 = triton.next_power_of_2
-    if n == 0 or n > ALIGN_KERNEL_MAX_PAIRS or pow2(n) * pow2(num_experts) > 1 << 15:
+    if n == 0 or n > ALIGN_KERNEL_MAX_PAIRS or num_experts > ALIGN_ONE_HOT:
         return fallback(topk_ids, num_experts, block_m)
     blocks = max_blocks(n, num_experts, block_m)
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=topk_ids.device)
-    _align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), rows, block_expert, n, E=num_experts, BLOCK_M=block_m,
-                        BLOCKS=blocks, PAIRS_P=pow2(n), EXPERTS_P=pow2(num_experts), BLOCKS_P=pow2(blocks),
-                        ROWS_P=pow2(blocks * block_m), num_warps=4)
+    _align_kernel[(num_experts,)](topk_ids.reshape(-1).contiguous(), rows, block_expert, n, E=num_experts,
+                                  BLOCK_M=block_m, BLOCKS=blocks, PAIRS_P=pow2(n), EXPERTS_P=pow2(num_experts),
+                                  CHUNK=max(1, ALIGN_ONE_HOT // pow2(num_experts)), PAD_P=pow2(block_m),
+                                  BLOCKS_P=pow2(blocks), ROWS_P=pow2(blocks * block_m), num_warps=4)
     return Alignment(rows, block_expert, block_m, n)
 
 

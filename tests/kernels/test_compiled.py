@@ -142,7 +142,7 @@ def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed,
 
 
 
-# The decode step's row kernels (remnant.kernels.compress, rope, norm, top_k's
+# The decode step's row kernels (remnant.kernels.compress, rope, norm, the MoE's align, top_k's
 # location pass, the indexer's scores with raw head weights), at the engine's shapes.
 ROW_KERNELS = [
     pytest.param("remnant.kernels.compress:_gate_kernel",
@@ -168,6 +168,11 @@ ROW_KERNELS = [
                  dict(D=width, BLOCK=width, Y_F32=False, INTERPRETED=False), warps, id=f"rms-norm-{width}")
     for width, warps in ((1024, 4), (4096, 8))
 ] + [
+    # A batch of 128's 768 pairs over 32 experts (a one-hot of them all spilled 12 KB).
+    pytest.param("remnant.kernels.moe:_align_kernel",
+                 dict(ids_ptr="*i64", rows_ptr="*i32", block_expert_ptr="*i32", n="i32"),
+                 dict(E=32, BLOCK_M=16, BLOCKS=78, PAIRS_P=1024, EXPERTS_P=32, CHUNK=128, PAD_P=16, BLOCKS_P=128,
+                      ROWS_P=2048), 4, id="moe-align-768"),
     pytest.param("remnant.kernels.top_k:_write_pass",
                  dict(s_ptr="*fp32", stride_s="i64", state_ptr="*i32", counts_ptr="*i32", values_ptr="*i32",
                       indices_ptr="*i32", stride_o="i64", locs_ptr="*i32", stride_l="i64", n="i32", k="i32",

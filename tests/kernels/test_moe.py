@@ -115,7 +115,8 @@ def test_align_blocks_each_hold_one_experts_pairs(t, e, k, block_m):
 
 
 @pytest.mark.parametrize("t,e,k,block_m", [(1, 32, 6, 16), (5, 32, 6, 16), (128, 32, 6, 64), (170, 32, 6, 16),
-                                             (7, 5, 2, 16), (33, 8, 3, 4), (1, 1, 1, 16)])
+                                             (7, 5, 2, 16), (33, 8, 3, 4), (1, 1, 1, 16),
+                                             (4, 256, 8, 16)])
 def test_align_kernel_is_align(t, e, k, block_m):
     # The one-launch align of decode batches: the same rows and block experts as `align`,
     # with routes spread over the experts and piled on a few (long blocks, idle experts).
