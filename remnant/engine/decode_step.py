@@ -151,6 +151,7 @@ class RatioSlots:
     block_rows: torch.Tensor  # int64 [B, ratio] its open block's state rows, in order
     index: torch.Tensor  # int64 [B] the record index of its block (pos // ratio)
     write_locs: torch.Tensor  # int32 [B] where its block's record goes: the padding page unless complete
+    complete: torch.Tensor  # bool [B] whether its token completes its block
 
     @classmethod
     def of(cls, batch: DecodeBatch, pools, ratio: int) -> "RatioSlots":
@@ -170,7 +171,7 @@ class RatioSlots:
         return cls(locs.to(i32), visible, torch.where(visible, locs, -1).to(i32), counts.to(i32),
                    batch.slot * ring + batch.pos % ratio,
                    batch.slot[:, None] * ring + torch.arange(ratio, device=batch.pos.device), index,
-                   torch.where(complete, page * per + index % per, pools.pad_page * per).to(torch.int32))
+                   torch.where(complete, page * per + index % per, pools.pad_page * per).to(torch.int32), complete)
 
 
 def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, window_locs: torch.Tensor,
@@ -208,7 +209,7 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioS
     """The token joins its compressor's open block (state rows in the pools' state dtype);
     where it completes the block, the block becomes a record (and, on CSA layers, an index
     key) at record index pos // ratio; elsewhere those writes go to the padding page.
-    model.ops' compress_decode and index_key_decode (one launch each in a compiled step);
+    model.ops' compress_decode and index_key_decode (two launches and one in a compiled step);
     a capture runs the plain ones around the model's compress_latents and index-key codec,
     as before they were fused, and records the float32 latents."""
     a = model.args
@@ -216,10 +217,11 @@ def _compress(model, li: int, layer, pools, batch: DecodeBatch, p, slots: RatioS
     state = pools.c4_state[li] if csa else pools.c128_state[li]
     args = (p.c, p.g, state, slots.state_row, slots.block_rows, layer.gate_bias, layer.kv_norm, slots.index,
             layer.ratio, a.rms_norm_eps, a.compress_rope_theta)
+    # Only a completing token's block is read (its record is the one written).
     if model.recorder is None:
-        latents = model.ops.compress_decode(*args)
+        latents = model.ops.compress_decode(*args, complete=slots.complete)
     else:
-        latents = compress_decode(*args, compress=model.ops.compress_latents)
+        latents = compress_decode(*args, compress=model.ops.compress_latents, complete=slots.complete)
     target = pools.c4[li] if csa else pools.c128[li]
     store(latents, target.buf, target.layout, slots.write_locs, model.layer_format(li).record_columns)
     if csa:

@@ -1,4 +1,4 @@
-"""remnant.kernels.compress: the compressors' decode update in one launch each, against the
+"""remnant.kernels.compress: the compressors' decode update (two launches and one), against the
 plain torch update (remnant.engine.ops.compress_decode, index_key_decode) that the CPU's
 decode step runs: the same state rows, latents to their bf16 rounding, the same index-key
 pages (FP8 codes exact but where Triton's interpreted cast is off: tests/kernels/inputs.py)."""
@@ -61,6 +61,31 @@ def test_compress_decode_is_the_plain_update(ratio, state_dtype, dtype, rows=5):
     assert (got != want.to(torch.bfloat16)).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_only_completing_tokens_read_their_block(ratio, rows=6):
+    # The step passes which tokens complete their block: the others get zeros (their
+    # record goes to the padding page) without reading it, and write their state row all
+    # the same. Their blocks' other rows hold NaN, so a read would show.
+    gen = torch.Generator().manual_seed(ratio + rows)
+    state_row, block_rows, index, ring = _batch(ratio, rows, gen, max(SLOTS, rows))
+    c, g = (torch.randn(2, rows, 512, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    bias = torch.randn(ratio, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    norm = (1 + 0.1 * torch.randn(512, generator=gen)).to(DEVICE, torch.bfloat16)
+    state = (torch.randn(max(SLOTS, rows) * ring, 2, 512, generator=gen) * 3).to(DEVICE)
+    complete = torch.arange(rows, device=DEVICE) % 3 == 0  # the first row's block completes (_batch)
+    open_rows = block_rows[~complete]
+    state[open_rows[open_rows != state_row[~complete, None]]] = float("nan")
+    args = (block_rows, bias, norm, index, ratio, 1e-6, 160000.0)
+    want_state = state.clone()
+    want = compress_decode_plain(c, g, want_state, state_row, *args, complete=complete)
+    every = compress_decode_plain(c, g, state.clone(), state_row, *args)
+    got = compress_decode(c, g, state, state_row, *args, out_dtype=torch.float32, complete=complete)
+    assert torch.equal(state.nan_to_num(7.0), want_state.nan_to_num(7.0))
+    assert (want[~complete] == 0).all() and torch.equal(want[complete], every[complete])
+    assert (got[~complete] == 0).all() and not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 24, 128])
@@ -68,6 +93,8 @@ def test_compress_decode_at_the_engines_batches_on_the_gpu(rows):
     for ratio in (4, 128):
         for state_dtype in (torch.float32, torch.bfloat16):
             test_compress_decode_is_the_plain_update(ratio, state_dtype, torch.bfloat16, rows)
+    for ratio in (4, 128):
+        test_only_completing_tokens_read_their_block(ratio, rows)
 
 
 def test_compress_decode_refuses_wrong_shapes_naming_them():
