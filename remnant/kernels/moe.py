@@ -125,9 +125,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     return Alignment(rows.to(torch.int32), block_expert.to(torch.int32), block_m, n)
 
 
-#: Most (token, expert) pairs align_triton sorts in its one program (decode batches: 128
-#: tokens x 6 experts = 768); more go through `align` (a prefill chunk's thousands).
+#: Most (token, expert) pairs and experts align_triton sorts in its launch (decode batches:
+#: 128 tokens x 6 experts = 768 over V4's 256 experts at most); more go through `align` (a
+#: prefill chunk's thousands). Each of its programs counts every pair for every expert.
 ALIGN_KERNEL_MAX_PAIRS = 1024
+ALIGN_KERNEL_MAX_EXPERTS = 256
 
 
 #: Pairs x experts of the one-hot each align program counts at once: a one-hot of all 768
@@ -174,18 +176,26 @@ def _align_kernel(ids_ptr, rows_ptr, block_expert_ptr, n, E: tl.constexpr, BLOCK
         tl.store(block_expert_ptr + t, tl.full([BLOCKS_P], -1, tl.int32), mask=t < BLOCKS)
 
 
-def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, fallback=align) -> Alignment:
+def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, fallback=align,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Alignment:
     """`align`'s result in one launch (a dozen small kernels through `align` compiled, at
-    batch 1), for up to ALIGN_KERNEL_MAX_PAIRS pairs over up to ALIGN_ONE_HOT experts; others
-    go to `fallback` (`align`, or the same compiled). On CUDA tensors, or CPU ones under
-    Triton's interpreter."""
+    batch 1), for up to ALIGN_KERNEL_MAX_PAIRS pairs over up to ALIGN_KERNEL_MAX_EXPERTS
+    experts; others go to `fallback` (`align`, or the same compiled). `out`: int32 (rows,
+    block_expert) of `align`'s sizes to write (tests pass poisoned ones: every element is
+    written). On CUDA tensors, or CPU ones under Triton's interpreter."""
     n = topk_ids.numel()
     pow2 = triton.next_power_of_2
-    if n == 0 or n > ALIGN_KERNEL_MAX_PAIRS or num_experts > ALIGN_ONE_HOT:
+    if n == 0 or n > ALIGN_KERNEL_MAX_PAIRS or num_experts > ALIGN_KERNEL_MAX_EXPERTS:
         return fallback(topk_ids, num_experts, block_m)
     blocks = max_blocks(n, num_experts, block_m)
-    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=topk_ids.device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=topk_ids.device)
+    if out is None:
+        out = (torch.empty(blocks * block_m, dtype=torch.int32, device=topk_ids.device),
+               torch.empty(blocks, dtype=torch.int32, device=topk_ids.device))
+    rows, block_expert = out
+    shapes = (tuple(rows.shape), tuple(block_expert.shape))
+    if shapes != ((blocks * block_m,), (blocks,)) or rows.dtype != torch.int32 or block_expert.dtype != torch.int32:
+        raise ValueError(f"out must be int32 [{blocks * block_m}] and [{blocks}], got {tuple(rows.shape)} and "
+                         f"{tuple(block_expert.shape)}")
     _align_kernel[(num_experts,)](topk_ids.reshape(-1).contiguous(), rows, block_expert, n, E=num_experts,
                                   BLOCK_M=block_m, BLOCKS=blocks, PAIRS_P=pow2(n), EXPERTS_P=pow2(num_experts),
                                   CHUNK=max(1, ALIGN_ONE_HOT // pow2(num_experts)), PAD_P=pow2(block_m),

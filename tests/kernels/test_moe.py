@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.moe import (ALIGN_KERNEL_MAX_PAIRS, EXPERT_DTYPES, MoEConfig, align, align_triton,
-                                 default_config, dequantize_experts, max_blocks, quantize_experts,
+from remnant.kernels.moe import (ALIGN_KERNEL_MAX_EXPERTS, ALIGN_KERNEL_MAX_PAIRS, EXPERT_DTYPES, MoEConfig, align,
+                                 align_triton, default_config, dequantize_experts, max_blocks, quantize_experts,
                                  routed_experts, routed_experts_reference, routed_experts_torch,
                                  routed_experts_triton, torch_block_m)
 from tests.kernels.inputs import DEVICE, ON_GPU
@@ -120,9 +120,13 @@ def test_align_blocks_each_hold_one_experts_pairs(t, e, k, block_m):
 def test_align_kernel_is_align(t, e, k, block_m):
     # The one-launch align of decode batches: the same rows and block experts as `align`,
     # with routes spread over the experts and piled on a few (long blocks, idle experts).
+    # Its outputs start poisoned: each of E programs writes its own rows and blocks, so one
+    # left unwritten would show.
     gen = torch.Generator().manual_seed(t * e)
     for ids in (_routing(gen, t, e, k)[0], torch.randint(0, min(e, 2), (t, k), generator=gen).to(DEVICE)):
-        want, got = align(ids, e, block_m), align_triton(ids, e, block_m, fallback=_no_fallback)
+        want = align(ids, e, block_m)
+        out = (torch.full_like(want.rows, -7), torch.full_like(want.block_expert, -7))
+        got = align_triton(ids, e, block_m, fallback=_no_fallback, out=out)
         assert (got.block_m, got.num_pairs) == (want.block_m, want.num_pairs)
         assert torch.equal(got.rows, want.rows) and torch.equal(got.block_expert, want.block_expert), (t, e, k)
 
@@ -131,11 +135,19 @@ def _no_fallback(*args):
     raise AssertionError(f"align_triton fell back at {args[1:]}")
 
 
-def test_align_kernel_hands_large_batches_to_its_fallback():
-    ids = torch.zeros(ALIGN_KERNEL_MAX_PAIRS + 1, 1, dtype=torch.long, device=DEVICE)
-    calls = []
-    got = align_triton(ids, 4, 16, fallback=lambda *a: calls.append(a) or align(*a))
-    assert len(calls) == 1 and torch.equal(got.rows, align(ids, 4, 16).rows)
+def test_align_kernel_hands_large_batches_and_expert_counts_to_its_fallback():
+    for pairs, experts in ((ALIGN_KERNEL_MAX_PAIRS + 1, 4), (8, ALIGN_KERNEL_MAX_EXPERTS + 1)):
+        ids = torch.zeros(pairs, 1, dtype=torch.long, device=DEVICE)
+        calls = []
+        got = align_triton(ids, experts, 16, fallback=lambda *a: calls.append(a) or align(*a))
+        assert len(calls) == 1 and torch.equal(got.rows, align(ids, experts, 16).rows)
+
+
+def test_align_kernel_refuses_outputs_of_other_sizes():
+    ids = torch.zeros(3, 2, dtype=torch.long, device=DEVICE)
+    want = align(ids, 4, 16)
+    with pytest.raises(ValueError, match="out must be int32"):
+        align_triton(ids, 4, 16, out=(want.rows[:-1], want.block_expert))
 
 
 def test_max_blocks_is_the_worst_case_and_attained():
