@@ -126,15 +126,21 @@ def time_step(model, pools, seqs: list, steps: int,
     with torch.inference_mode():
         for _ in range(2):  # captures the graph, compiles the kernels
             step()
-        times = []
+        times, host = [], []
         for _ in range(steps):
             _sync(model.device)
             t0 = time.perf_counter()
             step()
+            host.append(time.perf_counter() - t0)
             _sync(model.device)
             times.append(time.perf_counter() - t0)
         profile = profile_step(step, model.device, kernel_log=kernel_log) if model.device.type == "cuda" else None
     times.sort()
+    host.sort()
+    # For the log: the host's share of a step (building the batch, copying it in, launching
+    # the graph) before it waits for the GPU, which a step pays where the GPU waits on it.
+    print(f"host {host[len(host) // 2] * 1e3:.2f} ms of a {times[len(times) // 2] * 1e3:.2f} ms step "
+          f"(medians)", file=sys.stderr)
     return times[len(times) // 2], profile
 
 
@@ -197,6 +203,8 @@ def profile_step(step, device: torch.device, steps: int = 3, kernel_log: Path | 
         _sync(device)
         wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    launch_us = sum(e.time_range.end - e.time_range.start for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CPU and e.name == "cudaGraphLaunch")
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy, end = 0.0, None
     for start, stop in spans:
@@ -218,7 +226,8 @@ def profile_step(step, device: torch.device, steps: int = 3, kernel_log: Path | 
     if kernel_log is not None:
         last = len(spans) - len(spans) // steps  # the last step's share (a remainder goes before)
         write_kernel_log(kernel_log, sorted(kernels, key=lambda e: e.time_range.start)[last:])
-    print(f"{result.kernels_per_step:.0f} kernels per step; most GPU time:", file=sys.stderr)
+    print(f"{result.kernels_per_step:.0f} kernels per step, {busy / steps:.0f} us of them, cudaGraphLaunch "
+          f"{launch_us / steps:.0f} us of host time; most GPU time:", file=sys.stderr)
     for k in result.top_kernels:
         print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.0f} x  {k['name'][:100]}", file=sys.stderr)
     return result

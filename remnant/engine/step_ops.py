@@ -54,7 +54,7 @@ class StepOps:
     #: rope(rms_norm(...)) in one call (remnant.engine.ops.norm_rope).
     norm_rope: Callable = norm_rope
     #: A decode token's compressor update (remnant.engine.ops.compress_decode; compiled:
-    #: remnant.kernels.compress's one launch, for some ten) and its FP8 index key's
+    #: remnant.kernels.compress's two launches, for some ten) and its FP8 index key's
     #: (index_key_decode; compiled: one launch for some thirteen).
     compress_decode: Callable = compress_decode
     index_key_decode: Callable = index_key_decode
@@ -132,8 +132,8 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
         moe_route=functools.partial(route_triton, fallback=_dynamic(route_tokens, {0: (0,)}, backend)),
         # One launch for a decode batch's pairs; a prefill chunk's through align compiled.
         moe_align=functools.partial(align_triton, fallback=_dynamic(align, {0: (0,)}, backend)),
-        # Not torch.compile's: one Triton program per sequence for each chain, which also
-        # writes the state rows and the index key's page in place.
+        # Not torch.compile's: Triton programs per sequence (the gate also per 32
+        # coordinates) that also write the state rows and the index key's page in place.
         compress_decode=compress.compress_decode,
         index_key_decode=compress.index_key_decode,
         index_top_locations=top_k_locations,

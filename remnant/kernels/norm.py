@@ -23,7 +23,7 @@ from remnant.kernels.common import cast_nearest, interpreted
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr,
-                     Y_F32: tl.constexpr, INTERPRETED: tl.constexpr):
+                     ROUND_Y: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     inside = d < D
@@ -32,7 +32,7 @@ def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, eps, D: tl.constexpr, BLOC
     ms = tl.sum(xf * xf, axis=0) / D
     normed = cast_nearest(xf * (1.0 / tl.sqrt(ms + eps)), x.dtype, INTERPRETED)
     y = normed.to(tl.float32) * tl.load(w_ptr + d, mask=inside, other=0.0).to(tl.float32)
-    if not Y_F32:  # x and the weight share a 16-bit dtype: the product rounds to it
+    if ROUND_Y:  # the product's dtype is x's (else float32, which y already is)
         y = cast_nearest(y, x.dtype, INTERPRETED).to(tl.float32)
     tl.store(out_ptr + row * D + d, cast_nearest(y, out_ptr.dtype.element_ty, INTERPRETED), mask=inside)
 
@@ -51,6 +51,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0] and D:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, rows.stride(0), weight.contiguous(), out, eps, D=D, BLOCK=block,
-                                           Y_F32=product == torch.float32, INTERPRETED=interpreted(),
+                                           ROUND_Y=product == x.dtype, INTERPRETED=interpreted(),
                                            num_warps=min(16, max(4, block // 512)))
     return out

@@ -9,8 +9,8 @@ are libdevice's accurate ones on the GPU (full range reduction, as torch's), so 
 rad angles of long contexts lose nothing to them.
 
 norm_rope replaces TorchInductor's three kernels a call (a reduction and two pointwise
-kernels, `step_ops`' compiled norm_rope) with one program per row: twice a layer, 86
-launches of a V4-Flash step. It rounds where the plain ops round (the norm's bf16 result,
+kernels, `step_ops`' compiled norm_rope) with one program per row: twice a layer and once
+more a compressed layer (the compressor's latent), 127 launches of a V4-Flash step. It rounds where the plain ops round (the norm's bf16 result,
 its product with the weight, each rotated half), so it gives their values but where a
 float32 rounding apart (the mean's summation order, sqrt then divide for rsqrt) crosses a
 bf16 rounding boundary. Plain reference: remnant.engine.ops.norm_rope
@@ -58,7 +58,7 @@ def rotate(x, position, inv_ptr, ROWS: tl.constexpr, HALF: tl.constexpr):
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, x_stride_t, x_stride_h, w_ptr, pos_ptr, pos_scale, inv_ptr, out_ptr, eps, H,
-                      ROWS: tl.constexpr, HALF: tl.constexpr, Y_F32: tl.constexpr, INTERPRETED: tl.constexpr):
+                      ROWS: tl.constexpr, HALF: tl.constexpr, ROUND_Y: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = row // H
     h = row % H
@@ -67,10 +67,10 @@ def _norm_rope_kernel(x_ptr, x_stride_t, x_stride_h, w_ptr, pos_ptr, pos_scale, 
     xf = x.to(tl.float32)
     ms = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / (ROWS * HALF)
     # rms_norm: (x * rsqrt(mean + eps)) in x's dtype, times the weight in the product's
-    # dtype (float32 where Y_F32, else x's: then x and the weight share a 16-bit dtype).
+    # dtype: x's where ROUND_Y (x's and the weight's promote to it), else float32.
     normed = cast_nearest(xf * (1.0 / tl.sqrt(ms + eps)), x.dtype, INTERPRETED)
     y = normed.to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)
-    if not Y_F32:
+    if ROUND_Y:
         y = cast_nearest(y, x.dtype, INTERPRETED).to(tl.float32)
     rotated = rotate(y, tl.load(pos_ptr + t) * pos_scale, inv_ptr, ROWS, HALF)
     # Where y is already in the output's dtype its cast is exact: each value rounds once.
@@ -83,7 +83,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torc
     """remnant.engine.ops.norm_rope in one launch: x [T, 512] or [T, H, 512] (a row-strided
     view is fine), weight [512], positions int [T] (times position_scale: a compressor's
     block index times its ratio). Returns a new contiguous tensor of the plain function's
-    dtype (x's and weight's promoted), or that value rounded once to out_dtype. Graph-safe."""
+    dtype (x's and weight's promoted), or of out_dtype (the last step's float32 value
+    rounded to it). Graph-safe."""
     if x.ndim not in (2, 3) or x.shape[-1] != HEAD_DIM or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, {HEAD_DIM}] or [T, H, {HEAD_DIM}] with unit column stride, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -97,5 +98,5 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torc
         _norm_rope_kernel[(x.shape[0] * heads,)](
             x, x.stride(0), x.stride(1) if x.ndim == 3 else 0, weight.contiguous(), positions.contiguous(),
             position_scale, rope_inverse_frequencies(float(theta), x.device), out, eps, heads,
-            ROWS=ROWS, HALF=ROPE_HALF, Y_F32=product == torch.float32, INTERPRETED=interpreted(), num_warps=4)
+            ROWS=ROWS, HALF=ROPE_HALF, ROUND_Y=product == x.dtype, INTERPRETED=interpreted(), num_warps=4)
     return out

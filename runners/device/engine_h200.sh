@@ -2,7 +2,8 @@
 # One device call for the embedded engine on one H200, in stages, each under its own time
 # limit so that a stage that hangs or fails leaves the others' results:
 #   tests   pytest -m gpu over the engine (graph replay, kernel per mode, capacity, compiled
-#           step ops) and the kernels it calls (MoE, indexer, top-k)
+#           step ops) and the kernels it calls (MoE and its routing, indexer, top-k, the
+#           compressor update, norm + RoPE, RMS norm)
 #   timings runners/device/moe_topk_timings.py (the MoE launch grid, top-k against torch.topk)
 #   bench   python -m remnant.cli.engine_bench (decode step per mode beside its roofline, prefill)
 #   serve   remnant-run over the three modes at model=dsv4_flash_h200 (RUN_ARGS: workload)
@@ -27,7 +28,7 @@ for stage in ${STAGES:-tests bench serve}; do
         tests/kernels/test_rope.py tests/kernels/test_norm.py tests/kernels/test_route.py} -v -m gpu \
         -p no:cacheprovider --timeout 120 --tb=short -rfE ${PYTEST_ARGS:-} > "$OUT/pytest-gpu.txt" 2>&1
     grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|^E  " "$OUT/pytest-gpu.txt" | head -40
-    grep -E "passed|failed" "$OUT/pytest-gpu.txt" | tail -2 ;;
+    grep -E "^=+ .* in [0-9.]+s" "$OUT/pytest-gpu.txt" | tail -1 ;;  # pytest's last line
   timings)
     timeout ${TIMINGS_S:-180} python3 runners/device/moe_topk_timings.py 2>&1 | tee "$OUT/timings.txt" | tail -20 ;;
   bench)

@@ -148,8 +148,9 @@ ROW_KERNELS = [
     pytest.param("remnant.kernels.compress:_gate_kernel",
                  dict(c_ptr="*bf16", c_stride="i64", g_ptr="*bf16", g_stride="i64", state_ptr=f"*{state}",
                       state_stride0="i64", state_stride1="i64", state_row_ptr="*i64", block_rows_ptr="*i64",
-                      bias_ptr="*bf16", latent_ptr="*fp32"),
-                 dict(RATIO=ratio, J=min(ratio, 32), CB=32, D=512, INTERPRETED=False), 4, id=f"gate-{state}-{ratio}")
+                      bias_ptr="*bf16", complete_ptr="*i1", latent_ptr="*fp32"),
+                 dict(RATIO=ratio, J=min(ratio, 32), CB=32, D=512, HAS_COMPLETE=True, INTERPRETED=False), 4,
+                 id=f"gate-{state}-{ratio}")
     for state in ("fp32", "bf16") for ratio in (4, 128)
 ] + [
     pytest.param("remnant.kernels.compress:_index_key_kernel",
@@ -160,12 +161,12 @@ ROW_KERNELS = [
     pytest.param("remnant.kernels.rope:_norm_rope_kernel",
                  dict(x_ptr=f"*{x}", x_stride_t="i64", x_stride_h="i64", w_ptr="*bf16", pos_ptr="*i64",
                       pos_scale="i32", inv_ptr="*fp32", out_ptr="*bf16", eps="fp32", H="i32"),
-                 dict(ROWS=16, HALF=32, Y_F32=x == "fp32", INTERPRETED=False), 4, id=f"norm-rope-{x}")
+                 dict(ROWS=16, HALF=32, ROUND_Y=x == "bf16", INTERPRETED=False), 4, id=f"norm-rope-{x}")
     for x in ("bf16", "fp32")
 ] + [
     pytest.param("remnant.kernels.norm:_rms_norm_kernel",
                  dict(x_ptr="*bf16", x_stride="i64", w_ptr="*bf16", out_ptr="*bf16", eps="fp32"),
-                 dict(D=width, BLOCK=width, Y_F32=False, INTERPRETED=False), warps, id=f"rms-norm-{width}")
+                 dict(D=width, BLOCK=width, ROUND_Y=True, INTERPRETED=False), warps, id=f"rms-norm-{width}")
     for width, warps in ((1024, 4), (4096, 8))
 ] + [
     # A batch of 128's 768 pairs over 32 experts (a one-hot of them all spilled 12 KB).
