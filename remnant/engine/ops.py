@@ -68,16 +68,17 @@ def compress_latents(c: torch.Tensor, g: torch.Tensor, gate_bias: torch.Tensor, 
 def compress_decode(c: torch.Tensor, g: torch.Tensor, state: torch.Tensor, state_row: torch.Tensor,
                     block_rows: torch.Tensor, gate_bias: torch.Tensor, norm: torch.Tensor,
                     block_index: torch.Tensor, ratio: int, eps: float, theta: float,
-                    compress=compress_latents, complete: torch.Tensor | None = None) -> torch.Tensor:
+                    compress=compress_latents, *, complete: torch.Tensor) -> torch.Tensor:
     """A decode token per row joins its compressor's open block: c, g [B, 512] into state
     [rows, 2, >= 512] at state_row [B] (content, then gate, in the state's dtype), then the
     block's rows block_rows [B, ratio] (its own among them), read back in float32, through
     `compress` (compress_latents: latents float32 [B, 512]); zeros where `complete` (bool
-    [B]) is False. The plain reference of remnant.kernels.compress.compress_decode."""
+    [B]: the token completes its block) is False. The plain reference of
+    remnant.kernels.compress.compress_decode."""
     state[state_row, :, :HEAD_DIM] = torch.stack([c, g], dim=1).to(state.dtype)
     block = state[block_rows, :, :HEAD_DIM].float()  # [B, ratio, 2, 512]: one gather for both
     latents = compress(block[:, :, 0], block[:, :, 1], gate_bias, norm, block_index, ratio, eps, theta)
-    return latents if complete is None else torch.where(complete[:, None], latents, 0.0)
+    return torch.where(complete[:, None], latents, 0.0)
 
 
 def index_key_decode(ik: torch.Tensor, state: torch.Tensor, state_row: torch.Tensor, block_rows: torch.Tensor,

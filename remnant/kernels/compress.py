@@ -47,7 +47,7 @@ GATE_ROWS = 32
 def _gate_kernel(c_ptr, c_stride, g_ptr, g_stride, state_ptr, state_stride0, state_stride1,
                  state_row_ptr, block_rows_ptr, bias_ptr, complete_ptr, latent_ptr,
                  RATIO: tl.constexpr, J: tl.constexpr, CB: tl.constexpr, D: tl.constexpr,
-                 HAS_COMPLETE: tl.constexpr, INTERPRETED: tl.constexpr):
+                 INTERPRETED: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * CB + tl.arange(0, CB)                  # [CB]: this program's coordinates
     own = tl.load(state_row_ptr + b)
@@ -57,9 +57,7 @@ def _gate_kernel(c_ptr, c_stride, g_ptr, g_stride, state_ptr, state_stride0, sta
     tl.store(state_ptr + own * state_stride0 + state_stride1 + d, g_new)
     # Online softmax over the block's rows, J at a time, per coordinate; none where the
     # token leaves its block open (its latent goes to the padding page: zeros).
-    rows_read = RATIO
-    if HAS_COMPLETE:
-        rows_read = tl.where(tl.load(complete_ptr + b) != 0, RATIO, 0)
+    rows_read = tl.where(tl.load(complete_ptr + b) != 0, RATIO, 0)
     m = tl.full([CB], float("-inf"), tl.float32)
     s = tl.zeros([CB], tl.float32)
     acc = tl.zeros([CB], tl.float32)
@@ -84,15 +82,16 @@ def _gate_kernel(c_ptr, c_stride, g_ptr, g_stride, state_ptr, state_stride0, sta
 def compress_decode(c: torch.Tensor, g: torch.Tensor, state: torch.Tensor, state_row: torch.Tensor,
                     block_rows: torch.Tensor, gate_bias: torch.Tensor, norm: torch.Tensor,
                     block_index: torch.Tensor, ratio: int, eps: float, theta: float,
-                    out_dtype: torch.dtype = torch.bfloat16, complete: torch.Tensor | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.bfloat16, *, complete: torch.Tensor) -> torch.Tensor:
     """One decode token per row joins its open block: c, g [B, 512] (row-strided views are
     fine) go to state [rows, 2, >= 512] at state_row [B] (content at [:, 0], gate at [:, 1],
     in the state's dtype); the block's rows block_rows [B, ratio] (the token's own among
     them) give the latent as remnant.engine.ops.compress_latents does (softmax gate plus
     gate_bias [ratio, 512], RMS norm with weight `norm` [512], RoPE at block_index * ratio).
-    Returns [B, 512] in out_dtype (bf16: what the record store rounds to); with `complete`
-    (bool [B]), zeros where it is False, for which the block is not read (a C128 block's
-    state is 512 KB a sequence; 1 step in 128 completes it). Graph-safe."""
+    Returns [B, 512] in out_dtype (bf16: what the record store rounds to): zeros where
+    `complete` (bool [B], whether the token completes its block) is False, for which the
+    block is not read (a C128 block's state is 512 KB a sequence; 1 step in 128 completes
+    it). Graph-safe."""
     B = c.shape[0]
     if c.shape[-1] != HEAD_DIM or g.shape != c.shape or c.stride(-1) != 1 or g.stride(-1) != 1:
         raise ValueError(f"c and g must be [B, {HEAD_DIM}] with unit column stride, got {tuple(c.shape)}, "
@@ -110,9 +109,8 @@ def compress_decode(c: torch.Tensor, g: torch.Tensor, state: torch.Tensor, state
     if B:
         _gate_kernel[(B, HEAD_DIM // GATE_COLUMNS)](
             c, c.stride(0), g, g.stride(0), state, state.stride(0), state.stride(1), state_row.contiguous(),
-            block_rows.contiguous(), gate_bias.contiguous(), latent if complete is None else complete.contiguous(),
-            latent, RATIO=ratio, J=min(ratio, GATE_ROWS), CB=GATE_COLUMNS, D=HEAD_DIM,
-            HAS_COMPLETE=complete is not None, INTERPRETED=interpreted(), num_warps=4)
+            block_rows.contiguous(), gate_bias.contiguous(), complete.contiguous(), latent, RATIO=ratio,
+            J=min(ratio, GATE_ROWS), CB=GATE_COLUMNS, D=HEAD_DIM, INTERPRETED=interpreted(), num_warps=4)
     return norm_rope(latent, norm, eps, block_index, theta, position_scale=ratio, out_dtype=out_dtype)
 
 

@@ -149,7 +149,7 @@ ROW_KERNELS = [
                  dict(c_ptr="*bf16", c_stride="i64", g_ptr="*bf16", g_stride="i64", state_ptr=f"*{state}",
                       state_stride0="i64", state_stride1="i64", state_row_ptr="*i64", block_rows_ptr="*i64",
                       bias_ptr="*bf16", complete_ptr="*i1", latent_ptr="*fp32"),
-                 dict(RATIO=ratio, J=min(ratio, 32), CB=32, D=512, HAS_COMPLETE=True, INTERPRETED=False), 4,
+                 dict(RATIO=ratio, J=min(ratio, 32), CB=32, D=512, INTERPRETED=False), 4,
                  id=f"gate-{state}-{ratio}")
     for state in ("fp32", "bf16") for ratio in (4, 128)
 ] + [

@@ -47,9 +47,10 @@ def test_compress_decode_is_the_plain_update(ratio, state_dtype, dtype, rows=5):
     state = (torch.randn(max(SLOTS, rows) * ring, 2, 1024, generator=gen) * 3).to(DEVICE, state_dtype)
     want_state = state.clone()
     args = (block_rows, bias, norm, index, ratio, 1e-6, 160000.0)
-    want = compress_decode_plain(c, g, want_state, state_row, *args)
-    exact = compress_decode(c, g, state.clone(), state_row, *args, out_dtype=torch.float32)
-    got = compress_decode(c, g, state, state_row, *args)
+    every = torch.ones(rows, dtype=torch.bool, device=DEVICE)  # every token completes its block
+    want = compress_decode_plain(c, g, want_state, state_row, *args, complete=every)
+    exact = compress_decode(c, g, state.clone(), state_row, *args, out_dtype=torch.float32, complete=every)
+    got = compress_decode(c, g, state, state_row, *args, complete=every)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 512)
     assert torch.equal(state, want_state)
     # float32: apart by summation order (an online softmax) and RoPE's cos and sin (of the
@@ -78,7 +79,7 @@ def test_only_completing_tokens_read_their_block(ratio, rows=6):
     args = (block_rows, bias, norm, index, ratio, 1e-6, 160000.0)
     want_state = state.clone()
     want = compress_decode_plain(c, g, want_state, state_row, *args, complete=complete)
-    every = compress_decode_plain(c, g, state.clone(), state_row, *args)
+    every = compress_decode_plain(c, g, state.clone(), state_row, *args, complete=torch.ones_like(complete))
     got = compress_decode(c, g, state, state_row, *args, out_dtype=torch.float32, complete=complete)
     assert torch.equal(state.nan_to_num(7.0), want_state.nan_to_num(7.0))
     assert (want[~complete] == 0).all() and torch.equal(want[complete], every[complete])
@@ -101,12 +102,14 @@ def test_compress_decode_refuses_wrong_shapes_naming_them():
     z = torch.zeros(2, 512, device=DEVICE)
     state = torch.zeros(16, 2, 1024, device=DEVICE)
     rows, block = torch.zeros(2, dtype=torch.long, device=DEVICE), torch.zeros(2, 4, dtype=torch.long, device=DEVICE)
+    ok = torch.ones(2, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="c and g must be"):
-        compress_decode(z[:, :256], z[:, :256], state, rows, block, z[:4], z[0], rows, 4, 1e-6, 1e4)
+        compress_decode(z[:, :256], z[:, :256], state, rows, block, z[:4], z[0], rows, 4, 1e-6, 1e4, complete=ok)
     with pytest.raises(ValueError, match="gate_bias"):
-        compress_decode(z, z, state, rows, block, z[:3], z[0], rows, 4, 1e-6, 1e4)
+        compress_decode(z, z, state, rows, block, z[:3], z[0], rows, 4, 1e-6, 1e4, complete=ok)
     with pytest.raises(ValueError, match="state must be"):
-        compress_decode(z, z, state[:, :, :256], rows, block, torch.zeros(4, 512), z[0], rows, 4, 1e-6, 1e4)
+        compress_decode(z, z, state[:, :, :256], rows, block, torch.zeros(4, 512), z[0], rows, 4, 1e-6, 1e4,
+                        complete=ok)
 
 
 def _index_pages(per_page: int, pages: int, d: int) -> tuple[torch.Tensor, PageLayout]:
