@@ -22,6 +22,19 @@ from remnant.kernels.common import cast_nearest, interpreted
 
 
 @triton.jit
+def normed_times_weight(x, ms, w, eps, ROUND_Y: tl.constexpr, INTERPRETED: tl.constexpr):
+    """remnant.engine.ops.rms_norm's roundings, given x's mean square ms (float32): x *
+    rsqrt(ms + eps) rounded to x's dtype, times w in the product's dtype (x's where
+    ROUND_Y, else float32). Returns float32 (holding that dtype's values). rope.norm_rope
+    uses it too."""
+    normed = cast_nearest(x.to(tl.float32) * (1.0 / tl.sqrt(ms + eps)), x.dtype, INTERPRETED)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    if ROUND_Y:
+        y = cast_nearest(y, x.dtype, INTERPRETED).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr,
                      ROUND_Y: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -29,11 +42,8 @@ def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, eps, D: tl.constexpr, BLOC
     inside = d < D
     x = tl.load(x_ptr + row * x_stride + d, mask=inside, other=0.0)
     xf = x.to(tl.float32)
-    ms = tl.sum(xf * xf, axis=0) / D
-    normed = cast_nearest(xf * (1.0 / tl.sqrt(ms + eps)), x.dtype, INTERPRETED)
-    y = normed.to(tl.float32) * tl.load(w_ptr + d, mask=inside, other=0.0).to(tl.float32)
-    if ROUND_Y:  # the product's dtype is x's (else float32, which y already is)
-        y = cast_nearest(y, x.dtype, INTERPRETED).to(tl.float32)
+    y = normed_times_weight(x, tl.sum(xf * xf, axis=0) / D, tl.load(w_ptr + d, mask=inside, other=0.0), eps,
+                            ROUND_Y, INTERPRETED)
     tl.store(out_ptr + row * D + d, cast_nearest(y, out_ptr.dtype.element_ty, INTERPRETED), mask=inside)
 
 

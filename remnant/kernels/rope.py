@@ -10,10 +10,11 @@ rad angles of long contexts lose nothing to them.
 
 norm_rope replaces TorchInductor's three kernels a call (a reduction and two pointwise
 kernels, `step_ops`' compiled norm_rope) with one program per row: twice a layer and once
-more a compressed layer (the compressor's latent), 127 launches of a V4-Flash step. It rounds where the plain ops round (the norm's bf16 result,
-its product with the weight, each rotated half), so it gives their values but where a
-float32 rounding apart (the mean's summation order, sqrt then divide for rsqrt) crosses a
-bf16 rounding boundary. Plain reference: remnant.engine.ops.norm_rope
+more a compressed layer (the compressor's latent), 127 launches of a V4-Flash step. It
+rounds where the plain ops round (the norm's bf16 result, its product with the weight,
+each rotated half: remnant.kernels.norm.normed_times_weight), so it gives their values
+but where a float32 rounding apart (the mean's summation order, sqrt then divide for
+rsqrt) crosses a bf16 rounding boundary. Plain reference: remnant.engine.ops.norm_rope
 (tests/kernels/test_rope.py).
 """
 
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from remnant.kernels.common import cast_nearest, interpreted
+from remnant.kernels.norm import normed_times_weight
 from remnant.kv.formats import HEAD_DIM, NOPE_DIM
 
 ROPE_HALF = (HEAD_DIM - NOPE_DIM) // 2  # 32: RoPE rotates coordinate i with i + 32 of the last 64
@@ -66,12 +68,7 @@ def _norm_rope_kernel(x_ptr, x_stride_t, x_stride_h, w_ptr, pos_ptr, pos_scale, 
     x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + d)
     xf = x.to(tl.float32)
     ms = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / (ROWS * HALF)
-    # rms_norm: (x * rsqrt(mean + eps)) in x's dtype, times the weight in the product's
-    # dtype: x's where ROUND_Y (x's and the weight's promote to it), else float32.
-    normed = cast_nearest(xf * (1.0 / tl.sqrt(ms + eps)), x.dtype, INTERPRETED)
-    y = normed.to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)
-    if ROUND_Y:
-        y = cast_nearest(y, x.dtype, INTERPRETED).to(tl.float32)
+    y = normed_times_weight(x, ms, tl.load(w_ptr + d), eps, ROUND_Y, INTERPRETED)
     rotated = rotate(y, tl.load(pos_ptr + t) * pos_scale, inv_ptr, ROWS, HALF)
     # Where y is already in the output's dtype its cast is exact: each value rounds once.
     out = tl.where(d < ROWS * HALF - 2 * HALF, y, rotated)
