@@ -129,7 +129,7 @@ def decode_step(model, pools, batch: DecodeBatch, attention: str) -> torch.Tenso
     window_locs = window_locations(batch, a.window_size).to(torch.int32)
     # Where each sequence's compressed records and compressor state sit: the same for every
     # layer of a ratio, so found once per step.
-    slots = {r: RatioSlots.of(batch, pools, r) for r in set(a.compress_ratios) if r}
+    slots = {r: RatioSlots.of(batch, pools, r, model.ops.ratio_slots) for r in set(a.compress_ratios) if r}
     # Each token's own ring slot, where every layer stores its window record.
     own_locs = window_locs[:, -1].contiguous()
     h = model.embed[batch.ids]
@@ -154,24 +154,12 @@ class RatioSlots:
     complete: torch.Tensor  # bool [B] whether its token completes its block
 
     @classmethod
-    def of(cls, batch: DecodeBatch, pools, ratio: int) -> "RatioSlots":
-        """Record j is visible once its block is complete: j * ratio + ratio - 1 <= pos.
-        Locations and counts are int32, the kernels' index type, cast here once a step
-        rather than by each layer's kernels."""
-        per = pools.page_size // ratio
-        j = torch.arange(batch.page_table.shape[1] * per, device=batch.pos.device)
-        locs = batch.page_table[:, j // per] * per + j % per
-        counts = torch.clamp((batch.pos + 1) // ratio, max=locs.shape[1])
+    def of(cls, batch: DecodeBatch, pools, ratio: int, fn) -> "RatioSlots":
+        """`fn`: StepOps.ratio_slots (remnant.engine.ops.ratio_slots, the reference, or one
+        launch on cuda). Locations and counts are int32, the kernels' index type,
+        made here once a step rather than by each layer's kernels."""
         ring = C4_RING if ratio == CSA_RATIO else C128_RING
-        index = batch.pos // ratio
-        complete = batch.pos % ratio == ratio - 1
-        page = batch.page_table.gather(1, (index // per)[:, None])[:, 0]
-        visible = j[None, :] < counts[:, None]
-        i32 = torch.int32
-        return cls(locs.to(i32), visible, torch.where(visible, locs, -1).to(i32), counts.to(i32),
-                   batch.slot * ring + batch.pos % ratio,
-                   batch.slot[:, None] * ring + torch.arange(ratio, device=batch.pos.device), index,
-                   torch.where(complete, page * per + index % per, pools.pad_page * per).to(torch.int32), complete)
+        return cls(*fn(batch.pos, batch.page_table, batch.slot, pools.page_size, ratio, ring, pools.pad_page))
 
 
 def _layer(model, li: int, layer, pools, batch: DecodeBatch, h: torch.Tensor, window_locs: torch.Tensor,

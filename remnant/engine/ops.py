@@ -94,6 +94,30 @@ def index_key_decode(ik: torch.Tensor, state: torch.Tensor, state_row: torch.Ten
     layout.write(pages, locs, quantize(keys))
 
 
+def ratio_slots(pos: torch.Tensor, page_table: torch.Tensor, slot: torch.Tensor, page_size: int, ratio: int,
+                ring: int, pad_page: int) -> tuple[torch.Tensor, ...]:
+    """Where a decode batch's tokens (positions pos int64 [B], full pages page_table int64
+    [B, P], compressor state slots slot int64 [B]) sit in one ratio's records and
+    compressor state: (locs int32 [B, N], visible bool [B, N], visible_locs int32 [B, N],
+    counts int32 [B], state_row int64 [B], block_rows int64 [B, ratio], index int64 [B],
+    write_locs int32 [B], complete bool [B]) with N = P * page_size // ratio
+    (remnant.engine.decode_step.RatioSlots names them). Record j is visible once its block
+    is complete: j * ratio + ratio - 1 <= pos. The reference of
+    remnant.kernels.slots.ratio_slots (one launch for these thirty-odd)."""
+    per = page_size // ratio
+    j = torch.arange(page_table.shape[1] * per, device=pos.device)
+    locs = page_table[:, j // per] * per + j % per
+    counts = torch.clamp((pos + 1) // ratio, max=locs.shape[1])
+    index = pos // ratio
+    complete = pos % ratio == ratio - 1
+    page = page_table.gather(1, (index // per)[:, None])[:, 0]
+    visible = j[None, :] < counts[:, None]
+    i32 = torch.int32
+    return (locs.to(i32), visible, torch.where(visible, locs, -1).to(i32), counts.to(i32), slot * ring + pos % ratio,
+            slot[:, None] * ring + torch.arange(ratio, device=pos.device), index,
+            torch.where(complete, page * per + index % per, pad_page * per).to(i32), complete)
+
+
 def decode_config(heads: int) -> "DecodeConfig | None":
     """Launch settings of remnant.kernels.decode: its plan's own (None), tuned for V4's 64
     heads; for 16 heads or fewer (the tiny model has 8), blocks of 16 heads (tl.dot's

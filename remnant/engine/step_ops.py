@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from remnant.engine.ops import (compress_decode, compress_latents, index_key_decode, index_top_k, index_top_locations,
-                                norm_rope, rms_norm, silu_mul)
+                                norm_rope, ratio_slots, rms_norm, silu_mul)
 from remnant.kv.index_keys import index_key_codes, join_index_keys, quantize_index_keys, quantize_index_keys_mxfp4
 
 
@@ -65,6 +65,10 @@ class StepOps:
     #: The shared expert's activation (remnant.engine.ops.silu_mul; compiled: one kernel
     #: for two, keeping eager's bf16 rounding between them).
     silu_mul: Callable = silu_mul
+    #: A decode step's positions in one ratio's records and compressor state (remnant.
+    #: engine.ops.ratio_slots; compiled: remnant.kernels.slots.ratio_slots, one launch for
+    #: some thirty).
+    ratio_slots: Callable = ratio_slots
 
 
 PLAIN_OPS = StepOps("plain", rms_norm, compress_latents, quantize_index_keys, index_top_k,
@@ -108,7 +112,7 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
     each function compiles on its first call). Tests on the CPU trace with "aot_eager"."""
     # Here, not at the top: Triton's interpreter is chosen before triton loads.
     from remnant.engine.moe import route_tokens
-    from remnant.kernels import compress, norm, rope
+    from remnant.kernels import compress, norm, rope, slots
     from remnant.kernels.moe import align, align_triton
     from remnant.kernels.route import route_triton
     from remnant.kernels.top_k import top_k, top_k_locations
@@ -138,4 +142,6 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
         index_key_decode=compress.index_key_decode,
         index_top_locations=top_k_locations,
         silu_mul=_dynamic(silu_mul, {0: (0,)}, backend, eager_rounding=True),
+        # Not torch.compile's: one launch for some thirty a ratio.
+        ratio_slots=slots.ratio_slots,
     )

@@ -169,6 +169,14 @@ ROW_KERNELS = [
                  dict(D=width, BLOCK=width, ROUND_Y=True, INTERPRETED=False), warps, id=f"rms-norm-{width}")
     for width, warps in ((1024, 4), (4096, 8))
 ] + [
+    pytest.param("remnant.kernels.slots:_ratio_slots_kernel",
+                 dict(pos_ptr="*i64", table_ptr="*i64", stride_t="i64", slot_ptr="*i64", locs_ptr="*i32",
+                      visible_ptr="*i1", visible_locs_ptr="*i32", counts_ptr="*i32", state_row_ptr="*i64",
+                      block_rows_ptr="*i64", index_ptr="*i64", write_ptr="*i32", complete_ptr="*i1", N="i32",
+                      pad_page="i32"),
+                 dict(PER=per, RATIO=ratio, RING=ring, BLOCK=1024, RATIO_BLOCK=ratio), 4, id=f"ratio-slots-{ratio}")
+    for ratio, per, ring in ((4, 64, 8), (128, 2, 128))
+] + [
     # A batch of 128's 768 pairs over 32 experts (a one-hot of them all spilled 12 KB).
     pytest.param("remnant.kernels.moe:_align_kernel",
                  dict(ids_ptr="*i64", rows_ptr="*i32", block_expert_ptr="*i32", n="i32"),
