@@ -12,7 +12,7 @@ decode step timed over `--steps` steps (each sequence's length put back after ea
 every step reads the same context). Beside each time: the roofline of remnant.engine.
 roofline (bytes over the copy bandwidth and FLOPs over the matmul peak, both measured here
 in the same run) and, on CUDA, where the GPU's time goes inside a step (torch profiler:
-the share of wall time no kernel covers, kernels per step, the kernels taking most time). Prefill: per mode and prompt length
+the share of the step's wall time no kernel covers, kernels per step, the kernels taking most time). Prefill: per mode and prompt length
 (`--prefill-contexts`), one prompt of random tokens prefilled in chunks of `--chunk` tokens
 (SGLang's chunked prefill; remnant.engine.prefill_step), timed whole: tokens/s. Writes one
 JSON document (remnant/engine-bench) and prints a table; the command is
@@ -180,7 +180,7 @@ def prefill_rows(model, mode: str, contexts: list[int], chunk: int):
 class StepProfile:
     """Where a step's GPU time goes (torch profiler over a few steps)."""
 
-    idle_share: float  # 1 - (time covered by GPU kernels) / (wall time)
+    busy_us: float  # time covered by GPU kernels a step (their union)
     kernels_per_step: float
     top_kernels: list[dict]  # {name, calls_per_step, us_per_step}, most GPU time first
 
@@ -189,7 +189,7 @@ class StepProfile:
 
 
 def profile_step(step, device: torch.device, steps: int = 3, kernel_log: Path | None = None) -> StepProfile:
-    """Profile `steps` calls of `step` (torch profiler, CUDA activity): the GPU's idle share,
+    """Profile `steps` calls of `step` (torch profiler, CUDA activity): the GPU's busy time,
     kernels per step and the kernels taking most of the time (also printed, for the log).
     kernel_log: a TSV written with the last step's kernels in order (start and gap before
     it, duration, name), to tell one call site of a kernel from another."""
@@ -197,11 +197,9 @@ def profile_step(step, device: torch.device, steps: int = 3, kernel_log: Path | 
 
     _sync(device)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
         for _ in range(steps):
             step()
         _sync(device)
-        wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     launch_us = sum(e.time_range.end - e.time_range.start for e in prof.events()
                     if e.device_type == torch.autograd.DeviceType.CPU and e.name == "cudaGraphLaunch")
@@ -220,7 +218,7 @@ def profile_step(step, device: torch.device, steps: int = 3, kernel_log: Path | 
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: StepProfile.TOP]
-    result = StepProfile(max(0.0, 1.0 - busy / 1e6 / wall), len(spans) / steps,
+    result = StepProfile(busy / steps, len(spans) / steps,
                          [{"name": name, "calls_per_step": len(us) / steps, "us_per_step": sum(us) / steps}
                           for name, us in top])
     if kernel_log is not None:
@@ -230,6 +228,14 @@ def profile_step(step, device: torch.device, steps: int = 3, kernel_log: Path | 
           f"{launch_us / steps:.0f} us of host time; most GPU time:", file=sys.stderr)
     for k in result.top_kernels:
         print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.0f} x  {k['name'][:100]}", file=sys.stderr)
+    # Where the host's share goes (building and copying the batch, the launch): the CPU
+    # operations taking most self time, for the log only. Not the wait for the GPU
+    # (cudaDeviceSynchronize) nor the profiler's own rows (no calls).
+    cpu = sorted((e for e in prof.key_averages()
+                  if e.self_cpu_time_total > 0 and e.count and e.key != "cudaDeviceSynchronize"),
+                 key=lambda e: -e.self_cpu_time_total)[:8]
+    print("host time a step by operation: " + ", ".join(
+        f"{e.key} {e.self_cpu_time_total / steps:.0f} us ({e.count / steps:.1f}x)" for e in cpu), file=sys.stderr)
     return result
 
 
@@ -315,7 +321,12 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                 roof = cost.seconds(peaks["copy_bytes_per_s"], peaks["matmul_flops_per_s"])
                 rows.append({"mode": mode, "batch": batch, "context": context, "step_ms": seconds * 1e3,
                              "roofline_ms": roof * 1e3, "step_over_roofline": seconds / roof,
-                             "gpu_idle_share": None if profile is None else profile.idle_share, "bytes": cost.bytes,
+                             # Over the median timed step, not the profiled steps' wall time: the
+                             # profiler slows cudaGraphLaunch by about 1 ms a step (H100,
+                             # 2026-12-06), GPU time a plain step does not lose.
+                             "gpu_idle_share": None if profile is None
+                             else max(0.0, 1.0 - profile.busy_us / 1e6 / seconds),
+                             "gpu_busy_ms": None if profile is None else profile.busy_us / 1e3, "bytes": cost.bytes,
                              "flops": cost.flops, "parts": cost.parts,
                              "native_decode": model.native_decode, "packed_decode": model.packed_decode,
                              "cuda_graph": model.graphs is not None, "step_ops": model.ops.name,
