@@ -75,6 +75,11 @@ class EngineArgs:
     #: Decode steps on cuda replay CUDA graphs captured per batch-size bucket
     #: (remnant.engine.graphs); off: eager steps. Ignored on cpu.
     cuda_graph: bool = field(default=True, metadata={"flag": "--disable-cuda-graph"})
+    #: On cuda, a step's answers (the tokens streamed to clients) go out after the next
+    #: step is launched, while the GPU runs it (remnant.engine.engine); off: between the
+    #: two steps, where the server's streaming holds up the next launch. Ignored on cpu,
+    #: whose steps are not launched asynchronously (an answer would wait a whole step).
+    overlap_answers: bool = field(default=True, metadata={"flag": "--disable-overlap-answers"})
     #: On cuda, the model's elementwise chains (norms, RoPE, the compressor's gate, the
     #: indexer's key codec and top-k keys) run through torch.compile (remnant.engine.
     #: step_ops); off: plain torch operations. Ignored on cpu.

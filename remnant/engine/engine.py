@@ -18,6 +18,13 @@ time, from the state before it (see `_step`), so only a request whose own step f
 failed. A request whose answer cannot be delivered (its callback raises) is dropped.
 Requests are validated at the HTTP edge (remnant.engine.api); these guards are for what
 validation cannot foresee.
+
+With `overlap_answers` (on for the GPU: remnant.engine.served) a step's answers go out
+after the next step is launched, while the GPU runs it, not between the two steps. The
+server's event loop turns each answer into a streamed frame (decoding, JSON, the socket
+write), Python that shares the interpreter lock with this thread: between steps it held
+up the next step's launch, and the GPU waited, for every stream's frame of every token.
+Each answer then goes out one launch later (about a millisecond); their order is kept.
 """
 
 from __future__ import annotations
@@ -88,12 +95,16 @@ class Engine:
         pools: KVPools,
         cache: PrefixCache | None = None,
         chunked_prefill_size: int = 512,
+        overlap_answers: bool = False,
     ):
         self.model = model
         self.eos_token_id = eos_token_id
         self.pools = pools
         self.cache = cache or PrefixCache(pools, enabled=False)
         self.chunked_prefill_size = chunked_prefill_size
+        self.overlap_answers = overlap_answers
+        #: (request, event) answers held for the next launch (overlap_answers), in order.
+        self._answers: list[tuple[Request, TokenEvent]] = []
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._cv = threading.Condition()
@@ -172,10 +183,13 @@ class Engine:
             while True:
                 batch: list[Request] = []
                 try:
+                    if not self._running:
+                        self._send_answers()  # no step to launch: they go out now
                     with self._cv:
                         while not self._stop and not self._waiting and not self._running:
                             self._cv.wait()
                         if self._stop:
+                            self._send_answers()
                             return
                         for r in [r for r in self._running if r.aborted]:
                             self._release_quietly(r)
@@ -191,7 +205,9 @@ class Engine:
                     with self._cv:
                         for r in [r for r in batch if r in self._running]:
                             self._fail(r, f"engine error: {exc!r}")
-                        if not batch:
+                    self._send_answers()
+                    if not batch:
+                        with self._cv:
                             self._cv.wait(timeout=0.05)  # nothing to blame: do not spin on it
         except BaseException as exc:  # the loop must never die silently: answer everyone
             self.error = f"engine loop died: {exc!r}"
@@ -201,6 +217,7 @@ class Engine:
                     self._emit(r, TokenEvent(list(r.output_ids), self._abort_reason(self.error, 500)))
                 self._waiting.clear()
                 self._running.clear()
+            self._send_answers()
             raise
 
     @staticmethod
@@ -334,15 +351,19 @@ class Engine:
                 chunks.append([r.output_ids[-1]])
             batch.append(r)
         if not batch:
+            self._send_answers()
             return
         # A prefill chunk of several tokens overwrites window and compressor state that
         # it reads itself; keep them, so that its step can run again alone if the batch
         # fails (a decode token's writes are idempotent: it rewrites what it wrote).
         kept = [self._state_of(r.seq) if len(batch) > 1 and len(c) > 1 else None for r, c in zip(batch, chunks)]
         try:
-            rows = list(zip(batch, self._forward(batch, chunks)))
+            logits = self._forward(batch, chunks)
+            self._send_answers()  # the last step's, while the device runs this one
+            rows = list(zip(batch, logits.cpu()))
         except Exception as exc:  # noqa: BLE001 - a failed step must answer, not kill the loop
             log.exception("engine step of %d requests failed", len(batch))
+            self._send_answers()
             rows = self._step_alone(batch, chunks, kept, exc)
         self.steps += 1
         with self._cv:
@@ -354,9 +375,11 @@ class Engine:
                     self._fail(r, f"engine error: {exc!r}")
 
     def _forward(self, batch: list[Request], chunks: list[list[int]]) -> torch.Tensor:
-        """float32 [len(batch), vocab] logits on the CPU (the requests' generators live there)."""
+        """float32 [len(batch), vocab] logits on the model's device, the step launched (on
+        cuda it may still run); the caller copies them to the CPU, where the requests'
+        generators live."""
         with torch.inference_mode():
-            return self.model.forward([r.seq for r in batch], chunks, self.pools).cpu()
+            return self.model.forward([r.seq for r in batch], chunks, self.pools)
 
     def _step_alone(self, batch: list[Request], chunks: list[list[int]], kept: list, exc: Exception) -> list:
         """After a batched forward failed: each request's step again, alone, so that only a
@@ -371,7 +394,7 @@ class Engine:
                 for view, saved in state:
                     view.copy_(saved)
             try:
-                rows.append((r, self._forward([r], [chunk])[0]))
+                rows.append((r, self._forward([r], [chunk]).cpu()[0]))
             except Exception as own:  # noqa: BLE001 - the culprit fails, the others go on
                 log.exception("request %s failed its step alone", r.rid)
                 with self._cv:
@@ -468,10 +491,23 @@ class Engine:
         except Exception:  # noqa: BLE001 - its pages may stay lost; the engine keeps serving
             log.exception("releasing request %s failed", r.rid)
 
+    def _emit(self, r: Request, ev: TokenEvent) -> None:
+        """Answer `r`: now, or with overlap_answers after the next launch (_send_answers)."""
+        if self.overlap_answers:
+            self._answers.append((r, ev))
+        else:
+            self._deliver(r, ev)
+
+    def _send_answers(self) -> None:
+        """Deliver the held answers in the order they were made (engine thread only)."""
+        answers, self._answers = self._answers, []
+        for r, ev in answers:
+            self._deliver(r, ev)
+
     @staticmethod
-    def _emit(r: Request, ev: TokenEvent) -> None:
-        """Answer `r`; a callback that raises (its event loop closed) cannot be answered
-        again: the request is dropped at the next step, as if its client had left."""
+    def _deliver(r: Request, ev: TokenEvent) -> None:
+        """A callback that raises (its event loop closed) cannot be answered again: the
+        request is dropped at the next step, as if its client had left."""
         try:
             r.emit(ev)
         except Exception:  # noqa: BLE001

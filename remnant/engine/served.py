@@ -151,7 +151,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     native_tokens = size_pools(combination_geometry(geometry, NATIVE), engine_args.kv_budget_bytes).full_tokens
     pools = KVPools(geometry, sizes, model.device)
     engine = Engine(model, hf["eos_token_id"], pools, PrefixCache(pools, engine_args.prefix_cache),
-                    engine_args.chunked_prefill_size)
+                    engine_args.chunked_prefill_size,
+                    overlap_answers=engine_args.overlap_answers and model.device.type == "cuda")
     capacity = {
         "max_total_num_tokens": sizes.full_tokens,
         "swa_max_total_num_tokens": sizes.swa_tokens,
@@ -190,6 +191,9 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         # where steps run eagerly: cpu, --disable-cuda-graph, decode_path=reference).
         "cuda_graph": None if model.graphs is None else model.graphs.stats,
         "disable_cuda_graph": model.graphs is None,
+        # A step's answers go out while the next step runs (cuda, unless
+        # --disable-overlap-answers) or between steps.
+        "remnant_overlap_answers": engine.overlap_answers,
         # The elementwise chains: "compiled" (torch.compile, on cuda) or "plain".
         "remnant_step_ops": model.ops.name,
         # The compressors' state rows: float32 or bfloat16 (SGLang: SGLANG_DSV4_COMPRESS_STATE_DTYPE).

@@ -26,10 +26,12 @@ def model() -> Model:
     return Model(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
 
 
-@pytest.fixture
-def engine(model):
+@pytest.fixture(params=[False, True], ids=["answers-between-steps", "answers-overlapped"])
+def engine(model, request):
+    """Every behaviour below holds whether a step's answers go out before the next step is
+    launched or after it (overlap_answers, the GPU's default)."""
     pools = scratch_pools(model, 2048, sequences=8)
-    e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=128)
+    e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=128, overlap_answers=request.param)
     e.start()
     yield e
     e.stop()
@@ -173,6 +175,64 @@ def test_a_failed_batch_fails_only_the_request_at_fault(engine):
     assert done.finish_reason == {"type": "length", "length": 30} and done.output_ids == alone
     assert engine.alive and engine.error is None
     assert_pools_at_totals(engine)
+
+
+class LaunchLog(Model):
+    """The real model, whose every forward (a step's launch) is logged in `log`."""
+
+    log: list
+
+    def forward(self, seqs, chunks, pools):
+        self.log.append("launch")
+        return super().forward(seqs, chunks, pools)
+
+
+@pytest.mark.parametrize("overlap, expected", [
+    (False, ["launch", 1, "launch", 2, "launch", 3, "launch", 4]),
+    # Each step's answer after the next launch; the last, with no step to launch, at once.
+    (True, ["launch", "launch", 1, "launch", 2, "launch", 3, 4]),
+], ids=["answers-between-steps", "answers-overlapped"])
+def test_overlapped_answers_go_out_after_the_next_launch_in_order(overlap, expected):
+    model = LaunchLog(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
+    model.log = log = []
+    pools = scratch_pools(model, 512, sequences=2)
+    engine = Engine(model, EOS, pools, PrefixCache(pools, enabled=False), chunked_prefill_size=128,
+                    overlap_answers=overlap)
+    engine.start()
+    try:
+        c = Collector()
+
+        def answer(ev: TokenEvent) -> None:
+            log.append(len(ev.output_ids))
+            c(ev)
+
+        engine.submit(Request("r", _ids(8, 40), SamplingParams(4, 0.0, True), answer))
+        assert c.final().finish_reason == {"type": "length", "length": 4}
+        assert log == expected
+    finally:
+        engine.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_overlapped_answers_are_the_same_answers_on_the_gpu():
+    """On cuda, where a step is launched and the answers go out while it runs (graphs
+    replayed, bf16), requests batched together get the same tokens either way: the
+    answers' timing changes, not the steps."""
+    model = Model(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())), device="cuda", dtype="bfloat16")
+    prompts = [_ids(n, s) for s, n in enumerate((5, 130, 301, 64))]
+    answers = {}
+    for overlap in (False, True):
+        pools = scratch_pools(model, 2048, sequences=8)
+        engine = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=128, overlap_answers=overlap)
+        engine.start()
+        try:
+            with engine._cv:  # queued together: both runs step the same batches
+                runs = [_run(engine, f"{overlap}-{i}", p, 12) for i, p in enumerate(prompts)]
+            answers[overlap] = [c.final().output_ids for c in runs]
+        finally:
+            engine.stop()
+    assert answers[True] == answers[False] and all(len(o) == 12 for o in answers[True])
 
 
 POISON = 256  # a token of the vocabulary (BOS), in no prompt of _ids
