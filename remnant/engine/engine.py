@@ -20,11 +20,13 @@ Requests are validated at the HTTP edge (remnant.engine.api); these guards are f
 validation cannot foresee.
 
 With `overlap_answers` (on for the GPU: remnant.engine.served) a step's answers go out
-after the next step is launched, while the GPU runs it, not between the two steps. The
-server's event loop turns each answer into a streamed frame (decoding, JSON, the socket
-write), Python that shares the interpreter lock with this thread: between steps it held
-up the next step's launch, and the GPU waited, for every stream's frame of every token.
-Each answer then goes out one launch later (about a millisecond); their order is kept.
+after the next decode step is launched, while the GPU runs it, not between the two
+steps. The server's event loop turns each answer into a streamed frame (decoding, JSON,
+the socket write), Python that shares the interpreter lock with this thread: between
+steps it held up the next step's launch, and the GPU waited, for every stream's frame of
+every token. Each answer then goes out one launch later (a decode step's launch returns
+before the step runs: remnant.engine.graphs); their order is kept. Before a step with a
+prefill chunk they go out first: its launch waits for the GPU (a blocking copy at its end).
 """
 
 from __future__ import annotations
@@ -357,6 +359,8 @@ class Engine:
         # it reads itself; keep them, so that its step can run again alone if the batch
         # fails (a decode token's writes are idempotent: it rewrites what it wrote).
         kept = [self._state_of(r.seq) if len(batch) > 1 and len(c) > 1 else None for r, c in zip(batch, chunks)]
+        if any(len(c) > 1 for c in chunks):
+            self._send_answers()  # a prefill's launch waits for the GPU: they would wait with it
         try:
             logits = self._forward(batch, chunks)
             self._send_answers()  # the last step's, while the device runs this one
@@ -499,9 +503,11 @@ class Engine:
             self._deliver(r, ev)
 
     def _send_answers(self) -> None:
-        """Deliver the held answers in the order they were made (engine thread only)."""
-        answers, self._answers = self._answers, []
-        for r, ev in answers:
+        """Deliver the held answers in the order they were made (engine thread only). One
+        at a time off the list: should a delivery raise past _deliver (a BaseException),
+        the rest stay held for the death path to send."""
+        while self._answers:
+            r, ev = self._answers.pop(0)
             self._deliver(r, ev)
 
     @staticmethod

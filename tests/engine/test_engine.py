@@ -187,52 +187,77 @@ class LaunchLog(Model):
         return super().forward(seqs, chunks, pools)
 
 
-@pytest.mark.parametrize("overlap, expected", [
-    (False, ["launch", 1, "launch", 2, "launch", 3, "launch", 4]),
+L = "launch"
+
+
+@pytest.mark.parametrize("overlap, requests, expected", [
+    (False, [("A", 8, 4)], [L, "A1", L, "A2", L, "A3", L, "A4"]),
     # Each step's answer after the next launch; the last, with no step to launch, at once.
-    (True, ["launch", "launch", 1, "launch", 2, "launch", 3, 4]),
-], ids=["answers-between-steps", "answers-overlapped"])
-def test_overlapped_answers_go_out_after_the_next_launch_in_order(overlap, expected):
+    (True, [("A", 8, 4)], [L, L, "A1", L, "A2", L, "A3", "A4"]),
+    # B's 300-token prompt is prefilled in chunks of 120, 128, 8 (to its page's end) and 44
+    # tokens beside A's decodes, steps whose launch waits for the GPU: the answers held
+    # go out before them. Then decode-only steps: after the launch.
+    (False, [("A", 8, 6), ("B", 300, 1)], [L, "A1", L, "A2", L, "A3", L, "A4", "B1", L, "A5", L, "A6"]),
+    (True, [("A", 8, 6), ("B", 300, 1)], [L, "A1", L, "A2", L, "A3", L, L, "A4", "B1", L, "A5", "A6"]),
+], ids=["decode-between-steps", "decode-overlapped", "prefill-between-steps", "prefill-overlapped"])
+def test_overlapped_answers_go_out_after_the_next_decode_launch_in_order(overlap, requests, expected):
     model = LaunchLog(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
     model.log = log = []
-    pools = scratch_pools(model, 512, sequences=2)
+    pools = scratch_pools(model, 1024, sequences=2)
     engine = Engine(model, EOS, pools, PrefixCache(pools, enabled=False), chunked_prefill_size=128,
                     overlap_answers=overlap)
     engine.start()
     try:
-        c = Collector()
+        collectors = []
+        with engine._cv:  # queued together: admitted in the same step
+            for rid, prompt, new in requests:
+                c = Collector()
 
-        def answer(ev: TokenEvent) -> None:
-            log.append(len(ev.output_ids))
-            c(ev)
+                def answer(ev: TokenEvent, rid=rid, c=c) -> None:
+                    log.append(f"{rid}{len(ev.output_ids)}")
+                    c(ev)
 
-        engine.submit(Request("r", _ids(8, 40), SamplingParams(4, 0.0, True), answer))
-        assert c.final().finish_reason == {"type": "length", "length": 4}
+                engine.submit(Request(rid, _ids(prompt, 40), SamplingParams(new, 0.0, True), answer))
+                collectors.append((c, new))
+        for c, new in collectors:
+            assert c.final().finish_reason == {"type": "length", "length": new}
         assert log == expected
     finally:
         engine.stop()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.gpu
-def test_overlapped_answers_are_the_same_answers_on_the_gpu():
-    """On cuda, where a step is launched and the answers go out while it runs (graphs
-    replayed, bf16), requests batched together get the same tokens either way: the
-    answers' timing changes, not the steps."""
-    model = Model(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())), device="cuda", dtype="bfloat16")
-    prompts = [_ids(n, s) for s, n in enumerate((5, 130, 301, 64))]
-    answers = {}
-    for overlap in (False, True):
-        pools = scratch_pools(model, 2048, sequences=8)
-        engine = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=128, overlap_answers=overlap)
-        engine.start()
-        try:
-            with engine._cv:  # queued together: both runs step the same batches
-                runs = [_run(engine, f"{overlap}-{i}", p, 12) for i, p in enumerate(prompts)]
-            answers[overlap] = [c.final().output_ids for c in runs]
-        finally:
-            engine.stop()
-    assert answers[True] == answers[False] and all(len(o) == 12 for o in answers[True])
+class DyingModel(Model):
+    """The real model, whose third forward raises past the engine's guards (SystemExit):
+    the engine loop dies."""
+
+    calls = 0
+
+    def forward(self, seqs, chunks, pools):
+        self.calls += 1
+        if self.calls == 3:
+            raise SystemExit("the third step")
+        return super().forward(seqs, chunks, pools)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the test
+@pytest.mark.parametrize("overlap", [False, True], ids=["answers-between-steps", "answers-overlapped"])
+def test_a_dying_loop_sends_the_answers_it_held_then_the_abort(overlap):
+    """Where the loop dies, a request gets every token it was answered before the abort
+    (the tokens of the last two steps were still held with overlap_answers)."""
+    model = DyingModel(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
+    pools = scratch_pools(model, 512, sequences=2)
+    engine = Engine(model, EOS, pools, PrefixCache(pools, enabled=False), overlap_answers=overlap)
+    engine.start()
+    c = Collector()
+    engine.submit(Request("r", _ids(8, 50), SamplingParams(10, 0.0, True), c))
+    events = [c.events.get(timeout=60)]
+    while events[-1].finish_reason is None:
+        events.append(c.events.get(timeout=60))
+    assert [(len(ev.output_ids), ev.finish_reason is None) for ev in events] == [(1, True), (2, True), (2, False)]
+    last = events[-1].finish_reason
+    assert last["status_code"] == 500 and "engine loop died" in last["message"]
+    engine._thread.join(10)
+    assert not engine.alive and engine.error is not None
 
 
 POISON = 256  # a token of the vocabulary (BOS), in no prompt of _ids
@@ -263,7 +288,8 @@ class PoisonedModel(Model):
         return super().ffn(layer, h)
 
 
-def test_a_step_that_fails_midway_is_run_again_alone_from_its_state():
+@pytest.mark.parametrize("overlap", [False, True], ids=["answers-between-steps", "answers-overlapped"])
+def test_a_step_that_fails_midway_is_run_again_alone_from_its_state(overlap):
     """The batched step failed after writing part of its KV; each request's step runs
     again alone, a prefill chunk from the window and compressor state it had before (it
     overwrites what it reads), so the requests beside the failing one get what they get
@@ -271,7 +297,8 @@ def test_a_step_that_fails_midway_is_run_again_alone_from_its_state():
     prompt's logits moved by ~0.02 (its greedy tokens did not), hence logits compared."""
     model = PoisonedModel(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
     pools = scratch_pools(model, 2048, sequences=4)
-    engine = Engine(model, EOS, pools, PrefixCache(pools, enabled=False), chunked_prefill_size=1024)
+    engine = Engine(model, EOS, pools, PrefixCache(pools, enabled=False), chunked_prefill_size=1024,
+                    overlap_answers=overlap)
     engine.start()
     try:
         long_prompt, short_prompt = _ids(700, 22), _ids(8, 23)
@@ -299,14 +326,14 @@ def test_a_step_that_fails_midway_is_run_again_alone_from_its_state():
         engine.stop()
 
 
-@pytest.fixture
-def small_engine(model):
+@pytest.fixture(params=[False, True], ids=["answers-between-steps", "answers-overlapped"])
+def small_engine(model, request):
     """10 pages of 256 tokens, 2 SWA blocks, 2 request slots."""
     geometry = geometry_of(model, 256, 0.1, 2)
     per_token = sum(geometry.bytes_per_full_token().values())
     pools = KVPools(geometry, size_pools(geometry, int(2560 * per_token) + geometry.c128_state_fixed_bytes() + 1))
     assert (pools.num_pages, pools.swa_blocks.n, pools.slots.n) == (10, 2, 2)
-    e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=512)
+    e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=512, overlap_answers=request.param)
     e.start()
     yield e
     e.stop()
