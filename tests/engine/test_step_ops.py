@@ -140,6 +140,12 @@ def test_compiled_ops_at_their_call_sites_in_prefill_and_decode(decode_path):
     # test's model), through FP8 codes of cached records that round the other way. A wrong
     # expert or a dropped record moves them by O(0.1). Through remnant.kernels the decode
     # kernel also sums the chosen records in the top-k's order, not the sorted one: 8.3e-4
-    # measured (21 of 3,096 logits above 5e-4; this CPU, 2026-12-06).
+    # measured (21 of 3,096 logits above 5e-4; this CPU, 2026-12-06). The Triton RMS norm
+    # sums its squares in another order than torch: on an AVX2 machine (AMD EPYC,
+    # 2026-12-06) that flipped one FP8 code of the record completed at position 303, and
+    # the one row reading it (step 5 of the long prompt) moved by 0.021, every other row by
+    # under 8e-4. One row is allowed that much; a wrong expert or a dropped record moves
+    # every row after it.
     bound = 5e-4 if decode_path == "batched" else 2e-3
-    torch.testing.assert_close(logits["compiled"], logits["plain"], atol=bound, rtol=0)
+    rows = (logits["compiled"] - logits["plain"]).abs().amax(1).sort().values
+    assert rows[-1] < 0.05 and rows[-2] < bound, rows.tolist()
