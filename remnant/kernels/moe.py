@@ -608,7 +608,11 @@ class MoEConfig:
     split sums go to float32 buffers that the next kernel (the down kernel, or the final
     sum over a token's pairs) adds up, in a fixed order. per_pair: one program per (pair,
     tile, split) as a GEMV, without alignment or tl.dot (block_m unused); an expert that
-    several pairs share is read once per pair, so it suits a token or so."""
+    several pairs share is read once per pair, so it suits a token or so. down_block_n,
+    down_block_k, down_num_warps, down_num_stages: the down kernel's own tile, warps and
+    stages (None: the gate/up kernel's); the two kernels read different shapes (gate/up
+    two [hidden, I] tiles a step of the summed axis, down one [I, hidden] tile), so their
+    best tiles differ."""
 
     per_pair: bool = False
     block_m: int = 16
@@ -618,6 +622,17 @@ class MoEConfig:
     num_stages: int = 3
     split_k: int = 1
     down_split_k: int = 1
+    down_block_n: int | None = None
+    down_block_k: int | None = None
+    down_num_warps: int | None = None
+    down_num_stages: int | None = None
+
+    def down_launch(self) -> dict:
+        """The down kernel's BLOCK_N, BLOCK_K, num_warps and num_stages."""
+        pick = lambda own, shared: shared if own is None else own  # noqa: E731
+        return dict(BLOCK_N=pick(self.down_block_n, self.block_n), BLOCK_K=pick(self.down_block_k, self.block_k),
+                    num_warps=pick(self.down_num_warps, self.num_warps),
+                    num_stages=pick(self.down_num_stages, self.num_stages))
 
 
 def _whole_splits(axis: int, block_k: int, most: int) -> int:
@@ -689,9 +704,12 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     cfg = config or default_config(n, E, x.is_cuda and not interp, hidden, inter)
     if cfg.block_m < 16 and not cfg.per_pair:
         raise ValueError(f"config.block_m={cfg.block_m} is not allowed; tl.dot needs block_m >= 16")
-    for name, splits, axis in (("split_k", cfg.split_k, hidden), ("down_split_k", cfg.down_split_k, inter)):
-        if splits < 1 or (splits > 1 and axis % (splits * cfg.block_k)):
-            raise ValueError(f"config.{name}={splits} must split {axis} into whole tiles of block_k={cfg.block_k}")
+    down = cfg.down_launch()
+    for name, splits, axis, tile in (("split_k", cfg.split_k, hidden, cfg.block_k),
+                                     ("down_split_k", cfg.down_split_k, inter, down["BLOCK_K"])):
+        if splits < 1 or (splits > 1 and axis % (splits * tile)):
+            raise ValueError(f"config.{name}={splits} must split {axis} into whole tiles of {tile} "
+                             f"(the kernel's block_k)")
     for name, buf, shape, dtype in (("h", h, (n, inter), x.dtype),
                                     ("pairs", pairs, (cfg.down_split_k * n, hidden), torch.float32)):
         if buf is not None and (buf.shape != shape or buf.dtype != dtype or not buf.is_contiguous()
@@ -718,36 +736,37 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     partial_args = dict(partial_ptr=partial, stride_ps=n * 2 * inter, stride_pr=2 * inter)
     if cfg.per_pair:
         ids = topk_ids.reshape(-1).contiguous()
-        sizes = dict(E=E, HIDDEN=hidden, INTER=inter, HAS_SCALE=fp8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        sizes = dict(E=E, HIDDEN=hidden, INTER=inter, HAS_SCALE=fp8)
         _gate_up_pair_kernel[(n, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
             x_ptr=x, stride_x=x.stride(0), ids_ptr=ids,
             w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
             scale_ptr=gu_scale, stride_se=2 * inter,
-            h_ptr=h_arg, stride_h=h_arg.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **sizes)
-        _down_pair_kernel[(n, triton.cdiv(hidden, cfg.block_n), cfg.down_split_k)](
+            h_ptr=h_arg, stride_h=h_arg.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **sizes,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _down_pair_kernel[(n, triton.cdiv(hidden, down["BLOCK_N"]), cfg.down_split_k)](
             h_ptr=h_arg, stride_h=h_arg.stride(0), ids_ptr=ids,
             w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
             scale_ptr=dn_scale, stride_se=hidden, weights_ptr=weights, out_ptr=pairs, stride_os=n * hidden,
-            stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **sizes)
+            stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **sizes,
+            **down)
         return _finish(pairs, cfg.down_split_k, T, k, hidden, x.dtype, adds)
     al = align_pairs(topk_ids, E, cfg.block_m)
     blocks = al.block_expert.numel()
     ieee = x.dtype == torch.float32
     common = dict(rows_ptr=al.rows, block_expert_ptr=al.block_expert, n_pairs=n, HIDDEN=hidden, INTER=inter,
-                  HAS_SCALE=fp8, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, IEEE=ieee,
-                  INTERPRETED=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  HAS_SCALE=fp8, BLOCK_M=cfg.block_m, IEEE=ieee, INTERPRETED=interp)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
         x_ptr=x, stride_x=x.stride(0),
         w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
         scale_ptr=gu_scale, stride_se=2 * inter,
-        h_ptr=h_arg, stride_h=h_arg.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **common)
-    _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n), cfg.down_split_k)](
+        h_ptr=h_arg, stride_h=h_arg.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **common,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _down_kernel[(blocks, triton.cdiv(hidden, down["BLOCK_N"]), cfg.down_split_k)](
         h_ptr=h_arg, stride_h=h_arg.stride(0),
         w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
         scale_ptr=dn_scale, stride_se=hidden,
         weights_ptr=weights, out_ptr=pairs, stride_os=n * hidden,
-        stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **common)
+        stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **common, **down)
     return _finish(pairs, cfg.down_split_k, T, k, hidden, x.dtype, adds)
 
 

@@ -4,14 +4,15 @@
 #   tests   pytest -m gpu over the engine (graph replay, kernel per mode, capacity, compiled
 #           step ops) and the kernels it calls (MoE and its routing, indexer, top-k, the
 #           compressor update, norm + RoPE, RMS norm)
-#   timings runners/device/moe_topk_timings.py (the MoE launch grid, top-k against torch.topk)
+#   timings runners/device/moe_topk_timings.py (the MoE launch grid, top-k against torch.topk;
+#           TIMINGS: its tables, e.g. moe_tiles)
 #   bench   python -m remnant.cli.engine_bench (decode step per mode beside its roofline, prefill)
 #   serve   remnant-run over the three modes at model=dsv4_flash_h200 (RUN_ARGS: workload)
 # Run from the repository root on the device machine with .whl/ in the call's carry list
 # (runners/device/setup_h200.sh says how to make it). The device's copy has no .git, so pass
 # the commit for the records' provenance:
 #   REMNANT_GIT_COMMIT=<hash> STAGES="tests bench serve" bash runners/device/engine_h200.sh
-# Stage variables: TESTS_S TIMINGS_S BENCH_S SERVE_S (limits, s), GPU_TESTS, PYTEST_ARGS (e.g. -n 4:
+# Stage variables: TESTS_S TIMINGS_S BENCH_S SERVE_S (limits, s), TIMINGS, GPU_TESTS, PYTEST_ARGS (e.g. -n 4:
 # the tests share the GPU), BENCH_ARGS, MODES, RUN_ARGS; the bench writes kernel logs to $OUT/kernels.
 set -u
 source runners/device/setup_h200.sh || exit 1
@@ -30,7 +31,7 @@ for stage in ${STAGES:-tests bench serve}; do
     grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|^E  " "$OUT/pytest-gpu.txt" | head -40
     grep -E "^=+ .* in [0-9.]+s" "$OUT/pytest-gpu.txt" | tail -1 ;;  # pytest's last line
   timings)
-    timeout ${TIMINGS_S:-180} python3 runners/device/moe_topk_timings.py 2>&1 | tee "$OUT/timings.txt" | tail -20 ;;
+    timeout ${TIMINGS_S:-180} python3 runners/device/moe_topk_timings.py ${TIMINGS:-} 2>&1 | tee "$OUT/timings.txt" | tail -20 ;;
   bench)
     timeout ${BENCH_S:-240} python3 -m remnant.cli.engine_bench --model dsv4_flash_h200 --out "$OUT/engine-bench.json" \
         --kernel-logs "$OUT/kernels" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine-bench.log" | tail -40 ;;

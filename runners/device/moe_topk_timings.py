@@ -14,7 +14,8 @@ Each timed as a step runs it: replayed in a CUDA graph (graph_us), so that launc
 what they cost inside a step's graph (do_bench's eager calls add tens of microseconds of
 host launch time to a batch-1 MoE call). The MoE's weights (150 MB at batch 1) do not fit
 in L2, so repeated calls read them from HBM as a step does.
-    python runners/device/moe_topk_timings.py
+    python runners/device/moe_topk_timings.py [TABLE ...]   (default: rms_norm route top_k moe;
+                                                          moe_tiles: the aligned kernels' tiles)
 """
 
 from __future__ import annotations
@@ -86,6 +87,96 @@ def moe_table() -> None:
               f"{times[former]:.1f} |", flush=True)
 
 
+def kernel_us(fn, names: tuple[str, ...], calls: int = 10) -> dict[str, float]:
+    """Microseconds per call of each kernel in `names` (a name's substring) over `calls`
+    eager calls of fn(), from the profiler's kernel durations: launch gaps do not count,
+    so each kernel is timed alone even where the call launches several."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = dict.fromkeys(names, 0.0)
+    for event in prof.events():
+        for name in names:
+            if name in event.name and event.device_type == torch.autograd.DeviceType.CUDA:
+                total[name] += event.time_range.end - event.time_range.start
+    return {name: us / calls for name, us in total.items()}
+
+
+def moe_tile_table() -> None:
+    """The aligned kernels' tiles at 32 and 128 tokens (V4-Flash's expert shape, FP8, top-6
+    of 32 experts): each candidate's gate/up and down kernel timed apart (profiler), the
+    best tile of each kernel composed into one config (down_* fields) and timed whole in a
+    graph beside default_config's. Gate/up reads two [BLOCK_K, BLOCK_N] FP8 tiles a step,
+    down one, so their best tiles need not agree."""
+    E, hidden, inter, k = 32, 4096, 2048, 6
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w_gate_up, gu_scale = quantize_experts(torch.randn(E, hidden, 2 * inter, device="cuda", generator=gen) / 64)
+    w_down, dn_scale = quantize_experts(torch.randn(E, inter, hidden, device="cuda", generator=gen) / 45)
+    names = ("_gate_up_kernel", "_down_kernel")
+    print("| tokens | kernel | default us | default TB/s | best us | best TB/s | best tile (block_m, block_n, "
+          "block_k, warps, stages, split) |")
+    print("|---|---|---|---|---|---|---|")
+    for T, block_ms in ((32, (16,)), (128, (64, 32))):
+        x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
+        weights = torch.rand(T, k, device="cuda", generator=gen)
+        distinct = ids.unique().numel()
+        nbytes = {"_gate_up_kernel": distinct * 2 * hidden * inter, "_down_kernel": distinct * inter * hidden}
+
+        def run(cfg):
+            return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=cfg)
+
+        default = default_config(T * k, E, True, hidden, inter)
+        ref = run(default).float()
+        seen: dict[MoEConfig, dict[str, float]] = {}
+
+        def timed(cfg):
+            if cfg in seen:
+                return
+            try:
+                err = (run(cfg).float() - ref).abs().max().item() / ref.abs().max().item()
+                if err > 2e-2:
+                    print(f"  {cfg}: off the default by {err:.3g}", flush=True)
+                    return
+                seen[cfg] = kernel_us(lambda: run(cfg), names)
+            except Exception as e:  # out of shared memory or registers for a tile: not a candidate
+                print(f"  {cfg}: {type(e).__name__}", flush=True)
+
+        timed(default)
+        for bm, bn, bk, warps, stages in itertools.product(block_ms[:1], (64, 128, 256), (64, 128, 256), (4, 8),
+                                                           (3, 4)):
+            timed(MoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
+        # Splits and the other row blocks at each kernel's best tile so far.
+        for name in names:
+            tile = min(seen, key=lambda c: seen[c][name])
+            for bm in block_ms[1:]:
+                timed(dataclasses.replace(tile, block_m=bm))
+            timed(dataclasses.replace(tile, split_k=2) if name == names[0] else
+                  dataclasses.replace(tile, down_split_k=2))
+        best = {name: min(seen, key=lambda c: seen[c][name]) for name in names}
+        for name in names:
+            cfg = best[name]
+            print(f"| {T} | {name} | {seen[default][name]:.1f} | {nbytes[name] / seen[default][name] / 1e6:.2f} | "
+                  f"{seen[cfg][name]:.1f} | {nbytes[name] / seen[cfg][name] / 1e6:.2f} | {cfg.block_m}, {cfg.block_n}, "
+                  f"{cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}, "
+                  f"{cfg.split_k if name == names[0] else cfg.down_split_k} |", flush=True)
+        gu, dn = best[names[0]], best[names[1]]
+        composed = dataclasses.replace(gu, down_split_k=dn.down_split_k, down_block_n=dn.block_n,
+                                       down_block_k=dn.block_k, down_num_warps=dn.num_warps,
+                                       down_num_stages=dn.num_stages)
+        if gu.block_m != dn.block_m:  # one alignment serves both kernels: gate/up's rows
+            print(f"  down's best rows {dn.block_m} differ from gate/up's {gu.block_m}; composed at {gu.block_m}")
+        timed(composed)
+        whole = {cfg: graph_us(lambda cfg=cfg: run(cfg), calls=10) for cfg in (default, composed) if cfg in seen}
+        print(f"  T={T} whole call in a graph: default {whole[default]:.1f} us, composed "
+              f"{whole.get(composed, float('nan')):.1f} us = {composed}", flush=True)
+
+
 def top_k_table() -> None:
     print("| rows x n | top_k us | torch.topk us | index_top_k us | same set |")
     print("|---|---|---|---|---|")
@@ -138,9 +229,16 @@ def route_table() -> None:
         print(f"| {T} | {t[0]:.2f} | {t[1]:.2f} | {same} |", flush=True)
 
 
+TABLES = {"rms_norm": rms_norm_table, "route": route_table, "top_k": top_k_table, "moe": moe_table,
+          "moe_tiles": moe_tile_table}
+
 if __name__ == "__main__":
+    import sys
+
+    chosen = sys.argv[1:] or ["rms_norm", "route", "top_k", "moe"]
+    unknown = [t for t in chosen if t not in TABLES]
+    if unknown:
+        sys.exit(f"tables {unknown} are not allowed; allowed: {', '.join(TABLES)}")
     print(torch.cuda.get_device_name())
-    rms_norm_table()
-    route_table()
-    top_k_table()
-    moe_table()
+    for table in chosen:
+        TABLES[table]()

@@ -205,6 +205,34 @@ def test_per_pair_gemv_matches_reference(t, x_dtype, expert_dtype, splits):
     _check(x, ids, weights, experts, config=config)
 
 
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_down_kernel_takes_its_own_tile(per_pair):
+    # The down kernel's tile, warps and stages apart from gate/up's: 64 columns and 16
+    # summed rows where gate/up's tile is 32 x 32, both sums split in two, so the down
+    # kernel's split of I and its read of gate/up's split sums run at a tile gate/up does
+    # not use.
+    gen = torch.Generator().manual_seed(41 + per_pair)
+    experts = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(9, HIDDEN, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, 9, E, K)
+    config = MoEConfig(per_pair=per_pair, block_m=1 if per_pair else 16, block_n=32, block_k=32, num_warps=1,
+                       num_stages=1, split_k=2, down_split_k=2, down_block_n=64, down_block_k=16, down_num_warps=2,
+                       down_num_stages=2)
+    assert config.down_launch() == dict(BLOCK_N=64, BLOCK_K=16, num_warps=2, num_stages=2)
+    _check(x, ids, weights, experts, config=config)
+
+
+def test_down_split_must_divide_by_the_down_tile():
+    # down_split_k is checked against the down kernel's own block_k, not gate/up's.
+    gen = torch.Generator().manual_seed(43)
+    experts = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(2, HIDDEN, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, 2, E, K)
+    config = MoEConfig(block_k=16, down_block_k=64, down_split_k=2)
+    with pytest.raises(ValueError, match="down_split_k=2 must split 64 into whole tiles of 64"):
+        routed_experts_triton(x, ids, weights, *experts, config=config)
+
+
 _OUT_OF_RANGE = """
 import torch
 from remnant.kernels.moe import MoEConfig, quantize_experts, routed_experts_reference, routed_experts_triton
