@@ -47,7 +47,8 @@ Expert weights: bfloat16, float32 or FP8 e4m3 (torch.float8_e4m3fn) with a float
 per (expert, output column): W = codes * scale[e, column] (`quantize_experts`, with torch's
 correct cast; Triton's interpreter rounds some float32 -> FP8 casts wrongly, triton issue
 8322, so no kernel here quantizes). FP8 codes are widened to x's dtype in the kernel
-(exact) and the scale, constant along the summed axis, multiplies the accumulator.
+(exact; float16 in the aligned kernels with bf16 x, MoEConfig.f16_operands) and the scale,
+constant along the summed axis, multiplies the accumulator.
 
 Beside the kernel: `routed_experts_reference`, the float64 loop over tokens and their k
 experts (the ground truth), `routed_experts_torch`, the same blocks as batched gather and
@@ -371,12 +372,13 @@ def _gate_up_kernel(
     rows_ptr, block_expert_ptr, n_pairs,
     K_TOP: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRETED: tl.constexpr, F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e < 0:  # a padding block: the grid is the worst case, most decode steps route fewer
         return
+    op = tl.float16 if F16 else x_ptr.dtype.element_ty  # the tensor cores' operand dtype (MoEConfig.f16_operands)
     m = tl.arange(0, BLOCK_M)
     pair = tl.load(rows_ptr + b * BLOCK_M + m)
     row_ok = pair < n_pairs
@@ -391,12 +393,12 @@ def _gate_up_kernel(
     for k0 in range(0, HIDDEN // SPLIT_K, BLOCK_K):
         kk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_lo + HIDDEN // SPLIT_K
-        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(op)
         w_tile = w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :]
         w_ok = k_ok[:, None] & n_ok[None, :]
-        # FP8 codes widen exactly to x's dtype; the scale waits for the accumulator.
-        gate = tl.load(w_tile, mask=w_ok, other=0.0).to(x_ptr.dtype.element_ty)
-        up = tl.load(w_tile + INTER, mask=w_ok, other=0.0).to(x_ptr.dtype.element_ty)
+        # FP8 codes widen exactly to the operand dtype; the scale waits for the accumulator.
+        gate = tl.load(w_tile, mask=w_ok, other=0.0).to(op)
+        up = tl.load(w_tile + INTER, mask=w_ok, other=0.0).to(op)
         acc_gate += _dot(a, gate, IEEE, INTERPRETED)
         acc_up += _dot(a, up, IEEE, INTERPRETED)
     if HAS_SCALE:
@@ -440,12 +442,13 @@ def _down_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATE_UP_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRETED: tl.constexpr, F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e < 0:
         return
+    op = tl.float16 if F16 else h_ptr.dtype.element_ty
     m = tl.arange(0, BLOCK_M)
     pair = tl.load(rows_ptr + b * BLOCK_M + m)
     row_ok = pair < n_pairs
@@ -466,8 +469,8 @@ def _down_kernel(
         else:  # as the unsplit kernel writes h
             a = _summed_swiglu(p_rows + kk[None, :], a_ok, stride_ps, INTER, GATE_UP_SPLITS).to(h_ptr.dtype.element_ty)
         w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0).to(h_ptr.dtype.element_ty)
-        acc += _dot(a, w, IEEE, INTERPRETED)
+                    other=0.0).to(op)
+        acc += _dot(a.to(op), w, IEEE, INTERPRETED)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + e.to(tl.int64) * stride_se + n, mask=n_ok, other=0.0)[None, :]
     acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
@@ -612,7 +615,12 @@ class MoEConfig:
     down_block_k, down_num_warps, down_num_stages: the down kernel's own tile, warps and
     stages (None: the gate/up kernel's); the two kernels read different shapes (gate/up
     two [hidden, I] tiles a step of the summed axis, down one [I, hidden] tile), so their
-    best tiles differ."""
+    best tiles differ. f16_operands: with FP8 experts and bf16 x, the aligned kernels
+    multiply in float16 (x and h rounded to it, FP8 codes exact in it): one conversion
+    instruction widens two FP8 codes to float16, where bf16 takes more (through float16),
+    and conversions run at a quarter of the SM's arithmetic rate. On the H200 at 32 tokens
+    the gate/up kernel took as long as on the H100, so its conversions, not its bytes,
+    bound it. float16's range ends at 65504: an x or h element beyond it overflows (inf)."""
 
     per_pair: bool = False
     block_m: int = 16
@@ -626,6 +634,7 @@ class MoEConfig:
     down_block_k: int | None = None
     down_num_warps: int | None = None
     down_num_stages: int | None = None
+    f16_operands: bool = True
 
     def down_launch(self) -> dict:
         """The down kernel's BLOCK_N, BLOCK_K, num_warps and num_stages."""
@@ -754,7 +763,8 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     blocks = al.block_expert.numel()
     ieee = x.dtype == torch.float32
     common = dict(rows_ptr=al.rows, block_expert_ptr=al.block_expert, n_pairs=n, HIDDEN=hidden, INTER=inter,
-                  HAS_SCALE=fp8, BLOCK_M=cfg.block_m, IEEE=ieee, INTERPRETED=interp)
+                  HAS_SCALE=fp8, BLOCK_M=cfg.block_m, IEEE=ieee, INTERPRETED=interp,
+                  F16=cfg.f16_operands and fp8 and x.dtype == torch.bfloat16)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
         x_ptr=x, stride_x=x.stride(0),
         w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),

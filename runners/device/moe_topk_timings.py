@@ -15,7 +15,8 @@ what they cost inside a step's graph (do_bench's eager calls add tens of microse
 host launch time to a batch-1 MoE call). The MoE's weights (150 MB at batch 1) do not fit
 in L2, so repeated calls read them from HBM as a step does.
     python runners/device/moe_topk_timings.py [TABLE ...]   (default: rms_norm route top_k moe;
-                                                          moe_tiles: the aligned kernels' tiles)
+                                                          moe_tiles: the aligned kernels' tiles;
+                                                          moe_f16: their float16 operands against bf16)
 """
 
 from __future__ import annotations
@@ -177,6 +178,38 @@ def moe_tile_table() -> None:
               f"{whole.get(composed, float('nan')):.1f} us = {composed}", flush=True)
 
 
+def moe_f16_table() -> None:
+    """The aligned kernels with float16 operands (MoEConfig.f16_operands, the default) and
+    with bf16 ones, at default_config's tile, per kernel (profiler) and whole (graph)."""
+    E, hidden, inter, k = 32, 4096, 2048, 6
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w_gate_up, gu_scale = quantize_experts(torch.randn(E, hidden, 2 * inter, device="cuda", generator=gen) / 64)
+    w_down, dn_scale = quantize_experts(torch.randn(E, inter, hidden, device="cuda", generator=gen) / 45)
+    names = ("_gate_up_kernel", "_down_kernel")
+    print("| tokens | operands | gate/up us | TB/s | down us | TB/s | whole call us | off the bf16 call |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T in (8, 32, 128):
+        x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
+        weights = torch.rand(T, k, device="cuda", generator=gen)
+        distinct = ids.unique().numel()
+        nbytes = (distinct * 2 * hidden * inter, distinct * inter * hidden)
+        default = default_config(T * k, E, True, hidden, inter)
+        out = {}
+        for f16 in (False, True):
+            cfg = dataclasses.replace(default, f16_operands=f16)
+
+            def run(cfg=cfg):
+                return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=cfg)
+
+            out[f16] = run().float()
+            us = kernel_us(run, names)
+            err = ((out[f16] - out[False]).abs().max() / out[False].abs().max()).item()
+            print(f"| {T} | {'float16' if f16 else 'bf16'} | {us[names[0]]:.1f} | {nbytes[0] / us[names[0]] / 1e6:.2f} | "
+                  f"{us[names[1]]:.1f} | {nbytes[1] / us[names[1]] / 1e6:.2f} | {graph_us(run, calls=10):.1f} | "
+                  f"{err:.2e} |", flush=True)
+
+
 def top_k_table() -> None:
     print("| rows x n | top_k us | torch.topk us | index_top_k us | same set |")
     print("|---|---|---|---|---|")
@@ -230,7 +263,7 @@ def route_table() -> None:
 
 
 TABLES = {"rms_norm": rms_norm_table, "route": route_table, "top_k": top_k_table, "moe": moe_table,
-          "moe_tiles": moe_tile_table}
+          "moe_tiles": moe_tile_table, "moe_f16": moe_f16_table}
 
 if __name__ == "__main__":
     import sys

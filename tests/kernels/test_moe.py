@@ -222,6 +222,18 @@ def test_down_kernel_takes_its_own_tile(per_pair):
     _check(x, ids, weights, experts, config=config)
 
 
+@pytest.mark.parametrize("f16", [True, False])
+def test_f16_operands_either_way_match_reference(f16):
+    # FP8 experts with bf16 x: the aligned kernels' operands in float16 (x and h rounded to
+    # it) or in bf16; both within the reference's bound.
+    gen = torch.Generator().manual_seed(47)
+    experts = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(9, HIDDEN, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, 9, E, K)
+    _check(x, ids, weights, experts, config=MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=1,
+                                                      num_stages=1, f16_operands=f16))
+
+
 def test_down_split_must_divide_by_the_down_tile():
     # down_split_k is checked against the down kernel's own block_k, not gate/up's.
     gen = torch.Generator().manual_seed(43)
