@@ -188,13 +188,28 @@ def moe_f16_table() -> None:
     names = ("_gate_up_kernel", "_down_kernel")
     print("| tokens | operands | gate/up us | TB/s | down us | TB/s | whole call us | off the bf16 call |")
     print("|---|---|---|---|---|---|---|---|")
-    for T in (8, 32, 128):
+    # At 1 and 4 tokens default_config takes the per-pair GEMV (no tensor cores); the
+    # aligned kernels with its batch-1 splits stand in for it there.
+    aligned_split = MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=4,
+                              down_split_k=2)
+    for T in (1, 4, 8, 32, 128):
         x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
         weights = torch.rand(T, k, device="cuda", generator=gen)
         distinct = ids.unique().numel()
         nbytes = (distinct * 2 * hidden * inter, distinct * inter * hidden)
         default = default_config(T * k, E, True, hidden, inter)
+        if default.per_pair:
+            names_pp = ("_gate_up_pair_kernel", "_down_pair_kernel")
+
+            def run_pp():
+                return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=default)
+
+            us = kernel_us(run_pp, names_pp)
+            print(f"| {T} | per-pair GEMV (default) | {us[names_pp[0]]:.1f} | {nbytes[0] / us[names_pp[0]] / 1e6:.2f} | "
+                  f"{us[names_pp[1]]:.1f} | {nbytes[1] / us[names_pp[1]] / 1e6:.2f} | {graph_us(run_pp, calls=10):.1f} "
+                  f"| |", flush=True)
+            default = aligned_split
         out = {}
         for f16 in (False, True):
             cfg = dataclasses.replace(default, f16_operands=f16)
