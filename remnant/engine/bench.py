@@ -98,7 +98,7 @@ def _timed_cell(model, batch: int, context: int, steps: int,
     from remnant.engine.pools import new_sequence, scratch_pools
 
     try:
-        pools = scratch_pools(model, context + 1, sequences=batch)
+        pools = scratch_pools(model, context + 1, sequences=batch, window_blocks=batch)
         fill_pools(model, pools)
         seqs = [new_sequence(pools, context + 1) for _ in range(batch)]
         for s in seqs:

@@ -20,6 +20,8 @@ allocated_bytes counts them apart as "padding".
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from remnant.engine.capacity import C4_RING, C128_RING, STATE_DTYPES, PoolGeometry, PoolSizes, pool_bytes
@@ -275,14 +277,26 @@ def geometry_of(model, page_size: int = 256, swa_ratio: float = 0.1, max_running
     )
 
 
-def scratch_pools(model, tokens: int, sequences: int = 1, state_dtype: str = "float32") -> KVPools:
+def scratch_pools(model, tokens: int, sequences: int = 1, state_dtype: str = "float32",
+                  window_blocks: int | None = None) -> KVPools:
     """Pools just big enough for `sequences` sequences of `tokens` tokens (tests, calibration),
-    on the model's device, compressor state in `state_dtype`."""
+    on the model's device, compressor state in `state_dtype`.
+
+    window_blocks: sliding-window blocks to hold, at least (None: a window block for every
+    `window` tokens of the pages, swa_ratio 1). Window blocks and their compressor state
+    cost about 36 KB a token at V4-Flash's shapes against 4 KB for the records, so at 128
+    sequences of 32k tokens swa_ratio 1 asks for some 150 GB where the sequences use 128
+    blocks (the decode bench passes its batch)."""
     from remnant.engine.capacity import size_pools
 
     geometry = geometry_of(model, swa_ratio=1.0, max_running_requests=sequences, state_dtype=state_dtype)
+    page = geometry.page_size
+    pages = sequences * -(-tokens // page) + sequences
+    if window_blocks is not None:
+        # One page more than the blocks' tokens: size_pools rounds the SWA pool down to pages.
+        swa_tokens = (-(-window_blocks * geometry.window_size // page) + 1) * page
+        geometry = dataclasses.replace(geometry, swa_ratio=min(1.0, swa_tokens / (pages * page)))
     per_token = sum(geometry.bytes_per_full_token().values())
-    pages = sequences * -(-tokens // geometry.page_size) + sequences
     budget = int(pages * geometry.page_size * per_token) + geometry.c128_state_fixed_bytes() + 1
     return KVPools(geometry, size_pools(geometry, budget), model.device)
 

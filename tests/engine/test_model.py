@@ -130,3 +130,19 @@ def test_one_input_projection_is_each_of_its_parts():
             if weight is not None:
                 assert weight.untyped_storage().data_ptr() == layer.w_in.untyped_storage().data_ptr(), name
                 torch.testing.assert_close(got, x @ weight.contiguous(), rtol=1e-5, atol=1e-5)
+
+
+def test_scratch_pools_hold_the_window_blocks_asked_for():
+    # window_blocks sizes the sliding-window pool to the blocks the sequences use (the decode
+    # bench's batch), where swa_ratio 1 holds a block for every window of the pages' tokens:
+    # at 128 x 32k tokens that was ~150 GB of window records and compressor state.
+    m = _model()
+    full = scratch_pools(m, 2048, sequences=4)
+    lean = scratch_pools(m, 2048, sequences=4, window_blocks=4)
+    assert full.swa_blocks.n >= 4 * 2048 // m.args.window_size
+    assert 4 <= lean.swa_blocks.n <= 4 + 256 // m.args.window_size + 1
+    assert lean.pages.n == full.pages.n and lean.slots.n == 4
+    for _ in range(4):  # each sequence gets its pages, a window block and a slot
+        new_sequence(lean, 2048)
+    with pytest.raises(RuntimeError, match="cannot hold another sequence"):
+        new_sequence(lean, 1)
