@@ -163,7 +163,7 @@ def prefill_rows(model, mode: str, contexts: list[int], chunk: int):
 
     gen = torch.Generator().manual_seed(0)
     for i, context in enumerate([min(contexts), *contexts]):
-        pools = scratch_pools(model, context, sequences=1)
+        pools = scratch_pools(model, context, sequences=1, window_blocks=1)
         seq = new_sequence(pools, context)
         prompt = torch.randint(0, model.args.vocab_size, (context,), generator=gen).tolist()
         seconds = time_prefill(model, pools, seq, prompt, chunk)

@@ -284,16 +284,17 @@ def scratch_pools(model, tokens: int, sequences: int = 1, state_dtype: str = "fl
 
     window_blocks: sliding-window blocks to hold, at least (None: a window block for every
     `window` tokens of the pages, swa_ratio 1). Window blocks and their compressor state
-    cost about 36 KB a token at V4-Flash's shapes against 4 KB for the records, so at 128
-    sequences of 32k tokens swa_ratio 1 asks for some 150 GB where the sequences use 128
-    blocks (the decode bench passes its batch)."""
+    cost about 38.6 KB a token at V4-Flash's shapes against 4 KB for the records, so at 128
+    sequences of 32k tokens swa_ratio 1 asks for 169.5 GiB where the sequences use 128
+    blocks (the decode bench passes its batch, the prefill bench 1)."""
     from remnant.engine.capacity import size_pools
 
     geometry = geometry_of(model, swa_ratio=1.0, max_running_requests=sequences, state_dtype=state_dtype)
     page = geometry.page_size
     pages = sequences * -(-tokens // page) + sequences
     if window_blocks is not None:
-        # One page more than the blocks' tokens: size_pools rounds the SWA pool down to pages.
+        # One page more than the blocks' tokens: int(full * swa_ratio) in size_pools may round
+        # a float just below a page boundary down a whole page.
         swa_tokens = (-(-window_blocks * geometry.window_size // page) + 1) * page
         geometry = dataclasses.replace(geometry, swa_ratio=min(1.0, swa_tokens / (pages * page)))
     per_token = sum(geometry.bytes_per_full_token().values())

@@ -22,7 +22,8 @@ of vLLM's and SGLang's fused_moe, written here from scratch:
 2. gate_up (Triton): one program per (block, tile of BLOCK_N of the I columns) that exits
    at once on a padding block; otherwise it loads its rows' tokens of x and, for each
    BLOCK_K slice of hidden, the expert's gate tile and up tile once, multiplies on the
-   tensor cores (tl.dot: operands in x's dtype, float32 accumulation), scales by the
+   tensor cores (tl.dot: operands in x's dtype, or float16 with MoEConfig.f16_operands;
+   float32 accumulation), scales by the
    per-column FP8 scale, applies silu(gate) * up in float32 and writes the pair's row of
    the intermediate h [n, I] (x's dtype).
 3. down (Triton): one program per (block, tile of the hidden columns): h's rows times the
@@ -352,8 +353,8 @@ def routed_experts_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """a @ b with float32 accumulation: the tensor cores on bf16 operands (IEEE float32 for
-    float32 ones). Triton 3.9's interpreter returns garbage for tl.dot on bf16 operands
+    """a @ b with float32 accumulation: the tensor cores on bf16 or float16 operands (IEEE
+    float32 for float32 ones). Triton 3.9's interpreter returns garbage for tl.dot on bf16 operands
     (remnant.kernels.decode._mma), so interpreted runs multiply the same values as float32."""
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -620,7 +621,9 @@ class MoEConfig:
     instruction widens two FP8 codes to float16, where bf16 takes more (through float16),
     and conversions run at a quarter of the SM's arithmetic rate. On the H200 at 32 tokens
     the gate/up kernel took as long as on the H100, so its conversions, not its bytes,
-    bound it. float16's range ends at 65504: an x or h element beyond it overflows (inf)."""
+    bound it. A bf16 value is exact in float16 only in float16's normal range: an x or h
+    element of 65520 or more overflows (inf), one below 2^-14 loses bits (2^-24 and below
+    flush to zero)."""
 
     per_pair: bool = False
     block_m: int = 16
@@ -661,14 +664,16 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
     - up to one pair per expert (up to 5 tokens of V4-Flash): the per-pair GEMV, 128-column
       tiles of 64 rows, the summed axes split 4 and 2 (their partial sums added in the next
       kernel). One token: 64.3 us a call on an H200, 2.35 TB/s of the 6 experts' weights,
-      against 150 us for the aligned kernels with the same splits and 170 us for the former
-      unsplit default; 2 and 4 tokens, timed with 32-row tiles pipelined (the default gives
+      against 150 us for the aligned kernels with the same splits (188-208 us in a later
+      run, benchmarks/engine-h200-f16-moe/, the per-pair time unchanged; not explained)
+      and 170 us for the former unsplit default; 2 and 4 tokens, timed with 32-row tiles pipelined (the default gives
       them the one-token tile, not timed there): 133 and 213 us against 234 and 314
       (2026-12-06). Pairs that share an expert read it once each, which stops paying
       somewhere past this;
     - up to 8 pairs per expert on average: the aligned kernels, blocks of 16 rows (the least
-      tl.dot takes) and 128-column tiles, 128-byte rows of FP8 codes per load;
-    - more: 64-row blocks, each weight tile reused by more rows.
+      tl.dot takes) and 128-column tiles, 128-byte rows of FP8 codes per load, on float16
+      operands (f16_operands: 18-20% less a call at 8 and 32 tokens on an H200);
+    - more: 64-row blocks, each weight tile reused by more rows, operands in x's dtype.
     Under the interpreter: small tiles (its cost is per element, not per launch).
     """
     if not on_gpu:
@@ -679,7 +684,9 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
                          split_k=_whole_splits(hidden, 64, 4), down_split_k=_whole_splits(inter, 64, 2))
     if num_pairs <= 8 * num_experts:
         return MoEConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)
-    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    # float16 operands took nothing off these tiles (128 tokens on an H200, 2026-12-06), so
+    # they keep x's dtype and its range.
+    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, f16_operands=False)
 
 
 def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

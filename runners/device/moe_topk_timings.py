@@ -174,7 +174,7 @@ def moe_tile_table() -> None:
             print(f"  down's best rows {dn.block_m} differ from gate/up's {gu.block_m}; composed at {gu.block_m}")
         timed(composed)
         whole = {cfg: graph_us(lambda cfg=cfg: run(cfg), calls=10) for cfg in (default, composed) if cfg in seen}
-        print(f"  T={T} whole call in a graph: default {whole[default]:.1f} us, composed "
+        print(f"  T={T} whole call in a graph: default {whole.get(default, float('nan')):.1f} us, composed "
               f"{whole.get(composed, float('nan')):.1f} us = {composed}", flush=True)
 
 

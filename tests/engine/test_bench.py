@@ -86,6 +86,7 @@ def test_a_cell_out_of_memory_is_a_limit_and_the_others_run(tmp_path, monkeypatc
     real = remnant.engine.pools.scratch_pools
 
     def scratch_pools(model, tokens, sequences=1, **kw):
+        assert kw == {"window_blocks": sequences}  # the cell's window pool holds its batch's blocks
         if sequences == 3:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
         return real(model, tokens, sequences=sequences, **kw)

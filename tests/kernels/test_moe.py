@@ -222,16 +222,51 @@ def test_down_kernel_takes_its_own_tile(per_pair):
     _check(x, ids, weights, experts, config=config)
 
 
+def _f16_case(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    experts = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(9, HIDDEN, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, 9, E, K)
+    configs = {f16: MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1, f16_operands=f16)
+               for f16 in (True, False)}
+    return x, ids, weights, experts, configs
+
+
 @pytest.mark.parametrize("f16", [True, False])
 def test_f16_operands_either_way_match_reference(f16):
     # FP8 experts with bf16 x: the aligned kernels' operands in float16 (x and h rounded to
     # it) or in bf16; both within the reference's bound.
-    gen = torch.Generator().manual_seed(47)
-    experts = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
-    x = torch.randn(9, HIDDEN, generator=gen).to(DEVICE, torch.bfloat16)
-    ids, weights = _routing(gen, 9, E, K)
-    _check(x, ids, weights, experts, config=MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=1,
-                                                      num_stages=1, f16_operands=f16))
+    x, ids, weights, experts, configs = _f16_case(47)
+    _check(x, ids, weights, experts, config=configs[f16])
+
+
+def test_f16_operands_give_the_bf16_output_in_float16_range():
+    # Values in float16's normal range are exact in it: the same products, the same sums,
+    # the same output bit for bit (as measured on an H200 at 8 and 32 tokens).
+    x, ids, weights, experts, configs = _f16_case(53)
+    out = {f16: routed_experts_triton(x, ids, weights, *experts, config=cfg) for f16, cfg in configs.items()}
+    assert torch.equal(out[True], out[False])
+
+
+def test_f16_operands_overflow_past_65504_and_nothing_else_does():
+    # The price of float16 operands (MoEConfig's docstring): an x element of 70000 is inf
+    # in float16. bf16 operands, float32 x and bf16 experts keep it finite.
+    x, ids, weights, experts, configs = _f16_case(59)
+    x[0, 0] = 70000.0
+    assert not routed_experts_triton(x, ids, weights, *experts, config=configs[True]).isfinite().all()
+    assert routed_experts_triton(x, ids, weights, *experts, config=configs[False]).isfinite().all()
+    assert routed_experts_triton(x.float(), ids, weights, *experts, config=configs[True]).isfinite().all()
+    gen = torch.Generator().manual_seed(59)
+    bf16_experts = _experts(gen, E, HIDDEN, INTER, "bfloat16")
+    assert routed_experts_triton(x, ids, weights, *bf16_experts, config=configs[True]).isfinite().all()
+
+
+def test_default_config_keeps_x_dtype_for_64_row_blocks():
+    # float16 operands took nothing off the 64-row tiles (128 tokens, H200): they keep x's range.
+    from remnant.kernels.moe import default_config
+
+    assert default_config(32 * 6, 32, True, 4096, 2048).f16_operands
+    assert not default_config(128 * 6, 32, True, 4096, 2048).f16_operands
 
 
 def test_down_split_must_divide_by_the_down_tile():
