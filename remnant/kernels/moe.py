@@ -354,8 +354,9 @@ def routed_experts_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
     """a @ b with float32 accumulation: the tensor cores on bf16 or float16 operands (IEEE
-    float32 for float32 ones). Triton 3.9's interpreter returns garbage for tl.dot on bf16 operands
-    (remnant.kernels.decode._mma), so interpreted runs multiply the same values as float32."""
+    float32 for float32 ones). Triton 3.9's interpreter returns garbage for tl.dot on bf16
+    operands (remnant.kernels.decode._mma), so interpreted runs multiply the same values as
+    float32."""
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     if IEEE:
@@ -379,7 +380,7 @@ def _gate_up_kernel(
     e = tl.load(block_expert_ptr + b)
     if e < 0:  # a padding block: the grid is the worst case, most decode steps route fewer
         return
-    op = tl.float16 if F16 else x_ptr.dtype.element_ty  # the tensor cores' operand dtype (MoEConfig.f16_operands)
+    op = tl.float16 if F16 else x_ptr.dtype.element_ty  # the MMA operands' dtype (MoEConfig.f16_operands)
     m = tl.arange(0, BLOCK_M)
     pair = tl.load(rows_ptr + b * BLOCK_M + m)
     row_ok = pair < n_pairs
@@ -666,8 +667,9 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
       kernel). One token: 64.3 us a call on an H200, 2.35 TB/s of the 6 experts' weights,
       against 150 us for the aligned kernels with the same splits (188-208 us in a later
       run, benchmarks/engine-h200-f16-moe/, the per-pair time unchanged; not explained)
-      and 170 us for the former unsplit default; 2 and 4 tokens, timed with 32-row tiles pipelined (the default gives
-      them the one-token tile, not timed there): 133 and 213 us against 234 and 314
+      and 170 us for the former unsplit default; 2 and 4 tokens, timed with 32-row tiles
+      pipelined (the default gives them the one-token tile, not timed there): 133 and 213
+      us against 234 and 314
       (2026-12-06). Pairs that share an expert read it once each, which stops paying
       somewhere past this;
     - up to 8 pairs per expert on average: the aligned kernels, blocks of 16 rows (the least

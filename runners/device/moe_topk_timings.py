@@ -32,11 +32,46 @@ from remnant.kernels.moe import MoEConfig, default_config, quantize_experts, rou
 from remnant.kernels.top_k import top_k
 
 
+#: V4-Flash's expert shape: routed experts, hidden, moe_intermediate_size, experts per token.
+E, HIDDEN, INTER, K = 32, 4096, 2048, 6
+
+
+def v4_experts(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """FP8 experts of V4-Flash's shape on the GPU: (w_gate_up, w_down, gate_up_scale,
+    down_scale), routed_experts_triton's order."""
+    w_gate_up, gu_scale = quantize_experts(torch.randn(E, HIDDEN, 2 * INTER, device="cuda", generator=gen) / 64)
+    w_down, dn_scale = quantize_experts(torch.randn(E, INTER, HIDDEN, device="cuda", generator=gen) / 45)
+    return w_gate_up, w_down, gu_scale, dn_scale
+
+
+def routed_tokens(T: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """T bf16 tokens, each routed to K distinct experts at random weights: x, ids, weights
+    and the number of distinct experts they reach."""
+    x = torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:K] for _ in range(T)])
+    weights = torch.rand(T, K, device="cuda", generator=gen)
+    return x, ids, weights, ids.unique().numel()
+
+
+def time_if_close(cfg: MoEConfig, run, ref: torch.Tensor, times: dict, measure, against: str) -> None:
+    """times[cfg] = measure(cfg) where run(cfg) is within 2e-2 of ref (relative to its
+    largest value); a config off it, or one that cannot launch, is printed and skipped."""
+    if cfg in times:
+        return
+    try:
+        err = (run(cfg).float() - ref).abs().max().item() / ref.abs().max().item()
+        if err > 2e-2:
+            print(f"  {cfg}: off the {against} by {err:.3g}", flush=True)
+            return
+        times[cfg] = measure(cfg)
+    except Exception as e:  # out of shared memory or registers for a tile: not a candidate
+        print(f"  {cfg}: {type(e).__name__}", flush=True)
+
+
 def moe_table() -> None:
-    E, hidden, inter, k = 32, 4096, 2048, 6
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w_gate_up, gu_scale = quantize_experts(torch.randn(E, hidden, 2 * inter, device="cuda", generator=gen) / 64)
-    w_down, dn_scale = quantize_experts(torch.randn(E, inter, hidden, device="cuda", generator=gen) / 45)
+    experts = v4_experts(gen)
+    hidden, inter, k = HIDDEN, INTER, K
     expert_bytes = 3 * hidden * inter
     aligned_split = MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=4,
                               down_split_k=2)
@@ -45,28 +80,16 @@ def moe_table() -> None:
           "aligned 4/2 us | former default us |")
     print("|---|---|---|---|---|---|---|---|---|")
     for T in (1, 2, 4, 8, 32, 128):
-        x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
-        weights = torch.rand(T, k, device="cuda", generator=gen)
-        distinct = ids.unique().numel()
+        x, ids, weights, distinct = routed_tokens(T, gen)
 
         def run(cfg):
-            return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=cfg)
+            return routed_experts_triton(x, ids, weights, *experts, config=cfg)
 
         ref = run(former).float()
         times = {}
 
         def timed(cfg):
-            if cfg in times:
-                return
-            try:
-                err = (run(cfg).float() - ref).abs().max().item() / ref.abs().max().item()
-                if err > 2e-2:
-                    print(f"  {cfg}: off the former default by {err:.3g}")
-                    return
-                times[cfg] = graph_us(lambda: run(cfg), calls=10)
-            except Exception as e:  # out of shared memory or registers for a tile: not a candidate
-                print(f"  {cfg}: {type(e).__name__}")
+            time_if_close(cfg, run, ref, times, lambda cfg: graph_us(lambda: run(cfg), calls=10), "former default")
 
         default = default_config(T * k, E, True, hidden, inter)
         for cfg in (default, aligned_split, former):
@@ -114,39 +137,26 @@ def moe_tile_table() -> None:
     best tile of each kernel composed into one config (down_* fields) and timed whole in a
     graph beside default_config's. Gate/up reads two [BLOCK_K, BLOCK_N] FP8 tiles a step,
     down one, so their best tiles need not agree."""
-    E, hidden, inter, k = 32, 4096, 2048, 6
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w_gate_up, gu_scale = quantize_experts(torch.randn(E, hidden, 2 * inter, device="cuda", generator=gen) / 64)
-    w_down, dn_scale = quantize_experts(torch.randn(E, inter, hidden, device="cuda", generator=gen) / 45)
+    experts = v4_experts(gen)
+    hidden, inter, k = HIDDEN, INTER, K
     names = ("_gate_up_kernel", "_down_kernel")
     print("| tokens | kernel | default us | default TB/s | best us | best TB/s | best tile (block_m, block_n, "
           "block_k, warps, stages, split) |")
     print("|---|---|---|---|---|---|---|")
     for T, block_ms in ((32, (16,)), (128, (64, 32))):
-        x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
-        weights = torch.rand(T, k, device="cuda", generator=gen)
-        distinct = ids.unique().numel()
+        x, ids, weights, distinct = routed_tokens(T, gen)
         nbytes = {"_gate_up_kernel": distinct * 2 * hidden * inter, "_down_kernel": distinct * inter * hidden}
 
         def run(cfg):
-            return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=cfg)
+            return routed_experts_triton(x, ids, weights, *experts, config=cfg)
 
         default = default_config(T * k, E, True, hidden, inter)
         ref = run(default).float()
         seen: dict[MoEConfig, dict[str, float]] = {}
 
         def timed(cfg):
-            if cfg in seen:
-                return
-            try:
-                err = (run(cfg).float() - ref).abs().max().item() / ref.abs().max().item()
-                if err > 2e-2:
-                    print(f"  {cfg}: off the default by {err:.3g}", flush=True)
-                    return
-                seen[cfg] = kernel_us(lambda: run(cfg), names)
-            except Exception as e:  # out of shared memory or registers for a tile: not a candidate
-                print(f"  {cfg}: {type(e).__name__}", flush=True)
+            time_if_close(cfg, run, ref, seen, lambda cfg: kernel_us(lambda: run(cfg), names), "default")
 
         timed(default)
         for bm, bn, bk, warps, stages in itertools.product(block_ms[:1], (64, 128, 256), (64, 128, 256), (4, 8),
@@ -181,10 +191,9 @@ def moe_tile_table() -> None:
 def moe_f16_table() -> None:
     """The aligned kernels with float16 operands (MoEConfig.f16_operands, the default) and
     with bf16 ones, at default_config's tile, per kernel (profiler) and whole (graph)."""
-    E, hidden, inter, k = 32, 4096, 2048, 6
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w_gate_up, gu_scale = quantize_experts(torch.randn(E, hidden, 2 * inter, device="cuda", generator=gen) / 64)
-    w_down, dn_scale = quantize_experts(torch.randn(E, inter, hidden, device="cuda", generator=gen) / 45)
+    experts = v4_experts(gen)
+    hidden, inter, k = HIDDEN, INTER, K
     names = ("_gate_up_kernel", "_down_kernel")
     print("| tokens | operands | gate/up us | TB/s | down us | TB/s | whole call us | off the bf16 call |")
     print("|---|---|---|---|---|---|---|---|")
@@ -193,17 +202,14 @@ def moe_f16_table() -> None:
     aligned_split = MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=4,
                               down_split_k=2)
     for T in (1, 4, 8, 32, 128):
-        x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
-        weights = torch.rand(T, k, device="cuda", generator=gen)
-        distinct = ids.unique().numel()
+        x, ids, weights, distinct = routed_tokens(T, gen)
         nbytes = (distinct * 2 * hidden * inter, distinct * inter * hidden)
         default = default_config(T * k, E, True, hidden, inter)
         if default.per_pair:
             names_pp = ("_gate_up_pair_kernel", "_down_pair_kernel")
 
             def run_pp():
-                return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=default)
+                return routed_experts_triton(x, ids, weights, *experts, config=default)
 
             us = kernel_us(run_pp, names_pp)
             print(f"| {T} | per-pair GEMV (default) | {us[names_pp[0]]:.1f} | {nbytes[0] / us[names_pp[0]] / 1e6:.2f} | "
@@ -215,7 +221,7 @@ def moe_f16_table() -> None:
             cfg = dataclasses.replace(default, f16_operands=f16)
 
             def run(cfg=cfg):
-                return routed_experts_triton(x, ids, weights, w_gate_up, w_down, gu_scale, dn_scale, config=cfg)
+                return routed_experts_triton(x, ids, weights, *experts, config=cfg)
 
             out[f16] = run().float()
             us = kernel_us(run, names)

@@ -135,7 +135,7 @@ def test_one_input_projection_is_each_of_its_parts():
 def test_scratch_pools_hold_the_window_blocks_asked_for():
     # window_blocks sizes the sliding-window pool to the blocks the sequences use (the decode
     # bench's batch), where swa_ratio 1 holds a block for every window of the pages' tokens:
-    # at 128 x 32k tokens that was ~150 GB of window records and compressor state.
+    # at 128 x 32k tokens that was 169.5 GiB of window records and compressor state.
     m = _model()
     full = scratch_pools(m, 2048, sequences=4)
     lean = scratch_pools(m, 2048, sequences=4, window_blocks=4)
