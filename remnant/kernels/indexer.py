@@ -39,6 +39,8 @@ remnant.engine.ops.index_top_k.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -146,76 +148,146 @@ def _load_mxfp4_keys(locs_ptr, pages_ptr, j, n, page_stride, PER_PAGE: tl.conste
 
 
 @triton.jit
-def _scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, B, n, H, page_stride,
-                   PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_T: tl.constexpr, SHARED: tl.constexpr, INTERPRETED: tl.constexpr,
-                   MXFP4: tl.constexpr, MX: tl.constexpr):
-    """Scores of rows [pid0 * BLOCK_T, +BLOCK_T) against keys [pid1 * BLOCK_N, +BLOCK_N).
-    SHARED: every row reads the same locations locs [n], so the key block is loaded once;
-    else row b reads locs [b, :n]. MXFP4: the keys are MXFP4 (dequantized on load, scale
-    1 after the product) rather than FP8 codes with a float32 scale per key."""
+def _block_scores(q, wh, locs_ptr, pages_ptr, scales_ptr, j, n, limit, page_stride, PER_PAGE: tl.constexpr,
+                  D: tl.constexpr, INTERPRETED: tl.constexpr, MXFP4: tl.constexpr, MX: tl.constexpr,
+                  F16: tl.constexpr):
+    """Scores float32 [BLOCK_N] of one row's q [BLOCK_H, D] and scaled head weights wh
+    [BLOCK_H] against the keys at locs_ptr[j] (those at j >= limit are not read), and
+    usable bool [BLOCK_N] (a location, not -1, below n)."""
+    if MXFP4:
+        values, usable = _load_mxfp4_keys(locs_ptr, pages_ptr, j, limit, page_stride, PER_PAGE, D, MX)
+    else:
+        codes, scale, usable = _load_keys(locs_ptr, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE, D)
+    op = tl.float16 if F16 else q.dtype                              # the MMA operands' dtype
+    if MXFP4:
+        keys = values.to(op)                                          # exact: e2m1 x 2^k is a bf16 value
+    else:
+        keys = codes.to(tl.float8e4nv, bitcast=True).to(op)           # exact in bf16 and in float16
+    if INTERPRETED:
+        # Triton's interpreter returns garbage for tl.dot on bf16 operands (remnant.kernels.moe).
+        dots = tl.dot(q.to(op).to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+    elif op == tl.float32:
+        dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
+    else:
+        dots = tl.dot(q.to(op), tl.trans(keys))                       # [BLOCK_H, BLOCK_N] float32
+    if MXFP4:
+        s = tl.sum(tl.maximum(dots, 0.0) * wh[:, None], axis=0)
+    else:
+        s = tl.sum(tl.maximum(dots * scale[None, :], 0.0) * wh[:, None], axis=0)
+    return s, usable
+
+
+@triton.jit
+def _row_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, n, H,
+                       page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, STAGES: tl.constexpr,
+                       INTERPRETED: tl.constexpr, MXFP4: tl.constexpr, MX: tl.constexpr, F16: tl.constexpr):
+    """A decode step's scores: row pid0 (its own locations locs [b, :n]) against its key
+    blocks [pid1 * BLOCKS, +BLOCKS) of BLOCK_N keys. The row's queries and head weights are
+    loaded once for the BLOCKS blocks, whose key loads the loop pipelines (STAGES); keys at
+    or past the row's count are invisible and not read."""
+    b = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, D)
+    h = tl.arange(0, BLOCK_H)
+    q = tl.load(q_ptr + (b * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
+    wh = tl.load(w_ptr + b * w_stride + h, mask=h < H, other=0.0).to(tl.float32) * w_scale
+    count = tl.load(counts_ptr + b)
+    limit = tl.minimum(count, n)
+    row_locs = locs_ptr + b * n
+    first = tl.program_id(1) * (BLOCKS * BLOCK_N)
+    for i in tl.range(0, BLOCKS, num_stages=STAGES):
+        j = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        s, usable = _block_scores(q, wh, row_locs, pages_ptr, scales_ptr, j, n, limit, page_stride, PER_PAGE, D,
+                                  INTERPRETED, MXFP4, MX, F16)
+        tl.store(out_ptr + b * n + j, tl.where(usable, s, float("-inf")), mask=j < n)
+
+
+@triton.jit
+def _shared_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, B, n,
+                          H, page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRETED: tl.constexpr,
+                          MXFP4: tl.constexpr, MX: tl.constexpr):
+    """A prefill's scores: rows [pid0 * BLOCK_T, +BLOCK_T), which all read the same
+    locations locs [n], against keys [pid1 * BLOCK_N, +BLOCK_N). The key block is loaded
+    once for the BLOCK_T rows (the loads of a row past the first hit the cache)."""
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     h = tl.arange(0, BLOCK_H)
-    if SHARED:
-        if MXFP4:
-            values, usable = _load_mxfp4_keys(locs_ptr, pages_ptr, j, n, page_stride, PER_PAGE, D, MX)
-        else:
-            codes, scale, usable = _load_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE, D)
     for r in range(BLOCK_T):
         b = tl.program_id(0) * BLOCK_T + r
         if b < B:
-            if not SHARED:
-                if MXFP4:
-                    values, usable = _load_mxfp4_keys(locs_ptr + b.to(tl.int64) * n, pages_ptr, j, n, page_stride,
-                                                      PER_PAGE, D, MX)
-                else:
-                    codes, scale, usable = _load_keys(locs_ptr + b.to(tl.int64) * n, pages_ptr, scales_ptr, j, n,
-                                                      page_stride, PER_PAGE, D)
             q = tl.load(q_ptr + (b.to(tl.int64) * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
-            if MXFP4:
-                keys = values.to(q.dtype)                             # exact: e2m1 x 2^k is a bf16 value
-            else:
-                keys = codes.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-            if INTERPRETED:
-                # Triton's interpreter returns garbage for tl.dot on bf16 operands (remnant.kernels.moe).
-                dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-            elif q.dtype == tl.float32:
-                dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
-            else:
-                dots = tl.dot(q, tl.trans(keys))                      # [BLOCK_H, BLOCK_N] float32
             wh = tl.load(w_ptr + b.to(tl.int64) * w_stride + h, mask=h < H, other=0.0).to(tl.float32) * w_scale
-            if MXFP4:
-                s = tl.sum(tl.maximum(dots, 0.0) * wh[:, None], axis=0)
-            else:
-                s = tl.sum(tl.maximum(dots * scale[None, :], 0.0) * wh[:, None], axis=0)
+            s, usable = _block_scores(q, wh, locs_ptr, pages_ptr, scales_ptr, j, n, n, page_stride, PER_PAGE, D,
+                                      INTERPRETED, MXFP4, MX, False)
             seen = usable & (j < tl.load(counts_ptr + b))
             tl.store(out_ptr + b.to(tl.int64) * n + j, tl.where(seen, s, float("-inf")), mask=j < n)
 
 
-def _launch(q, w, pages, layout, locs, counts, block_t: int, block_n: int, fmt: IndexKeyFormat,
-            w_scale: float = 1.0) -> torch.Tensor:
+@dataclass(frozen=True)
+class ScoresConfig:
+    """Launch settings of a decode step's scores: keys per block (block_n, >= 16 for
+    tl.dot), key blocks per program (blocks: the row's queries are loaded once for them,
+    and their loads pipelined over num_stages), warps, and f16_operands: the keys widened
+    to float16 rather than bf16 and q rounded to it (one conversion instruction widens two
+    FP8 codes to float16, more to bf16; FP8 and MXFP4 keys are exact in both, q's bf16
+    elements in float16's normal range, 2^-14 to 65504: a smaller element loses bits, a
+    larger one overflows)."""
+
+    block_n: int = 64
+    blocks: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    f16_operands: bool = False
+
+
+def default_scores_config(rows: int, n: int, processors: int) -> ScoresConfig:
+    """Blocks of 64 keys; as many blocks a program as leaves about four programs a
+    processor (SM), at most 16: rows x n keys over 4 x processors programs."""
+    blocks_total = rows * triton.cdiv(n, 64)
+    blocks = 1
+    while blocks < 16 and blocks_total // (2 * blocks) >= 4 * processors:
+        blocks *= 2
+    return ScoresConfig(block_n=64, blocks=blocks)
+
+
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: float = 1.0,
+            config: ScoresConfig | None = None, block_t: int = 1, block_n: int = 64) -> torch.Tensor:
+    """The decode form (locs [B, n], config) or the shared one (locs [n], block_t, block_n)."""
     B, H, D = q.shape
     n = locs.shape[-1]
     out = torch.empty(B, n, dtype=torch.float32, device=q.device)
     if B == 0 or n == 0:
         return out
     locs = locs.to(torch.int32).contiguous()
-    grid = (triton.cdiv(B, block_t), triton.cdiv(n, block_n))
     mxfp4 = fmt.name == "mxfp4"
     # FP8 pages are also read as float32 words (their scales); MXFP4 pages need no such view.
     scales = pages if mxfp4 else pages.view(torch.float32)
     w = w if w.stride(1) == 1 else w.contiguous()
-    _scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs,
-                         counts.to(torch.int32).contiguous(), out, B, n, H, layout.page_stride,
-                         PER_PAGE=layout.per_page, D=D, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_N=block_n,
-                         BLOCK_T=block_t, SHARED=locs.ndim == 1, INTERPRETED=interpreted(), MXFP4=mxfp4, MX=MX_BLOCK)
+    counts = counts.to(torch.int32).contiguous()
+    common = dict(PER_PAGE=layout.per_page, D=D, BLOCK_H=max(16, triton.next_power_of_2(H)),
+                  INTERPRETED=interpreted(), MXFP4=mxfp4, MX=MX_BLOCK)
+    if locs.ndim == 1:
+        grid = (triton.cdiv(B, block_t), triton.cdiv(n, block_n))
+        _shared_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out,
+                                    B, n, H, layout.page_stride, BLOCK_N=block_n, BLOCK_T=block_t, **common)
+        return out
+    config = config or default_scores_config(B, n, _processors(q.device))
+    grid = (B, triton.cdiv(n, config.block_n * config.blocks))
+    _row_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out, n, H,
+                             layout.page_stride, BLOCK_N=config.block_n, BLOCKS=config.blocks,
+                             STAGES=config.num_stages, F16=config.f16_operands and q.dtype == torch.bfloat16,
+                             num_warps=config.num_warps, **common)
     return out
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
-                 counts: torch.Tensor, block_n: int = 64, key_format: "str | IndexKeyFormat" = "fp8",
-                 w_scale: float = 1.0) -> torch.Tensor:
+                 counts: torch.Tensor, key_format: "str | IndexKeyFormat" = "fp8", w_scale: float = 1.0,
+                 config: ScoresConfig | None = None) -> torch.Tensor:
     """A decode step's scores float32 [B, n]: row b's queries q [B, H, 128] (bfloat16 or
     float32) with head weights w [B, H] (any float dtype, a row-strided view is fine; in
     float32 times w_scale: the engine's 1/sqrt(heads) without a launch of its own)
@@ -223,10 +295,11 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: 
     int [B, n]; -inf at column j >= counts[b] (int [B]: the records visible to the row) and
     at location -1. pages: the indexer pool's uint8 [pages, page_stride] (`layout`: per key
     128 code bytes and a 4-byte scale for key_format "fp8", 64 code bytes and 4 exponent
-    bytes for "mxfp4"). Nothing is read back to the host: a CUDA graph can capture it."""
+    bytes for "mxfp4"). config: ScoresConfig (None: default_scores_config for these
+    shapes and this GPU). Nothing is read back to the host: a CUDA graph can capture it."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, False, fmt)
-    return _launch(q, w, pages, layout, locs, counts, 1, block_n, fmt, w_scale)
+    return _launch(q, w, pages, layout, locs, counts, fmt, w_scale, config)
 
 
 def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
@@ -237,4 +310,4 @@ def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, l
     key block, so keys are read T / block_t times, not T."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, True, fmt)
-    return _launch(q, w, pages, layout, locs, counts, block_t, block_n, fmt)
+    return _launch(q, w, pages, layout, locs, counts, fmt, block_t=block_t, block_n=block_n)

@@ -34,7 +34,9 @@ for stage in ${STAGES:-tests bench serve}; do
     timeout ${TIMINGS_S:-180} python3 runners/device/moe_topk_timings.py ${TIMINGS:-} 2>&1 | tee "$OUT/timings.txt" | tail -20 ;;
   bench)
     timeout ${BENCH_S:-240} python3 -m remnant.cli.engine_bench --model dsv4_flash_h200 --out "$OUT/engine-bench.json" \
-        --kernel-logs "$OUT/kernels" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine-bench.log" | tail -40 ;;
+        --kernel-logs "$OUT/kernels" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine-bench.log" | tail -40
+    # One archive: the device tool brings back few files (one kernel log of five on 2026-12-06).
+    [ -d "$OUT/kernels" ] && tar -czf "$OUT/kernels.tgz" -C "$OUT" kernels && rm -rf "$OUT/kernels" ;;
   serve)
     # Native records through FlashMLA's V4 decode as SGLang runs them: native_decode=flashmla
     # fails a run where it cannot run rather than fall back.

@@ -7,6 +7,8 @@
   its batch-1 tile (each checked against the former default's output);
 - remnant.kernels.top_k against torch.topk and remnant.engine.ops.index_top_k;
 - the MoE's routing: route_tokens' torch ops against remnant.kernels.route;
+- the indexer's decode scores (remnant.kernels.indexer.index_scores) at V4-Flash's shapes,
+  over a grid of launch configs beside default_scores_config's (`indexer`);
 - the RMS norm at the step's call sites (plain torch, compiled by remnant.engine.step_ops),
   each replayed 100 times in one CUDA graph: the time a call costs inside a step's graph.
 
@@ -16,7 +18,8 @@ host launch time to a batch-1 MoE call). The MoE's weights (150 MB at batch 1) d
 in L2, so repeated calls read them from HBM as a step does.
     python runners/device/moe_topk_timings.py [TABLE ...]   (default: rms_norm route top_k moe;
                                                           moe_tiles: the aligned kernels' tiles;
-                                                          moe_f16: their float16 operands against bf16)
+                                                          moe_f16: their float16 operands against bf16;
+                                                          indexer: the scores' launch configs)
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ def routed_tokens(T: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
     return x, ids, weights, ids.unique().numel()
 
 
-def time_if_close(cfg: MoEConfig, run, ref: torch.Tensor, times: dict, measure, against: str) -> None:
+def time_if_close(cfg, run, ref: torch.Tensor, times: dict, measure, against: str) -> None:
     """times[cfg] = measure(cfg) where run(cfg) is within 2e-2 of ref (relative to its
-    largest value); a config off it, or one that cannot launch, is printed and skipped."""
+    largest value); a config off it, or one that cannot launch, is printed and skipped.
+    cfg: a launch config (MoEConfig, ScoresConfig)."""
     if cfg in times:
         return
     try:
@@ -283,8 +287,60 @@ def route_table() -> None:
         print(f"| {T} | {t[0]:.2f} | {t[1]:.2f} | {same} |", flush=True)
 
 
+def indexer_table() -> None:
+    """index_scores of B rows over n FP8 keys each (64 heads of 128, as a CSA layer's decode
+    scores them): every config of a grid, each checked against the default's output, the
+    five fastest and the default printed per shape. The calls of a graph rotate over
+    distinct keys (>= 256 MB in all), so that they read HBM, not L2, as a step's 21 layers do."""
+    from remnant.engine.pools import SplitPages
+    from remnant.kernels.indexer import ScoresConfig, default_scores_config, index_scores
+    from remnant.kv.index_keys import quantize_index_keys
+
+    per_page, key_bytes = 64, 132
+    pages = (256 << 20) // (per_page * key_bytes) + 1
+    pool = SplitPages(pages, per_page, 128, 4, device="cuda")
+    keys = quantize_index_keys(torch.randn(per_page, 128, device="cuda"))
+    pool.layout.write(pool.buf, torch.arange(per_page, device="cuda"), keys)
+    pool.buf[1:] = pool.buf[0]
+    total = pages * per_page
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = [ScoresConfig(block_n=bn, blocks=blocks, num_warps=warps, num_stages=stages)
+            for bn, blocks, warps, stages in itertools.product((64, 128), (1, 2, 4, 8, 16), (4, 8), (1, 3))]
+    print("| rows x keys | config | us | TB/s of keys | rank |")
+    print("|---|---|---|---|---|")
+    for B, n in ((1, 8192), (32, 1024), (32, 8192), (128, 1024), (128, 8192)):
+        rotation = max(1, min(32, (256 << 20) // (B * n * key_bytes)))
+        q = torch.randn(B, 64, 128, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(B, 64, device="cuda")
+        counts = torch.full((B,), n, device="cuda", dtype=torch.int32)
+        locs = [((c * B * n + torch.arange(B * n, device="cuda")) % total).view(B, n).to(torch.int32)
+                for c in range(rotation)]
+        default = default_scores_config(B, n, sms)
+
+        def run(cfg, loc=locs[0]):
+            return index_scores(q, w, pool.buf, pool.layout, loc, counts, config=cfg)
+
+        def measure(cfg):
+            return time_graph([lambda loc=loc: run(cfg, loc) for loc in locs] * max(1, 32 // rotation), reps=20) * 1e6
+
+        ref = run(default)
+        times: dict = {}
+        for cfg in [default, dataclasses.replace(default, f16_operands=True), *grid]:
+            time_if_close(cfg, run, ref, times, measure, "default")
+        # The fastest bf16 configs again with float16 operands.
+        for cfg in sorted(times, key=times.get)[:3]:
+            time_if_close(dataclasses.replace(cfg, f16_operands=True), run, ref, times, measure, "default")
+        best = sorted(times, key=times.get)
+        nbytes = B * n * key_bytes
+        for cfg in [*best[:5], default]:
+            label = "default" if cfg == default else f"{best.index(cfg) + 1}"
+            print(f"| {B} x {n} | bn{cfg.block_n} x{cfg.blocks} w{cfg.num_warps} s{cfg.num_stages}"
+                  f"{' f16' if cfg.f16_operands else ''} | {times[cfg]:.1f} | {nbytes / times[cfg] / 1e6:.2f} | "
+                  f"{label} |", flush=True)
+
+
 TABLES = {"rms_norm": rms_norm_table, "route": route_table, "top_k": top_k_table, "moe": moe_table,
-          "moe_tiles": moe_tile_table, "moe_f16": moe_f16_table}
+          "moe_tiles": moe_tile_table, "moe_f16": moe_f16_table, "indexer": indexer_table}
 
 if __name__ == "__main__":
     import sys

@@ -10,7 +10,8 @@ from remnant.engine.ops import index_top_k
 from remnant.kernels.top_k import top_k_reference
 from remnant.kv.index_keys import IndexKeyFormat, quantize_index_keys
 from remnant.engine.pools import SplitPages
-from remnant.kernels.indexer import index_scores, index_scores_reference, index_scores_shared, keys_at
+from remnant.kernels.indexer import (ScoresConfig, default_scores_config, index_scores, index_scores_reference,
+                                     index_scores_shared, keys_at)
 from tests.kernels.inputs import DEVICE, ON_GPU
 
 
@@ -45,6 +46,39 @@ def test_scores_are_the_reference(heads, dtype, n, key_format):
     want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
     _same_scores(got, want)
     assert torch.isneginf(got[2]).all() and torch.isneginf(got[1, n // 2:]).all() and torch.isneginf(got[1, ::7]).all()
+
+
+@pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("config", [ScoresConfig(block_n=16, blocks=3), ScoresConfig(block_n=32, blocks=4, num_stages=1),
+                                    ScoresConfig(block_n=64, blocks=2, f16_operands=True)], ids=str)
+def test_every_launch_config_scores_as_the_reference(config, key_format):
+    # Several key blocks a program, the last one ragged (130 keys), rows whose visible keys
+    # end inside a block, at a block's edge, at 0 and at n: the keys past a row's count are
+    # not read, and still score -inf. float16 operands: bf16 q is exact in float16 here.
+    gen = torch.Generator().manual_seed(config.block_n + config.blocks)
+    B, n, per_page = 5, 130, 16
+    pool = _pool(gen, 12, per_page, key_format)
+    locs = torch.randint(0, 12 * per_page, (B, n), generator=gen)
+    locs[0, 3::11] = -1
+    counts = torch.tensor([n, 37, 0, 2 * config.block_n, 1])
+    q = torch.randn(B, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(B, 64, generator=gen).to(DEVICE)
+    locs, counts = locs.to(DEVICE), counts.to(DEVICE)
+    got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format, config=config)
+    _same_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format))
+
+
+def test_default_config_leaves_about_four_programs_a_processor():
+    # Batch 1 and short contexts keep one block a program (every block its own program);
+    # longer rows and bigger batches take more blocks a program, up to 16.
+    assert default_scores_config(1, 8192, 132).blocks == 1
+    assert default_scores_config(32, 1024, 132).blocks == 1
+    assert default_scores_config(32, 8192, 132).blocks == 4
+    assert default_scores_config(128, 8192, 132).blocks == 16
+    for rows, n in [(1, 100), (8, 4096), (64, 32768), (256, 131072)]:
+        config = default_scores_config(rows, n, 132)
+        programs = rows * -(-n // (config.block_n * config.blocks))
+        assert config.blocks == 16 or config.blocks == 1 or programs >= 4 * 132
 
 
 def test_raw_head_weights_with_a_scale_are_the_scaled_weights():
@@ -156,8 +190,12 @@ def test_scores_at_v4_flash_shapes_on_gpu(key_format):
     counts = torch.randint(1, n + 1, (B,), generator=gen).to(DEVICE)
     q = torch.randn(B, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
     w = torch.randn(B, 64, generator=gen).to(DEVICE)
-    got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
-    _same_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format))
+    want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
+    # The default config (several key blocks a program at this batch), and the most blocks
+    # with float16 operands.
+    for config in (None, ScoresConfig(blocks=16, num_warps=8, f16_operands=True)):
+        got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format, config=config)
+        _same_scores(got, want)
     shared = index_scores_shared(q, w, pool.buf, pool.layout, locs[0], counts, key_format=key_format)
     _same_scores(shared, index_scores_reference(q, w, pool.buf, pool.layout, locs[0], counts, key_format=key_format))
     # The selection from them on the GPU: the stable sort's, ties and -inf included.
