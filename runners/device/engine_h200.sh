@@ -13,7 +13,7 @@
 # the commit for the records' provenance:
 #   REMNANT_GIT_COMMIT=<hash> STAGES="tests bench serve" bash runners/device/engine_h200.sh
 # Stage variables: TESTS_S TIMINGS_S BENCH_S SERVE_S (limits, s), TIMINGS, GPU_TESTS, PYTEST_ARGS (e.g. -n 4:
-# the tests share the GPU), BENCH_ARGS, MODES, RUN_ARGS; the bench writes kernel logs to $OUT/kernels.
+# the tests share the GPU), BENCH_ARGS, MODES, RUN_ARGS; the bench writes kernel logs to $OUT/kernels.tgz.
 set -u
 source runners/device/setup_h200.sh || exit 1
 
