@@ -181,6 +181,7 @@ class StepProfile:
     """Where a step's GPU time goes (torch profiler over a few steps)."""
 
     busy_us: float  # time covered by GPU kernels a step (their union)
+    span_us: float  # from a step's first kernel's start to its last one's end (mean over the steps)
     kernels_per_step: float
     top_kernels: list[dict]  # {name, calls_per_step, us_per_step}, most GPU time first
 
@@ -218,7 +219,11 @@ def profile_step(step, device: torch.device, steps: int = 3, kernel_log: Path | 
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: StepProfile.TOP]
-    result = StepProfile(busy / steps, len(spans) / steps,
+    # Each step launches the same kernels: consecutive equal shares of them are its own.
+    per = len(spans) // steps
+    span = sum(max(stop for _, stop in spans[i * per: (i + 1) * per]) - spans[i * per][0]
+               for i in range(steps)) / steps if per else 0.0
+    result = StepProfile(busy / steps, span, len(spans) / steps,
                          [{"name": name, "calls_per_step": len(us) / steps, "us_per_step": sum(us) / steps}
                           for name, us in top])
     if kernel_log is not None:
@@ -326,7 +331,12 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                              # 2026-12-06), GPU time a plain step does not lose.
                              "gpu_idle_share": None if profile is None
                              else max(0.0, 1.0 - profile.busy_us / 1e6 / seconds),
-                             "gpu_busy_ms": None if profile is None else profile.busy_us / 1e3, "bytes": cost.bytes,
+                             "gpu_busy_ms": None if profile is None else profile.busy_us / 1e3,
+                             # Between the step's own kernels only: the host's time before the
+                             # launch, which a scheduler that launches ahead would hide, is not in it.
+                             "gpu_gap_share": None if profile is None or not profile.span_us
+                             else max(0.0, 1.0 - profile.busy_us / profile.span_us),
+                             "bytes": cost.bytes,
                              "flops": cost.flops, "parts": cost.parts,
                              "native_decode": model.native_decode, "packed_decode": model.packed_decode,
                              "cuda_graph": model.graphs is not None, "step_ops": model.ops.name,
@@ -345,5 +355,6 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
 
 def row_line(row: dict) -> str:
     idle = "-" if row["gpu_idle_share"] is None else f"{100 * row['gpu_idle_share']:.0f}%"
+    gaps = "-" if row["gpu_gap_share"] is None else f"{100 * row['gpu_gap_share']:.0f}%"
     return (f"{row['mode']:>7} b{row['batch']:<4} ctx {row['context']:>6}: {row['step_ms']:8.2f} ms  roofline "
-            f"{row['roofline_ms']:8.2f} ms  x{row['step_over_roofline']:.2f}  idle {idle}")
+            f"{row['roofline_ms']:8.2f} ms  x{row['step_over_roofline']:.2f}  idle {idle} (between its kernels {gaps})")
