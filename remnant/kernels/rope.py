@@ -9,7 +9,8 @@ are libdevice's accurate ones on the GPU (full range reduction, as torch's), so 
 rad angles of long contexts lose nothing to them.
 
 norm_rope replaces TorchInductor's three kernels a call (a reduction and two pointwise
-kernels, `step_ops`' compiled norm_rope) with one program per row: twice a layer and once
+kernels, `step_ops`' compiled norm_rope) with one launch, a program per token and up to 8
+of its heads: twice a layer and once
 more a compressed layer (the compressor's latent), 127 launches of a V4-Flash step. It
 rounds where the plain ops round (the norm's bf16 result, its product with the weight,
 each rotated half: remnant.kernels.norm.normed_times_weight), so it gives their values
@@ -33,6 +34,8 @@ from remnant.kv.formats import HEAD_DIM, NOPE_DIM
 ROPE_HALF = (HEAD_DIM - NOPE_DIM) // 2  # 32: RoPE rotates coordinate i with i + 32 of the last 64
 #: A latent as a [ROWS, ROPE_HALF] tile: its last two rows are RoPE's two halves.
 ROWS = HEAD_DIM // ROPE_HALF
+#: Most heads of a token one norm_rope program takes.
+HEADS_PER_PROGRAM = 8
 
 
 @functools.cache
@@ -47,32 +50,37 @@ def rope_inverse_frequencies(theta: float, device: torch.device) -> torch.Tensor
 
 @triton.jit
 def rotate(x, position, inv_ptr, ROWS: tl.constexpr, HALF: tl.constexpr):
-    """x float32 [ROWS, HALF] (a latent) rotated at `position` (an integer): its last two
-    rows are the halves r1, r2 -> r1 cos - r2 sin, r1 sin + r2 cos, in float32."""
-    r = tl.arange(0, ROWS)[:, None]
+    """x float32 [HEADS, ROWS, HALF] (latents sharing one position) rotated at `position`
+    (an integer): the last two rows of each are the halves r1, r2 -> r1 cos - r2 sin,
+    r1 sin + r2 cos, in float32. The angles are formed once for all of them."""
+    r = tl.arange(0, ROWS)[None, :, None]
     angle = position.to(tl.float32) * tl.load(inv_ptr + tl.arange(0, HALF))  # float32, as torch forms it
-    cos = tl.cos(angle)[None, :]
-    sin = tl.sin(angle)[None, :]
-    r1 = tl.sum(tl.where(r == ROWS - 2, x, 0.0), axis=0)[None, :]
-    r2 = tl.sum(tl.where(r == ROWS - 1, x, 0.0), axis=0)[None, :]
+    cos = tl.cos(angle)[None, None, :]
+    sin = tl.sin(angle)[None, None, :]
+    r1 = tl.sum(tl.where(r == ROWS - 2, x, 0.0), axis=1)[:, None, :]
+    r2 = tl.sum(tl.where(r == ROWS - 1, x, 0.0), axis=1)[:, None, :]
     return tl.where(r == ROWS - 2, r1 * cos - r2 * sin, tl.where(r == ROWS - 1, r1 * sin + r2 * cos, x))
 
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, x_stride_t, x_stride_h, w_ptr, pos_ptr, pos_scale, inv_ptr, out_ptr, eps, H,
-                      ROWS: tl.constexpr, HALF: tl.constexpr, ROUND_Y: tl.constexpr, INTERPRETED: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    t = row // H
-    h = row % H
+                      ROWS: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr, ROUND_Y: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
+    """Token pid0's heads [pid1 * HEADS, +HEADS): they share its position, so its angles."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     d = tl.arange(0, ROWS)[:, None] * HALF + tl.arange(0, HALF)[None, :]
-    x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + d)
+    inside = (h < H)[:, None, None]
+    x = tl.load(x_ptr + t * x_stride_t + h.to(tl.int64)[:, None, None] * x_stride_h + d[None, :, :], mask=inside,
+                other=0.0)
     xf = x.to(tl.float32)
-    ms = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / (ROWS * HALF)
-    y = normed_times_weight(x, ms, tl.load(w_ptr + d), eps, ROUND_Y, INTERPRETED)
+    ms = tl.sum(tl.sum(xf * xf, axis=2), axis=1) / (ROWS * HALF)
+    y = normed_times_weight(x, ms[:, None, None], tl.load(w_ptr + d)[None, :, :], eps, ROUND_Y, INTERPRETED)
     rotated = rotate(y, tl.load(pos_ptr + t) * pos_scale, inv_ptr, ROWS, HALF)
     # Where y is already in the output's dtype its cast is exact: each value rounds once.
-    out = tl.where(d < ROWS * HALF - 2 * HALF, y, rotated)
-    tl.store(out_ptr + row * (ROWS * HALF) + d, cast_nearest(out, out_ptr.dtype.element_ty, INTERPRETED))
+    out = tl.where(d[None, :, :] < ROWS * HALF - 2 * HALF, y, rotated)
+    tl.store(out_ptr + (t * H + h.to(tl.int64)[:, None, None]) * (ROWS * HALF) + d[None, :, :],
+             cast_nearest(out, out_ptr.dtype.element_ty, INTERPRETED), mask=inside)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
@@ -92,8 +100,12 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torc
     product = torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty(x.shape, dtype=out_dtype or product, device=x.device)
     if x.numel():
-        _norm_rope_kernel[(x.shape[0] * heads,)](
+        # Up to 8 heads a program, which form their angles once (a program per head formed
+        # them 64 times a token: 8,192 programs a call at batch 128).
+        block = min(HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
+        _norm_rope_kernel[(x.shape[0], triton.cdiv(heads, block))](
             x, x.stride(0), x.stride(1) if x.ndim == 3 else 0, weight.contiguous(), positions.contiguous(),
             position_scale, rope_inverse_frequencies(float(theta), x.device), out, eps, heads,
-            ROWS=ROWS, HALF=ROPE_HALF, ROUND_Y=product == x.dtype, INTERPRETED=interpreted(), num_warps=4)
+            ROWS=ROWS, HALF=ROPE_HALF, HEADS=block, ROUND_Y=product == x.dtype, INTERPRETED=interpreted(),
+            num_warps=4)
     return out

@@ -21,7 +21,7 @@ def _inputs(shape, dtype, weight_dtype, seed):
     return x, weight, pos
 
 
-@pytest.mark.parametrize("shape", [(7, 512), (3, 8, 512)])
+@pytest.mark.parametrize("shape", [(7, 512), (3, 8, 512), (2, 12, 512)])  # 12 heads: a program of 8 and one of 4
 def test_bf16_norm_rope_rounds_where_the_plain_ops_round(shape):
     x, weight, pos = _inputs(shape, torch.bfloat16, torch.bfloat16, len(shape))
     got = norm_rope(x, weight, 1e-6, pos, 10000.0)
