@@ -80,6 +80,11 @@ class EngineArgs:
     #: two steps, where the server's streaming holds up the next launch. Ignored on cpu,
     #: whose steps are not launched asynchronously (an answer would wait a whole step).
     overlap_answers: bool = field(default=True, metadata={"flag": "--disable-overlap-answers"})
+    #: On cuda, a decode step whose requests all decode greedily is launched on the last
+    #: step's tokens before the host reads them (remnant.engine.engine), as SGLang's overlap
+    #: scheduler: the host's work between steps runs while the GPU computes. Off: each step
+    #: is read before the next is built. Ignored on cpu (its steps run as they are launched).
+    launch_ahead: bool = field(default=True, metadata={"flag": "--disable-launch-ahead"})
     #: On cuda, the model's elementwise chains (norms, RoPE, the compressor's gate, the
     #: indexer's key codec and top-k keys) run through torch.compile (remnant.engine.
     #: step_ops); off: plain torch operations. Ignored on cpu.

@@ -53,11 +53,12 @@ class DecodeBatch:
     real: int  # rows that are sequences
 
     @classmethod
-    def of(cls, seqs: list, tokens: list[int], pools, device: torch.device, rows: int | None = None,
+    def of(cls, seqs: list, tokens: "list[int] | torch.Tensor", pools, device: torch.device, rows: int | None = None,
            pages: int | None = None) -> "DecodeBatch":
         """The batch of `seqs` (remnant.engine.sequence.Sequence) each extended by its token,
         padded to `rows` rows and `pages` page-table columns (None: no padding). Built on
-        the host and copied once (no sync inside the step)."""
+        the host and copied once (no sync inside the step). tokens: host ints, or int64
+        [len(seqs)] on the device (a step launched before the host read them: padded there)."""
         rows = len(seqs) if rows is None else rows
         pages = max((len(s.pages) for s in seqs), default=1) if pages is None else pages
         if rows < len(seqs) or any(len(s.pages) > pages for s in seqs):
@@ -71,14 +72,16 @@ class DecodeBatch:
         for i, s in enumerate(seqs):
             table[i, : len(s.pages)] = s.pages
         table = torch.from_numpy(table)
-        host = torch.tensor([list(tokens) + [0] * pad,
+        on_device = isinstance(tokens, torch.Tensor)
+        host = torch.tensor([([0] * len(seqs) if on_device else list(tokens)) + [0] * pad,
                              [s.length for s in seqs] + [0] * pad,
                              [s.swa_block for s in seqs] + [pools.pad_block] * pad,
                              [s.slot for s in seqs] + [pools.pad_slot] * pad], dtype=torch.long)
         if device.type == "cuda":  # pinned, so the copies queue behind the stream's work without a sync
             host, table = host.pin_memory(), table.pin_memory()
         host, table = host.to(device, non_blocking=True), table.to(device, non_blocking=True)
-        return cls(host[0], host[1], table, host[2], host[3], len(seqs))
+        ids = torch.nn.functional.pad(tokens.to(device=device, dtype=torch.long), (0, pad)) if on_device else host[0]
+        return cls(ids, host[1], table, host[2], host[3], len(seqs))
 
     def copy_into(self, other: "DecodeBatch") -> None:
         """Write this batch into `other`'s tensors of the same shapes (a captured graph's

@@ -27,6 +27,18 @@ steps it held up the next step's launch, and the GPU waited, for every stream's 
 every token. Each answer then goes out one launch later (a decode step's launch returns
 before the step runs: remnant.engine.graphs); their order is kept. Before a step with a
 prefill chunk they go out first: its launch waits for the GPU (a blocking copy at its end).
+
+With `launch_ahead` (on for the GPU) a decode step whose requests all decode greedily
+(temperature 0, as benchmark clients ask) is not read back at once: its tokens are taken
+on the device (argmax) and copied behind it, and the next decode step of the same requests
+is launched with those tokens as its input before the host reads them, as SGLang's overlap
+scheduler does. The host's work between two steps (reading the tokens, answering, building
+and launching the next batch) then runs while the GPU computes, not while it waits. A
+request whose length ends at the step is left out of the next one (its finish is known in
+advance); one that stops at EOS there has already been launched for one more token, which
+is dropped (its step writes only its own pages, and whatever reuses them is queued behind
+that step on the device). A step that admits a request, prefills, or samples at a
+temperature reads the held step first, as before.
 """
 
 from __future__ import annotations
@@ -70,6 +82,16 @@ class TokenEvent:
     cached_tokens: int = 0
 
 
+@dataclass
+class _Held:
+    """A greedy decode step launched and not yet read (launch_ahead)."""
+
+    requests: list["Request"]
+    tokens: torch.Tensor  # int64 [B] on the model's device: each row's greedy token
+    host: torch.Tensor  # their copy on the host (pinned on cuda), queued behind the step
+    copied: "torch.cuda.Event | None"  # recorded after that copy (None on cpu: already done)
+
+
 @dataclass(eq=False)
 class Request:
     rid: str
@@ -98,6 +120,7 @@ class Engine:
         cache: PrefixCache | None = None,
         chunked_prefill_size: int = 512,
         overlap_answers: bool = False,
+        launch_ahead: bool = False,
     ):
         self.model = model
         self.eos_token_id = eos_token_id
@@ -105,6 +128,9 @@ class Engine:
         self.cache = cache or PrefixCache(pools, enabled=False)
         self.chunked_prefill_size = chunked_prefill_size
         self.overlap_answers = overlap_answers
+        self.launch_ahead = launch_ahead
+        #: The step launched ahead and not yet read (launch_ahead).
+        self._held: _Held | None = None
         #: (request, event) answers held for the next launch (overlap_answers), in order.
         self._answers: list[tuple[Request, TokenEvent]] = []
         self._waiting: deque[Request] = deque()
@@ -191,6 +217,8 @@ class Engine:
                         while not self._stop and not self._waiting and not self._running:
                             self._cv.wait()
                         if self._stop:
+                            if self._held is not None:
+                                self._read_held()
                             self._send_answers()
                             return
                         for r in [r for r in self._running if r.aborted]:
@@ -334,6 +362,12 @@ class Engine:
         self.pools.slots.release([seq.slot])
 
     def _step(self, running: list[Request]) -> None:
+        if self._held is not None:
+            if not self._go_ahead(running):
+                # The next batch differs (a request joined, prefills or samples, or none is
+                # left to go on): the held step is read first and the loop plans again.
+                self._read_held()
+            return
         budget = self.chunked_prefill_size
         size = self.pools.page_size
         batch, chunks = [], []
@@ -363,6 +397,11 @@ class Engine:
             self._send_answers()  # a prefill's launch waits for the GPU: they would wait with it
         try:
             logits = self._forward(batch, chunks)
+            if self._can_hold(batch, chunks):
+                self._held = self._hold(batch, logits)
+                self.steps += 1
+                self._send_answers()
+                return
             self._send_answers()  # the last step's, while the device runs this one
             rows = list(zip(batch, logits.cpu()))
         except Exception as exc:  # noqa: BLE001 - a failed step must answer, not kill the loop
@@ -377,6 +416,76 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                     log.exception("request %s failed after the step", r.rid)
                     self._fail(r, f"engine error: {exc!r}")
+
+    def _can_hold(self, batch: list[Request], chunks: list[list[int]]) -> bool:
+        """Whether a step just launched may go unread until the next is launched: launch
+        ahead is on, and every request decodes greedily (one token past its prompt)."""
+        return self.launch_ahead and all(
+            len(c) == 1 and r.prefilled == len(r.input_ids) and r.sampling.temperature < GREEDY_BELOW
+            for r, c in zip(batch, chunks))
+
+    def _hold(self, batch: list[Request], logits: torch.Tensor) -> _Held:
+        """The step's greedy tokens taken on the device and copied to the host behind it."""
+        tokens = logits.argmax(-1)
+        if tokens.device.type != "cuda":
+            return _Held(list(batch), tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _Held(list(batch), tokens, host, copied)
+
+    def _go_ahead(self, running: list[Request]) -> bool:
+        """Launch the next decode step of the held step's requests on its tokens, then read
+        the held step; False (nothing launched) where the next step is not that: a running
+        request not in the held step (admitted since), or none left with a token to go."""
+        held = self._held
+        row_of = {id(r): i for i, r in enumerate(held.requests)}
+        if any(id(r) not in row_of for r in running):
+            return False
+        # A request whose length ends at the held step is done there: no further step.
+        ahead = [r for r in running if not r.aborted and len(r.output_ids) + 1 < r.sampling.max_new_tokens]
+        if not ahead:
+            return False
+        rows = [row_of[id(r)] for r in ahead]
+        tokens = held.tokens
+        if rows != list(range(len(held.requests))):
+            index = torch.tensor(rows, dtype=torch.long)
+            if tokens.device.type == "cuda":
+                index = index.pin_memory()  # a pageable copy would wait for the held step
+            tokens = tokens.index_select(0, index.to(tokens.device, non_blocking=True))
+        try:
+            with torch.inference_mode():
+                logits = self.model.forward([r.seq for r in ahead], tokens, self.pools)
+        except Exception:  # noqa: BLE001 - read the held step; the plain path runs it again
+            log.exception("the decode step launched ahead of %d requests failed; running it after the last", len(ahead))
+            return False
+        self.steps += 1
+        self._read_held(went_ahead=ahead)
+        self._held = self._hold(ahead, logits)
+        return True
+
+    def _read_held(self, went_ahead: list[Request] = ()) -> None:
+        """Read the held step's tokens (waiting for that step only) and advance its requests
+        with them; `went_ahead`: those already launched on them, whose sequences hold
+        UNREAD_TOKEN for it. Their answers go out now: the GPU runs the next step meanwhile."""
+        held, self._held = self._held, None
+        if held.copied is not None:
+            held.copied.synchronize()
+        tokens = held.host.tolist()
+        launched = {id(r) for r in went_ahead}
+        with self._cv:
+            for r, token in zip(held.requests, tokens):
+                if r not in self._running:
+                    continue  # aborted, failed or released since its step was launched
+                try:
+                    if id(r) in launched:
+                        r.seq.token_ids[-1] = token
+                    self._advance(r, token=token)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                    log.exception("request %s failed after the step", r.rid)
+                    self._fail(r, f"engine error: {exc!r}")
+        self._send_answers()
 
     def _forward(self, batch: list[Request], chunks: list[list[int]]) -> torch.Tensor:
         """float32 [len(batch), vocab] logits on the model's device, the step launched (on
@@ -415,8 +524,9 @@ class Engine:
             views += [t[seq.slot * ring : (seq.slot + 1) * ring] for t in states.values()]
         return [(v, v.clone()) for v in views]
 
-    def _advance(self, r: Request, row: torch.Tensor) -> None:
-        """After a step: cache `r`'s completed pages, sample its next token, answer it."""
+    def _advance(self, r: Request, row: torch.Tensor | None = None, token: int | None = None) -> None:
+        """After a step: cache `r`'s completed pages, sample its next token from its logits
+        `row` (or take `token`, one taken on the device), answer it."""
         self._cache_completed_pages(r)
         if r.prefilled < len(r.input_ids):
             return  # mid-prompt chunk: nothing to sample yet
@@ -424,7 +534,7 @@ class Engine:
             self._finish(r, {"type": "length", "length": 0})
             return
         try:
-            token = self._sample(r, row)
+            token = self._sample(r, row) if token is None else token
         except (RuntimeError, ValueError) as exc:
             self._finish(r, self._abort_reason(f"sampling failed: {exc}", 400, "SamplingError"))
             return

@@ -54,8 +54,9 @@ class DecodeGraphs:
         self.stats = {"enabled": True, "batch_buckets": self.buckets, "page_buckets": "powers of two",
                       "captured": [], "capture_s": 0.0, "replays": 0, "eager_steps": 0}
 
-    def run(self, seqs: list, tokens: list[int], pools) -> torch.Tensor:
-        """The decode step of `seqs` extended by `tokens`: float32 logits [len(seqs), vocab]."""
+    def run(self, seqs: list, tokens: "list[int] | torch.Tensor", pools) -> torch.Tensor:
+        """The decode step of `seqs` extended by `tokens` (host ints or a device tensor:
+        DecodeBatch.of): float32 logits [len(seqs), vocab]."""
         rows = next((b for b in self.buckets if b >= len(seqs)), None)
         if rows is None:
             self.stats["eager_steps"] += 1

@@ -58,6 +58,9 @@ from remnant.engine.ops import decode_config
 from remnant.engine.step_ops import PLAIN_OPS, compiled_ops
 from remnant.kv.index_keys import IndexKeyFormat
 
+#: A sequence's token_ids entry for a decode token still on the device (Model.forward).
+UNREAD_TOKEN = -1
+
 
 
 @dataclass
@@ -690,7 +693,16 @@ class Model:
         through the per-sequence torch reference (_extend).
         Returns float32 [B, vocab] logits at the last new token of each sequence (on the
         model's device).
+
+        chunks may instead be a decode step's tokens as an int64 [B] tensor on the model's
+        device, not yet read by the host (remnant.engine.engine launches a step ahead of
+        reading the last): each sequence's token_ids then gets UNREAD_TOKEN in its token's
+        place, for the caller to fill in once read.
         """
+        if isinstance(chunks, torch.Tensor):
+            if self.decode_path != "reference" and self.capture is None:
+                return self.decode(seqs, chunks, pools)
+            chunks = [[t] for t in chunks.tolist()]  # the per-sequence paths take host tokens
         step = [i for i, c in enumerate(chunks) if len(c) == 1]
         rest = [i for i in range(len(chunks)) if i not in set(step)]
         if not step or not rest:
@@ -714,8 +726,9 @@ class Model:
             return self._extend(seqs, chunks, pools)
         return self.prefill(seqs, chunks, pools)
 
-    def decode(self, seqs: list, tokens: list[int], pools) -> torch.Tensor:
-        """One batched decode step: each sequence extended by its token; float32 [B, vocab]."""
+    def decode(self, seqs: list, tokens: "list[int] | torch.Tensor", pools) -> torch.Tensor:
+        """One batched decode step: each sequence extended by its token (host ints, or an
+        int64 [B] tensor on the device: see forward); float32 [B, vocab]."""
         from remnant.engine.decode_step import DecodeBatch, decode_step
 
         if self.graphs is not None and self.recorder is None:  # a capture's host copies stay out of graphs
@@ -723,7 +736,7 @@ class Model:
         else:
             batch = DecodeBatch.of(seqs, tokens, pools, self.device)
             logits = decode_step(self, pools, batch, self.attention)
-        for seq, token in zip(seqs, tokens):
+        for seq, token in zip(seqs, [UNREAD_TOKEN] * len(seqs) if isinstance(tokens, torch.Tensor) else tokens):
             seq.length += 1
             seq.token_ids.append(token)
         return logits

@@ -152,7 +152,8 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
     pools = KVPools(geometry, sizes, model.device)
     engine = Engine(model, hf["eos_token_id"], pools, PrefixCache(pools, engine_args.prefix_cache),
                     engine_args.chunked_prefill_size,
-                    overlap_answers=engine_args.overlap_answers and model.device.type == "cuda")
+                    overlap_answers=engine_args.overlap_answers and model.device.type == "cuda",
+                    launch_ahead=engine_args.launch_ahead and model.device.type == "cuda")
     capacity = {
         "max_total_num_tokens": sizes.full_tokens,
         "swa_max_total_num_tokens": sizes.swa_tokens,
@@ -194,6 +195,9 @@ def load_served(model_dir: Path, mode: str = "native", retention: RetentionArgs 
         # A step's answers go out while the next step runs (cuda, unless
         # --disable-overlap-answers) or between steps.
         "remnant_overlap_answers": engine.overlap_answers,
+        # A greedy decode step is launched before the last one is read (cuda, unless
+        # --disable-launch-ahead), or each step is read first.
+        "remnant_launch_ahead": engine.launch_ahead,
         # The elementwise chains: "compiled" (torch.compile, on cuda) or "plain".
         "remnant_step_ops": model.ops.name,
         # The compressors' state rows: float32 or bfloat16 (SGLang: SGLANG_DSV4_COMPRESS_STATE_DTYPE).

@@ -90,6 +90,7 @@ def test_engine_capacity_matches_the_formula(tiny_model_dir, tmp_path):
             info = httpx.get(f"{s.base_url}/server_info", timeout=10).json()
             infos[name], parts[name] = info["capacity"], (info["compressor_state_dtype"], info["index_key_format"])
             assert info["remnant_overlap_answers"] is False  # on by default, but not on the cpu
+            assert info["remnant_launch_ahead"] is False  # on by default, but not on the cpu
         finally:
             stop_server(s)
     assert parts["kernel_parts"] == ("bfloat16", "mxfp4") and parts["native"] == ("float32", "fp8")

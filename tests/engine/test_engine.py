@@ -26,12 +26,16 @@ def model() -> Model:
     return Model(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
 
 
-@pytest.fixture(params=[False, True], ids=["answers-between-steps", "answers-overlapped"])
+@pytest.fixture(params=[(False, False), (True, False), (True, True)],
+                ids=["answers-between-steps", "answers-overlapped", "launched-ahead"])
 def engine(model, request):
     """Every behaviour below holds whether a step's answers go out before the next step is
-    launched or after it (overlap_answers, the GPU's default)."""
+    launched or after it (overlap_answers), and whether greedy decode steps are launched
+    before the last one is read (launch_ahead): the GPU's defaults."""
     pools = scratch_pools(model, 2048, sequences=8)
-    e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=128, overlap_answers=request.param)
+    overlap, ahead = request.param
+    e = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=128, overlap_answers=overlap,
+               launch_ahead=ahead)
     e.start()
     yield e
     e.stop()
@@ -84,7 +88,14 @@ def test_long_prefill_does_not_stall_decodes(engine):
     done = decoding.final()
     assert len(done.output_ids) == 40
     gaps = [b - a for a, b in zip(decoding.steps, decoding.steps[1:])]
-    assert max(gaps) == 1, gaps  # the decode got a token in every engine step
+    if not engine.launch_ahead:
+        assert max(gaps) == 1, gaps  # the decode got a token in every engine step
+    else:
+        # A step launched ahead is answered after the next launch, or before it where the
+        # next step differs (a prefill joins, or none is left): each answer's step count is
+        # its step's or one more, so a gap of 2 or 0 is that lag moving, and the steps from
+        # the first answer to the last are as many as the tokens, less at most one.
+        assert max(gaps) <= 2 and len(gaps) - 1 <= sum(gaps) <= len(gaps), gaps
 
 
 def test_finish_reasons(engine):
@@ -381,3 +392,72 @@ def test_a_dead_engine_answers_at_once(model):
     e.stop()  # the loop has ended: a request must not wait for it
     ev = _run(e, "late", _ids(8, 7), 2).final(timeout=5)
     assert ev.finish_reason["type"] == "abort" and ev.finish_reason["status_code"] == 503
+
+
+class EosAtLength(Model):
+    """The real model, whose logits make EOS the greedy token of a sequence whose step
+    brings it to `at` tokens, and which logs whether each forward got its tokens on the
+    device (a step launched ahead of reading the last)."""
+
+    at = 13
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ahead: list[bool] = []
+
+    def forward(self, seqs, chunks, pools):
+        self.ahead.append(isinstance(chunks, torch.Tensor))
+        out = super().forward(seqs, chunks, pools)
+        for i, seq in enumerate(seqs):
+            if seq.length == self.at:
+                out[i, EOS] = 1e9
+        return out
+
+
+def test_a_greedy_stop_at_eos_while_the_next_step_runs_drops_that_token():
+    """With launch_ahead, A's step that ends at EOS has already been followed by A's next
+    step, launched on the device's tokens: A stops at EOS all the same, its extra token
+    dropped; B beside it, which goes on alone from there (a subset of the step's rows),
+    gets what it gets alone; nothing stays held."""
+    model = EosAtLength(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
+    pools = scratch_pools(model, 1024, sequences=2)
+    engine = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=128, launch_ahead=True)
+    engine.start()
+    try:
+        b_prompt = _ids(40, 60)
+        alone = _run(engine, "b-alone", b_prompt, 12).final().output_ids
+        a, b = Collector(), Collector()
+        with engine._cv:  # admitted in the same step
+            engine.submit(Request("a", _ids(8, 61), SamplingParams(20, 0.0, False), a))
+            engine.submit(Request("b", b_prompt, SamplingParams(12, 0.0, True), b))
+        ev = a.final()
+        # 8 prompt tokens, then outputs at lengths 8..13: the sixth is EOS.
+        assert ev.finish_reason == {"type": "stop", "matched": EOS} and len(ev.output_ids) == 6
+        assert ev.output_ids[-1] == EOS and EOS not in ev.output_ids[:-1]
+        assert b.final().output_ids == alone
+        assert any(model.ahead) and not all(model.ahead)  # steps launched ahead, and prefills not
+        _wait_idle(engine)
+        assert_pools_at_totals(engine)
+    finally:
+        engine.stop()
+
+
+def test_launch_ahead_gives_the_answers_of_reading_each_step():
+    """Greedy requests of different lengths, joining while others decode: the same tokens
+    with launch_ahead as without (only when the host reads them moves)."""
+    outputs = {}
+    for ahead in (False, True):
+        model = EosAtLength(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
+        model.at = -1
+        pools = scratch_pools(model, 1024, sequences=4)
+        engine = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=64, launch_ahead=ahead)
+        engine.start()
+        try:
+            first = [_run(engine, f"r{i}", _ids(n, 70 + i), new) for i, (n, new) in enumerate([(5, 9), (70, 4)])]
+            assert first[0].first.wait(30)
+            later = [_run(engine, f"s{i}", _ids(n, 80 + i), new) for i, (n, new) in enumerate([(130, 7), (3, 11)])]
+            outputs[ahead] = [c.final().output_ids for c in first + later]
+            assert any(model.ahead) == ahead
+        finally:
+            engine.stop()
+    assert outputs[True] == outputs[False]
