@@ -9,7 +9,9 @@ CUDA graphs on cuda; packed modes keep the `prefix` policy's columns, which do n
 what a step reads), pools holding `batch` sequences of `context` tokens filled with valid
 records (quantized random latents: no prefill, so 32k contexts take seconds), and the
 decode step timed over `--steps` steps (each sequence's length put back after each, so
-every step reads the same context). Beside each time: the roofline of remnant.engine.
+every step reads the same context), then again with each step launched before the last
+one is read, on its tokens still on the device, as the engine serves greedy decodes
+(host.launch_ahead: the host's work between steps overlaps the GPU's). Beside each time: the roofline of remnant.engine.
 roofline (bytes over the copy bandwidth and FLOPs over the matmul peak, both measured here
 in the same run) and, on CUDA, where the GPU's time goes inside a step (torch profiler:
 the share of the step's wall time no kernel covers, kernels per step, the kernels taking most time). Prefill: per mode and prompt length
@@ -90,7 +92,7 @@ def fill_pools(model, pools, seed: int = 0) -> None:
 
 
 def _timed_cell(model, batch: int, context: int, steps: int,
-                kernel_log: Path | None = None) -> tuple[float, "StepProfile | None"]:
+                kernel_log: Path | None = None) -> tuple[float, "StepProfile | None", float]:
     """time_step over `batch` sequences of `context` tokens in pools of their own, filled
     with quantized random records. The model's graphs, captured over these pools, are
     dropped on return (also on an error), so that no cell's pools outlive it: the next
@@ -111,9 +113,10 @@ def _timed_cell(model, batch: int, context: int, steps: int,
 
 
 def time_step(model, pools, seqs: list, steps: int,
-              kernel_log: Path | None = None) -> tuple[float, "StepProfile | None"]:
-    """Seconds per decode step of `seqs` (median of `steps`), and on CUDA where the GPU's
-    time goes in a step (None elsewhere; kernel_log: profile_step's)."""
+              kernel_log: Path | None = None) -> tuple[float, "StepProfile | None", float]:
+    """Seconds per decode step of `seqs` (median of `steps`, each waited for), on CUDA where
+    the GPU's time goes in a step (None elsewhere; kernel_log: profile_step's), and seconds
+    per step launched ahead (time_launched_ahead)."""
     tokens = [1] * len(seqs)
     lengths = [s.length for s in seqs]
 
@@ -135,13 +138,52 @@ def time_step(model, pools, seqs: list, steps: int,
             _sync(model.device)
             times.append(time.perf_counter() - t0)
         profile = profile_step(step, model.device, kernel_log=kernel_log) if model.device.type == "cuda" else None
+        ahead = time_launched_ahead(model, pools, seqs, lengths, steps)
     times.sort()
     host.sort()
     # For the log: the host's share of a step (building the batch, copying it in, launching
     # the graph) before it waits for the GPU, which a step pays where the GPU waits on it.
     print(f"host {host[len(host) // 2] * 1e3:.2f} ms of a {times[len(times) // 2] * 1e3:.2f} ms step "
           f"(medians)", file=sys.stderr)
-    return times[len(times) // 2], profile
+    return times[len(times) // 2], profile, ahead
+
+
+def time_launched_ahead(model, pools, seqs: list, lengths: list[int], steps: int) -> float:
+    """Seconds per decode step of `seqs` launched as the engine launches greedy decodes
+    (launch_ahead, remnant.engine.engine): each step on the last one's tokens, still on the
+    device, and launched before the host reads the last one's (a pinned copy behind it):
+    the mean over `steps` steps in a row, so the host's work between steps overlaps the
+    GPU's except where it takes longer."""
+    device = model.device
+    tokens = torch.ones(len(seqs), dtype=torch.long, device=device)
+    last = None  # the previous step's tokens on the host and the event after their copy
+
+    def read(pending) -> None:
+        if pending[1] is not None:
+            pending[1].synchronize()
+        pending[0].tolist()
+
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits = model.decode(seqs, tokens, pools)
+        for s, n in zip(seqs, lengths):
+            s.length = n
+            del s.token_ids[n:]
+        tokens = logits.argmax(-1)
+        if device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            pending = (host, copied)
+        else:
+            pending = (tokens, None)
+        if last is not None:
+            read(last)
+        last = pending
+    read(last)
+    return (time.perf_counter() - t0) / steps
 
 
 def time_prefill(model, pools, seq, prompt: list[int], chunk: int) -> float:
@@ -305,7 +347,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
             for batch in batches:
                 try:
                     log = kernel_logs / f"{mode}-b{batch}-{context}.tsv" if kernel_logs else None
-                    seconds, profile = _timed_cell(model, batch, context, steps, log)
+                    seconds, profile, ahead = _timed_cell(model, batch, context, steps, log)
                 except torch.OutOfMemoryError:
                     seconds = None  # freed below, once the traceback no longer holds the pools
                 if seconds is None:
@@ -336,6 +378,11 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                              # launch, which a scheduler that launches ahead would hide, is not in it.
                              "gpu_gap_share": None if profile is None or not profile.span_us
                              else max(0.0, 1.0 - profile.busy_us / profile.span_us),
+                             # Launched ahead, as the engine serves greedy decodes: the host's
+                             # share between steps overlaps the GPU's.
+                             "ahead_step_ms": ahead * 1e3,
+                             "ahead_idle_share": None if profile is None
+                             else max(0.0, 1.0 - profile.busy_us / 1e6 / ahead),
                              "bytes": cost.bytes,
                              "flops": cost.flops, "parts": cost.parts,
                              "native_decode": model.native_decode, "packed_decode": model.packed_decode,
@@ -356,5 +403,8 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
 def row_line(row: dict) -> str:
     idle = "-" if row["gpu_idle_share"] is None else f"{100 * row['gpu_idle_share']:.0f}%"
     gaps = "-" if row["gpu_gap_share"] is None else f"{100 * row['gpu_gap_share']:.0f}%"
+    ahead_idle = "-" if row["ahead_idle_share"] is None else f"{100 * row['ahead_idle_share']:.0f}%"
     return (f"{row['mode']:>7} b{row['batch']:<4} ctx {row['context']:>6}: {row['step_ms']:8.2f} ms  roofline "
-            f"{row['roofline_ms']:8.2f} ms  x{row['step_over_roofline']:.2f}  idle {idle} (between its kernels {gaps})")
+            f"{row['roofline_ms']:8.2f} ms  x{row['step_over_roofline']:.2f}  idle {idle} (between its kernels {gaps}); "
+            f"launched ahead {row['ahead_step_ms']:.2f} ms x{row['ahead_step_ms'] / row['roofline_ms']:.2f} idle "
+            f"{ahead_idle}")

@@ -57,7 +57,7 @@ def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
                                                               for b in (1, 3)]
     for row in doc["rows"]:
         assert row["step_ms"] > 0 and row["roofline_ms"] > 0 and row["gpu_idle_share"] is None and row["gpu_busy_ms"] is None
-        assert row["gpu_gap_share"] is None
+        assert row["gpu_gap_share"] is None and row["ahead_idle_share"] is None and row["ahead_step_ms"] > 0
     assert doc["peaks"]["copy_bytes_per_s"] > 0 and "roofline" in capsys.readouterr().out
     assert [(r["mode"], r["context"], r["chunk"]) for r in doc["prefill"]] == [
         (m, 300, 128) for m in ("native", "triton", "kernel")]
