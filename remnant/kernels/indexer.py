@@ -232,27 +232,18 @@ class ScoresConfig:
     to float16 rather than bf16 and q rounded to it (one conversion instruction widens two
     FP8 codes to float16, more to bf16; FP8 and MXFP4 keys are exact in both, q's bf16
     elements in float16's normal range, 2^-14 to 65504: a smaller element loses bits, a
-    larger one overflows)."""
+    larger one overflows).
 
-    block_n: int = 64
+    The defaults are the fastest of the H100 sweep of 2026-12-06 (runners/device/
+    moe_topk_timings.py indexer): blocks of 128 keys took half the time of blocks of 64 at
+    32 and 128 rows of 1,024 and 8,192 keys (29.7 against 57.3 us at 32 x 8,192), and more
+    blocks a program changed nothing (99.1 to 100.3 us at 128 x 8,192)."""
+
+    block_n: int = 128
     blocks: int = 1
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 1
     f16_operands: bool = False
-
-
-def default_scores_config(rows: int, n: int, processors: int) -> ScoresConfig:
-    """Blocks of 64 keys; as many blocks a program as leaves about four programs a
-    processor (SM), at most 16: rows x n keys over 4 x processors programs."""
-    blocks_total = rows * triton.cdiv(n, 64)
-    blocks = 1
-    while blocks < 16 and blocks_total // (2 * blocks) >= 4 * processors:
-        blocks *= 2
-    return ScoresConfig(block_n=64, blocks=blocks)
-
-
-def _processors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: float = 1.0,
@@ -276,7 +267,7 @@ def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: flo
         _shared_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out,
                                     B, n, H, layout.page_stride, BLOCK_N=block_n, BLOCK_T=block_t, **common)
         return out
-    config = config or default_scores_config(B, n, _processors(q.device))
+    config = config or ScoresConfig()
     grid = (B, triton.cdiv(n, config.block_n * config.blocks))
     _row_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out, n, H,
                              layout.page_stride, BLOCK_N=config.block_n, BLOCKS=config.blocks,
@@ -295,8 +286,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: 
     int [B, n]; -inf at column j >= counts[b] (int [B]: the records visible to the row) and
     at location -1. pages: the indexer pool's uint8 [pages, page_stride] (`layout`: per key
     128 code bytes and a 4-byte scale for key_format "fp8", 64 code bytes and 4 exponent
-    bytes for "mxfp4"). config: ScoresConfig (None: default_scores_config for these
-    shapes and this GPU). Nothing is read back to the host: a CUDA graph can capture it."""
+    bytes for "mxfp4"). config: ScoresConfig (None: its defaults). Nothing is read back to the host: a CUDA graph can capture it."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, False, fmt)
     return _launch(q, w, pages, layout, locs, counts, fmt, w_scale, config)

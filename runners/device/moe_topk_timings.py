@@ -8,7 +8,7 @@
 - remnant.kernels.top_k against torch.topk and remnant.engine.ops.index_top_k;
 - the MoE's routing: route_tokens' torch ops against remnant.kernels.route;
 - the indexer's decode scores (remnant.kernels.indexer.index_scores) at V4-Flash's shapes,
-  over a grid of launch configs beside default_scores_config's (`indexer`);
+  over a grid of launch configs beside ScoresConfig's defaults (`indexer`);
 - the RMS norm at the step's call sites (plain torch, compiled by remnant.engine.step_ops),
   each replayed 100 times in one CUDA graph: the time a call costs inside a step's graph.
 
@@ -293,19 +293,18 @@ def indexer_table() -> None:
     five fastest and the default printed per shape. The calls of a graph rotate over
     distinct keys (>= 256 MB in all), so that they read HBM, not L2, as a step's 21 layers do."""
     from remnant.engine.pools import SplitPages
-    from remnant.kernels.indexer import ScoresConfig, default_scores_config, index_scores
+    from remnant.kernels.indexer import ScoresConfig, index_scores
     from remnant.kv.index_keys import quantize_index_keys
 
     per_page, key_bytes = 64, 132
     pages = (256 << 20) // (per_page * key_bytes) + 1
-    pool = SplitPages(pages, per_page, 128, 4, device="cuda")
+    pool = SplitPages(pages, per_page, key_bytes, 4, device="cuda")
     keys = quantize_index_keys(torch.randn(per_page, 128, device="cuda"))
     pool.layout.write(pool.buf, torch.arange(per_page, device="cuda"), keys)
     pool.buf[1:] = pool.buf[0]
     total = pages * per_page
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = [ScoresConfig(block_n=bn, blocks=blocks, num_warps=warps, num_stages=stages)
-            for bn, blocks, warps, stages in itertools.product((64, 128), (1, 2, 4, 8, 16), (4, 8), (1, 3))]
+            for bn, blocks, warps, stages in itertools.product((64, 128, 256), (1, 4), (4, 8), (1, 3))]
     print("| rows x keys | config | us | TB/s of keys | rank |")
     print("|---|---|---|---|---|")
     for B, n in ((1, 8192), (32, 1024), (32, 8192), (128, 1024), (128, 8192)):
@@ -315,7 +314,7 @@ def indexer_table() -> None:
         counts = torch.full((B,), n, device="cuda", dtype=torch.int32)
         locs = [((c * B * n + torch.arange(B * n, device="cuda")) % total).view(B, n).to(torch.int32)
                 for c in range(rotation)]
-        default = default_scores_config(B, n, sms)
+        default = ScoresConfig()
 
         def run(cfg, loc=locs[0]):
             return index_scores(q, w, pool.buf, pool.layout, loc, counts, config=cfg)

@@ -10,8 +10,7 @@ from remnant.engine.ops import index_top_k
 from remnant.kernels.top_k import top_k_reference
 from remnant.kv.index_keys import IndexKeyFormat, quantize_index_keys
 from remnant.engine.pools import SplitPages
-from remnant.kernels.indexer import (ScoresConfig, default_scores_config, index_scores, index_scores_reference,
-                                     index_scores_shared, keys_at)
+from remnant.kernels.indexer import ScoresConfig, index_scores, index_scores_reference, index_scores_shared, keys_at
 from tests.kernels.inputs import DEVICE, ON_GPU
 
 
@@ -49,8 +48,8 @@ def test_scores_are_the_reference(heads, dtype, n, key_format):
 
 
 @pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
-@pytest.mark.parametrize("config", [ScoresConfig(block_n=16, blocks=3), ScoresConfig(block_n=32, blocks=4, num_stages=1),
-                                    ScoresConfig(block_n=64, blocks=2, f16_operands=True)], ids=str)
+@pytest.mark.parametrize("config", [ScoresConfig(block_n=16, blocks=3), ScoresConfig(block_n=32, blocks=4, num_stages=3),
+                                    ScoresConfig(block_n=64, blocks=2, f16_operands=True), ScoresConfig()], ids=str)
 def test_every_launch_config_scores_as_the_reference(config, key_format):
     # Several key blocks a program, the last one ragged (130 keys), rows whose visible keys
     # end inside a block, at a block's edge, at 0 and at n: the keys past a row's count are
@@ -66,19 +65,6 @@ def test_every_launch_config_scores_as_the_reference(config, key_format):
     locs, counts = locs.to(DEVICE), counts.to(DEVICE)
     got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format, config=config)
     _same_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format))
-
-
-def test_default_config_leaves_about_four_programs_a_processor():
-    # Batch 1 and short contexts keep one block a program (every block its own program);
-    # longer rows and bigger batches take more blocks a program, up to 16.
-    assert default_scores_config(1, 8192, 132).blocks == 1
-    assert default_scores_config(32, 1024, 132).blocks == 1
-    assert default_scores_config(32, 8192, 132).blocks == 4
-    assert default_scores_config(128, 8192, 132).blocks == 16
-    for rows, n in [(1, 100), (8, 4096), (64, 32768), (256, 131072)]:
-        config = default_scores_config(rows, n, 132)
-        programs = rows * -(-n // (config.block_n * config.blocks))
-        assert config.blocks == 16 or config.blocks == 1 or programs >= 4 * 132
 
 
 def test_raw_head_weights_with_a_scale_are_the_scaled_weights():
@@ -111,9 +97,9 @@ def test_shared_scores_are_the_reference(tokens, block_t, dtype, key_format):
     got = index_scores_shared(q, w, pool.buf, pool.layout, locs, counts, block_t=block_t, key_format=key_format)
     want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
     _same_scores(got, want)
-    # The same as each token scoring its own copy of the locations.
+    # The same as each token scoring its own copy of the locations, in blocks of as many keys.
     torch.testing.assert_close(got, index_scores(q, w, pool.buf, pool.layout, locs.expand(tokens, n), counts,
-                                                 key_format=key_format))
+                                                 key_format=key_format, config=ScoresConfig(block_n=64)))
 
 
 def _same_scores(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -191,9 +177,8 @@ def test_scores_at_v4_flash_shapes_on_gpu(key_format):
     q = torch.randn(B, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
     w = torch.randn(B, 64, generator=gen).to(DEVICE)
     want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
-    # The default config (several key blocks a program at this batch), and the most blocks
-    # with float16 operands.
-    for config in (None, ScoresConfig(blocks=16, num_warps=8, f16_operands=True)):
+    # The default config, and several blocks of 64 keys a program with float16 operands.
+    for config in (None, ScoresConfig(block_n=64, blocks=16, num_warps=8, f16_operands=True)):
         got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format, config=config)
         _same_scores(got, want)
     shared = index_scores_shared(q, w, pool.buf, pool.layout, locs[0], counts, key_format=key_format)
