@@ -461,3 +461,28 @@ def test_launch_ahead_gives_the_answers_of_reading_each_step():
         finally:
             engine.stop()
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_launch_ahead_on_cuda_gives_the_answers_of_reading_each_step():
+    """On the GPU, where the launch is asynchronous: decode steps replayed from CUDA graphs
+    on the device's tokens (padded into the graph's batch), read through a pinned copy
+    behind them, give the tokens of steps read one by one; requests joining mid-way and
+    one ending at its length make the held step's rows a subset and a new batch."""
+    outputs = {}
+    for ahead in (False, True):
+        model = Model(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())), device="cuda")
+        assert model.graphs is not None
+        pools = scratch_pools(model, 1024, sequences=4)
+        engine = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=64, launch_ahead=ahead)
+        engine.start()
+        try:
+            first = [_run(engine, f"r{i}", _ids(n, 90 + i), new) for i, (n, new) in enumerate([(5, 9), (70, 4)])]
+            assert first[0].first.wait(60)
+            later = [_run(engine, f"s{i}", _ids(n, 95 + i), new) for i, (n, new) in enumerate([(130, 7), (3, 11)])]
+            outputs[ahead] = [c.final().output_ids for c in first + later]
+            assert model.graphs.stats["replays"] > 0
+        finally:
+            engine.stop()
+    assert outputs[True] == outputs[False]
