@@ -395,20 +395,24 @@ class Engine:
         kept = [self._state_of(r.seq) if len(batch) > 1 and len(c) > 1 else None for r, c in zip(batch, chunks)]
         if any(len(c) > 1 for c in chunks):
             self._send_answers()  # a prefill's launch waits for the GPU: they would wait with it
+        hold = False
         try:
             logits = self._forward(batch, chunks)
-            if self._can_hold(batch, chunks):
-                self._held = self._hold(batch, logits)
-                self.steps += 1
-                self._send_answers()
-                return
-            self._send_answers()  # the last step's, while the device runs this one
-            rows = list(zip(batch, logits.cpu()))
+            hold = self._can_hold(batch, chunks)
+            if not hold:
+                self._send_answers()  # the last step's, while the device runs this one
+                rows = list(zip(batch, logits.cpu()))
         except Exception as exc:  # noqa: BLE001 - a failed step must answer, not kill the loop
             log.exception("engine step of %d requests failed", len(batch))
             self._send_answers()
             rows = self._step_alone(batch, chunks, kept, exc)
         self.steps += 1
+        if hold:
+            # Outside the guard above: the step ran, so it must not run again alone (its
+            # sequences have moved on); a failure here fails the batch (the loop's guard).
+            self._held = self._hold(batch, logits)
+            self._send_answers()
+            return
         with self._cv:
             for r, row in rows:
                 try:
@@ -445,6 +449,19 @@ class Engine:
             return False
         # A request whose length ends at the held step is done there: no further step.
         ahead = [r for r in running if not r.aborted and len(r.output_ids) + 1 < r.sampling.max_new_tokens]
+        if not ahead:
+            return False
+        # Pages the held step completed are cached now, while every token before it is known:
+        # a page ending where it ended gets its window checkpoint (a copy queued before the
+        # next step writes the ring), which reading it after the next launch would miss.
+        with self._cv:
+            for r in ahead:
+                try:
+                    self._cache_completed_pages(r)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                    log.exception("request %s failed caching its pages", r.rid)
+                    self._fail(r, f"engine error: {exc!r}")
+        ahead = [r for r in ahead if r in self._running]
         if not ahead:
             return False
         rows = [row_of[id(r)] for r in ahead]

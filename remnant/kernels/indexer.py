@@ -148,33 +148,31 @@ def _load_mxfp4_keys(locs_ptr, pages_ptr, j, n, page_stride, PER_PAGE: tl.conste
 
 
 @triton.jit
-def _block_scores(q, wh, locs_ptr, pages_ptr, scales_ptr, j, n, limit, page_stride, PER_PAGE: tl.constexpr,
-                  D: tl.constexpr, INTERPRETED: tl.constexpr, MXFP4: tl.constexpr, MX: tl.constexpr,
-                  F16: tl.constexpr):
-    """Scores float32 [BLOCK_N] of one row's q [BLOCK_H, D] and scaled head weights wh
-    [BLOCK_H] against the keys at locs_ptr[j] (those at j >= limit are not read), and
-    usable bool [BLOCK_N] (a location, not -1, below n)."""
+def _block_keys(locs_ptr, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr,
+                MXFP4: tl.constexpr, MX: tl.constexpr, OP: tl.constexpr):
+    """The keys at locs_ptr[j] widened to OP [BLOCK_N, D] (exact), their float32 scales
+    [BLOCK_N] (1 for MXFP4, whose scales are in the values) and usable bool [BLOCK_N] (a
+    location, not -1, below limit: the keys at j >= limit are not read)."""
     if MXFP4:
         values, usable = _load_mxfp4_keys(locs_ptr, pages_ptr, j, limit, page_stride, PER_PAGE, D, MX)
-    else:
-        codes, scale, usable = _load_keys(locs_ptr, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE, D)
-    op = tl.float16 if F16 else q.dtype                              # the MMA operands' dtype
-    if MXFP4:
-        keys = values.to(op)                                          # exact: e2m1 x 2^k is a bf16 value
-    else:
-        keys = codes.to(tl.float8e4nv, bitcast=True).to(op)           # exact in bf16 and in float16
+        return values.to(OP), tl.where(usable, 1.0, 0.0), usable    # e2m1 x 2^k is exact in bf16
+    codes, scale, usable = _load_keys(locs_ptr, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE, D)
+    return codes.to(tl.float8e4nv, bitcast=True).to(OP), scale, usable  # exact in bf16 and in float16
+
+
+@triton.jit
+def _block_scores(q, wh, keys, scale, INTERPRETED: tl.constexpr):
+    """Scores float32 [BLOCK_N] of one row's q [BLOCK_H, D] and scaled head weights wh
+    [BLOCK_H] against keys [BLOCK_N, D] (in the MMA operands' dtype) with their scales."""
     if INTERPRETED:
         # Triton's interpreter returns garbage for tl.dot on bf16 operands (remnant.kernels.moe).
-        dots = tl.dot(q.to(op).to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-    elif op == tl.float32:
+        dots = tl.dot(q.to(keys.dtype).to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+    elif keys.dtype == tl.float32:
         dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
     else:
-        dots = tl.dot(q.to(op), tl.trans(keys))                       # [BLOCK_H, BLOCK_N] float32
-    if MXFP4:
-        s = tl.sum(tl.maximum(dots, 0.0) * wh[:, None], axis=0)
-    else:
-        s = tl.sum(tl.maximum(dots * scale[None, :], 0.0) * wh[:, None], axis=0)
-    return s, usable
+        dots = tl.dot(q.to(keys.dtype), tl.trans(keys))               # [BLOCK_H, BLOCK_N] float32
+    # The scale is constant along the summed axis: the product of the dequantized key.
+    return tl.sum(tl.maximum(dots * scale[None, :], 0.0) * wh[:, None], axis=0)
 
 
 @triton.jit
@@ -195,10 +193,12 @@ def _row_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, l
     limit = tl.minimum(count, n)
     row_locs = locs_ptr + b * n
     first = tl.program_id(1) * (BLOCKS * BLOCK_N)
+    op = tl.float16 if F16 else q_ptr.dtype.element_ty   # the MMA operands' dtype
     for i in tl.range(0, BLOCKS, num_stages=STAGES):
         j = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        s, usable = _block_scores(q, wh, row_locs, pages_ptr, scales_ptr, j, n, limit, page_stride, PER_PAGE, D,
-                                  INTERPRETED, MXFP4, MX, F16)
+        keys, scale, usable = _block_keys(row_locs, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE, D,
+                                          MXFP4, MX, op)
+        s = _block_scores(q, wh, keys, scale, INTERPRETED)
         tl.store(out_ptr + b * n + j, tl.where(usable, s, float("-inf")), mask=j < n)
 
 
@@ -208,18 +208,18 @@ def _shared_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr
                           BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRETED: tl.constexpr,
                           MXFP4: tl.constexpr, MX: tl.constexpr):
     """A prefill's scores: rows [pid0 * BLOCK_T, +BLOCK_T), which all read the same
-    locations locs [n], against keys [pid1 * BLOCK_N, +BLOCK_N). The key block is loaded
-    once for the BLOCK_T rows (the loads of a row past the first hit the cache)."""
+    locations locs [n], against keys [pid1 * BLOCK_N, +BLOCK_N), loaded once for them."""
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     h = tl.arange(0, BLOCK_H)
+    keys, scale, usable = _block_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE, D, MXFP4, MX,
+                                      q_ptr.dtype.element_ty)
     for r in range(BLOCK_T):
         b = tl.program_id(0) * BLOCK_T + r
         if b < B:
             q = tl.load(q_ptr + (b.to(tl.int64) * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
             wh = tl.load(w_ptr + b.to(tl.int64) * w_stride + h, mask=h < H, other=0.0).to(tl.float32) * w_scale
-            s, usable = _block_scores(q, wh, locs_ptr, pages_ptr, scales_ptr, j, n, n, page_stride, PER_PAGE, D,
-                                      INTERPRETED, MXFP4, MX, False)
+            s = _block_scores(q, wh, keys, scale, INTERPRETED)
             seen = usable & (j < tl.load(counts_ptr + b))
             tl.store(out_ptr + b.to(tl.int64) * n + j, tl.where(seen, s, float("-inf")), mask=j < n)
 

@@ -89,7 +89,8 @@ def _splits(hidden: int, tokens: int) -> int:
     """Splits of hidden into whole BLOCK_H steps: about 128 programs in all (the router's
     floats spread over programs), up to 32 splits a token tile. Fewer programs left the
     float32 dots of a 128-token step to 32 programs, 12 us a call on an H200 (2026-12-06)."""
-    splits = min(32, max(1, 128 // triton.cdiv(tokens, BLOCK_T)))
+    # A power of two, so that halving below keeps dividing hidden (24 from 5 tiles would not).
+    splits = 1 << min(5, max(0, (128 // triton.cdiv(tokens, BLOCK_T)).bit_length() - 1))
     while splits > 1 and hidden % (splits * BLOCK_H):
         splits //= 2
     return splits

@@ -442,24 +442,37 @@ def test_a_greedy_stop_at_eos_while_the_next_step_runs_drops_that_token():
         engine.stop()
 
 
-def test_launch_ahead_gives_the_answers_of_reading_each_step():
-    """Greedy requests of different lengths, joining while others decode: the same tokens
-    with launch_ahead as without (only when the host reads them moves)."""
+def _answers_with_and_without_launch_ahead(device: str) -> dict[bool, list[list[int]]]:
+    """Four greedy requests queued together: a chunked prefill budget of 64 tokens lets the
+    long prompts and the last request in over several steps while the others decode (each
+    such step reads the held step first), and they end at different lengths (the held
+    step's rows then a subset). Queued at once, the steps' batches do not depend on timing,
+    so both runs take the same steps. Returns each run's outputs."""
     outputs = {}
     for ahead in (False, True):
-        model = EosAtLength(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())))
-        model.at = -1
+        model = EosAtLength(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())), device=device)
+        model.at = -1  # no EOS forced: only the log of steps launched ahead
         pools = scratch_pools(model, 1024, sequences=4)
         engine = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=64, launch_ahead=ahead)
         engine.start()
         try:
-            first = [_run(engine, f"r{i}", _ids(n, 70 + i), new) for i, (n, new) in enumerate([(5, 9), (70, 4)])]
-            assert first[0].first.wait(30)
-            later = [_run(engine, f"s{i}", _ids(n, 80 + i), new) for i, (n, new) in enumerate([(130, 7), (3, 11)])]
-            outputs[ahead] = [c.final().output_ids for c in first + later]
+            collectors = []
+            with engine._cv:
+                for i, (n, new) in enumerate([(5, 9), (70, 4), (130, 7), (3, 11)]):
+                    collectors.append(_run(engine, f"r{i}", _ids(n, 70 + i), new))
+            outputs[ahead] = [c.final().output_ids for c in collectors]
             assert any(model.ahead) == ahead
+            assert [len(o) for o in outputs[ahead]] == [9, 4, 7, 11]
+            if model.graphs is not None:
+                assert model.graphs.stats["replays"] > 0
         finally:
             engine.stop()
+    return outputs
+
+
+def test_launch_ahead_gives_the_answers_of_reading_each_step():
+    """The same tokens with launch_ahead as without: only when the host reads them moves."""
+    outputs = _answers_with_and_without_launch_ahead("cpu")
     assert outputs[True] == outputs[False]
 
 
@@ -467,22 +480,7 @@ def test_launch_ahead_gives_the_answers_of_reading_each_step():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_launch_ahead_on_cuda_gives_the_answers_of_reading_each_step():
     """On the GPU, where the launch is asynchronous: decode steps replayed from CUDA graphs
-    on the device's tokens (padded into the graph's batch), read through a pinned copy
-    behind them, give the tokens of steps read one by one; requests joining mid-way and
-    one ending at its length make the held step's rows a subset and a new batch."""
-    outputs = {}
-    for ahead in (False, True):
-        model = Model(ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig())), device="cuda")
-        assert model.graphs is not None
-        pools = scratch_pools(model, 1024, sequences=4)
-        engine = Engine(model, EOS, pools, PrefixCache(pools), chunked_prefill_size=64, launch_ahead=ahead)
-        engine.start()
-        try:
-            first = [_run(engine, f"r{i}", _ids(n, 90 + i), new) for i, (n, new) in enumerate([(5, 9), (70, 4)])]
-            assert first[0].first.wait(60)
-            later = [_run(engine, f"s{i}", _ids(n, 95 + i), new) for i, (n, new) in enumerate([(130, 7), (3, 11)])]
-            outputs[ahead] = [c.final().output_ids for c in first + later]
-            assert model.graphs.stats["replays"] > 0
-        finally:
-            engine.stop()
+    on the device's tokens (padded into the graph's batch) and read through a pinned copy
+    behind them give the tokens of steps read one by one."""
+    outputs = _answers_with_and_without_launch_ahead("cuda")
     assert outputs[True] == outputs[False]
