@@ -161,7 +161,7 @@ ROW_KERNELS = [
     pytest.param("remnant.kernels.rope:_norm_rope_kernel",
                  dict(x_ptr=f"*{x}", x_stride_t="i64", x_stride_h="i64", w_ptr="*bf16", pos_ptr="*i64",
                       pos_scale="i32", inv_ptr="*fp32", out_ptr="*bf16", eps="fp32", H="i32"),
-                 dict(ROWS=16, HALF=32, ROUND_Y=x == "bf16", INTERPRETED=False), 4, id=f"norm-rope-{x}")
+                 dict(ROWS=16, HALF=32, HEADS=8, ROUND_Y=x == "bf16", INTERPRETED=False), 4, id=f"norm-rope-{x}")
     for x in ("bf16", "fp32")
 ] + [
     pytest.param("remnant.kernels.norm:_rms_norm_kernel",
@@ -187,12 +187,17 @@ ROW_KERNELS = [
                       indices_ptr="*i32", stride_o="i64", locs_ptr="*i32", stride_l="i64", n="i32", k="i32",
                       chunk="i32"),
                  dict(BLOCK=1024, MAX_PARTS=16, LOCS=True), 8, id="top-k-locations"),
-    pytest.param("remnant.kernels.indexer:_scores_kernel",
+    pytest.param("remnant.kernels.indexer:_row_scores_kernel",
+                 dict(q_ptr="*bf16", w_ptr="*bf16", w_stride="i64", w_scale="fp32", pages_ptr="*u8", scales_ptr="*fp32",
+                      locs_ptr="*i32", counts_ptr="*i32", out_ptr="*fp32", n="i32", H="i32", page_stride="i64"),
+                 dict(PER_PAGE=64, D=128, BLOCK_H=64, BLOCK_N=128, BLOCKS=1, STAGES=1, INTERPRETED=False,
+                      MXFP4=False, MX=32, F16=False), 4, id="index-scores"),
+    pytest.param("remnant.kernels.indexer:_shared_scores_kernel",
                  dict(q_ptr="*bf16", w_ptr="*bf16", w_stride="i64", w_scale="fp32", pages_ptr="*u8", scales_ptr="*fp32",
                       locs_ptr="*i32", counts_ptr="*i32", out_ptr="*fp32", B="i32", n="i32", H="i32",
                       page_stride="i64"),
-                 dict(PER_PAGE=64, D=128, BLOCK_H=64, BLOCK_N=64, BLOCK_T=1, SHARED=False, INTERPRETED=False,
-                      MXFP4=False, MX=32), 4, id="index-scores"),
+                 dict(PER_PAGE=64, D=128, BLOCK_H=64, BLOCK_N=64, BLOCK_T=16, INTERPRETED=False, MXFP4=False, MX=32),
+                 4, id="index-scores-shared"),
 ]
 
 
