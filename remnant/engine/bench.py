@@ -154,15 +154,11 @@ def time_launched_ahead(model, pools, seqs: list, lengths: list[int], steps: int
     device, and launched before the host reads the last one's (a pinned copy behind it):
     the mean over `steps` steps in a row, so the host's work between steps overlaps the
     GPU's except where it takes longer."""
+    from remnant.engine.engine import DeviceTokens
+
     device = model.device
     tokens = torch.ones(len(seqs), dtype=torch.long, device=device)
-    last = None  # the previous step's tokens on the host and the event after their copy
-
-    def read(pending) -> None:
-        if pending[1] is not None:
-            pending[1].synchronize()
-        pending[0].tolist()
-
+    last = None  # the previous step's tokens, their copy queued behind it
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -170,19 +166,12 @@ def time_launched_ahead(model, pools, seqs: list, lengths: list[int], steps: int
         for s, n in zip(seqs, lengths):
             s.length = n
             del s.token_ids[n:]
-        tokens = logits.argmax(-1)
-        if device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            pending = (host, copied)
-        else:
-            pending = (tokens, None)
+        pending = DeviceTokens.of(logits)
+        tokens = pending.tokens
         if last is not None:
-            read(last)
+            last.read()
         last = pending
-    read(last)
+    last.read()
     return (time.perf_counter() - t0) / steps
 
 

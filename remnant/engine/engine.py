@@ -83,13 +83,37 @@ class TokenEvent:
 
 
 @dataclass
+class DeviceTokens:
+    """A step's greedy tokens taken on the device, and their copy to the host queued behind
+    the step (read_tokens waits for that copy, not for what is launched after it)."""
+
+    tokens: torch.Tensor  # int64 [B] on the model's device: each row's greedy token
+    host: torch.Tensor  # their copy on the host (pinned on cuda)
+    copied: "torch.cuda.Event | None"  # recorded after that copy (None on cpu: already done)
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> "DeviceTokens":
+        tokens = logits.argmax(-1)
+        if tokens.device.type != "cuda":
+            return cls(tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(tokens, host, copied)
+
+    def read(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
 class _Held:
     """A greedy decode step launched and not yet read (launch_ahead)."""
 
     requests: list["Request"]
-    tokens: torch.Tensor  # int64 [B] on the model's device: each row's greedy token
-    host: torch.Tensor  # their copy on the host (pinned on cuda), queued behind the step
-    copied: "torch.cuda.Event | None"  # recorded after that copy (None on cpu: already done)
+    tokens: DeviceTokens
 
 
 @dataclass(eq=False)
@@ -430,14 +454,7 @@ class Engine:
 
     def _hold(self, batch: list[Request], logits: torch.Tensor) -> _Held:
         """The step's greedy tokens taken on the device and copied to the host behind it."""
-        tokens = logits.argmax(-1)
-        if tokens.device.type != "cuda":
-            return _Held(list(batch), tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return _Held(list(batch), tokens, host, copied)
+        return _Held(list(batch), DeviceTokens.of(logits))
 
     def _go_ahead(self, running: list[Request]) -> bool:
         """Launch the next decode step of the held step's requests on its tokens, then read
@@ -465,7 +482,7 @@ class Engine:
         if not ahead:
             return False
         rows = [row_of[id(r)] for r in ahead]
-        tokens = held.tokens
+        tokens = held.tokens.tokens
         if rows != list(range(len(held.requests))):
             index = torch.tensor(rows, dtype=torch.long)
             if tokens.device.type == "cuda":
@@ -487,9 +504,7 @@ class Engine:
         with them; `went_ahead`: those already launched on them, whose sequences hold
         UNREAD_TOKEN for it. Their answers go out now: the GPU runs the next step meanwhile."""
         held, self._held = self._held, None
-        if held.copied is not None:
-            held.copied.synchronize()
-        tokens = held.host.tolist()
+        tokens = held.tokens.read()
         launched = {id(r) for r in went_ahead}
         with self._cv:
             for r, token in zip(held.requests, tokens):
