@@ -112,12 +112,25 @@ def _timed_cell(model, batch: int, context: int, steps: int,
             model.graphs.clear()
 
 
+def decode_tokens(batch: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """A decode step's input tokens for `batch` rows: distinct where the vocabulary allows
+    (seeded). The rows' sequences and records are copies of one another, so their tokens
+    are all that sets their hidden states apart: with one token for every row, every row
+    routes to the same experts and a step reads 6 of a layer's 32 routed experts at any
+    batch, where the roofline counts the distinct experts of uniform routing (all 32 from
+    batch ~16 on), as serving's different requests hit them."""
+    gen = torch.Generator().manual_seed(seed)
+    if batch <= vocab_size:
+        return torch.randperm(vocab_size, generator=gen)[:batch].tolist()
+    return torch.randint(0, vocab_size, (batch,), generator=gen).tolist()
+
+
 def time_step(model, pools, seqs: list, steps: int,
               kernel_log: Path | None = None) -> tuple[float, "StepProfile | None", float]:
     """Seconds per decode step of `seqs` (median of `steps`, each waited for), on CUDA where
     the GPU's time goes in a step (None elsewhere; kernel_log: profile_step's), and seconds
     per step launched ahead (time_launched_ahead)."""
-    tokens = [1] * len(seqs)
+    tokens = decode_tokens(len(seqs), model.args.vocab_size)
     lengths = [s.length for s in seqs]
 
     def step():
@@ -138,7 +151,7 @@ def time_step(model, pools, seqs: list, steps: int,
             _sync(model.device)
             times.append(time.perf_counter() - t0)
         profile = profile_step(step, model.device, kernel_log=kernel_log) if model.device.type == "cuda" else None
-        ahead = time_launched_ahead(model, pools, seqs, lengths, steps)
+        ahead = time_launched_ahead(model, pools, seqs, lengths, steps, tokens)
     times.sort()
     host.sort()
     # For the log: the host's share of a step (building the batch, copying it in, launching
@@ -148,16 +161,16 @@ def time_step(model, pools, seqs: list, steps: int,
     return times[len(times) // 2], profile, ahead
 
 
-def time_launched_ahead(model, pools, seqs: list, lengths: list[int], steps: int) -> float:
+def time_launched_ahead(model, pools, seqs: list, lengths: list[int], steps: int, first: list[int]) -> float:
     """Seconds per decode step of `seqs` launched as the engine launches greedy decodes
-    (launch_ahead, remnant.engine.engine): each step on the last one's tokens, still on the
-    device, and launched before the host reads the last one's (a pinned copy behind it):
-    the mean over `steps` steps in a row, so the host's work between steps overlaps the
-    GPU's except where it takes longer."""
+    (launch_ahead, remnant.engine.engine): the first on tokens `first`, each next one on
+    the last one's tokens, still on the device, and launched before the host reads the
+    last one's (a pinned copy behind it): the mean over `steps` steps in a row, so the
+    host's work between steps overlaps the GPU's except where it takes longer."""
     from remnant.engine.engine import DeviceTokens
 
     device = model.device
-    tokens = torch.ones(len(seqs), dtype=torch.long, device=device)
+    tokens = torch.tensor(first, dtype=torch.long, device=device)
     last = None  # the previous step's tokens, their copy queued behind it
     _sync(device)
     t0 = time.perf_counter()

@@ -79,6 +79,35 @@ def test_bench_packs_every_part_it_is_asked_to(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_cells_rows_route_as_different_requests_do():
+    # The roofline counts the distinct experts of uniform routing; a cell whose rows all
+    # routed alike (one token for every row over copied records, as before 2026-12-07)
+    # read 2 of 8 experts here, and 6 of 32 at V4-Flash's shapes, at any batch.
+    from remnant.engine.bench import _timed_cell, decode_tokens
+    from remnant.engine.model import Model
+    from remnant.engine.moe import expected_distinct_experts, route_tokens
+
+    a = dataclasses.replace(_args("tiny"), intermediate_size=0, n_routed_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=64, n_shared_experts=1, expert_dtype="float32")
+    model = Model(a)
+    hits = []
+
+    def route(x, router, k, scaling):
+        ids, weights = route_tokens(x, router, k, scaling)
+        hits.append((x.shape[0], len(ids.unique())))
+        return ids, weights
+
+    model.ops = dataclasses.replace(model.ops, moe_route=route)
+    batch = 8
+    _timed_cell(model, batch, 260, steps=2)
+    expected = expected_distinct_experts(batch, 8, 2)  # 7.2
+    assert {t for t, _ in hits} == {batch} and len(hits) >= 4 * len(a.compress_ratios)
+    assert min(h for _, h in hits) >= 5 and sum(h for _, h in hits) / len(hits) > 0.8 * expected
+    assert len(set(decode_tokens(batch, a.vocab_size))) == batch
+    assert len(decode_tokens(300, 258)) == 300 and max(decode_tokens(300, 258)) < 258
+
+
+@pytest.mark.slow
 def test_a_cell_out_of_memory_is_a_limit_and_the_others_run(tmp_path, monkeypatch):
     # CPU tensors never run out of memory: the pools of batch 3 raise the error CUDA raises
     # for a cell too big for the card (fault injection; the rest runs for real).
