@@ -218,6 +218,25 @@ def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 codes and float32 scales of activations t float [R, C], one scale per row:
+    scale = amax over the row / 448 (the least normal float32 for a row of zeros), codes =
+    t / scale cast by torch (round to nearest even; not in a kernel, triton issue 8322).
+    Returns (codes float8_e4m3fn [R, C], scale float32 [R]): the aligned kernels' operands
+    with MoEConfig.fp8_activations."""
+    t = t.float()
+    scale = (t.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (t / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def k_major(w: torch.Tensor) -> torch.Tensor:
+    """Expert weights [E, K, N] laid out with K, the summed axis, contiguous: the same
+    shape and values, strides (K * N, 1, K), as vLLM's and SGLang's fused MoE keep theirs
+    ([E, N, K] tensors). An FP8 MMA (tl.dot on FP8 codes, MoEConfig.fp8_activations) takes
+    its operands K-major; the kernels read either layout."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Expert weights w [E, K, N] as `dtype`, times scale [E, N] where given (FP8 codes)."""
     out = w.to(dtype)
@@ -246,6 +265,10 @@ def check_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
             raise ValueError(f"{name} dtype={_name(w.dtype)} is not allowed; allowed: {', '.join(EXPERT_DTYPES)}")
     if w_down.dtype != w_gate_up.dtype:
         raise ValueError(f"w_down dtype={_name(w_down.dtype)} must equal w_gate_up's, {_name(w_gate_up.dtype)}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if 1 not in w.stride()[1:] or w.stride(0) < w.shape[1] * w.shape[2]:
+            raise ValueError(f"{name} strides {w.stride()} are not allowed; allowed: N contiguous (a contiguous "
+                             f"[E, K, N] tensor) or K contiguous (k_major)")
     fp8 = w_gate_up.dtype == torch.float8_e4m3fn
     for name, scale, shape in (("gate_up_scale", gate_up_scale, (E, two_i)), ("down_scale", down_scale, (E, hidden))):
         if fp8 and (scale is None or scale.shape != shape or scale.dtype != torch.float32):
@@ -284,13 +307,24 @@ def _check_adds(adds: tuple[torch.Tensor, ...], x: torch.Tensor) -> None:
 def routed_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                              w_gate_up: torch.Tensor, w_down: torch.Tensor,
                              gate_up_scale: torch.Tensor | None = None,
-                             down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                             down_scale: torch.Tensor | None = None,
+                             fp8_activations: bool = False) -> torch.Tensor:
     """The ground truth: float64 [T, hidden], sum over j of topk_weights[t, j] times expert
     topk_ids[t, j]'s SwiGLU of x[t], one token and expert at a time in float64 (weights
-    dequantized exactly: codes * scale). Shapes as routed_experts."""
+    dequantized exactly: codes * scale). Shapes as routed_experts. fp8_activations: the
+    same sums of MoEConfig.fp8_activations' operands: x's rows through quantize_rows, and
+    each pair's SwiGLU rounded to x's dtype (as the kernel writes h) then through it."""
     T, k, _, _, inter = check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale,
                                      check_ids=True)
     f64 = torch.float64
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # the values an FP8 operand holds
+        if not fp8_activations:
+            return t.to(f64)
+        codes, scale = quantize_rows(t)
+        return codes.to(f64) * scale.to(f64)[:, None]
+
+    xs = rows(x)
     out = torch.zeros(T, x.shape[1], dtype=f64, device=x.device)
     for t in range(T):
         for j in range(k):
@@ -300,8 +334,10 @@ def routed_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
             if gate_up_scale is not None:
                 gu = gu * gate_up_scale[e].to(f64)[None, :]
                 dn = dn * down_scale[e].to(f64)[None, :]
-            h = x[t].to(f64) @ gu
+            h = xs[t] @ gu
             a = F.silu(h[:inter]) * h[inter:]
+            if fp8_activations:
+                a = rows(a.to(x.dtype)[None])[0]
             out[t] += float(topk_weights[t, j]) * (a @ dn)
     return out
 
@@ -366,21 +402,24 @@ def _dot(a, b, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, stride_x,
-    w_ptr, stride_we, stride_wk,
+    x_ptr, stride_x, x_scale_ptr,
+    w_ptr, stride_we, stride_wk, stride_wn,
     scale_ptr, stride_se,
     h_ptr, stride_h,
     partial_ptr, stride_ps, stride_pr,
     rows_ptr, block_expert_ptr, n_pairs,
     K_TOP: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRETED: tl.constexpr, F16: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRETED: tl.constexpr, F16: tl.constexpr, F8: tl.constexpr,
 ):
+    """F8: x_ptr holds FP8 codes of x's rows and x_scale_ptr their scales (quantize_rows):
+    FP8 operands on both sides, nothing widened, each row's scale on the accumulator."""
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e < 0:  # a padding block: the grid is the worst case, most decode steps route fewer
         return
-    op = tl.float16 if F16 else x_ptr.dtype.element_ty  # the MMA operands' dtype (MoEConfig.f16_operands)
+    # The MMA operands' dtype (MoEConfig.f16_operands, fp8_activations).
+    op = w_ptr.dtype.element_ty if F8 else (tl.float16 if F16 else x_ptr.dtype.element_ty)
     m = tl.arange(0, BLOCK_M)
     pair = tl.load(rows_ptr + b * BLOCK_M + m)
     row_ok = pair < n_pairs
@@ -396,17 +435,21 @@ def _gate_up_kernel(
         kk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_lo + HIDDEN // SPLIT_K
         a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(op)
-        w_tile = w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :]
+        w_tile = w_e + kk.to(tl.int64)[:, None] * stride_wk + n.to(tl.int64)[None, :] * stride_wn
         w_ok = k_ok[:, None] & n_ok[None, :]
         # FP8 codes widen exactly to the operand dtype; the scale waits for the accumulator.
         gate = tl.load(w_tile, mask=w_ok, other=0.0).to(op)
-        up = tl.load(w_tile + INTER, mask=w_ok, other=0.0).to(op)
+        up = tl.load(w_tile + INTER * stride_wn, mask=w_ok, other=0.0).to(op)
         acc_gate += _dot(a, gate, IEEE, INTERPRETED)
         acc_up += _dot(a, up, IEEE, INTERPRETED)
     if HAS_SCALE:
         s = scale_ptr + e.to(tl.int64) * stride_se + n
         acc_gate *= tl.load(s, mask=n_ok, other=0.0)[None, :]
         acc_up *= tl.load(s + INTER, mask=n_ok, other=0.0)[None, :]
+    if F8:
+        x_scale = tl.load(x_scale_ptr + pair // K_TOP, mask=row_ok, other=0.0)[:, None]
+        acc_gate *= x_scale
+        acc_up *= x_scale
     out_ok = row_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -435,22 +478,24 @@ def _summed_swiglu(p, mask, stride_ps, INTER: tl.constexpr, SPLITS: tl.constexpr
 
 @triton.jit
 def _down_kernel(
-    h_ptr, stride_h,
+    h_ptr, stride_h, h_scale_ptr,
     partial_ptr, stride_ps, stride_pr,
-    w_ptr, stride_we, stride_wk,
+    w_ptr, stride_we, stride_wk, stride_wn,
     scale_ptr, stride_se,
     weights_ptr, out_ptr, stride_os, stride_out,
     rows_ptr, block_expert_ptr, n_pairs,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATE_UP_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRETED: tl.constexpr, F16: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRETED: tl.constexpr, F16: tl.constexpr, F8: tl.constexpr,
 ):
+    """F8: h_ptr holds FP8 codes of h's rows and h_scale_ptr their scales, as in
+    _gate_up_kernel (unsplit gate/up only)."""
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e < 0:
         return
-    op = tl.float16 if F16 else h_ptr.dtype.element_ty
+    op = w_ptr.dtype.element_ty if F8 else (tl.float16 if F16 else h_ptr.dtype.element_ty)
     m = tl.arange(0, BLOCK_M)
     pair = tl.load(rows_ptr + b * BLOCK_M + m)
     row_ok = pair < n_pairs
@@ -470,11 +515,13 @@ def _down_kernel(
             a = tl.load(h_rows + kk[None, :], mask=a_ok, other=0.0)
         else:  # as the unsplit kernel writes h
             a = _summed_swiglu(p_rows + kk[None, :], a_ok, stride_ps, INTER, GATE_UP_SPLITS).to(h_ptr.dtype.element_ty)
-        w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0).to(op)
+        w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n.to(tl.int64)[None, :] * stride_wn,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(op)
         acc += _dot(a.to(op), w, IEEE, INTERPRETED)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + e.to(tl.int64) * stride_se + n, mask=n_ok, other=0.0)[None, :]
+    if F8:
+        acc *= tl.load(h_scale_ptr + pair, mask=row_ok, other=0.0)[:, None]
     acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_rows = out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_out
     tl.store(out_rows + n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
@@ -483,7 +530,7 @@ def _down_kernel(
 @triton.jit
 def _gate_up_pair_kernel(
     x_ptr, stride_x, ids_ptr,
-    w_ptr, stride_we, stride_wk,
+    w_ptr, stride_we, stride_wk, stride_wn,
     scale_ptr, stride_se,
     h_ptr, stride_h,
     partial_ptr, stride_ps, stride_pr,
@@ -510,10 +557,10 @@ def _gate_up_pair_kernel(
         kk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_lo + HIDDEN // SPLIT_K
         a = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[:, None]
-        w_tile = w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :]
+        w_tile = w_e + kk.to(tl.int64)[:, None] * stride_wk + n.to(tl.int64)[None, :] * stride_wn
         w_ok = k_ok[:, None] & n_ok[None, :]
         acc_gate += a * tl.load(w_tile, mask=w_ok, other=0.0).to(tl.float32)
-        acc_up += a * tl.load(w_tile + INTER, mask=w_ok, other=0.0).to(tl.float32)
+        acc_up += a * tl.load(w_tile + INTER * stride_wn, mask=w_ok, other=0.0).to(tl.float32)
     gate = tl.sum(acc_gate, 0)
     up = tl.sum(acc_up, 0)
     if HAS_SCALE:
@@ -533,7 +580,7 @@ def _gate_up_pair_kernel(
 def _down_pair_kernel(
     h_ptr, stride_h,
     partial_ptr, stride_ps, stride_pr,
-    ids_ptr, w_ptr, stride_we, stride_wk,
+    ids_ptr, w_ptr, stride_we, stride_wk, stride_wn,
     scale_ptr, stride_se,
     weights_ptr, out_ptr, stride_os, stride_out,
     E: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -562,8 +609,8 @@ def _down_pair_kernel(
             a = tl.load(h_row + kk, mask=k_ok, other=0.0)
         else:  # rounded as h would be
             a = _summed_swiglu(p_row + kk, k_ok, stride_ps, INTER, GATE_UP_SPLITS).to(h_ptr.dtype.element_ty)
-        w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n[None, :], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0)
+        w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n.to(tl.int64)[None, :] * stride_wn,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += a.to(tl.float32)[:, None] * w.to(tl.float32)
     out = tl.sum(acc, 0)
     if HAS_SCALE:
@@ -624,7 +671,16 @@ class MoEConfig:
     the gate/up kernel took as long as on the H100, so its conversions, not its bytes,
     bound it. A bf16 value is exact in float16 only in float16's normal range: an x or h
     element of 65520 or more overflows (inf), one below 2^-14 loses bits (2^-24 and below
-    flush to zero)."""
+    flush to zero).
+
+    fp8_activations: with FP8 experts, the aligned kernels multiply FP8 codes on both
+    sides: x's rows and h's rows quantized per row (quantize_rows: one float32 scale per
+    row, the codes cast by torch before each kernel), no operand widened in the kernels
+    and the MMAs at FP8's rate, as DeepSeek's own serving runs its FP8 layers (activations
+    quantized, there per 128 columns). Each activation then carries FP8's rounding (3
+    mantissa bits, as the weights already do), so the output moves from the bf16 path's by
+    about the weights' own quantization error; routed_experts_reference(fp8_activations=
+    True) is its ground truth. Not with per_pair or gate/up splits."""
 
     per_pair: bool = False
     block_m: int = 16
@@ -639,6 +695,7 @@ class MoEConfig:
     down_num_warps: int | None = None
     down_num_stages: int | None = None
     f16_operands: bool = True
+    fp8_activations: bool = False
 
     def down_launch(self) -> dict:
         """The down kernel's BLOCK_N, BLOCK_K, num_warps and num_stages."""
@@ -722,6 +779,10 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     cfg = config or default_config(n, E, x.is_cuda and not interp, hidden, inter)
     if cfg.block_m < 16 and not cfg.per_pair:
         raise ValueError(f"config.block_m={cfg.block_m} is not allowed; tl.dot needs block_m >= 16")
+    if cfg.fp8_activations and (cfg.per_pair or cfg.split_k != 1 or gate_up_scale is None):
+        raise ValueError(f"config.fp8_activations=True is not allowed with per_pair={cfg.per_pair}, "
+                         f"split_k={cfg.split_k} or {_name(w_gate_up.dtype)} experts; allowed: FP8 experts, "
+                         f"the aligned kernels, split_k 1")
     down = cfg.down_launch()
     for name, splits, axis, tile in (("split_k", cfg.split_k, hidden, cfg.block_k),
                                      ("down_split_k", cfg.down_split_k, inter, down["BLOCK_K"])):
@@ -737,7 +798,6 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     if n == 0:
         return _finish(x.new_empty(0), 1, T, k, hidden, x.dtype, adds)
     x = x.contiguous()
-    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     if h is None and cfg.split_k == 1:
         h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     # With gate/up splits no h is read or written: x stands in (its dtype is the one read).
@@ -758,31 +818,35 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         _gate_up_pair_kernel[(n, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
             x_ptr=x, stride_x=x.stride(0), ids_ptr=ids,
             w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
-            scale_ptr=gu_scale, stride_se=2 * inter,
+            stride_wn=w_gate_up.stride(2), scale_ptr=gu_scale, stride_se=2 * inter,
             h_ptr=h_arg, stride_h=h_arg.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **sizes,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _down_pair_kernel[(n, triton.cdiv(hidden, down["BLOCK_N"]), cfg.down_split_k)](
             h_ptr=h_arg, stride_h=h_arg.stride(0), ids_ptr=ids,
-            w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
+            w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1), stride_wn=w_down.stride(2),
             scale_ptr=dn_scale, stride_se=hidden, weights_ptr=weights, out_ptr=pairs, stride_os=n * hidden,
             stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **sizes,
             **down)
         return _finish(pairs, cfg.down_split_k, T, k, hidden, x.dtype, adds)
     al = align_pairs(topk_ids, E, cfg.block_m)
     blocks = al.block_expert.numel()
-    ieee = x.dtype == torch.float32
+    f8 = cfg.fp8_activations
+    ieee = x.dtype == torch.float32 and not f8  # float32 operands: IEEE products, not TF32
     common = dict(rows_ptr=al.rows, block_expert_ptr=al.block_expert, n_pairs=n, HIDDEN=hidden, INTER=inter,
                   HAS_SCALE=fp8, BLOCK_M=cfg.block_m, IEEE=ieee, INTERPRETED=interp,
-                  F16=cfg.f16_operands and fp8 and x.dtype == torch.bfloat16)
+                  F16=cfg.f16_operands and fp8 and x.dtype == torch.bfloat16, F8=f8)
+    # FP8 operands: x's rows quantized here, h's between the kernels (scales unread otherwise).
+    x_in, x_scale = quantize_rows(x) if f8 else (x, pairs)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
-        x_ptr=x, stride_x=x.stride(0),
+        x_ptr=x_in, stride_x=x_in.stride(0), x_scale_ptr=x_scale,
         w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
-        scale_ptr=gu_scale, stride_se=2 * inter,
+        stride_wn=w_gate_up.stride(2), scale_ptr=gu_scale, stride_se=2 * inter,
         h_ptr=h_arg, stride_h=h_arg.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **common,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    h_in, h_scale = quantize_rows(h_arg) if f8 else (h_arg, pairs)
     _down_kernel[(blocks, triton.cdiv(hidden, down["BLOCK_N"]), cfg.down_split_k)](
-        h_ptr=h_arg, stride_h=h_arg.stride(0),
-        w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1),
+        h_ptr=h_in, stride_h=h_in.stride(0), h_scale_ptr=h_scale,
+        w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1), stride_wn=w_down.stride(2),
         scale_ptr=dn_scale, stride_se=hidden,
         weights_ptr=weights, out_ptr=pairs, stride_os=n * hidden,
         stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **common, **down)

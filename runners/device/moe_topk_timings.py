@@ -19,6 +19,7 @@ in L2, so repeated calls read them from HBM as a step does.
     python runners/device/moe_topk_timings.py [TABLE ...]   (default: rms_norm route top_k moe;
                                                           moe_tiles: the aligned kernels' tiles;
                                                           moe_f16: their float16 operands against bf16;
+                                                          moe_fp8: FP8 activations, both expert layouts;
                                                           indexer: the scores' launch configs)
 """
 
@@ -235,6 +236,51 @@ def moe_f16_table() -> None:
                   f"{err:.2e} |", flush=True)
 
 
+def moe_fp8_table() -> None:
+    """The aligned kernels on FP8 activations (MoEConfig.fp8_activations: x's and h's rows
+    quantized, FP8 MMAs) against default_config's operands, with the experts in both
+    layouts (N contiguous as the engine keeps them, K contiguous: k_major, which an FP8
+    MMA takes as it is), at 8, 32 and 128 tokens; at 128 also 16- and 32-row blocks. Each
+    kernel's time from the profiler, the whole call (quantizing included) in a graph, and
+    how far the output moves from default_config's (relative norm)."""
+    from remnant.kernels.moe import k_major
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w_gate_up, w_down, gu_scale, dn_scale = v4_experts(gen)
+    layouts = {"N": (w_gate_up, w_down), "K": (k_major(w_gate_up), k_major(w_down))}
+    hidden, inter, k = HIDDEN, INTER, K
+    names = ("_gate_up_kernel", "_down_kernel")
+    print("| tokens | layout | config | gate/up us | TB/s | down us | TB/s | whole call us | off default |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T in (8, 32, 128):
+        x, ids, weights, distinct = routed_tokens(T, gen)
+        nbytes = (distinct * 2 * hidden * inter, distinct * inter * hidden)
+        default = default_config(T * k, E, True, hidden, inter)
+        variants = [("default", default), ("fp8 act", dataclasses.replace(default, fp8_activations=True))]
+        if T == 128:
+            variants += [(f"fp8 act bm{bm} w{w}", dataclasses.replace(default, fp8_activations=True, block_m=bm,
+                                                                     num_warps=w))
+                         for bm, w in ((16, 4), (32, 4), (64, 4))]
+        ref = None
+        for layout, (gu, dn) in layouts.items():
+            for label, cfg in variants:
+                def run(cfg=cfg, gu=gu, dn=dn):
+                    return routed_experts_triton(x, ids, weights, gu, dn, gu_scale, dn_scale, config=cfg)
+
+                try:
+                    out = run().float()
+                    ref = out if ref is None else ref
+                    us = kernel_us(run, names)
+                    whole = graph_us(run, calls=10)
+                except Exception as e:  # a tile out of shared memory or registers
+                    print(f"| {T} | {layout} | {label} | {type(e).__name__} | | | | | |", flush=True)
+                    continue
+                err = ((out - ref).norm() / ref.norm()).item()
+                print(f"| {T} | {layout} | {label} | {us[names[0]]:.1f} | {nbytes[0] / us[names[0]] / 1e6:.2f} | "
+                      f"{us[names[1]]:.1f} | {nbytes[1] / us[names[1]] / 1e6:.2f} | {whole:.1f} | {err:.2e} |",
+                      flush=True)
+
+
 def top_k_table() -> None:
     print("| rows x n | top_k us | torch.topk us | index_top_k us | same set |")
     print("|---|---|---|---|---|")
@@ -339,7 +385,7 @@ def indexer_table() -> None:
 
 
 TABLES = {"rms_norm": rms_norm_table, "route": route_table, "top_k": top_k_table, "moe": moe_table,
-          "moe_tiles": moe_tile_table, "moe_f16": moe_f16_table, "indexer": indexer_table}
+          "moe_tiles": moe_tile_table, "moe_f16": moe_f16_table, "moe_fp8": moe_fp8_table, "indexer": indexer_table}
 
 if __name__ == "__main__":
     import sys

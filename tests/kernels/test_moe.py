@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from remnant.kernels.moe import (ALIGN_KERNEL_MAX_EXPERTS, ALIGN_KERNEL_MAX_PAIRS, EXPERT_DTYPES, MoEConfig, align,
-                                 align_triton, default_config, dequantize_experts, max_blocks, quantize_experts,
-                                 routed_experts, routed_experts_reference, routed_experts_torch,
-                                 routed_experts_triton, torch_block_m)
+                                 align_triton, default_config, dequantize_experts, k_major, max_blocks,
+                                 quantize_experts, quantize_rows, routed_experts, routed_experts_reference,
+                                 routed_experts_torch, routed_experts_triton, torch_block_m)
 from tests.kernels.inputs import DEVICE, ON_GPU
 
 HIDDEN, INTER, E, K = 128, 64, 5, 2
@@ -259,6 +259,70 @@ def test_f16_operands_overflow_past_65504_and_nothing_else_does():
     gen = torch.Generator().manual_seed(59)
     bf16_experts = _experts(gen, E, HIDDEN, INTER, "bfloat16")
     assert routed_experts_triton(x, ids, weights, *bf16_experts, config=configs[True]).isfinite().all()
+
+
+def test_quantize_rows_scales_each_row_to_fp8s_range():
+    t = torch.tensor([[1.0, -3.0, 0.5], [0.0, 0.0, 0.0], [1e-3, 2e-3, -4e-3]])
+    codes, scale = quantize_rows(t)
+    assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (3,)
+    assert scale[0] == pytest.approx(3.0 / 448) and scale[2] == pytest.approx(4e-3 / 448)
+    assert codes.float().abs().amax(dim=1).tolist() == [448.0, 0.0, 448.0]  # each row's largest is FP8's largest
+    back = codes.float() * scale[:, None]
+    torch.testing.assert_close(back, t, rtol=2 ** -4, atol=0)  # 3 mantissa bits: half an ulp is 2^-4
+
+
+@pytest.mark.parametrize("t,x_dtype,block_m", [(9, torch.bfloat16, 16), (7, torch.float32, 16),
+                                               (20, torch.bfloat16, 32)])
+def test_fp8_activations_match_their_reference(t, x_dtype, block_m):
+    # FP8 operands on both sides: the kernels against the reference that quantizes x's and
+    # h's rows the same way, within the bf16 path's bound; and the FP8 sums stay near the
+    # unquantized reference, by about the weights' own quantization error.
+    gen = torch.Generator().manual_seed(61 + t)
+    experts = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(t, HIDDEN, generator=gen).to(DEVICE, x_dtype)
+    ids, weights = _routing(gen, t, E, K)
+    config = MoEConfig(block_m=block_m, block_n=32, block_k=32, num_warps=1, num_stages=1, fp8_activations=True)
+    n = ids.numel()
+    h = torch.full((n, INTER), float("nan"), dtype=x.dtype, device=x.device)
+    got = routed_experts_triton(x, ids, weights, *experts, config=config, check_ids=True, h=h)
+    ref = routed_experts_reference(x, ids, weights, *experts, fp8_activations=True)
+    scale = ref.abs().max()
+    torch.testing.assert_close(got.double() / scale, ref / scale, **_tolerance(torch.bfloat16))
+    plain = routed_experts_reference(x, ids, weights, *experts)
+    err = ((ref - plain).norm() / plain.norm()).item()
+    assert 1e-3 < err < 0.08  # moved by FP8's rounding of x and h, and not by more
+
+
+def test_fp8_activations_take_only_the_aligned_unsplit_fp8_kernels():
+    gen = torch.Generator().manual_seed(67)
+    x = torch.randn(3, HIDDEN, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, 3, E, K)
+    fp8, bf16 = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn"), _experts(gen, E, HIDDEN, INTER, "bfloat16")
+    for experts, config in ((fp8, MoEConfig(fp8_activations=True, per_pair=True, block_m=1)),
+                            (fp8, MoEConfig(fp8_activations=True, split_k=2, block_k=32)),
+                            (bf16, MoEConfig(fp8_activations=True))):
+        with pytest.raises(ValueError, match="config.fp8_activations=True is not allowed with per_pair="):
+            routed_experts_triton(x, ids, weights, *experts, config=config)
+
+
+@pytest.mark.parametrize("config", [MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1),
+                                    MoEConfig(per_pair=True, block_m=1, block_n=32, block_k=16, num_warps=1,
+                                              num_stages=1, split_k=2, down_split_k=2),
+                                    MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1,
+                                              fp8_activations=True)])
+def test_k_major_experts_give_the_same_output(config):
+    # The kernels read weights through both strides: K-contiguous experts (k_major, as
+    # vLLM's and SGLang's layout) give the N-contiguous ones' output bit for bit.
+    gen = torch.Generator().manual_seed(71)
+    gu, dn, gu_s, dn_s = _experts(gen, E, HIDDEN, INTER, "float8_e4m3fn")
+    x = torch.randn(9, HIDDEN, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, 9, E, K)
+    kgu, kdn = k_major(gu), k_major(dn)
+    assert kgu.shape == gu.shape and kgu.stride(1) == 1 and torch.equal(kgu.float(), gu.float())
+    want = routed_experts_triton(x, ids, weights, gu, dn, gu_s, dn_s, config=config)
+    assert torch.equal(routed_experts_triton(x, ids, weights, kgu, kdn, gu_s, dn_s, config=config), want)
+    with pytest.raises(ValueError, match=r"w_gate_up strides .* are not allowed; allowed: N contiguous"):
+        routed_experts_triton(x, ids, weights, torch.cat([gu, gu], dim=2)[:, :, ::2], dn, gu_s, dn_s, config=config)
 
 
 def test_default_config_keeps_x_dtype_for_64_row_blocks():
