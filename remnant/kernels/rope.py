@@ -9,8 +9,8 @@ are libdevice's accurate ones on the GPU (full range reduction, as torch's), so 
 rad angles of long contexts lose nothing to them.
 
 norm_rope replaces TorchInductor's three kernels a call (a reduction and two pointwise
-kernels, `step_ops`' compiled norm_rope) with one launch, a program per token and up to 8
-of its heads: twice a layer and once
+kernels, `step_ops`' compiled norm_rope) with one launch, a program per token and
+HEADS_PER_PROGRAM of its heads: twice a layer and once
 more a compressed layer (the compressor's latent), 127 launches of a V4-Flash step. It
 rounds where the plain ops round (the norm's bf16 result, its product with the weight,
 each rotated half: remnant.kernels.norm.normed_times_weight), so it gives their values
@@ -34,8 +34,12 @@ from remnant.kv.formats import HEAD_DIM, NOPE_DIM
 ROPE_HALF = (HEAD_DIM - NOPE_DIM) // 2  # 32: RoPE rotates coordinate i with i + 32 of the last 64
 #: A latent as a [ROWS, ROPE_HALF] tile: its last two rows are RoPE's two halves.
 ROWS = HEAD_DIM // ROPE_HALF
-#: Most heads of a token one norm_rope program takes.
-HEADS_PER_PROGRAM = 8
+#: Most heads of a token one norm_rope program takes. One: on an H100 the q call (64 heads)
+#: took 2.6 us at batch 1 and 19.6 us at batch 128 with a program per head (4851dd4's
+#: kernel logs, benchmarks/engine-h100-fused/), and 5.7 and 24.3 us with 8 heads a program,
+#: which form their angles once (7d1eb02's, benchmarks/engine-h100-launch-ahead/): the
+#: angles cost less than the parallelism fewer programs lose.
+HEADS_PER_PROGRAM = 1
 
 
 @functools.cache
@@ -84,25 +88,27 @@ def _norm_rope_kernel(x_ptr, x_stride_t, x_stride_h, w_ptr, pos_ptr, pos_scale, 
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-              theta: float, position_scale: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              theta: float, position_scale: int = 1, out_dtype: torch.dtype | None = None,
+              heads_per_program: int = HEADS_PER_PROGRAM) -> torch.Tensor:
     """remnant.engine.ops.norm_rope in one launch: x [T, 512] or [T, H, 512] (a row-strided
     view is fine), weight [512], positions int [T] (times position_scale: a compressor's
     block index times its ratio). Returns a new contiguous tensor of the plain function's
     dtype (x's and weight's promoted), or of out_dtype (the last step's float32 value
-    rounded to it). Graph-safe."""
+    rounded to it). Graph-safe. heads_per_program: a power of two, the most heads of a
+    token one program takes (tests take others than the default)."""
     if x.ndim not in (2, 3) or x.shape[-1] != HEAD_DIM or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, {HEAD_DIM}] or [T, H, {HEAD_DIM}] with unit column stride, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
     if positions.shape != x.shape[:1] or weight.shape != (HEAD_DIM,):
         raise ValueError(f"positions must be [{x.shape[0]}] and weight [{HEAD_DIM}], got {tuple(positions.shape)} "
                          f"and {tuple(weight.shape)}")
+    if heads_per_program < 1 or heads_per_program & (heads_per_program - 1):
+        raise ValueError(f"heads_per_program={heads_per_program} is not allowed; allowed: a power of two")
     heads = x.shape[1] if x.ndim == 3 else 1
     product = torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty(x.shape, dtype=out_dtype or product, device=x.device)
     if x.numel():
-        # Up to 8 heads a program, which form their angles once (a program per head formed
-        # them 64 times a token: 8,192 programs a call at batch 128).
-        block = min(HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
+        block = min(heads_per_program, triton.next_power_of_2(heads))
         _norm_rope_kernel[(x.shape[0], triton.cdiv(heads, block))](
             x, x.stride(0), x.stride(1) if x.ndim == 3 else 0, weight.contiguous(), positions.contiguous(),
             position_scale, rope_inverse_frequencies(float(theta), x.device), out, eps, heads,

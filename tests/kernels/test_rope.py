@@ -21,10 +21,11 @@ def _inputs(shape, dtype, weight_dtype, seed):
     return x, weight, pos
 
 
-@pytest.mark.parametrize("shape", [(7, 512), (3, 8, 512), (2, 12, 512)])  # 12 heads: a program of 8 and one of 4
-def test_bf16_norm_rope_rounds_where_the_plain_ops_round(shape):
+@pytest.mark.parametrize("shape,heads_per_program", [((7, 512), 1), ((3, 8, 512), 1),
+                                                     ((2, 12, 512), 8)])  # 12 heads: a program of 8 and one of 4
+def test_bf16_norm_rope_rounds_where_the_plain_ops_round(shape, heads_per_program):
     x, weight, pos = _inputs(shape, torch.bfloat16, torch.bfloat16, len(shape))
-    got = norm_rope(x, weight, 1e-6, pos, 10000.0)
+    got = norm_rope(x, weight, 1e-6, pos, 10000.0, heads_per_program=heads_per_program)
     want = norm_rope_plain(x, weight, 1e-6, pos, 10000.0)
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape and got.is_contiguous()
     # The same bf16 values but where float32 summation order (the norm's mean), 1/sqrt
