@@ -3,6 +3,7 @@ routed_experts_reference (float64, one token and expert at a time)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -537,3 +538,24 @@ def test_kernel_at_v4_flash_size_on_gpu(t, expert_dtype):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, routed_experts(x2, ids2, w2, *experts))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the compiled FP8 MMAs at V4-Flash's expert shape")
+@pytest.mark.parametrize("layout", ["N", "K"])
+@pytest.mark.parametrize("t", [8, 32, 128])
+def test_fp8_activations_at_v4_flash_size_on_gpu(t, layout):
+    """FP8 experts and activations (tl.dot on FP8 codes, compiled) in both expert layouts at
+    default_config's tile, against the reference that quantizes the same rows."""
+    hidden, inter, e, k = 4096, 2048, 32, 6
+    gen = torch.Generator().manual_seed(t)
+    gu, dn, gu_s, dn_s = _experts(gen, e, hidden, inter, "float8_e4m3fn")
+    if layout == "K":
+        gu, dn = k_major(gu), k_major(dn)
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, t, e, k)
+    config = dataclasses.replace(default_config(t * k, e, True, hidden, inter), fp8_activations=True)
+    ref = routed_experts_reference(x, ids, weights, gu, dn, gu_s, dn_s, fp8_activations=True)
+    got = routed_experts_triton(x, ids, weights, gu, dn, gu_s, dn_s, config=config, check_ids=True)
+    scale = ref.abs().max()
+    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=2e-2)
