@@ -22,10 +22,10 @@ of vLLM's and SGLang's fused_moe, written here from scratch:
 2. gate_up (Triton): one program per (block, tile of BLOCK_N of the I columns) that exits
    at once on a padding block; otherwise it loads its rows' tokens of x and, for each
    BLOCK_K slice of hidden, the expert's gate tile and up tile once, multiplies on the
-   tensor cores (tl.dot: operands in x's dtype, or float16 with MoEConfig.f16_operands;
-   float32 accumulation), scales by the
-   per-column FP8 scale, applies silu(gate) * up in float32 and writes the pair's row of
-   the intermediate h [n, I] (x's dtype).
+   tensor cores (tl.dot: operands in x's dtype, float16 with MoEConfig.f16_operands, or
+   FP8 codes on both sides with MoEConfig.fp8_activations; float32 accumulation), scales
+   by the per-column FP8 scale (and x's row scale), applies silu(gate) * up in float32
+   and writes the pair's row of the intermediate h [n, I] (x's dtype).
 3. down (Triton): one program per (block, tile of the hidden columns): h's rows times the
    expert's down tile, the FP8 scale and the pair's routing weight, written to the pair's
    own row of a float32 [T, k, hidden] buffer ([down_split_k, T, k, hidden] with splits).
@@ -48,8 +48,11 @@ Expert weights: bfloat16, float32 or FP8 e4m3 (torch.float8_e4m3fn) with a float
 per (expert, output column): W = codes * scale[e, column] (`quantize_experts`, with torch's
 correct cast; Triton's interpreter rounds some float32 -> FP8 casts wrongly, triton issue
 8322, so no kernel here quantizes). FP8 codes are widened to x's dtype in the kernel
-(exact; float16 in the aligned kernels with bf16 x, MoEConfig.f16_operands) and the scale,
-constant along the summed axis, multiplies the accumulator.
+(exact; float16 in the aligned kernels with bf16 x, MoEConfig.f16_operands), or multiplied
+as they are against FP8 activations (MoEConfig.fp8_activations: x's and h's rows quantized
+by torch, quantize_rows), and the scales, constant along the summed axis, multiply the
+accumulator. The kernels address the experts through all three strides: [E, K, N] with N
+contiguous, as the engine keeps them, or K contiguous (k_major, vLLM's and SGLang's layout).
 
 Beside the kernel: `routed_experts_reference`, the float64 loop over tokens and their k
 experts (the ground truth), `routed_experts_torch`, the same blocks as batched gather and
@@ -66,7 +69,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import interpreted
+from remnant.kernels.common import cast_nearest, interpreted
 
 #: Expert weight dtypes the kernel reads, by name (the engine's expert_dtype values).
 EXPERT_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
@@ -265,10 +268,6 @@ def check_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
             raise ValueError(f"{name} dtype={_name(w.dtype)} is not allowed; allowed: {', '.join(EXPERT_DTYPES)}")
     if w_down.dtype != w_gate_up.dtype:
         raise ValueError(f"w_down dtype={_name(w_down.dtype)} must equal w_gate_up's, {_name(w_gate_up.dtype)}")
-    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if 1 not in w.stride()[1:] or w.stride(0) < w.shape[1] * w.shape[2]:
-            raise ValueError(f"{name} strides {w.stride()} are not allowed; allowed: N contiguous (a contiguous "
-                             f"[E, K, N] tensor) or K contiguous (k_major)")
     fp8 = w_gate_up.dtype == torch.float8_e4m3fn
     for name, scale, shape in (("gate_up_scale", gate_up_scale, (E, two_i)), ("down_scale", down_scale, (E, hidden))):
         if fp8 and (scale is None or scale.shape != shape or scale.dtype != torch.float32):
@@ -388,15 +387,20 @@ def routed_experts_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """a @ b with float32 accumulation: the tensor cores on bf16 or float16 operands (IEEE
-    float32 for float32 ones). Triton 3.9's interpreter returns garbage for tl.dot on bf16
-    operands (remnant.kernels.decode._mma), so interpreted runs multiply the same values as
-    float32."""
+def _dot(a, b, IEEE: tl.constexpr, INTERPRETED: tl.constexpr, F8: tl.constexpr):
+    """a @ b with float32 accumulation: the tensor cores on bf16, float16 or FP8 operands
+    (IEEE float32 for float32 ones). Triton 3.9's interpreter returns garbage for tl.dot on
+    bf16 operands (remnant.kernels.decode._mma), so interpreted runs multiply the same
+    values as float32. FP8: Hopper's FP8 MMA sums in a narrower accumulator, and Triton by
+    default keeps a whole loop's sums there (max_num_imprecise_acc 2**30 on sm90); here each
+    call's K (one tile) is summed narrow and then added in float32, as DeepSeek's FP8 GEMMs
+    promote every 128."""
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
+    if F8:
+        return tl.dot(a, b, max_num_imprecise_acc=a.shape[1])
     return tl.dot(a, b)
 
 
@@ -437,11 +441,12 @@ def _gate_up_kernel(
         a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(op)
         w_tile = w_e + kk.to(tl.int64)[:, None] * stride_wk + n.to(tl.int64)[None, :] * stride_wn
         w_ok = k_ok[:, None] & n_ok[None, :]
-        # FP8 codes widen exactly to the operand dtype; the scale waits for the accumulator.
+        # FP8 codes widen exactly to the operand dtype (or stay FP8 with F8); the scales
+        # wait for the accumulator.
         gate = tl.load(w_tile, mask=w_ok, other=0.0).to(op)
         up = tl.load(w_tile + INTER * stride_wn, mask=w_ok, other=0.0).to(op)
-        acc_gate += _dot(a, gate, IEEE, INTERPRETED)
-        acc_up += _dot(a, up, IEEE, INTERPRETED)
+        acc_gate += _dot(a, gate, IEEE, INTERPRETED, F8)
+        acc_up += _dot(a, up, IEEE, INTERPRETED, F8)
     if HAS_SCALE:
         s = scale_ptr + e.to(tl.int64) * stride_se + n
         acc_gate *= tl.load(s, mask=n_ok, other=0.0)[None, :]
@@ -454,7 +459,9 @@ def _gate_up_kernel(
     if SPLIT_K == 1:
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
         h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h
-        tl.store(h_rows + n[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
+        # Rounded to nearest also under the interpreter: with F8, h's rows are quantized
+        # next, where a one-step difference in h can move a whole FP8 step.
+        tl.store(h_rows + n[None, :], cast_nearest(h, h_ptr.dtype.element_ty, INTERPRETED), mask=out_ok)
     else:  # this split's share of the sums; the down kernel adds the splits up
         p_rows = partial_ptr + split.to(tl.int64) * stride_ps + pair.to(tl.int64)[:, None] * stride_pr
         tl.store(p_rows + n[None, :], acc_gate, mask=out_ok)
@@ -517,7 +524,7 @@ def _down_kernel(
             a = _summed_swiglu(p_rows + kk[None, :], a_ok, stride_ps, INTER, GATE_UP_SPLITS).to(h_ptr.dtype.element_ty)
         w = tl.load(w_e + kk.to(tl.int64)[:, None] * stride_wk + n.to(tl.int64)[None, :] * stride_wn,
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(op)
-        acc += _dot(a.to(op), w, IEEE, INTERPRETED)
+        acc += _dot(a.to(op), w, IEEE, INTERPRETED, F8)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + e.to(tl.int64) * stride_se + n, mask=n_ok, other=0.0)[None, :]
     if F8:

@@ -35,10 +35,11 @@ ROPE_HALF = (HEAD_DIM - NOPE_DIM) // 2  # 32: RoPE rotates coordinate i with i +
 #: A latent as a [ROWS, ROPE_HALF] tile: its last two rows are RoPE's two halves.
 ROWS = HEAD_DIM // ROPE_HALF
 #: Most heads of a token one norm_rope program takes. One: on an H100 the q call (64 heads)
-#: took 2.6 us at batch 1 and 19.6 us at batch 128 with a program per head (4851dd4's
-#: kernel logs, benchmarks/engine-h100-fused/), and 5.7 and 24.3 us with 8 heads a program,
-#: which form their angles once (7d1eb02's, benchmarks/engine-h100-launch-ahead/): the
-#: angles cost less than the parallelism fewer programs lose.
+#: took 2.6 us at batch 1 and 19.6 us at batch 128 in the kernel before f235e99, a program
+#: per head (4851dd4's kernel logs, benchmarks/engine-h100-fused/), and 5.7 and 24.3 us
+#: with 8 heads a program, which form their angles once (7d1eb02's, benchmarks/engine-h100-
+#: launch-ahead/): the angles cost less than the parallelism fewer programs lose. This
+#: kernel at one head a program (a [1, 16, 32] tile) is not yet timed.
 HEADS_PER_PROGRAM = 1
 
 

@@ -44,7 +44,8 @@ for stage in ${STAGES:-tests bench serve}; do
     timeout ${NCU_S:-180} ncu --clock-control none -k regex:'_gate_up|_down' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats python3 runners/device/moe_ncu.py ${NCU_TOKENS:-32 128} > "$OUT/ncu-moe.txt" 2>&1
-    grep -E "^tokens|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per" \
+    echo "ncu exit status $? (124: the stage's limit; ncu prints its report only at exit)"
+    grep -E "==ERROR==|^tokens|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per" \
         "$OUT/ncu-moe.txt" | head -60 ;;
   serve)
     # Native records through FlashMLA's V4 decode as SGLang runs them: native_decode=flashmla

@@ -19,8 +19,7 @@ import torch
 
 from remnant.kernels.moe import default_config, routed_experts_triton
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from moe_topk_timings import E, HIDDEN, INTER, K, routed_tokens, v4_experts  # noqa: E402
+from moe_topk_timings import E, HIDDEN, INTER, K, routed_tokens, v4_experts  # beside this file: sys.path[0]
 
 
 def main(argv: list[str]) -> int:
