@@ -627,8 +627,9 @@ class Model:
         projection (Layer's docstring)."""
         wo = layer.wo if folded is None else folded.wo
         o = o.reshape(o.shape[0], -1)
-        # addmm: the residual joins in the matrix product's epilogue (one launch fewer a
-        # layer, and one rounding where h + (o @ w) took two).
+        # addmm: one rounding where h + (o @ w) took two. At batch 128 cuBLAS adds the
+        # residual in its epilogue; at batch 1 it copies h first (memcpy32_post), as many
+        # launches as the add (H100, benchmarks/engine-h100-routed-apart/).
         if layer.wo_b is None:
             return torch.addmm(h, o, wo)
         groups = self.args.o_groups
