@@ -236,7 +236,8 @@ def k_major(w: torch.Tensor) -> torch.Tensor:
     """Expert weights [E, K, N] laid out with K, the summed axis, contiguous: the same
     shape and values, strides (K * N, 1, K), as vLLM's and SGLang's fused MoE keep theirs
     ([E, N, K] tensors). An FP8 MMA (tl.dot on FP8 codes, MoEConfig.fp8_activations) takes
-    its operands K-major; the kernels read either layout."""
+    its operands K-major; the kernels read either layout. The engine keeps N-contiguous:
+    K-contiguous took 25-35% longer on an H100 (2026-12-07, moe_topk_timings.py moe_fp8)."""
     return w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -687,7 +688,10 @@ class MoEConfig:
     quantized, there per 128 columns). Each activation then carries FP8's rounding (3
     mantissa bits, as the weights already do), so the output moves from the bf16 path's by
     about the weights' own quantization error; routed_experts_reference(fp8_activations=
-    True) is its ground truth. Not with per_pair or gate/up splits."""
+    True) is its ground truth. Not with per_pair or gate/up splits. Off in default_config:
+    on an H100 (2026-12-07, benchmarks/engine-h100-routed-apart/) the kernels took the same
+    time at 8 and 32 tokens, which the quantizing then made 12-13% slower a call, and at
+    128 tokens 10% less a call only with 32-row blocks (481 against 534 us)."""
 
     per_pair: bool = False
     block_m: int = 16
