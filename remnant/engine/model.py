@@ -627,14 +627,14 @@ class Model:
         projection (Layer's docstring)."""
         wo = layer.wo if folded is None else folded.wo
         o = o.reshape(o.shape[0], -1)
-        # addmm: one rounding where h + (o @ w) took two. At batch 128 cuBLAS adds the
-        # residual in its epilogue; at batch 1 it copies h first (memcpy32_post), as many
-        # launches as the add (H100, benchmarks/engine-h100-routed-apart/).
+        # h + (o @ w), not torch.addmm: at batch 1 cuBLAS copies h into its output first
+        # (memcpy32_post), as many launches as the add (H100, 2026-12-07,
+        # benchmarks/engine-h100-routed-apart/).
         if layer.wo_b is None:
-            return torch.addmm(h, o, wo)
+            return h + o @ wo
         groups = self.args.o_groups
         low = torch.einsum("tgk,gkr->tgr", o.view(o.shape[0], groups, -1), wo.view(groups, -1, wo.shape[1]))
-        return torch.addmm(h, low.reshape(o.shape[0], -1), layer.wo_b)
+        return h + low.reshape(o.shape[0], -1) @ layer.wo_b
 
     # Indexer (CSA layers) -------------------------------------------------------------
 
