@@ -743,6 +743,11 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
     - up to 8 pairs per expert on average: the aligned kernels, blocks of 16 rows (the least
       tl.dot takes) and 128-column tiles, 128-byte rows of FP8 codes per load, on float16
       operands (f16_operands: 18-20% less a call at 8 and 32 tokens on an H200);
+    - up to 32 pairs per expert on average (up to ~170 tokens): 32-row blocks, most experts
+      in one block, with each kernel's best tile of the H100 sweep (moe_tiles,
+      benchmarks/engine-h200-f16-moe/h100-a8a948d-moe-tiles.txt: gate/up 64-column tiles,
+      down 128-column tiles in 4 stages): 499 against 534 us a call at 128 tokens, where
+      64-row blocks held 24 pairs of 64 on average;
     - more: 64-row blocks, each weight tile reused by more rows, operands in x's dtype.
     Under the interpreter: small tiles (its cost is per element, not per launch).
     """
@@ -754,6 +759,9 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
                          split_k=_whole_splits(hidden, 64, 4), down_split_k=_whole_splits(inter, 64, 2))
     if num_pairs <= 8 * num_experts:
         return MoEConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)
+    if num_pairs <= 32 * num_experts:
+        return MoEConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3, down_block_n=128,
+                         down_block_k=64, down_num_warps=4, down_num_stages=4)
     # float16 operands took nothing off these tiles (128 tokens on an H200, 2026-12-06), so
     # they keep x's dtype and its range.
     return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, f16_operands=False)

@@ -328,12 +328,14 @@ def test_k_major_experts_give_the_same_output(config):
     assert torch.equal(routed_experts_triton(x, ids, weights, spaced, dn, gu_s, dn_s, config=config), want)
 
 
-def test_default_config_keeps_x_dtype_for_64_row_blocks():
-    # float16 operands took nothing off the 64-row tiles (128 tokens, H200): they keep x's range.
-    from remnant.kernels.moe import default_config
-
-    assert default_config(32 * 6, 32, True, 4096, 2048).f16_operands
-    assert not default_config(128 * 6, 32, True, 4096, 2048).f16_operands
+def test_default_config_rows_per_block_follow_pairs_per_expert():
+    # Blocks sized to the pairs an expert gets on average (16 rows to 8 pairs, 32 to 32,
+    # then 64); float16 operands took nothing off the 64-row tiles (H200): they keep x's range.
+    configs = {t: default_config(t * 6, 32, True, 4096, 2048) for t in (32, 128, 256)}
+    assert {t: c.block_m for t, c in configs.items()} == {32: 16, 128: 32, 256: 64}
+    assert configs[32].f16_operands and configs[128].f16_operands and not configs[256].f16_operands
+    # Each kernel's own tile at 32 rows: the down kernel's differs from gate/up's.
+    assert configs[128].down_launch() == dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 
 
 def test_down_split_must_divide_by_the_down_tile():
