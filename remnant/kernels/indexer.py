@@ -194,19 +194,20 @@ def _row_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, l
     row_locs = locs_ptr + b * n
     first = tl.program_id(1) * (BLOCKS * BLOCK_N)
     op = tl.float16 if F16 else q_ptr.dtype.element_ty   # the MMA operands' dtype
-    # Blocks wholly at or past the row's count only get -inf: their products would be
-    # masked anyway, and n is the page-table bucket's (up to twice a row's records, and a
-    # batch's longest row's for the rest), so skipping them keeps a row's cost to its count.
-    scored = tl.minimum(tl.maximum(tl.cdiv(limit - first, BLOCK_N), 0), BLOCKS)
-    for i in tl.range(0, scored, num_stages=STAGES):
-        j = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        keys, scale, usable = _block_keys(row_locs, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE, D,
-                                          MXFP4, MX, op)
-        s = _block_scores(q, wh, keys, scale, INTERPRETED)
-        tl.store(out_ptr + b * n + j, tl.where(usable, s, float("-inf")), mask=j < n)
-    for i in range(scored, BLOCKS):
-        j = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + b * n + j, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=j < n)
+    # A program wholly at or past the row's count only stores -inf: n is the page-table
+    # bucket's (up to twice a row's records, and the batch's longest row's for the rest),
+    # so skipping the products keeps a row's cost to its count.
+    if first < limit:
+        for i in tl.range(0, BLOCKS, num_stages=STAGES):
+            j = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            keys, scale, usable = _block_keys(row_locs, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE, D,
+                                              MXFP4, MX, op)
+            s = _block_scores(q, wh, keys, scale, INTERPRETED)
+            tl.store(out_ptr + b * n + j, tl.where(usable, s, float("-inf")), mask=j < n)
+    else:
+        for i in range(BLOCKS):
+            j = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + b * n + j, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=j < n)
 
 
 @triton.jit

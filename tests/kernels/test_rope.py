@@ -52,8 +52,8 @@ def test_bf16_norm_rope_rounds_where_the_plain_ops_round(shape, heads_per_progra
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tokens", [1, 24, 128, 8192])
 def test_norm_rope_at_the_engines_shapes_on_the_gpu(tokens):
-    for shape in ((tokens, 512), (tokens, 64, 512)):
-        test_bf16_norm_rope_rounds_where_the_plain_ops_round(shape)
+    for shape, heads_per_program in (((tokens, 512), 1), ((tokens, 64, 512), 1), ((tokens, 64, 512), 4)):
+        test_bf16_norm_rope_rounds_where_the_plain_ops_round(shape, heads_per_program)
 
 
 def test_float32_latents_with_a_bf16_weight_are_float32():
