@@ -329,21 +329,23 @@ def test_every_batch_times_the_calls_as_served_and_flashmla_beside_them():
     assert {(b, k) for _, b, k, w, _ in stock if k != 512} == others
 
 
-def test_decode_cases_time_the_packed_window_on_the_triton_kernel_beside_flashmla():
+def test_decode_cases_time_the_packed_window_on_both_packed_kernels_beside_flashmla():
     from remnant.kernels.bench.cases import DECODE_BATCHES, KERNEL_R, decode_cases, flashmla_cases
 
     for quick, batches in ((False, DECODE_BATCHES), (True, [16, 64, 128])):
-        packed = [c for c in decode_cases(quick, multiprocessors=132, sm90=True) if c.window_columns == "packed"]
-        # The engine's folded call at every batch with the window, at auto_splits and top-k
-        # 512, on the Triton kernel (the SM90 kernel refuses a packed window), and at top-k 0
-        # beside the other calls without C4 records.
-        full = [c for c in packed if c.topk == 512]
-        assert [c.batch for c in full] == batches
-        assert {(c.variant, c.retention, c.columns, c.window, c.kernel, c.splits, c.split_plan, c.join)
-                for c in full} == {("packed", KERNEL_R, "kept_first", 128, "triton", None, None, None)}
-        assert [(c.batch, c.window) for c in packed if c.topk == 0] == [(64, 128), (128, 128)][: 1 if quick else 2]
-        stock = {(c.batch, c.topk, c.window) for c in flashmla_cases(quick) if c.kernel == "flashmla"}
-        assert {(c.batch, c.topk, c.window) for c in full} <= stock
+        for sm90 in (False, True):
+            packed = [c for c in decode_cases(quick, multiprocessors=132, sm90=sm90) if c.window_columns == "packed"]
+            # The engine's folded call at every batch with the window, at auto_splits and top-k
+            # 512, on the Triton kernel and (sm90) the SM90 one, and at top-k 0 beside the
+            # other calls without C4 records.
+            full = [c for c in packed if c.topk == 512]
+            kernels = ("triton", "sm90") if sm90 else ("triton",)
+            assert [c.batch for c in full] == [b for b in batches for _ in kernels]
+            assert {(c.variant, c.retention, c.columns, c.window, c.kernel, c.splits, c.split_plan, c.join)
+                    for c in full} == {("packed", KERNEL_R, "kept_first", 128, k, None, None, None) for k in kernels}
+            assert [(c.batch, c.window) for c in packed if c.topk == 0] == [(64, 128), (128, 128)][: 1 if quick else 2]
+            stock = {(c.batch, c.topk, c.window) for c in flashmla_cases(quick) if c.kernel == "flashmla"}
+            assert {(c.batch, c.topk, c.window) for c in full} <= stock
 
 
 def test_decode_cases_time_the_other_split_plan_at_auto_splits_count():

@@ -153,13 +153,16 @@ def decode_cases(quick: bool, multiprocessors: int | None = None, sm90: bool = F
             cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window))
             cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first",
                                     "kept_first" if window else "natural"))
-            if sm90:  # the same folded call on the SM90 kernel (it reads kept-first windows only)
+            if sm90:  # the same folded call on the SM90 kernel
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "kept_first",
                                         kernel="sm90"))
-            # The folded call over a window packed as the C4 records (the engine's packed_csa;
-            # Triton only); without a window it is the folded row above.
+            # The folded call over a window packed as the C4 records (the engine's packed_csa),
+            # on the Triton kernel and the SM90 one; without a window it is the folded row above.
             if window:
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "packed"))
+                if sm90:
+                    cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first", "packed",
+                                            kernel="sm90"))
             if batch >= 64 and window:  # each of the two orders alone
                 cases.append(DecodeCase("packed", KERNEL_R, batch, TOPK, window, "kept_first"))
                 if batch in (64, 128):

@@ -20,6 +20,7 @@ DECODE_LINES = {
     ("packed", "kept_first", "kept_first", "triton"): "packed, kept-first q/out and window (folded, Triton)",
     ("packed", "kept_first", "kept_first", "sm90"): "packed, folded, SM90 Gluon kernel",
     ("packed", "kept_first", "packed", "triton"): "packed, kept-first q/out, packed window (engine's packed_csa)",
+    ("packed", "kept_first", "packed", "sm90"): "packed, folded, packed window, SM90 Gluon kernel",
 }
 
 

@@ -83,7 +83,8 @@ def targets(decode_rows: list[dict], store_rows: list[dict], reconstruct_rows: l
                     limit = PACKED_WINDOW_VS_FLASHMLA_FROM_64 if packed_window else KERNEL_VS_FLASHMLA_FROM_64
                 if kernel == "sm90":
                     how = ("the SM90 Gluon kernel (remnant.kernels.decode.sm90): q, out and the window in kept-first "
-                           "order")
+                           "order" if window_columns != "packed" else
+                           "the SM90 Gluon kernel (remnant.kernels.decode.sm90): q and out in kept-first order")
                 elif packed.get("window_apart"):
                     how = ("the window read by a program of its own in natural order, the C4 records by the "
                            "others through the kept columns, joined in natural order")

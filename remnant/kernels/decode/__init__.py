@@ -80,7 +80,8 @@ def decode(
     records are by remnant.kernels.dispatch.store with the keep list: the window then
     counts as C4 records do, its output in the kept columns only, so the dropped columns of
     the output are 0; the window layout holds R + 72-byte records). Native records refuse
-    both others; only the Triton kernel reads a packed window.
+    both others. The SM90 kernel reads kept-first and packed windows with q and out in
+    kept-first order; the Triton kernel reads every form.
 
     How to run it. config: a DecodeConfig (its kernel, else choose's, and its None fields
     chosen by plan_decode for this call) or a DecodePlan made by plan_decode (run as it is;

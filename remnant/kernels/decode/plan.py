@@ -244,17 +244,16 @@ def _why_not(kernel: str, device: torch.device, heads: int, packed: bool, n_kept
     if kernel == "triton":
         return None
     if kernel == "sm90":
-        if window_columns == "packed":
-            return "it reads native window records in kept-first order, not packed ones"
-        if not (packed and columns == "kept_first" and window_columns == "kept_first"):
-            return "it runs the folded call only (packed records, q, out and the window in kept-first order)"
+        if not (packed and columns == "kept_first" and window_columns in ("kept_first", "packed")):
+            return ("it runs the folded call only (packed records, q and out in kept-first order, the window "
+                    "kept-first or packed)")
         if q_dtype is not None and q_dtype != torch.bfloat16:
             return f"it reads bf16 q, got {q_dtype}"
         from remnant.kernels.decode import sm90
 
         why = sm90.unavailable_reason(device, n_kept, heads)
         if why is None and layouts is not None:
-            why = sm90.layout_problem(*layouts)
+            why = sm90.layout_problem(*layouts, window_packed=window_columns == "packed")
         return why
     if kernel == "flashmla":
         if packed:

@@ -18,7 +18,10 @@ What the Triton program could not express, and this one does:
 
 Work: one program per (token, split) for 64 heads. A token's records are one sequence,
 its C4 records' steps then its window's, and each split takes a contiguous range of it cut
-at equal cost (a window step moves and multiplies about twice a C4 step's columns). With
+at equal cost (a kept-first window step moves and multiplies about twice a C4 step's
+columns). A window packed with the C4 records' keep list (window_columns="packed",
+retention.window_records=packed_csa) is read by the C4 records' loop, a step of it
+costing one C4 step, and the output's dropped columns stay 0. With
 one split the program writes out; with several, float32 partials and their log-sum-exp
 (base 2), joined by _join_kernel.
 """
@@ -72,12 +75,13 @@ def unavailable_reason(device: torch.device, n_kept: int | None = None, heads: i
 if gluon is not None:
 
     @gluon.jit
-    def _split_point(s, n_splits, c4_steps, win_steps):
+    def _split_point(s, n_splits, c4_steps, win_steps, WIN_COST: gl.constexpr):
         """The first step of split s: steps below c4_steps are C4 steps (cost 1), the rest
-        window steps (cost 2); split s starts where the cost reaches s * total / n_splits."""
-        total = c4_steps + 2 * win_steps
+        window steps (cost WIN_COST: 2 for kept-first records, 1 for packed ones); split s
+        starts where the cost reaches s * total / n_splits."""
+        total = c4_steps + WIN_COST * win_steps
         u = (s * total + n_splits - 1) // n_splits
-        return gl.where(u <= c4_steps, u, c4_steps + (u - c4_steps + 1) // 2)
+        return gl.where(u <= c4_steps, u, c4_steps + (u - c4_steps + WIN_COST - 1) // WIN_COST)
 
     @gluon.jit
     def _step_locations(locs, idx0, count, layout: gl.constexpr):
@@ -199,6 +203,63 @@ if gluon is not None:
         return tile
 
     @gluon.jit
+    def _packed_steps(base_ptr, locs, lo, hi, count, PER_PAGE: gl.constexpr, stride, raw_a, raw_b, raw_d0, raw_d1,
+                      rope, scales, ka, kb, p_smem, qa, qb, qr, ta, tb, m, l, oa, ob, orope, qk_scale,
+                      BN: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr, L128: gl.constexpr,
+                      L64: gl.constexpr, LROPE: gl.constexpr, LSC: gl.constexpr, S_L: gl.constexpr):
+        """Steps lo..hi of packed records (R + 72 bytes: kept codes, RoPE, scales) at base_ptr,
+        locations in shared `locs` (a row per step, `count` in all), STAGES - 1 steps of
+        copies ahead: the online softmax state (m, l) and the output columns (oa, ob, orope)
+        carried on. The C4 records, and a window packed with their keep list."""
+        gl.thread_barrier()  # every warp is done with the stages and tiles of the steps before
+        for j in gl.static_range(STAGES - 1):
+            if lo + j < hi:
+                _issue_step(j, raw_a, raw_b, raw_d0, raw_d1, rope, scales, base_ptr, locs.index(lo + j), (lo + j) * BN, count,
+                            PER_PAGE, stride, 320, False, L128, L64, LROPE, LSC)
+            else:
+                async_copy.commit_group()
+        for i in range(lo, hi):
+            k = i - lo
+            gl.thread_barrier()  # every warp is done with the stage refilled below
+            ahead = i + STAGES - 1
+            if ahead < hi and (SKIP & 4) == 0:
+                _issue_step((k + STAGES - 1) % STAGES, raw_a, raw_b, raw_d0, raw_d1, rope, scales, base_ptr,
+                            locs.index(ahead), ahead * BN, count, PER_PAGE, stride, 320, False, L128, L64, LROPE, LSC)
+            else:
+                async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)
+            gl.thread_barrier()
+            stage = k % STAGES
+            if (SKIP & 1) == 0:
+                lo_a, hi_a = _scale_words(scales.index(stage), L128)
+                _dequant(raw_a.index(stage), lo_a, hi_a, ta, ka, L128)
+                lo_b, hi_b = _scale_words(scales.index(stage), L64)
+                _dequant(raw_b.index(stage), lo_b, hi_b, tb, kb, L64)
+            fence_async_shared()
+            gl.thread_barrier()
+            kr = rope.index(stage)
+            s = gl.zeros([64, BN], gl.float32, S_L)
+            if (SKIP & 2) == 0:
+                s = warpgroup_mma(qa, ka.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=[s])
+            m, alpha, p, l = _softmax(s, _valid(locs.index(i), i * BN, count, S_L), qk_scale, m, l)
+            p_smem.store(p)
+            fence_async_shared()
+            gl.thread_barrier()
+            oa = _rescale(oa, alpha)
+            ob = _rescale(ob, alpha)
+            orope = _rescale(orope, alpha)
+            if (SKIP & 2) == 0:
+                oa = warpgroup_mma(p_smem, ka, oa, is_async=True)
+                ob = warpgroup_mma(p_smem, kb, ob, is_async=True)
+                orope = warpgroup_mma(p_smem, kr, orope, is_async=True)
+                oa, ob, orope = warpgroup_mma_wait(0, deps=[oa, ob, orope])
+        async_copy.wait_group(0)
+        return m, l, oa, ob, orope
+
+    @gluon.jit
     def _packed_sm90_kernel(
         q_ptr, q_sb, q_sh, out_ptr, o_ss, o_sb, o_sh, lse_ptr, sink_ptr, H,
         c4_ptr, c4_locs_ptr, c4_sb, K, c4_stride,
@@ -206,6 +267,7 @@ if gluon is not None:
         kept_starts_ptr, qk_scale,
         C4_PER_PAGE: gl.constexpr, WIN_PER_PAGE: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
         C4_ROWS: gl.constexpr, WIN_ROWS: gl.constexpr, SPLIT: gl.constexpr, SKIP: gl.constexpr,
+        WIN_PACKED: gl.constexpr,
     ):
         b = gl.program_id(0).to(gl.int64)
         split = gl.program_id(1)
@@ -237,8 +299,8 @@ if gluon is not None:
 
         c4_steps = gl.cdiv(K, BN)
         win_steps = gl.cdiv(W, BN)
-        p0 = _split_point(split, n_splits, c4_steps, win_steps)
-        p1 = _split_point(split + 1, n_splits, c4_steps, win_steps)
+        p0 = _split_point(split, n_splits, c4_steps, win_steps, 1 if WIN_PACKED else 2)
+        p1 = _split_point(split + 1, n_splits, c4_steps, win_steps, 1 if WIN_PACKED else 2)
         c4_lo = gl.minimum(p0, c4_steps)
         c4_hi = gl.minimum(p1, c4_steps)
         win_lo = gl.maximum(p0 - c4_steps, 0)
@@ -286,57 +348,24 @@ if gluon is not None:
         async_copy.wait_group(0)
         gl.thread_barrier()
 
-        # C4 records: steps c4_lo..c4_hi, STAGES - 1 steps of copies ahead.
-        for j in gl.static_range(STAGES - 1):
-            if c4_lo + j < c4_hi:
-                _issue_step(j, raw_a, raw_b, raw_d0, raw_d1, rope, scales, c4_ptr, c4_locs.index(c4_lo + j), (c4_lo + j) * BN, K,
-                            C4_PER_PAGE, c4_stride, 320, False, L128, L64, LROPE, LSC)
-            else:
-                async_copy.commit_group()
-        for i in range(c4_lo, c4_hi):
-            k = i - c4_lo
-            gl.thread_barrier()  # every warp is done with the stage refilled below
-            ahead = i + STAGES - 1
-            if ahead < c4_hi and (SKIP & 4) == 0:
-                _issue_step((k + STAGES - 1) % STAGES, raw_a, raw_b, raw_d0, raw_d1, rope, scales, c4_ptr,
-                            c4_locs.index(ahead), ahead * BN, K, C4_PER_PAGE, c4_stride, 320, False, L128, L64, LROPE, LSC)
-            else:
-                async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)
-            gl.thread_barrier()
-            stage = k % STAGES
-            if (SKIP & 1) == 0:
-                lo_a, hi_a = _scale_words(scales.index(stage), L128)
-                _dequant(raw_a.index(stage), lo_a, hi_a, ta, ka, L128)
-                lo_b, hi_b = _scale_words(scales.index(stage), L64)
-                _dequant(raw_b.index(stage), lo_b, hi_b, tb, kb, L64)
-            fence_async_shared()
-            gl.thread_barrier()
-            kr = rope.index(stage)
-            s = gl.zeros([64, BN], gl.float32, S_L)
-            if (SKIP & 2) == 0:
-                s = warpgroup_mma(qa, ka.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=[s])
-            m, alpha, p, l = _softmax(s, _valid(c4_locs.index(i), i * BN, K, S_L), qk_scale, m, l)
-            p_smem.store(p)
-            fence_async_shared()
-            gl.thread_barrier()
-            oa = _rescale(oa, alpha)
-            ob = _rescale(ob, alpha)
-            orope = _rescale(orope, alpha)
-            if (SKIP & 2) == 0:
-                oa = warpgroup_mma(p_smem, ka, oa, is_async=True)
-                ob = warpgroup_mma(p_smem, kb, ob, is_async=True)
-                orope = warpgroup_mma(p_smem, kr, orope, is_async=True)
-                oa, ob, orope = warpgroup_mma_wait(0, deps=[oa, ob, orope])
-        async_copy.wait_group(0)
+        # C4 records: steps c4_lo..c4_hi.
+        m, l, oa, ob, orope = _packed_steps(
+            c4_ptr, c4_locs, c4_lo, c4_hi, K, C4_PER_PAGE, c4_stride, raw_a, raw_b, raw_d0, raw_d1, rope, scales,
+            ka, kb, p_smem, qa, qb, qr, ta, tb, m, l, oa, ob, orope, qk_scale, BN, STAGES, SKIP,
+            L128, L64, LROPE, LSC, S_L)
+
+        # A packed window: more packed records, with the C4 records' keep list (columns
+        # 192..447 of the output stay 0, as the dropped coordinates give nothing).
+        if WIN_PACKED:
+            m, l, oa, ob, orope = _packed_steps(
+                win_ptr, w_locs, win_lo, win_hi, W, WIN_PER_PAGE, win_stride, raw_a, raw_b, raw_d0, raw_d1, rope,
+                scales, ka, kb, p_smem, qa, qb, qr, ta, tb, m, l, oa, ob, orope, qk_scale, BN, STAGES, SKIP,
+                L128, L64, LROPE, LSC, S_L)
 
         # Window tokens (kept-first records): all 448 positions, so the dropped ones too.
         od0 = gl.zeros([64, 128], gl.float32, O128)
         od1 = gl.zeros([64, 128], gl.float32, O128)
-        if win_lo < win_hi:
+        if not WIN_PACKED and win_lo < win_hi:
             kd0 = gl.allocate_shared_memory(gl.bfloat16, [BN, 128], T128)
             kd1 = gl.allocate_shared_memory(gl.bfloat16, [BN, 128], T128)
             # Kept-first window records are tiled by position: 64 positions per scale.
@@ -435,11 +464,12 @@ def splits_per_token(batch: int, multiprocessors: int) -> int:
     return splits if batch < 8 else min(splits, 6)
 
 
-def layout_problem(c4_layout: PageLayout, window_layout: PageLayout) -> str | None:
+def layout_problem(c4_layout: PageLayout, window_layout: PageLayout, window_packed: bool = False) -> str | None:
     """Why the kernel cannot read these pages (None: it can): its 16-byte copies need split
     pages (data rows, then the 8-byte tails) with 16-byte aligned data parts of R = 256
-    packed records and of native window records."""
-    for name, layout, width in (("c4", c4_layout, KEPT + 128), ("window", window_layout, 576)):
+    packed records and of native window records (packed ones where window_packed)."""
+    window_width = KEPT + 128 if window_packed else 576
+    for name, layout, width in (("c4", c4_layout, KEPT + 128), ("window", window_layout, window_width)):
         if layout.data_bytes != width or layout.tail_bytes != 8 or layout.page_stride % 16:
             return (f"reads {name} records with {width}-byte data parts on 16-byte aligned split pages, got "
                     f"{layout.per_page} per page of stride {layout.page_stride} with {layout.data_bytes}-byte data")
@@ -454,13 +484,15 @@ def _rows(count: int) -> int:
 def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: torch.Tensor, window: torch.Tensor,
            window_layout: PageLayout, window_locs: torch.Tensor, sink: torch.Tensor, keep: KeptColumns,
            splits: int, scale: float = 1.0 / math.sqrt(HEAD_DIM), out: torch.Tensor | None = None,
-           profile_skip: int = 0, compiled: list | None = None) -> torch.Tensor:
+           profile_skip: int = 0, compiled: list | None = None, window_packed: bool = False) -> torch.Tensor:
     """Packed decode at R = 256 with q, out and the window records in kept-first order, as
-    remnant.kernels.decode.decode(..., columns="kept_first", window_columns="kept_first").
+    remnant.kernels.decode.decode(..., columns="kept_first", window_columns="kept_first"),
+    or with the window packed (window_packed: window_columns="packed", records packed with
+    `keep` as the C4 records are, read by the same loop; out's dropped columns are 0).
 
     q bf16 [B, H <= 64, 512]; c4: packed pages of `c4_layout` (SGLang's split layout,
     16-byte aligned), c4_locs int [B, K]; window: kept-first window records (native
-    width), window_locs int [B, W] (-1 = padding in both); sink float [H]; keep: the
+    width) or packed ones, window_locs int [B, W] (-1 = padding in both); sink float [H]; keep: the
     layer's KeptColumns (192 kept). Returns out [B, H, 512] in q's dtype (or writes the
     given `out`, contiguous rows). splits: programs per token, 1 to MAX_SPLITS (the plan's
     choice: splits_per_token).
@@ -476,7 +508,7 @@ def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: to
     batch, heads, width = q.shape
     if width != HEAD_DIM or q.dtype != torch.bfloat16 or q.stride(2) != 1:
         raise ValueError(f"q must be bf16 [B, H, {HEAD_DIM}] with contiguous rows, got {q.dtype} {tuple(q.shape)}")
-    problem = layout_problem(c4_layout, window_layout)
+    problem = layout_problem(c4_layout, window_layout, window_packed)
     if problem is not None:
         raise ValueError(f"the SM90 packed decode {problem}")
     if out is None:
@@ -503,7 +535,7 @@ def decode(q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs: to
         win_stride=window_layout.page_stride, kept_starts_ptr=keep.kept_tile_starts, qk_scale=scale * LOG2E,
         C4_PER_PAGE=c4_layout.per_page, WIN_PER_PAGE=window_layout.per_page, BN=STEP, STAGES=STAGES,
         C4_ROWS=_rows(c4_locs.shape[1]), WIN_ROWS=_rows(window_locs.shape[1]), SPLIT=splits > 1, SKIP=profile_skip,
-        num_warps=NUM_WARPS)
+        WIN_PACKED=window_packed, num_warps=NUM_WARPS)
     if splits > 1:
         _join_kernel[(batch, heads)](part_ptr=part, lse_ptr=lse, out_ptr=out, o_sb=out.stride(0), o_sh=out.stride(1),
                                      B=batch, H=heads, S=splits, SP=triton.next_power_of_2(splits))
@@ -518,4 +550,4 @@ def run(plan, q: torch.Tensor, c4: torch.Tensor, c4_layout: PageLayout, c4_locs:
     """remnant.kernels.decode.decode's call of this kernel: `decode` at the plan's splits
     (a DecodePlan whose kernel is "sm90"), on inputs decode has checked."""
     return decode(q, c4, c4_layout, c4_locs, window, window_layout, window_locs, sink, keep, splits=plan.splits,
-                  scale=scale, out=out, compiled=compiled)
+                  scale=scale, out=out, compiled=compiled, window_packed=plan.window_packed)

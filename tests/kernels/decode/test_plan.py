@@ -34,8 +34,8 @@ def test_choose_takes_the_first_kernel_of_each_record_forms_preference_that_take
     kernel, why = choose(CPU, 64, True, **FOLDED)
     assert kernel == "triton" and why.startswith("the SM90 Gluon kernel cannot take it: ")
     assert choose(CPU, 64, True, n_kept=192) == KernelChoice(
-        "triton", "the SM90 Gluon kernel cannot take it: it runs the folded call only (packed records, q, out and "
-                  "the window in kept-first order)")
+        "triton", "the SM90 Gluon kernel cannot take it: it runs the folded call only (packed records, q and out "
+                  "in kept-first order, the window kept-first or packed)")
     assert choose(CPU, 64, True, **dict(FOLDED, q_dtype=torch.float32)).reason.endswith(
         "it reads bf16 q, got torch.float32")
 
@@ -72,16 +72,19 @@ def test_choose_takes_flashmla_for_native_records_in_natural_order_only(flashmla
         plan_decode(3, 64, 128, 512, False, CPU, config=DecodeConfig(kernel="flashmla"))
 
 
-def test_a_packed_window_is_the_triton_kernels_alone(sm90_runs, flashmla_runs):
-    # Window records packed with the C4 records' keep list: neither the SM90 kernel nor
-    # FlashMLA reads them, and native C4 records have no keep list to pack them with.
+def test_a_packed_window_is_the_sm90_kernels_in_kept_first_order_and_never_flashmlas(sm90_runs, flashmla_runs):
+    # Window records packed with the C4 records' keep list: the SM90 kernel reads them with
+    # its C4 loop (q and out kept-first, on 16-byte aligned split pages of R + 72-byte
+    # records), the Triton kernel in any order; FlashMLA reads native records only, and
+    # native C4 records have no keep list to pack them with.
     packed_window = dict(FOLDED, window_columns="packed")
-    assert choose(CPU, 64, True, **packed_window) == (
-        "triton", "the SM90 Gluon kernel cannot take it: it reads native window records in kept-first order, not "
-                  "packed ones")
-    with pytest.raises(ValueError, match="decode kernel='sm90' cannot run this call: it reads native window records in "
-                                         "kept-first order, not packed ones"):
-        choose(CPU, 64, True, **packed_window, config=DecodeConfig(kernel="sm90"))
+    assert choose(CPU, 64, True, **packed_window) == ("sm90", None)
+    split = (PageLayout.sglang(64, 256), PageLayout.sglang(64, 256))
+    assert choose(CPU, 64, True, **packed_window, layouts=split) == ("sm90", None)
+    native_window = (PageLayout.sglang(64, 256), PageLayout.sglang(64))
+    assert choose(CPU, 64, True, **packed_window, layouts=native_window).reason.startswith(
+        "the SM90 Gluon kernel cannot take it: reads window records with 320-byte data parts")
+    assert choose(CPU, 64, True, **dict(packed_window, columns="natural")).kernel == "triton"
     with pytest.raises(ValueError, match="decode kernel='flashmla' cannot run this call: FlashMLA's V4 decode reads "
                                          "native records, not packed ones"):
         choose(CPU, 64, True, **packed_window, config=DecodeConfig(kernel="flashmla"))

@@ -129,13 +129,17 @@ def test_refuses_other_retentions_and_more_heads():
                     None, None, keep, splits=1)
 
 
-def _inputs(batch, heads, topk, window, seed, q_scale=2.0, sink_shift=0.0, scale_byte=None, pad_byte=0):
+def _inputs(batch, heads, topk, window, seed, q_scale=2.0, sink_shift=0.0, scale_byte=None, pad_byte=0,
+            window_packed=False):
+    """window_packed: the window holds records packed with the C4 records' keep list, in
+    their layout (window_columns="packed"); else kept-first native window records."""
     gen = torch.Generator().manual_seed(seed)
     keep = keep_map(256, gen)
     cols = KeptColumns.of(keep, DEVICE)
-    c4_layout, win_layout = PageLayout.sglang(64, 256), PageLayout.sglang(64)
+    c4_layout = PageLayout.sglang(64, 256)
+    win_layout = c4_layout if window_packed else PageLayout.sglang(64)
     c4 = filled_pool(c4_layout, -(-4 * max(topk, 1) // 64) + 1, keep, gen)
-    win = filled_pool(win_layout, -(-2 * max(window, 1) // 64) + 1, keep, gen, kept_first=True)
+    win = filled_pool(win_layout, -(-2 * max(window, 1) // 64) + 1, keep, gen, kept_first=not window_packed)
     set_pad_bytes(c4, c4_layout, pad_byte)
     set_pad_bytes(win, win_layout, pad_byte)
     if scale_byte is not None:
@@ -150,7 +154,8 @@ def _inputs(batch, heads, topk, window, seed, q_scale=2.0, sink_shift=0.0, scale
     q = (torch.randn(batch, heads, 512, generator=gen) * q_scale).to(torch.bfloat16).to(DEVICE)
     sink = (torch.randn(heads, generator=gen) + sink_shift).to(DEVICE)
     return dict(q=q, c4=c4, c4_layout=c4_layout, c4_locs=c4_locs.to(DEVICE), window=win, window_layout=win_layout,
-                window_locs=win_locs.to(DEVICE), sink=sink, keep=keep, cols=cols)
+                window_locs=win_locs.to(DEVICE), sink=sink, keep=keep, cols=cols,
+                window_columns="packed" if window_packed else "kept_first")
 
 
 def _sm90(x, splits=None, q=None):
@@ -162,7 +167,8 @@ def _sm90(x, splits=None, q=None):
     if splits is None:
         splits = sm90.splits_per_token(q.shape[0], torch.cuda.get_device_properties(DEVICE).multi_processor_count)
     sm90.decode(q[:, :, order].contiguous(), x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
-                x["window_locs"], x["sink"], x["cols"], out=got, splits=splits)
+                x["window_locs"], x["sink"], x["cols"], out=got, splits=splits,
+                window_packed=x["window_columns"] == "packed")
     out = torch.full_like(q, float("nan"))
     out[:, :, order] = got
     return out
@@ -172,7 +178,7 @@ def _triton(x):
     order = x["cols"].order
     got = torch.empty_like(x["q"])
     decode(x["q"][:, :, order], x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
-           x["window_locs"], x["sink"], x["cols"], out=got, columns="kept_first", window_columns="kept_first",
+           x["window_locs"], x["sink"], x["cols"], out=got, columns="kept_first", window_columns=x["window_columns"],
            config=DecodeConfig(kernel="triton"))
     out = torch.empty_like(got)
     out[:, :, order] = got
@@ -181,7 +187,7 @@ def _triton(x):
 
 def _reference(x):
     return decode_packed_reference(x["q"], x["c4"], x["c4_layout"], x["c4_locs"], x["keep"], x["window"],
-                                   x["window_layout"], x["window_locs"], x["sink"], window_columns="kept_first")
+                                   x["window_layout"], x["window_locs"], x["sink"], window_columns=x["window_columns"])
 
 
 def _relative(a, b):
@@ -210,6 +216,33 @@ def check(batch, heads, topk, window, seed, splits=None, per_tile=False, **kw) -
 @pytest.mark.parametrize(("topk", "window"), [(512, 128), (512, 0), (100, 7), (0, 128), (2048, 128)])
 def test_matches_the_float64_reference_and_the_triton_kernel(batch, topk, window):
     check(batch, 64, topk, window, seed=batch + topk + window)
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 9, 130])
+@pytest.mark.parametrize(("topk", "window", "splits"), [(512, 128, None), (100, 7, None), (0, 128, None),
+                                                        (512, 128, 3), (64, 256, 16)])
+def test_a_packed_window_matches_the_reference_and_the_triton_kernel(batch, topk, window, splits):
+    # The window's records packed with the C4 records' keep list, read by the C4 loop: the
+    # output's dropped columns are 0 in the reference; splits cut window steps at one C4
+    # step's cost (16 splits of 9 steps: some splits hold no record).
+    check(batch, 64, topk, window, seed=batch + topk + window + 1, splits=splits, window_packed=True)
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_decode_runs_a_packed_window_on_sm90_by_itself():
+    x = _inputs(9, 64, 512, 128, seed=6, window_packed=True)
+    order = x["cols"].order
+    compiled: list = []
+    got = decode(x["q"][:, :, order], x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
+                 x["window_locs"], x["sink"], x["cols"], columns="kept_first", window_columns="packed",
+                 compiled=compiled)
+    assert compiled and "packed_sm90" in compiled[-1].name
+    out = torch.empty_like(got)
+    out[:, :, order] = got
+    assert _relative(out, _reference(x)) < TOLERANCE
 
 
 @needs_sm90
