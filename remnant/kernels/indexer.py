@@ -153,11 +153,16 @@ def _block_keys(locs_ptr, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE
     """The keys at locs_ptr[j] widened to OP [BLOCK_N, D] (exact), their float32 scales
     [BLOCK_N] (1 for MXFP4, whose scales are in the values) and usable bool [BLOCK_N] (a
     location, not -1, below limit: the keys at j >= limit are not read)."""
+    # One return at the end: a jit function with an early return cannot be inlined under a
+    # runtime branch (the MXFP4 form did not compile inside _row_scores_kernel's count test).
     if MXFP4:
         values, usable = _load_mxfp4_keys(locs_ptr, pages_ptr, j, limit, page_stride, PER_PAGE, D, MX)
-        return values.to(OP), tl.where(usable, 1.0, 0.0), usable    # e2m1 x 2^k is exact in bf16
-    codes, scale, usable = _load_keys(locs_ptr, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE, D)
-    return codes.to(tl.float8e4nv, bitcast=True).to(OP), scale, usable  # exact in bf16 and in float16
+        keys = values.to(OP)                                           # e2m1 x 2^k is exact in bf16
+        scale = tl.where(usable, 1.0, 0.0)
+    else:
+        codes, scale, usable = _load_keys(locs_ptr, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE, D)
+        keys = codes.to(tl.float8e4nv, bitcast=True).to(OP)           # exact in bf16 and in float16
+    return keys, scale, usable
 
 
 @triton.jit
