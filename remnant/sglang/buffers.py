@@ -161,9 +161,9 @@ def decode_c4_packed(
     KeptColumns.order (the plugin's folded wq_b / wo_a: fold.py). window_columns: the
     window records' form, "natural" (SGLang's store), "kept_first" (store_window_kept_first)
     or "packed" (R + 72-byte records packed with `keep`, in PackedWindowPool's pages of
-    `swa_per_page` records: retention.window_records=packed_csa). The folded call (both
-    "kept_first") is the one the SM90 kernel takes (decode.plan.choose); a packed window
-    takes the Triton kernel.
+    `swa_per_page` records: retention.window_records=packed_csa). The SM90 kernel takes
+    q and out kept-first with a kept-first or packed window (decode.plan.choose), where
+    the window pool's pages suit its copies; every other call takes the Triton kernel.
     """
     c4_locs = mask_by_length(c4_indices, c4_lengths)
     win_locs = mask_by_length(swa_indices, swa_lengths)
