@@ -44,7 +44,7 @@ computes), native with REMNANT_INDEX_KEY_FORMAT=mxfp4 the two sizing hooks
 - Kernel mode only: DeepseekV4ForCausalLM.load_weights (AROUND): the checkpoint's
   CSA-layer wq_b and wo_a folded with the kept-first column order (remnant.sglang.fold),
   so q and the attention output come out kept-first and decode makes the folded call (the
-  SM90 kernel's with kept-first windows; the Triton kernel with packed ones).
+  SM90 kernel's, with kept-first or packed windows, where it runs; else the Triton kernel's).
 - ServerArgs.check_server_args (AFTER): HiCache, HiSparse, context parallelism and
   sparse prefill against the mode and retention; REMNANT_INDEX_KEY_FORMAT=mxfp4 against
   --enable-deepseek-v4-fp4-indexer.

@@ -6,8 +6,8 @@ point, `decode`, and the kernels it runs.
   KernelChoice) and `plan_decode` (how one of Remnant's kernels runs it: a DecodePlan);
 - `triton`: the Triton kernel, which reads every record form on every GPU and in Triton's
   interpreter (the CPU-tested reference of the others, and the fallback);
-- `sm90`: the folded packed call (R = 256; q, out and the window in kept-first order) in
-  Gluon for sm_90;
+- `sm90`: the folded packed call (R = 256; q, out and the window in kept-first order, or a
+  window packed with the keep list) in Gluon for sm_90;
 - `flashmla`: FlashMLA's V4 decode (PyPI sgl-flash-mla, optional, CUDA only) over native
   records: the stock attention SGLang runs, and the baseline of every decode figure;
 - `reference`: the plain torch references every kernel is tested against (float64).

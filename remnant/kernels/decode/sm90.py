@@ -1,8 +1,8 @@
 """Direct packed decode for SM90 (H100/H200), written in Gluon.
 
 The same operation as the Triton kernel's folded packed call (remnant.kernels.decode.triton:
-q and out in kept-first column order, kept-first window records, the attention sink, -1
-padding, V = K), for R = 256 (N = 192 kept NoPE columns); that Triton kernel stays as the
+q and out in kept-first column order, kept-first or packed window records, the attention
+sink, -1 padding, V = K), for R = 256 (N = 192 kept NoPE columns); that Triton kernel stays as the
 reference on the CPU (its interpreter) and the fallback everywhere else. Its plain
 reference is remnant.kernels.decode.reference.decode_packed_reference.
 

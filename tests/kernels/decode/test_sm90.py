@@ -226,7 +226,8 @@ def test_matches_the_float64_reference_and_the_triton_kernel(batch, topk, window
 def test_a_packed_window_matches_the_reference_and_the_triton_kernel(batch, topk, window, splits):
     # The window's records packed with the C4 records' keep list, read by the C4 loop: the
     # output's dropped columns are 0 in the reference; splits cut window steps at one C4
-    # step's cost (16 splits of 9 steps: some splits hold no record).
+    # step's cost (16 splits of 5 steps: top-k 64 is 1 step, the window 4; most splits
+    # hold no record and join with weight 0).
     check(batch, 64, topk, window, seed=batch + topk + window + 1, splits=splits, window_packed=True)
 
 
