@@ -6,7 +6,12 @@ are remnant-kernels' own (remnant.kernels.bench: its inputs, checks, graphs of r
 sets and roofline); each packed call is checked against the float64 reference first. A
 short device call where the full `remnant-kernels --sweep decode` does not fit:
 
-    python3 runners/device/packed_window_timings.py [batch ...]     (default 1 16 64 128 512)
+    python3 runners/device/packed_window_timings.py [batch ...] > table.md 2> rows.jsonl
+                                                                  (default 1 16 64 128 512)
+
+The table goes to stdout, each call's benchmark row (registers, spills, roofline) to stderr
+(remnant.kernels.bench.harness.progress_row): keep them apart, as a tail of the two mixed
+lost the table's first rows on 2026-12-07.
 """
 
 from __future__ import annotations
