@@ -8,13 +8,15 @@
 #           TIMINGS: its tables, e.g. moe_tiles)
 #   bench   python -m remnant.cli.engine_bench (decode step per mode beside its roofline, prefill)
 #   serve   remnant-run over the three modes at model=dsv4_flash_h200 (RUN_ARGS: workload)
+#   decode  runners/device/packed_window_timings.py (kernel mode's decode over a packed_csa window
+#           on the SM90 and Triton kernels beside FlashMLA; DECODE_BATCHES, default all five)
 #   ncu     Nsight Compute over the routed-expert kernels (runners/device/moe_ncu.py; NCU_TOKENS,
 #           default "32 128"): speed of light, occupancy, warp stalls, to $OUT/ncu-moe.txt
 # Run from the repository root on the device machine with .whl/ in the call's carry list
 # (runners/device/setup_h200.sh says how to make it). The device's copy has no .git, so pass
 # the commit for the records' provenance:
 #   REMNANT_GIT_COMMIT=<hash> STAGES="tests bench serve" bash runners/device/engine_h200.sh
-# Stage variables: TESTS_S TIMINGS_S BENCH_S SERVE_S NCU_S (limits, s), TIMINGS, GPU_TESTS, PYTEST_ARGS (e.g. -n 4:
+# Stage variables: TESTS_S TIMINGS_S BENCH_S DECODE_S SERVE_S NCU_S (limits, s), TIMINGS, GPU_TESTS, PYTEST_ARGS (e.g. -n 4:
 # the tests share the GPU), BENCH_ARGS, MODES, RUN_ARGS; the bench writes kernel logs to $OUT/kernels.tgz.
 set -u
 source runners/device/setup_h200.sh || exit 1
@@ -39,6 +41,11 @@ for stage in ${STAGES:-tests bench serve}; do
         --kernel-logs "$OUT/kernels" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine-bench.log" | tail -40
     # One archive: the device tool brings back few files (one kernel log of five on 2026-12-06).
     [ -d "$OUT/kernels" ] && tar -czf "$OUT/kernels.tgz" -C "$OUT" kernels && rm -rf "$OUT/kernels" ;;
+  decode)
+    timeout ${DECODE_S:-150} python3 runners/device/packed_window_timings.py ${DECODE_BATCHES:-} \
+        > "$OUT/packed-window-timings.md" 2> "$OUT/packed-window-rows.jsonl"
+    echo "packed_window_timings exit status $?"
+    cat "$OUT/packed-window-timings.md"; grep -v '^{' "$OUT/packed-window-rows.jsonl" | tail -5 ;;
   ncu)
     # --clock-control none: the device's README asks that the clocks be left alone.
     timeout ${NCU_S:-180} ncu --clock-control none -k regex:'_gate_up|_down' --section SpeedOfLight \
