@@ -103,12 +103,14 @@ def test_rows_and_tuned_configs_stay_on_triton_and_sm90_refuses_triton_settings(
 
 @needs_sm90
 @pytest.mark.gpu
-def test_decode_runs_the_folded_call_on_sm90_by_itself():
-    x = _inputs(9, 64, 512, 128, seed=5)
+@pytest.mark.parametrize("window_packed", [False, True])
+def test_decode_runs_the_folded_call_on_sm90_by_itself(window_packed):
+    # The folded call with a kept-first window and with a packed one.
+    x = _inputs(9, 64, 512, 128, seed=5 + window_packed, window_packed=window_packed)
     order = x["cols"].order
     compiled: list = []
     got = decode(x["q"][:, :, order], x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
-                 x["window_locs"], x["sink"], x["cols"], columns="kept_first", window_columns="kept_first",
+                 x["window_locs"], x["sink"], x["cols"], columns="kept_first", window_columns=x["window_columns"],
                  compiled=compiled)
     assert compiled and "packed_sm90" in compiled[-1].name
     out = torch.empty_like(got)
@@ -229,21 +231,6 @@ def test_a_packed_window_matches_the_reference_and_the_triton_kernel(batch, topk
     # step's cost (16 splits of 5 steps: top-k 64 is 1 step, the window 4; most splits
     # hold no record and join with weight 0).
     check(batch, 64, topk, window, seed=batch + topk + window + 1, splits=splits, window_packed=True)
-
-
-@needs_sm90
-@pytest.mark.gpu
-def test_decode_runs_a_packed_window_on_sm90_by_itself():
-    x = _inputs(9, 64, 512, 128, seed=6, window_packed=True)
-    order = x["cols"].order
-    compiled: list = []
-    got = decode(x["q"][:, :, order], x["c4"], x["c4_layout"], x["c4_locs"], x["window"], x["window_layout"],
-                 x["window_locs"], x["sink"], x["cols"], columns="kept_first", window_columns="packed",
-                 compiled=compiled)
-    assert compiled and "packed_sm90" in compiled[-1].name
-    out = torch.empty_like(got)
-    out[:, :, order] = got
-    assert _relative(out, _reference(x)) < TOLERANCE
 
 
 @needs_sm90
