@@ -208,13 +208,14 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, fallbac
     return Alignment(rows, block_expert, block_m, n)
 
 
-def _fp8_codes(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 e4m3 codes of t (float) and float32 scales, one per slice along `dim`: scale =
-    amax over dim / 448 (the least normal float32 for a slice of zeros), codes = t / scale
-    cast by torch (round to nearest even; not in a kernel, triton issue 8322)."""
+def _fp8_codes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 codes of t (float) and float32 scales, one per slice along axis 1 (the
+    summed axis of experts [E, K, N] and of activations [R, C]): scale = amax over it / 448
+    (the least normal float32 for a slice of zeros), codes = t / scale cast by torch (round
+    to nearest even; not in a kernel, triton issue 8322)."""
     t = t.float()
-    scale = (t.abs().amax(dim=dim) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    return (t / scale.unsqueeze(dim)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    scale = (t.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (t / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,14 +224,14 @@ def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [E, K, N], scale float32 [E, N]); codes * scale[:, None, :] approximates w."""
     if w.ndim != 3 or not w.is_floating_point():
         raise ValueError(f"quantize_experts expects float [E, K, N] weights, got {w.dtype} {tuple(w.shape)}")
-    return _fp8_codes(w, 1)
+    return _fp8_codes(w)
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 codes and float32 scales of activations t float [R, C], one scale per row.
     Returns (codes float8_e4m3fn [R, C], scale float32 [R]): the aligned kernels' operands
     with MoEConfig.fp8_activations."""
-    return _fp8_codes(t, 1)
+    return _fp8_codes(t)
 
 
 def k_major(w: torch.Tensor) -> torch.Tensor:
