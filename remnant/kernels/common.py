@@ -115,10 +115,28 @@ def launch_in_pairs(kernel) -> None:
 
 @triton.jit
 def cast_nearest(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """x.to(dtype), rounding to nearest even as a GPU does: Triton's interpreter truncates
-    float32 to bf16 (measured with Triton 3.9 on this project's CPU: half of all values
-    off by one bf16 step), so there the rounding is done on the bits first."""
+    """x.to(dtype), rounding to nearest even as a GPU does. Triton's interpreter (3.9, on
+    this project's CPU) truncates float32 to bf16 (half of all values off by one bf16 step)
+    and casts float32 to FP8 e4m3 wrongly near powers of two (126.35 -> 64; triton issue
+    8322), while it casts values already on the target's grid exactly; so there the
+    rounding is done first, in float32. FP8 saturates at +-448 as the GPU's cast does."""
     if INTERPRETED and dtype == tl.bfloat16:
         bits = x.to(tl.float32).to(tl.int32, bitcast=True)
         x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    if INTERPRETED and dtype == tl.float8e4nv:
+        x = _e4m3_grid(x.to(tl.float32))
     return x.to(dtype)
+
+
+@triton.jit
+def _e4m3_grid(x):
+    """float32 x rounded to FP8 e4m3's nearest value, ties to even, saturated at +-448, on
+    the magnitude with x's sign kept (a tiny negative becomes -0, as the GPU's cast gives):
+    normal values (from 2^-6) keep 3 mantissa bits, smaller ones round to a multiple of
+    2^-9 (e4m3's subnormal step; adding and taking away 1.5 * 2^23 rounds to an integer)."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = ((a * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    r = tl.minimum(tl.where(a < 0.015625, subnormal, normal), 448.0).to(tl.int32, bitcast=True)
+    return (r | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)

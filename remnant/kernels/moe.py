@@ -23,7 +23,7 @@ of vLLM's and SGLang's fused_moe, written here from scratch:
    at once on a padding block; otherwise it loads its rows' tokens of x and, for each
    BLOCK_K slice of hidden, the expert's gate tile and up tile once, multiplies on the
    tensor cores (tl.dot: operands in x's dtype, float16 with MoEConfig.f16_operands, or
-   FP8 codes on both sides with MoEConfig.fp8_activations; float32 accumulation), scales
+   FP8 codes on both sides with MoEConfig.fp8_x; float32 accumulation), scales
    by the per-column FP8 scale (and x's row scale), applies silu(gate) * up in float32
    and writes the pair's row of the intermediate h [n, I] (x's dtype).
 3. down (Triton): one program per (block, tile of the hidden columns): h's rows times the
@@ -46,12 +46,11 @@ beside them (x's rows per block, h, the float32 pair buffer).
 
 Expert weights: bfloat16, float32 or FP8 e4m3 (torch.float8_e4m3fn) with a float32 scale
 per (expert, output column): W = codes * scale[e, column] (`quantize_experts`, with torch's
-correct cast; Triton's interpreter rounds some float32 -> FP8 casts wrongly, triton issue
-8322, so no kernel here quantizes). FP8 codes are widened to x's dtype in the kernel
-(exact; float16 in the aligned kernels with bf16 x, MoEConfig.f16_operands), or multiplied
-as they are against FP8 activations (MoEConfig.fp8_activations: x's and h's rows quantized
-by torch, quantize_rows), and the scales, constant along the summed axis, multiply the
-accumulator. The kernels address the experts through all three strides: [E, K, N] with N
+cast). FP8 codes are widened to x's dtype in the kernel (exact; float16 in the aligned
+kernels with bf16 x, MoEConfig.f16_operands), or multiplied as they are against FP8
+activations (MoEConfig.fp8_x and fp8_h: x's or h's rows quantized by one kernel before the
+kernel that reads them, remnant.kernels.fp8_rows), and the scales, constant along the
+summed axis, multiply the accumulator. The kernels address the experts through all three strides: [E, K, N] with N
 contiguous, as the engine keeps them, or K contiguous (k_major, vLLM's and SGLang's layout).
 
 Beside the kernel: `routed_experts_reference`, the float64 loop over tokens and their k
@@ -70,12 +69,12 @@ import triton
 import triton.language as tl
 
 from remnant.kernels.common import cast_nearest, interpreted
+from remnant.kernels.fp8_rows import fp8_codes, quantize_rows, quantize_rows_triton
 
 #: Expert weight dtypes the kernel reads, by name (the engine's expert_dtype values).
 EXPERT_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
 #: Activation (compute) dtypes: the dtype of x, of the matrix operands and of the output.
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-FP8_MAX = 448.0  # largest finite FP8 e4m3 (e4m3fn) value
 IMPLS = ("auto", "triton", "torch")
 
 
@@ -208,36 +207,19 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, fallbac
     return Alignment(rows, block_expert, block_m, n)
 
 
-def _fp8_codes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 e4m3 codes of t (float) and float32 scales, one per slice along axis 1 (the
-    summed axis of experts [E, K, N] and of activations [R, C]): scale = amax over it / 448
-    (the least normal float32 for a slice of zeros), codes = t / scale cast by torch (round
-    to nearest even; not in a kernel, triton issue 8322)."""
-    t = t.float()
-    scale = (t.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    return (t / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
 def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 codes and float32 scales of expert weights w float [E, K, N] (K: the summed
     input axis), one scale per (expert, output column). Returns (codes float8_e4m3fn
     [E, K, N], scale float32 [E, N]); codes * scale[:, None, :] approximates w."""
     if w.ndim != 3 or not w.is_floating_point():
         raise ValueError(f"quantize_experts expects float [E, K, N] weights, got {w.dtype} {tuple(w.shape)}")
-    return _fp8_codes(w)
-
-
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 e4m3 codes and float32 scales of activations t float [R, C], one scale per row.
-    Returns (codes float8_e4m3fn [R, C], scale float32 [R]): the aligned kernels' operands
-    with MoEConfig.fp8_activations."""
-    return _fp8_codes(t)
+    return fp8_codes(w)
 
 
 def k_major(w: torch.Tensor) -> torch.Tensor:
     """Expert weights [E, K, N] laid out with K, the summed axis, contiguous: the same
     shape and values, strides (K * N, 1, K), as vLLM's and SGLang's fused MoE keep theirs
-    ([E, N, K] tensors). An FP8 MMA (tl.dot on FP8 codes, MoEConfig.fp8_activations) takes
+    ([E, N, K] tensors). An FP8 MMA (tl.dot on FP8 codes, MoEConfig.fp8_x) takes
     its operands K-major; the kernels read either layout. The engine keeps N-contiguous:
     K-contiguous took 25-35% longer on an H100 (2026-12-07, moe_topk_timings.py moe_fp8)."""
     return w.transpose(1, 2).contiguous().transpose(1, 2)
@@ -310,23 +292,23 @@ def routed_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
                              w_gate_up: torch.Tensor, w_down: torch.Tensor,
                              gate_up_scale: torch.Tensor | None = None,
                              down_scale: torch.Tensor | None = None,
-                             fp8_activations: bool = False) -> torch.Tensor:
+                             fp8_x: bool = False, fp8_h: bool = False) -> torch.Tensor:
     """The ground truth: float64 [T, hidden], sum over j of topk_weights[t, j] times expert
     topk_ids[t, j]'s SwiGLU of x[t], one token and expert at a time in float64 (weights
-    dequantized exactly: codes * scale). Shapes as routed_experts. fp8_activations: the
-    same sums of MoEConfig.fp8_activations' operands: x's rows through quantize_rows, and
-    each pair's SwiGLU rounded to x's dtype (as the kernel writes h) then through it."""
+    dequantized exactly: codes * scale). Shapes as routed_experts. fp8_x, fp8_h: the same
+    sums of MoEConfig.fp8_x's and fp8_h's operands: x's rows through quantize_rows; each
+    pair's SwiGLU rounded to x's dtype (as the kernel writes h), then through it."""
     T, k, _, _, inter = check_routed(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale, down_scale,
                                      check_ids=True)
     f64 = torch.float64
 
-    def rows(t: torch.Tensor) -> torch.Tensor:  # the values an FP8 operand holds
-        if not fp8_activations:
+    def rows(t: torch.Tensor, fp8: bool) -> torch.Tensor:  # the values an operand holds
+        if not fp8:
             return t.to(f64)
         codes, scale = quantize_rows(t)
         return codes.to(f64) * scale.to(f64)[:, None]
 
-    xs = rows(x)
+    xs = rows(x, fp8_x)
     out = torch.zeros(T, x.shape[1], dtype=f64, device=x.device)
     for t in range(T):
         for j in range(k):
@@ -338,8 +320,8 @@ def routed_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
                 dn = dn * down_scale[e].to(f64)[None, :]
             h = xs[t] @ gu
             a = F.silu(h[:inter]) * h[inter:]
-            if fp8_activations:
-                a = rows(a.to(x.dtype)[None])[0]
+            if fp8_h:
+                a = rows(a.to(x.dtype)[None], True)[0]
             out[t] += float(topk_weights[t, j]) * (a @ dn)
     return out
 
@@ -425,7 +407,7 @@ def _gate_up_kernel(
     e = tl.load(block_expert_ptr + b)
     if e < 0:  # a padding block: the grid is the worst case, most decode steps route fewer
         return
-    # The MMA operands' dtype (MoEConfig.f16_operands, fp8_activations).
+    # The MMA operands' dtype (MoEConfig.f16_operands, fp8_x).
     op = w_ptr.dtype.element_ty if F8 else (tl.float16 if F16 else x_ptr.dtype.element_ty)
     m = tl.arange(0, BLOCK_M)
     pair = tl.load(rows_ptr + b * BLOCK_M + m)
@@ -683,17 +665,18 @@ class MoEConfig:
     element of 65520 or more overflows (inf), one below 2^-14 loses bits (2^-24 and below
     flush to zero).
 
-    fp8_activations: with FP8 experts, the aligned kernels multiply FP8 codes on both
-    sides: x's rows and h's rows quantized per row (quantize_rows: one float32 scale per
-    row, the codes cast by torch before each kernel), no operand widened in the kernels
-    and the MMAs at FP8's rate, as DeepSeek's own serving runs its FP8 layers (activations
-    quantized, there per 128 columns). Each activation then carries FP8's rounding (3
-    mantissa bits, as the weights already do), so the output moves from the bf16 path's by
-    about the weights' own quantization error; routed_experts_reference(fp8_activations=
-    True) is its ground truth. Not with per_pair or gate/up splits. Off in default_config:
-    on an H100 (2026-12-07, benchmarks/engine-h100-routed-apart/) the kernels took the same
-    time at 8 and 32 tokens, which the quantizing then made 12-13% slower a call, and at
-    128 tokens 10% less a call only with 32-row blocks (481 against 534 us)."""
+    fp8_x, fp8_h: with FP8 experts, the gate/up kernel (fp8_x) or the down kernel (fp8_h)
+    multiplies FP8 codes on both sides: x's or h's rows quantized per row just before it
+    (quantize_rows_triton: one float32 scale a row, one launch), nothing widened in the
+    kernel and the MMAs at FP8's rate, as DeepSeek's own serving runs its FP8 layers
+    (activations quantized, there per 128 columns). Each such activation carries FP8's
+    rounding (3 mantissa bits, as the weights already do), so the output moves from the
+    bf16 path's by about the weights' own quantization error;
+    routed_experts_reference(fp8_x=, fp8_h=) is the ground truth. Not with per_pair or
+    gate/up splits. On an H100 (2026-12-07, benchmarks/engine-h100-routed-apart/, both on,
+    quantized by torch ops): the kernels took the same time at 8 and 32 tokens; at 128
+    tokens with 32-row blocks gate/up took 199 against 267 us with float16 operands and
+    down 123 against 114, hence default_config's fp8_x alone there."""
 
     per_pair: bool = False
     block_m: int = 16
@@ -708,7 +691,8 @@ class MoEConfig:
     down_num_warps: int | None = None
     down_num_stages: int | None = None
     f16_operands: bool = True
-    fp8_activations: bool = False
+    fp8_x: bool = False
+    fp8_h: bool = False
 
     def down_launch(self) -> dict:
         """The down kernel's BLOCK_N, BLOCK_K, num_warps and num_stages."""
@@ -726,9 +710,10 @@ def _whole_splits(axis: int, block_k: int, most: int) -> int:
     return split
 
 
-def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, inter: int) -> MoEConfig:
+def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, inter: int, *,
+                   fp8_experts: bool) -> MoEConfig:
     """Launch settings for num_pairs (token, expert) pairs over num_experts experts of
-    `hidden` inputs and `inter` intermediate columns, from
+    `hidden` inputs and `inter` intermediate columns (FP8 codes with fp8_experts), from
     runners/device/moe_topk_timings.py at V4-Flash's expert shape (FP8, 32 experts of hidden
     4096 and I 2048, top-6; routing and the pairs' sums included):
 
@@ -749,7 +734,8 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
       in one block, with each kernel's best tile of the H100 sweep (moe_tiles,
       benchmarks/engine-h200-f16-moe/h100-a8a948d-moe-tiles.txt: gate/up 64-column tiles,
       down 128-column tiles in 4 stages): 499 against 534 us a call at 128 tokens, where
-      64-row blocks held 24 pairs of 64 on average;
+      64-row blocks held 24 pairs of 64 on average. With FP8 experts gate/up multiplies FP8
+      x (fp8_x) in 128-column tiles, the tile of its H100 timing (MoEConfig);
     - more: 64-row blocks, each weight tile reused by more rows, operands in x's dtype.
     Under the interpreter: small tiles (its cost is per element, not per launch).
     """
@@ -762,8 +748,8 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
     if num_pairs <= 8 * num_experts:
         return MoEConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)
     if num_pairs <= 32 * num_experts:
-        return MoEConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3, down_block_n=128,
-                         down_block_k=64, down_num_warps=4, down_num_stages=4)
+        return MoEConfig(block_m=32, block_n=128 if fp8_experts else 64, block_k=64, num_warps=4, num_stages=3,
+                         down_block_n=128, down_block_k=64, down_num_warps=4, down_num_stages=4, fp8_x=fp8_experts)
     # float16 operands took nothing off these tiles (128 tokens on an H200, 2026-12-06), so
     # they keep x's dtype and its range.
     return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, f16_operands=False)
@@ -797,13 +783,14 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         raise ValueError(f"routed_experts_triton runs on CUDA tensors or under Triton's interpreter "
                          f"(TRITON_INTERPRET=1), got device={x.device}")
     n = T * k
-    cfg = config or default_config(n, E, x.is_cuda and not interp, hidden, inter)
+    cfg = config or default_config(n, E, x.is_cuda and not interp, hidden, inter, fp8_experts=gate_up_scale is not None)
     if cfg.block_m < 16 and not cfg.per_pair:
         raise ValueError(f"config.block_m={cfg.block_m} is not allowed; tl.dot needs block_m >= 16")
-    if cfg.fp8_activations and (cfg.per_pair or cfg.split_k != 1 or gate_up_scale is None):
-        raise ValueError(f"config.fp8_activations=True is not allowed with per_pair={cfg.per_pair}, "
-                         f"split_k={cfg.split_k} or {_name(w_gate_up.dtype)} experts; allowed: FP8 experts, "
-                         f"the aligned kernels, split_k 1")
+    for name in ("fp8_x", "fp8_h"):
+        if getattr(cfg, name) and (cfg.per_pair or cfg.split_k != 1 or gate_up_scale is None):
+            raise ValueError(f"config.{name}=True is not allowed with per_pair={cfg.per_pair}, "
+                             f"split_k={cfg.split_k} or {_name(w_gate_up.dtype)} experts; allowed: FP8 experts, "
+                             f"the aligned kernels, split_k 1")
     down = cfg.down_launch()
     for name, splits, axis, tile in (("split_k", cfg.split_k, hidden, cfg.block_k),
                                      ("down_split_k", cfg.down_split_k, inter, down["BLOCK_K"])):
@@ -851,26 +838,27 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         return _finish(pairs, cfg.down_split_k, T, k, hidden, x.dtype, adds)
     al = align_pairs(topk_ids, E, cfg.block_m)
     blocks = al.block_expert.numel()
-    f8 = cfg.fp8_activations
-    ieee = x.dtype == torch.float32 and not f8  # float32 operands: IEEE products, not TF32
     common = dict(rows_ptr=al.rows, block_expert_ptr=al.block_expert, n_pairs=n, HIDDEN=hidden, INTER=inter,
-                  HAS_SCALE=fp8, BLOCK_M=cfg.block_m, IEEE=ieee, INTERPRETED=interp,
-                  F16=cfg.f16_operands and fp8 and x.dtype == torch.bfloat16, F8=f8)
+                  HAS_SCALE=fp8, BLOCK_M=cfg.block_m, INTERPRETED=interp,
+                  F16=cfg.f16_operands and fp8 and x.dtype == torch.bfloat16)
+    f32 = x.dtype == torch.float32  # float32 operands: IEEE products, not TF32
     # FP8 operands: x's rows quantized here, h's between the kernels (scales unread otherwise).
-    x_in, x_scale = quantize_rows(x) if f8 else (x, pairs)
+    x_in, x_scale = quantize_rows_triton(x) if cfg.fp8_x else (x, pairs)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n), cfg.split_k)](
         x_ptr=x_in, stride_x=x_in.stride(0), x_scale_ptr=x_scale,
         w_ptr=w_gate_up, stride_we=w_gate_up.stride(0), stride_wk=w_gate_up.stride(1),
         stride_wn=w_gate_up.stride(2), scale_ptr=gu_scale, stride_se=2 * inter,
         h_ptr=h_arg, stride_h=h_arg.stride(0), K_TOP=k, SPLIT_K=cfg.split_k, **partial_args, **common,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    h_in, h_scale = quantize_rows(h_arg) if f8 else (h_arg, pairs)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=f32 and not cfg.fp8_x, F8=cfg.fp8_x)
+    h_in, h_scale = quantize_rows_triton(h_arg) if cfg.fp8_h else (h_arg, pairs)
     _down_kernel[(blocks, triton.cdiv(hidden, down["BLOCK_N"]), cfg.down_split_k)](
         h_ptr=h_in, stride_h=h_in.stride(0), h_scale_ptr=h_scale,
         w_ptr=w_down, stride_we=w_down.stride(0), stride_wk=w_down.stride(1), stride_wn=w_down.stride(2),
         scale_ptr=dn_scale, stride_se=hidden,
         weights_ptr=weights, out_ptr=pairs, stride_os=n * hidden,
-        stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **common, **down)
+        stride_out=hidden, GATE_UP_SPLITS=cfg.split_k, SPLIT_K=cfg.down_split_k, **partial_args, **common, **down,
+        IEEE=f32 and not cfg.fp8_h, F8=cfg.fp8_h)
     return _finish(pairs, cfg.down_split_k, T, k, hidden, x.dtype, adds)
 
 

@@ -1,5 +1,6 @@
-"""remnant.kernels.common.byte_permute against a model of PTX's prmt.b32: under Triton's
-interpreter its int64 emulation, on a GPU the instruction itself."""
+"""remnant.kernels.common against models of what the GPU does: byte_permute against PTX's
+prmt.b32, cast_nearest against torch's casts (round to nearest even); under Triton's
+interpreter their emulations, on a GPU the instructions themselves."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import byte_permute, interpreted
+from remnant.kernels.common import byte_permute, cast_nearest, interpreted
 from tests.kernels.inputs import DEVICE, ON_GPU, prmt
 
 
@@ -43,3 +44,27 @@ def test_byte_permute_matches_prmt():
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_byte_permute_on_gpu_is_the_instruction_the_model_describes():
     check_byte_permute(seed=2)
+
+
+@triton.jit
+def _cast_kernel(x_ptr, out_ptr, INTERPRETED: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, cast_nearest(tl.load(x_ptr + i), out_ptr.dtype.element_ty, INTERPRETED))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cast_nearest_rounds_as_torch_does(dtype):
+    # Random values over FP8's whole range, its subnormals and exact ties included, and the
+    # values next to powers of two that Triton's interpreter casts wrongly (126.35 -> 64).
+    gen = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(4096, generator=gen) * 4.0 ** torch.randint(-6, 5, (4096,), generator=gen),
+                   torch.tensor([126.35, -126.35, 0.0, 448.0, -448.0, 2.0 ** -6, 2.0 ** -9, 3 * 2.0 ** -10,
+                                 2.0 ** -10, 1.0625, 1.1875, 240.0, 247.0, 248.0, 7.0e-3, -1e-7, -0.0])])
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-448.0, 448.0)  # torch's cast does not saturate; the kernels clamp first
+    n = triton.next_power_of_2(x.numel())
+    x = torch.cat([x, torch.zeros(n - x.numel())])
+    out = torch.empty(n, dtype=dtype, device=DEVICE)
+    _cast_kernel[(1,)](x.to(DEVICE), out, INTERPRETED=interpreted(), N=n)
+    want = x.to(dtype)
+    assert torch.equal(out.cpu().float(), want.float()), (x[out.cpu().float() != want.float()][:8])
