@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from remnant.report import frontier, pareto
-from remnant.report.runs import load_runs
+from remnant.report.runs import load_runs, workload_label
 from remnant.report.stats import paired_deltas, summary
 from remnant.report.table import Table, fmt
 
@@ -77,7 +77,8 @@ def summary_rows(table: pd.DataFrame) -> Table:
     for _, r in table.iterrows():
         hit = None if pd.isna(r["cache_hit_rate"]) else 100 * r["cache_hit_rate"]
         hit_ci = None if pd.isna(r["cache_hit_rate_ci"]) else 100 * r["cache_hit_rate_ci"]
-        rows.append([r["workload"], r["mode"], r["retention"], r["load"], str(r["runs"]),
+        rows.append([workload_label(r["workload"], r["variant"]), r["mode"], r["retention"], r["load"],
+                     str(r["runs"]),
                      fmt(r["output_throughput"], r["output_throughput_ci"]),
                      fmt(r["ttft_p50_ms"], r["ttft_p50_ms_ci"]), fmt(r["tpot_p50_ms"], r["tpot_p50_ms_ci"]),
                      fmt(r["e2e_p50_ms"], r["e2e_p50_ms_ci"]), fmt(hit, hit_ci) + " %",
@@ -91,7 +92,7 @@ def delta_rows(deltas: pd.DataFrame) -> Table:
     head = ["workload", "seed", "mode", "retention", "load", "requests joined", "ΔTTFT ms", "ΔE2E ms", "note"]
     rows = []
     for _, r in deltas.iterrows():
-        ident = [r["workload"], str(r["seed"]), r["mode"], r["retention"], r["load"]]
+        ident = [workload_label(r["workload"], r["variant"]), str(r["seed"]), r["mode"], r["retention"], r["load"]]
         if r.get("refused"):
             rows.append(ident + ["-", "-", "-", f"refused: {r['refused']}"])
         else:
@@ -101,7 +102,8 @@ def delta_rows(deltas: pd.DataFrame) -> Table:
 
 
 def run_entries(runs: pd.DataFrame) -> list[RunEntry]:
-    return [RunEntry(run_dir=r["run_dir"], status=r["status"], error=r["error"], workload=r["workload"],
+    return [RunEntry(run_dir=r["run_dir"], status=r["status"], error=r["error"],
+                     workload=workload_label(r["workload"], r["variant"]),
                      mode=r["mode"], retention=r["retention"], seed=int(r["seed"]), load=r["load"],
                      output_throughput=fmt(r["output_throughput"]), tpot_p50_ms=fmt(r["tpot_p50_ms"]),
                      limits=list(r["limits"]))

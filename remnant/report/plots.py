@@ -88,12 +88,16 @@ def _lines_by_mode(df: pd.DataFrame, x: str, y: str, xlabel: str, ylabel: str, o
 
 def _bars_by_mode(df: pd.DataFrame, y: str, ylabel: str, title: str, out: Path,
                   ylim: tuple[float, float] | None = None) -> Path:
-    """One bar per mode and retention: the mean of y over its runs (seeds), with the 95 %
+    """One bar per mode and retention (and variant, where runs have several:
+    remnant.report.runs.variant_labels): the mean of y over its runs (seeds), with the 95 %
     confidence interval where a cell has repeated runs."""
     from remnant.report.stats import mean_ci
 
     plt = _plt()
-    cells = [(f"{m} {r}".strip(), *mean_ci(g[y].dropna().tolist())) for (m, r), g in df.groupby(["mode", "retention"])]
+    variants = "variant" in df and df["variant"].astype(bool).any()
+    keys = ["variant", "mode", "retention"] if variants else ["mode", "retention"]
+    cells = [("\n".join(filter(None, (f"{k[-2]} {k[-1]}".strip(), k[0] if variants else ""))),
+              *mean_ci(g[y].dropna().tolist())) for k, g in df.groupby(keys)]
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(cells)), 4))
     labels, means = [c[0] for c in cells], [c[1] for c in cells]
     errors = [c[2] or 0.0 for c in cells]

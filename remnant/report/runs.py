@@ -65,6 +65,47 @@ def cell_key(config: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
 
 
+#: Config keys the report shows in columns of their own (mode, retention, seed, load), or
+#: that do not change what a run measures: never part of a run's variant.
+_NOT_VARIANT = ("mode.", "retention", "seed", "force", "workload.seed", "workload.concurrency",
+                "workload.request_rate")
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, str]:
+    """config's leaves by dotted key, each value as JSON text (lists and null comparable)."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value, sort_keys=True)
+    return out
+
+
+def variant_labels(configs: list[dict], workloads: list[str]) -> list[str]:
+    """What tells runs of one workload apart besides mode, retention, seed and load: the
+    config values that differ among that workload's runs (a sweep's other axes, e.g. a
+    shared-prefix study's workload.groups), as "groups=32" ("" where nothing differs).
+    Each key is named by its last part, or whole where two varying keys share it. Without
+    it, the runs of several working sets would be averaged as if repeats of one cell."""
+    flat = [{k: v for k, v in _flat(c).items() if not k.startswith(_NOT_VARIANT)} for c in configs]
+    labels = [""] * len(configs)
+    for workload in set(workloads):
+        members = [i for i, w in enumerate(workloads) if w == workload]
+        keys = sorted({k for i in members for k in flat[i]})
+        varying = [k for k in keys if len({flat[i].get(k) for i in members}) > 1]
+        last = [k.rsplit(".", 1)[-1] for k in varying]
+        names = [part if last.count(part) == 1 else key for key, part in zip(varying, last)]
+        for i in members:
+            labels[i] = ", ".join(f"{name}={flat[i].get(key, 'unset')}" for key, name in zip(varying, names))
+    return labels
+
+
+def workload_label(workload: str, variant: str) -> str:
+    """A workload as the report's tables name it: with its variant, where it has one."""
+    return f"{workload} ({variant})" if variant else workload
+
+
 def load_label(concurrency, request_rate) -> str:
     """The load a run offered, as the report shows it: "2 req/s" open loop, "c=8" closed."""
     if request_rate is not None and not pd.isna(request_rate):
@@ -87,13 +128,15 @@ def find_runs(paths: list[Path]) -> list[Path]:
 
 
 def load_runs(paths: list[Path]) -> pd.DataFrame:
-    """One row per run: identity (mode, retention, workload, load, seed, fingerprint, sweep cell),
-    status and error, metrics, the devices its server used (server_devices)."""
-    rows = []
+    """One row per run: identity (mode, retention, workload and its variant, load, seed,
+    fingerprint, sweep cell), status and error, metrics, the devices its server used
+    (server_devices)."""
+    rows, configs = [], []
     for path in find_runs(paths):
         doc = json.loads(path.read_text())
         validate(doc, str(path))
         cfg = doc["config"]
+        configs.append(cfg)
         ret = cfg.get("retention") or {}
         m = doc.get("metrics") or {}
         info = doc.get("server_info") or {}
@@ -132,4 +175,6 @@ def load_runs(paths: list[Path]) -> pd.DataFrame:
         for column, (dist, stat) in METRIC_COLUMNS.items():
             row[column] = (m.get(dist) or {}).get(stat)
         rows.append(row)
+    for row, variant in zip(rows, variant_labels(configs, [r["workload"] for r in rows])):
+        row["variant"] = variant
     return pd.DataFrame(rows)

@@ -46,8 +46,8 @@ def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
     done = runs[runs["status"] == "completed"]
     out = []
     for _, run in done[done["mode"] != baseline].iterrows():
-        row = {"mode": run["mode"], "retention": run["retention"], "workload": run["workload"], "seed": run["seed"],
-               "load": run["load"]}
+        row = {"mode": run["mode"], "retention": run["retention"], "workload": run["workload"],
+               "variant": run["variant"], "seed": run["seed"], "load": run["load"]}
         base = done[(done["mode"] == baseline) & (done["workload"] == run["workload"]) & (done["seed"] == run["seed"])]
         same = base[base["fingerprint"] == run["fingerprint"]]
         if base.empty:
@@ -69,11 +69,12 @@ def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
 
 
 def summary(runs: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    """Per (workload, mode, retention, load): mean and 95 % CI of each column over repeated
-    runs. Runs at different loads are different cells, never averaged as if repeats."""
+    """Per (workload, variant, mode, retention, load): mean and 95 % CI of each column over
+    repeated runs. Runs at different loads or variants (remnant.report.runs.variant_labels)
+    are different cells, never averaged as if repeats."""
     rows = []
     done = runs[runs["status"] == "completed"]
-    keys = ["workload", "mode", "retention", "load"]
+    keys = ["workload", "variant", "mode", "retention", "load"]
     for key, group in done.groupby(keys, sort=True):
         row = dict(zip(keys, key))
         row["runs"] = len(group)

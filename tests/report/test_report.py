@@ -148,3 +148,36 @@ def test_packed_windows_are_their_own_retention_cell():
     assert retention_label({"name": "r256", "window_records": "native"}) == "r256"
     assert retention_label({"name": "r256", "window_records": "packed_csa"}) == "r256+csa_swa"
     assert retention_label({"name": "r256", "window_records": "packed", "c128_records": "packed"}) == "r256+swa+c128"
+
+
+def test_variants_tell_a_sweeps_other_axes_apart():
+    # A shared-prefix study's cells differ by mode and workload.groups: groups is the
+    # variant; mode, retention, seed and load have columns of their own. A key two
+    # sections share a last part with is named whole.
+    from remnant.report.runs import variant_labels, workload_label
+
+    def cfg(mode, groups, seed=0, concurrency=16, budget=2250):
+        return {"mode": {"name": mode}, "retention": None if mode == "native" else {"name": "r256"}, "seed": seed,
+                "workload": {"name": "sp", "groups": groups, "concurrency": concurrency, "seed": seed},
+                "host": {"kv_budget_mib": budget}}
+
+    configs = [cfg("native", 16), cfg("kernel", 16, seed=1, concurrency=8), cfg("native", 32), cfg("kernel", 40)]
+    assert variant_labels(configs, ["sp"] * 4) == ["groups=16", "groups=16", "groups=32", "groups=40"]
+    assert variant_labels(configs[:2], ["sp"] * 2) == ["", ""]  # only mode, seed and load differ
+    two = [cfg("native", 16, budget=1), {**cfg("native", 32, budget=2), "model": {"groups": 3}}]
+    assert variant_labels(two, ["sp", "sp"]) == ["kv_budget_mib=1, model.groups=unset, workload.groups=16",
+                                                 "kv_budget_mib=2, model.groups=3, workload.groups=32"]
+    assert variant_labels(two, ["a", "b"]) == ["", ""]  # each workload on its own
+    assert workload_label("sp", "groups=16") == "sp (groups=16)" and workload_label("sp", "") == "sp"
+
+
+def test_summary_keeps_variants_apart():
+    import pandas as pd
+
+    from remnant.report.stats import summary
+
+    runs = pd.DataFrame([{"workload": "sp", "variant": f"groups={g}", "mode": "native", "retention": "-",
+                          "load": "c=16", "status": "completed", "output_throughput": float(g)} for g in (16, 32)])
+    table = summary(runs, ["output_throughput"])
+    assert list(table["variant"]) == ["groups=16", "groups=32"] and list(table["runs"]) == [1, 1]
+    assert list(table["output_throughput"]) == [16.0, 32.0]
