@@ -2,12 +2,12 @@
 
 fp8_codes is the plain reference (torch's cast rounds to nearest even): quantize_experts
 (remnant.kernels.moe) and quantize_rows use it. quantize_rows_triton is the same
-quantization of activation rows in one kernel, a program a row, as a decode step runs it
-between the MoE's kernels: torch's five ops for it (abs, amax, clamp, divide, cast) cost
-40-50 us a call at 8-32 tokens on an H100 (2026-12-07, benchmarks/engine-h100-routed-apart/),
-more than FP8 activations saved there. Its codes and scales are the reference's bit for bit
-(tests/kernels/test_fp8_rows.py; under Triton's interpreter through cast_nearest's FP8
-rounding).
+quantization of activation rows in one kernel, a program a row, which the MoE's FP8
+activations (MoEConfig.fp8_x, fp8_h) run between its kernels: torch's five ops for it
+(abs, amax, clamp, divide, cast) had cost 40-50 us a call at 8-32 tokens on an H100
+(2026-12-07, benchmarks/engine-h100-routed-apart/). Its codes and scales are the
+reference's bit for bit (tests/kernels/test_fp8_rows.py, on an H100 at d7a8263; under
+Triton's interpreter through cast_nearest's FP8 rounding).
 """
 
 from __future__ import annotations

@@ -673,10 +673,10 @@ class MoEConfig:
     rounding (3 mantissa bits, as the weights already do), so the output moves from the
     bf16 path's by about the weights' own quantization error;
     routed_experts_reference(fp8_x=, fp8_h=) is the ground truth. Not with per_pair or
-    gate/up splits. On an H100 (2026-12-07, benchmarks/engine-h100-routed-apart/, both on,
-    quantized by torch ops): the kernels took the same time at 8 and 32 tokens; at 128
-    tokens with 32-row blocks gate/up took 199 against 267 us with float16 operands and
-    down 123 against 114, hence default_config's fp8_x alone there."""
+    gate/up splits. Off in default_config: on an H100 (2026-12-07,
+    benchmarks/engine-h100-moe-tiles-fp8/) the kernels took the same time at 8 and 32
+    tokens, and at 128 tokens FP8 x took 5% off gate/up (187 against 196 us), 1% off the
+    call, moving its output by 3.8% (both on: 4.6%)."""
 
     per_pair: bool = False
     block_m: int = 16
@@ -710,10 +710,9 @@ def _whole_splits(axis: int, block_k: int, most: int) -> int:
     return split
 
 
-def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, inter: int, *,
-                   fp8_experts: bool) -> MoEConfig:
+def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, inter: int) -> MoEConfig:
     """Launch settings for num_pairs (token, expert) pairs over num_experts experts of
-    `hidden` inputs and `inter` intermediate columns (FP8 codes with fp8_experts), from
+    `hidden` inputs and `inter` intermediate columns, from
     runners/device/moe_topk_timings.py at V4-Flash's expert shape (FP8, 32 experts of hidden
     4096 and I 2048, top-6; routing and the pairs' sums included):
 
@@ -731,11 +730,11 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
       tl.dot takes) and 128-column tiles, 128-byte rows of FP8 codes per load, on float16
       operands (f16_operands: 18-20% less a call at 8 and 32 tokens on an H200);
     - up to 32 pairs per expert on average (up to ~170 tokens): 32-row blocks, most experts
-      in one block, with each kernel's best tile of the H100 sweep (moe_tiles,
-      benchmarks/engine-h200-f16-moe/h100-a8a948d-moe-tiles.txt: gate/up 64-column tiles,
-      down 128-column tiles in 4 stages): 499 against 534 us a call at 128 tokens, where
-      64-row blocks held 24 pairs of 64 on average. With FP8 experts gate/up multiplies FP8
-      x (fp8_x) in 128-column tiles, the tile of its H100 timing (MoEConfig);
+      in one block, 128-column tiles, down's in 4 stages: at 128 tokens on an H100
+      (2026-12-07, benchmarks/engine-h100-moe-tiles-fp8/) gate/up took 196 us a call with
+      128-column tiles against 267 with 64 (the tile the a8a948d sweep had picked), 410
+      us the whole call; FP8 x (MoEConfig.fp8_x) took 187 us, 1% of the call, for 3.8% of
+      output error, and is left off;
     - more: 64-row blocks, each weight tile reused by more rows, operands in x's dtype.
     Under the interpreter: small tiles (its cost is per element, not per launch).
     """
@@ -748,8 +747,8 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
     if num_pairs <= 8 * num_experts:
         return MoEConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)
     if num_pairs <= 32 * num_experts:
-        return MoEConfig(block_m=32, block_n=128 if fp8_experts else 64, block_k=64, num_warps=4, num_stages=3,
-                         down_block_n=128, down_block_k=64, down_num_warps=4, down_num_stages=4, fp8_x=fp8_experts)
+        return MoEConfig(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3, down_block_k=64,
+                         down_num_stages=4)
     # float16 operands took nothing off these tiles (128 tokens on an H200, 2026-12-06), so
     # they keep x's dtype and its range.
     return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, f16_operands=False)
@@ -783,7 +782,7 @@ def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         raise ValueError(f"routed_experts_triton runs on CUDA tensors or under Triton's interpreter "
                          f"(TRITON_INTERPRET=1), got device={x.device}")
     n = T * k
-    cfg = config or default_config(n, E, x.is_cuda and not interp, hidden, inter, fp8_experts=gate_up_scale is not None)
+    cfg = config or default_config(n, E, x.is_cuda and not interp, hidden, inter)
     if cfg.block_m < 16 and not cfg.per_pair:
         raise ValueError(f"config.block_m={cfg.block_m} is not allowed; tl.dot needs block_m >= 16")
     for name in ("fp8_x", "fp8_h"):

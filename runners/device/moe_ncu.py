@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     experts = v4_experts(gen)
     for T in counts:
         x, ids, weights, distinct = routed_tokens(T, gen)
-        cfg = default_config(T * K, E, True, HIDDEN, INTER, fp8_experts=True)
+        cfg = default_config(T * K, E, True, HIDDEN, INTER)
         print(f"tokens {T}: {distinct} distinct experts, {distinct * 3 * HIDDEN * INTER / 1e6:.0f} MB of FP8 "
               f"weights, {cfg}", flush=True)
         for _ in range(2):

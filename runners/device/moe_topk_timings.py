@@ -96,11 +96,11 @@ def moe_table() -> None:
         def timed(cfg):
             time_if_close(cfg, run, ref, times, lambda cfg: graph_us(lambda: run(cfg), calls=10), "former default")
 
-        default = default_config(T * k, E, True, hidden, inter, fp8_experts=True)
+        default = default_config(T * k, E, True, hidden, inter)
         for cfg in (default, aligned_split, former):
             timed(cfg)
         if T in (2, 4):  # where the per-pair GEMV stops paying: its batch-1 tile
-            timed(dataclasses.replace(default_config(k, E, True, hidden, inter, fp8_experts=True), per_pair=True))
+            timed(dataclasses.replace(default_config(k, E, True, hidden, inter), per_pair=True))
         if T == 1:
             # The per-pair GEMV: tiles at splits 4/2, then the splits at the best tile.
             for bn, bk, warps in itertools.product((64, 128, 256), (16, 32, 64), (4, 8)):
@@ -156,7 +156,7 @@ def moe_tile_table() -> None:
         def run(cfg):
             return routed_experts_triton(x, ids, weights, *experts, config=cfg)
 
-        default = default_config(T * k, E, True, hidden, inter, fp8_experts=True)
+        default = default_config(T * k, E, True, hidden, inter)
         ref = run(default).float()
         seen: dict[MoEConfig, dict[str, float]] = {}
 
@@ -195,8 +195,7 @@ def moe_tile_table() -> None:
 
 def moe_f16_table() -> None:
     """The aligned kernels with float16 operands (MoEConfig.f16_operands, the default) and
-    with bf16 ones, at default_config's tile without FP8 x, per kernel (profiler) and whole
-    (graph)."""
+    with bf16 ones, at default_config's tile, per kernel (profiler) and whole (graph)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     experts = v4_experts(gen)
     hidden, inter, k = HIDDEN, INTER, K
@@ -210,7 +209,7 @@ def moe_f16_table() -> None:
     for T in (1, 4, 8, 32, 128):
         x, ids, weights, distinct = routed_tokens(T, gen)
         nbytes = (distinct * 2 * hidden * inter, distinct * inter * hidden)
-        default = default_config(T * k, E, True, hidden, inter, fp8_experts=True)
+        default = default_config(T * k, E, True, hidden, inter)
         if default.per_pair:
             names_pp = ("_gate_up_pair_kernel", "_down_pair_kernel")
 
@@ -224,7 +223,7 @@ def moe_f16_table() -> None:
             default = aligned_split
         out = {}
         for f16 in (False, True):
-            cfg = dataclasses.replace(default, f16_operands=f16, fp8_x=False)
+            cfg = dataclasses.replace(default, f16_operands=f16)
 
             def run(cfg=cfg):
                 return routed_experts_triton(x, ids, weights, *experts, config=cfg)
@@ -239,12 +238,12 @@ def moe_f16_table() -> None:
 
 def moe_fp8_table() -> None:
     """The aligned kernels on FP8 activations (MoEConfig.fp8_x, fp8_h: x's or h's rows
-    quantized by quantize_rows_triton, FP8 MMAs) beside default_config and its tiles on
-    float16 operands ("f16"), with the experts in both layouts (N contiguous as the engine
-    keeps them, K contiguous: k_major, which an FP8 MMA takes as it is), at 8, 32 and 128
-    tokens; at 128 also gate/up tiles of 64 and 128 columns and 16- and 64-row blocks.
-    Each kernel's time from the profiler, the whole call (quantizing included) in a graph,
-    and how far the output moves from the first row's (relative norm)."""
+    quantized by quantize_rows_triton, FP8 MMAs) beside default_config, with the experts
+    in both layouts (N contiguous as the engine keeps them, K contiguous: k_major, which an
+    FP8 MMA takes as it is), at 8, 32 and 128 tokens; at 128 also gate/up tiles of 64 and
+    128 columns with and without FP8 x, and 16- and 64-row blocks. Each kernel's time from
+    the profiler, the whole call (quantizing included) in a graph, and how far the output
+    moves from default_config's (relative norm)."""
     from remnant.kernels.moe import k_major
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -257,15 +256,13 @@ def moe_fp8_table() -> None:
     for T in (8, 32, 128):
         x, ids, weights, distinct = routed_tokens(T, gen)
         nbytes = (distinct * 2 * hidden * inter, distinct * inter * hidden)
-        default = default_config(T * k, E, True, hidden, inter, fp8_experts=True)
-        f16 = dataclasses.replace(default, fp8_x=False, fp8_h=False)
-        variants = [("f16", f16), ("default", default),
-                    ("fp8 x", dataclasses.replace(default, fp8_x=True, fp8_h=False)),
+        default = default_config(T * k, E, True, hidden, inter)
+        variants = [("default", default), ("fp8 x", dataclasses.replace(default, fp8_x=True)),
                     ("fp8 x and h", dataclasses.replace(default, fp8_x=True, fp8_h=True))]
         if T == 128:
-            variants += [(f"fp8 x bm{bm} bn{bn}", dataclasses.replace(default, fp8_x=True, fp8_h=False, block_m=bm,
-                                                                      block_n=bn, num_warps=4))
-                         for bm, bn in ((32, 64), (32, 128), (16, 128), (64, 128))]
+            variants += [(f"{'fp8 x' if f8 else 'f16'} bm{bm} bn{bn}",
+                          dataclasses.replace(default, fp8_x=f8, block_m=bm, block_n=bn, num_warps=4))
+                         for f8 in (False, True) for bm, bn in ((32, 64), (32, 128), (16, 128), (64, 128))]
         ref = None
         for layout, (gu, dn) in layouts.items():
             for label, cfg in variants:
