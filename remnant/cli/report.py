@@ -1,13 +1,15 @@
 """`remnant-report PATH...`: tables, paired comparisons and plots of run or sweep directories.
 
-    remnant-report multirun/2026-11-29/18-00-00 --out report/ [--html]
+    remnant-report multirun/2026-11-29/18-00-00 --out report/ [--html] [--slo-ttft-ms 2000 --slo-tpot-ms 200]
 
 Per workload, mode and retention: the mean and 95 % confidence interval of each metric over
 repeated runs; per non-native run, per-request deltas against the native run of the same
 request stream (equal workload fingerprints; otherwise refused with the reason); capacity
 and cache-hit columns; a Markdown report with the limits the runs carry, and PNG plots
 (a Pareto view across a sweep's cells among them); with --html, the same as one
-self-contained page, report.html (remnant.report.build).
+self-contained page, report.html (remnant.report.build). With an SLO bound or two, each
+run's goodput (measured requests per second meeting every bound, as
+sglang.bench_serving's --goodput counts them) joins the summary.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from remnant.frontier import SloConfig
 from remnant.report.build import build
 
 
@@ -25,9 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("report"), help="directory for report.md and the plots")
     p.add_argument("--html", action="store_true",
                    help="also write report.html: the report as one self-contained page, plots inline")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="goodput's TTFT bound per request (conf/slo/interactive.yaml: 2000)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                   help="goodput's TPOT bound per request (conf/slo/interactive.yaml: 200)")
     a = p.parse_args(argv)
+    for flag, value in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-tpot-ms", a.slo_tpot_ms)):
+        if value is not None and not value > 0:  # NaN included
+            p.error(f"{flag}={value:g} is not allowed; it must be milliseconds > 0")
+    slo = None
+    if a.slo_ttft_ms is not None or a.slo_tpot_ms is not None:
+        slo = SloConfig(ttft_p99_ms=a.slo_ttft_ms, tpot_p99_ms=a.slo_tpot_ms)
     try:
-        written, table = build(a.paths, a.out, html=a.html)
+        written, table = build(a.paths, a.out, html=a.html, slo=slo)
     except ValueError as exc:
         print(f"remnant-report: error: {exc}", file=sys.stderr)
         return 2

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from remnant.frontier import SloConfig
 from remnant.records.files import write_text
 from remnant.report import frontier, markdown, model, pareto, plots, server_metrics
 from remnant.report import html as html_page
 
 
-def build(paths: list[Path], out: Path, html: bool = False) -> tuple[list[Path], str]:
-    """Compute the report once (remnant.report.model), draw its plots into `out`, write
-    report.md (and report.html with `html`). Returns the files written and the summary
-    table in Markdown."""
-    report = model.collect(paths)
+def build(paths: list[Path], out: Path, html: bool = False, slo: SloConfig | None = None) -> tuple[list[Path], str]:
+    """Compute the report once (remnant.report.model; with `slo`, each run's goodput), draw
+    its plots into `out`, write report.md (and report.html with `html`). Returns the files
+    written and the summary table in Markdown."""
+    report = model.collect(paths, slo)
     runs, searches, steps = report.runs, report.searches, report.steps
     out.mkdir(parents=True, exist_ok=True)
     report.plots = [p for p in (

@@ -82,6 +82,8 @@ def render(report: Report) -> str:
         + ", ".join(f"<code>{_e(p)}</code>" for p in report.paths) + ".</p>",
         f"<h2>{_e(model.SUMMARY)}</h2>", _table(report.summary, "summary"),
     ]
+    if report.slo_note:
+        parts.append(f'<p id="slo">{_e(report.slo_note)}</p>')
     if report.frontier is not None:
         parts += [f"<h2>{_e(model.FRONTIER)}</h2>", _table(report.frontier, "frontier"),
                   f"<p>{_e(model.FRONTIER_NOTE)}</p>"]

@@ -18,7 +18,7 @@ def render(report: Report) -> str:
     return "\n\n".join([
         "# Remnant report",
         f"{len(report.runs)} runs ({report.completed} completed) from {', '.join(report.paths)}.",
-        f"## {model.SUMMARY}", report.summary.markdown(),
+        f"## {model.SUMMARY}", report.summary.markdown(), *([report.slo_note] if report.slo_note else []),
         *sections,
         f"## {model.DELTAS}", report.deltas.markdown(),
         f"## {model.FAILED}", "\n".join(_failed_line(r) for r in report.failed) or "None.",

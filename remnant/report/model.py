@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from remnant.frontier import SloConfig, goodput
 from remnant.report import frontier, pareto
 from remnant.report.runs import load_runs, workload_label
 from remnant.report.stats import paired_deltas, summary
@@ -63,16 +64,19 @@ class Report:
     every_run: list[RunEntry]
     limits: list[str]
     plots: list[Path] = field(default_factory=list)
+    #: What the summary's goodput column counts, where an SLO was given.
+    slo_note: str | None = None
 
     @property
     def completed(self) -> int:
         return int((self.runs["status"] == "completed").sum())
 
 
-def summary_rows(table: pd.DataFrame) -> Table:
-    """stats.summary's table as shown: each metric's mean ± 95 % CI."""
+def summary_rows(table: pd.DataFrame, with_goodput: bool = False) -> Table:
+    """stats.summary's table as shown: each metric's mean ± 95 % CI (goodput's too, with
+    with_goodput: the column collect adds for an SLO)."""
     head = ["workload", "mode", "retention", "load", "runs", "output tok/s", "TTFT p50 ms", "TPOT p50 ms",
-            "E2E p50 ms", "cache hit", "max tokens"]
+            "E2E p50 ms", "cache hit", "max tokens"] + (["goodput req/s"] if with_goodput else [])
     rows = []
     for _, r in table.iterrows():
         hit = None if pd.isna(r["cache_hit_rate"]) else 100 * r["cache_hit_rate"]
@@ -82,7 +86,8 @@ def summary_rows(table: pd.DataFrame) -> Table:
                      fmt(r["output_throughput"], r["output_throughput_ci"]),
                      fmt(r["ttft_p50_ms"], r["ttft_p50_ms_ci"]), fmt(r["tpot_p50_ms"], r["tpot_p50_ms_ci"]),
                      fmt(r["e2e_p50_ms"], r["e2e_p50_ms_ci"]), fmt(hit, hit_ci) + " %",
-                     fmt(r["max_total_num_tokens"], None, 0)])
+                     fmt(r["max_total_num_tokens"], None, 0)]
+                    + ([fmt(r["goodput"], r["goodput_ci"], 2)] if with_goodput else []))
     return Table(head, rows, empty="No completed runs.")
 
 
@@ -110,11 +115,22 @@ def run_entries(runs: pd.DataFrame) -> list[RunEntry]:
             for _, r in runs.iterrows()]
 
 
-def collect(paths: list[Path]) -> Report:
-    """Load the runs and frontier searches under `paths` and compute every table and caveat.
+def slo_note(slo: SloConfig) -> str:
+    bounds = " and ".join(f"{name.split('_')[0].upper()} <= {value:g} ms" for name, value in slo.bounds().items())
+    return (f"Goodput: measured requests per second that completed with {bounds} each "
+            f"(as sglang.bench_serving's --goodput counts them).")
+
+
+def collect(paths: list[Path], slo: SloConfig | None = None) -> Report:
+    """Load the runs and frontier searches under `paths` and compute every table and caveat;
+    with an SLO, each completed run's goodput (remnant.frontier.goodput) in the summary too.
     Raises ValueError naming the path where there is nothing to report."""
     runs = load_runs(paths)
-    table = summary(runs, COLUMNS)
+    if slo is not None:
+        slo.validate()
+        runs["goodput"] = [goodput(Path(r["run_dir"]), slo, r["duration_s"]) if r["status"] == "completed" else None
+                           for _, r in runs.iterrows()]
+    table = summary(runs, COLUMNS + (["goodput"] if slo is not None else []))
     searches, steps = frontier.load_searches(paths)
     done = runs[runs["status"] == "completed"]
     repeated = not done.empty and done.groupby("cell").size().min() >= 2
@@ -132,5 +148,6 @@ def collect(paths: list[Path]) -> Report:
             limits.insert(0, "one frontier search per mode: no interval over seeds (remnant-frontier -m ... seed=0,1,2)")
     entries = run_entries(runs)
     return Report(paths=[str(p) for p in paths], runs=runs, searches=searches, steps=steps,
-                  summary=summary_rows(table), frontier=front, deltas=delta_rows(paired_deltas(runs)),
-                  failed=[e for e in entries if e.status != "completed"], every_run=entries, limits=limits)
+                  summary=summary_rows(table, with_goodput=slo is not None), frontier=front,
+                  deltas=delta_rows(paired_deltas(runs)), failed=[e for e in entries if e.status != "completed"],
+                  every_run=entries, limits=limits, slo_note=None if slo is None else slo_note(slo))

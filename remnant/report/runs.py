@@ -160,6 +160,7 @@ def load_runs(paths: list[Path]) -> pd.DataFrame:
             "load": load_label((cfg.get("workload") or {}).get("concurrency"),
                                (cfg.get("workload") or {}).get("request_rate")),
             "host": doc["host"].get("kind"),
+            "duration_s": m.get("duration_s"),
             "output_throughput": m.get("output_throughput"),
             "request_throughput": m.get("request_throughput"),
             "cache_hit_rate": m.get("cache_hit_rate"),

@@ -181,3 +181,27 @@ def test_summary_keeps_variants_apart():
     table = summary(runs, ["output_throughput"])
     assert list(table["variant"]) == ["groups=16", "groups=32"] and list(table["runs"]) == [1, 1]
     assert list(table["output_throughput"]) == [16.0, 32.0]
+
+
+@pytest.mark.slow
+def test_goodput_at_an_slo(sweep, tmp_path):
+    # A bound every request meets counts every measured request (goodput = request
+    # throughput); one none meets counts none; a bound that is no bound is refused.
+    import json
+
+    loose = _run("remnant-report", str(sweep / "sweep"), "--out", str(tmp_path / "a"), "--slo-ttft-ms", "1e9",
+                 "--slo-tpot-ms", "1e9", cwd=sweep)
+    assert loose.returncode == 0, loose.stderr
+    text = (tmp_path / "a" / "report.md").read_text()
+    assert "goodput req/s |" in text and "TTFT <= 1e+09 ms and TPOT <= 1e+09 ms each" in text
+    native = [json.loads(p.read_text())["metrics"] for p in (sweep / "sweep").glob("*native*/run.json")]
+    assert len(native) == 2  # two seeds: the column is their mean
+    want = sum(m["completed"] / m["duration_s"] for m in native) / 2
+    row = next(line for line in text.splitlines() if line.startswith("| smoke | native |"))
+    assert row.split("|")[-2].strip().startswith(f"{want:.2f} ± ")
+    tight = _run("remnant-report", str(sweep / "sweep"), "--out", str(tmp_path / "b"), "--slo-ttft-ms", "0.001",
+                 cwd=sweep)
+    assert tight.returncode == 0 and "| 0.00 ± 0.00 |" in (tmp_path / "b" / "report.md").read_text()
+    assert "TPOT" not in (tmp_path / "b" / "report.md").read_text().split("Goodput:", 1)[1].splitlines()[0]
+    bad = _run("remnant-report", str(sweep / "sweep"), "--slo-tpot-ms", "0", cwd=sweep)
+    assert bad.returncode == 2 and "--slo-tpot-ms=0 is not allowed; it must be milliseconds > 0" in bad.stderr
