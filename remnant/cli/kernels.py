@@ -31,11 +31,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="time Remnant's kernels alone where FlashMLA cannot run (no decode targets)")
     parser.add_argument("--from", dest="source", type=Path, default=None,
                         help="no run: read this kernel-bench JSON (validated), print its table and plot it")
+    parser.add_argument("--ncu", action="store_true",
+                        help="after the timings, Nsight Compute summaries of FlashMLA and each packed kernel at batch "
+                             "64 and 512 into the record (reports beside it in OUT-ncu/, kept out of git)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="PNG to write (default: the JSON's path with .png; 'none' for no plot)")
     args = parser.parse_args(argv)
     from remnant.records.schema import RecordError, validate, write_validated
 
+    if args.source is not None and args.ncu:
+        print("remnant-kernels: --ncu profiles on the GPU; it does not apply to --from", file=sys.stderr)
+        return 2
     if args.source is not None:
         try:
             doc = json.loads(args.source.read_text())
@@ -54,8 +60,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"remnant-kernels: FlashMLA, the baseline of every decode target, cannot run: {stock['reason']}; "
                   "pass --without-flashmla to time Remnant's kernels alone (no decode targets)", file=sys.stderr)
             return 2
-        doc = run("quick" if args.quick else args.sweep, args.reps, args.seed, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                  stock=stock)
+        progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        if args.ncu:
+            from remnant.kernels.bench.ncu import ncu_version
+
+            if ncu_version() is None:  # before the timings, not after them
+                print("remnant-kernels: --ncu needs Nsight Compute's ncu on PATH", file=sys.stderr)
+                return 2
+        doc = run("quick" if args.quick else args.sweep, args.reps, args.seed, progress=progress, stock=stock)
+        if args.ncu:
+            from remnant.kernels.bench.ncu import profile
+
+            write_validated(args.out, doc)  # the timings are kept whatever ncu does
+            doc["ncu"] = profile(args.out.with_name(args.out.stem + "-ncu"), progress)
         write_validated(args.out, doc)
         json_path = args.out
     print(table(doc))

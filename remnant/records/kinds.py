@@ -76,7 +76,7 @@ INDEX = RecordKind("remnant/index", 5)
 #: v2: v1 plus the standard combinations of stored parts (packed window and C128 records,
 #: MXFP4 indexer keys, bf16 compressor state) and settings.combination_retention.
 CAPACITY = RecordKind("remnant/capacity", 3)
-KERNEL_BENCH = RecordKind("remnant/kernel-bench", 13)
+KERNEL_BENCH = RecordKind("remnant/kernel-bench", 14)
 CLIENT_BENCH = RecordKind("remnant/client-bench", 1)
 SESSIONS = RecordKind("remnant/sessions", 1)
 LEARNED_SCORER = RecordKind("remnant/learned-scorer", 1)

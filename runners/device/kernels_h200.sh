@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests (kernels, FlashMLA, SGLang buffers, the engine's CUDA path),
-# then remnant-kernels' sweep (BENCH_ARGS, e.g. --sweep decode) against FlashMLA. Run from the repository root on the device machine:
+# then remnant-kernels' sweep (BENCH_ARGS, e.g. --sweep decode, and --ncu for Nsight Compute summaries
+# whose .ncu-rep files land in $OUT/kernel-bench-ncu/) against FlashMLA. Run from the repository root on
+# the device machine:
 #   .whl/ (git-ignored through .git/info/exclude, passed in the call's carry list) holds
 #   jsonschema and its dependencies for the device's Python 3.12, made here with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \

@@ -37,4 +37,17 @@ def table(doc: dict) -> str:
                  "s=Na: the window in a program of its own (window_apart); s=Nc: splits cut by cost (split_plan)")
     for t in doc["targets"]:
         lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.3f} (target {t['target']}) {t['note']}")
+    for entry in (doc.get("ncu") or {}).get("cases", []):
+        if entry.get("error"):
+            lines.append(f"ncu {entry['case']:<8} B={entry['batch']:<4} failed: {entry['error'][:200]}")
+        for k in entry["kernels"]:
+            stalls = ", ".join(f"{s['reason']} {s['warps_per_issue']:.1f}" for s in k["stalls"])
+            lines.append(f"ncu {entry['case']:<8} B={entry['batch']:<4} {_num(k['duration_us'], '.1f')} us "
+                         f"dram {_num(k['dram_throughput_pct'], '.0f')}% sm {_num(k['sm_throughput_pct'], '.0f')}% "
+                         f"occupancy {_num(k['achieved_occupancy_pct'], '.0f')}% regs "
+                         f"{_num(k['registers_per_thread'], '.0f')} stalls: {stalls or '-'}  {k['kernel'][:60]}")
     return "\n".join(lines)
+
+
+def _num(value, spec: str) -> str:
+    return "?" if value is None else format(value, spec)
