@@ -10,13 +10,14 @@
 #   serve   remnant-run over the three modes at model=dsv4_flash_h200 (RUN_ARGS: workload)
 #   decode  runners/device/packed_window_timings.py (kernel mode's decode over a packed_csa window
 #           on the SM90 and Triton kernels beside FlashMLA; DECODE_BATCHES, default all five)
-#   ncu     Nsight Compute over the routed-expert kernels (runners/device/moe_ncu.py; NCU_TOKENS,
-#           default "32 128"): speed of light, occupancy, warp stalls, to $OUT/ncu-moe.txt
+#   ncu     Nsight Compute over the routed-expert kernels and the indexer's scores
+#           (runners/device/step_ncu.py; NCU_PARTS, default "moe:32 moe:128 indexer:32 indexer:128"):
+#           speed of light, occupancy, warp stalls, to $OUT/ncu-step.txt
 # Run from the repository root on the device machine with .whl/ in the call's carry list
 # (runners/device/setup_h200.sh says how to make it). The device's copy has no .git, so pass
 # the commit for the records' provenance:
 #   REMNANT_GIT_COMMIT=<hash> STAGES="tests bench serve" bash runners/device/engine_h200.sh
-# Stage variables: TESTS_S TIMINGS_S BENCH_S DECODE_S SERVE_S NCU_S (limits, s), TIMINGS, GPU_TESTS, PYTEST_ARGS (e.g. -n 4:
+# Stage variables: TESTS_S TIMINGS_S BENCH_S DECODE_S SERVE_S NCU_S (limits, s), TIMINGS, NCU_PARTS, GPU_TESTS, PYTEST_ARGS (e.g. -n 4:
 # the tests share the GPU), BENCH_ARGS, MODES, RUN_ARGS; the bench writes kernel logs to $OUT/kernels.tgz.
 set -u
 source runners/device/setup_h200.sh || exit 1
@@ -48,12 +49,13 @@ for stage in ${STAGES:-tests bench serve}; do
     cat "$OUT/packed-window-timings.md"; grep -v '^{' "$OUT/packed-window-rows.jsonl" | tail -5 ;;
   ncu)
     # --clock-control none: the device's README asks that the clocks be left alone.
-    timeout ${NCU_S:-180} ncu --clock-control none -k regex:'_gate_up|_down' --section SpeedOfLight \
+    timeout ${NCU_S:-180} ncu --clock-control none -k regex:'_gate_up|_down|_row_scores' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section SchedulerStats python3 runners/device/moe_ncu.py ${NCU_TOKENS:-32 128} > "$OUT/ncu-moe.txt" 2>&1
+        --section SchedulerStats python3 runners/device/step_ncu.py ${NCU_PARTS:-moe:32 moe:128 indexer:32 indexer:128} \
+        > "$OUT/ncu-step.txt" 2>&1
     echo "ncu exit status $? (124: the stage's limit; ncu prints its report only at exit)"
-    grep -E "==ERROR==|^tokens|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per" \
-        "$OUT/ncu-moe.txt" | head -60 ;;
+    grep -E "==ERROR==|^(moe|indexer):|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per" \
+        "$OUT/ncu-step.txt" | head -80 ;;
   serve)
     # Native records through FlashMLA's V4 decode as SGLang runs them: native_decode=flashmla
     # fails a run where it cannot run rather than fall back.
