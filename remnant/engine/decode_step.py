@@ -259,7 +259,9 @@ def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor
         keys = model.index_key_format.dequantize(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
         scores = model.index_scores_batched(layer, iw, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))
         scores = scores.masked_fill(~slots.visible, float("-inf"))
-    return model.ops.index_top_locations(scores, min(model.args.index_topk, all_locs.shape[1]), all_locs)
+    # Scores past a row's count are -inf (both paths): the kernel's top-k reads only up to it.
+    return model.ops.index_top_locations(scores, min(model.args.index_topk, all_locs.shape[1]), all_locs,
+                                         slots.counts)
 
 
 def _ring(pools, li: int, ring: tuple | None) -> tuple:

@@ -152,10 +152,12 @@ def index_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return scores.gather(-1, indices), indices
 
 
-def index_top_locations(scores: torch.Tensor, k: int, locs: torch.Tensor) -> torch.Tensor:
+def index_top_locations(scores: torch.Tensor, k: int, locs: torch.Tensor,
+                        counts: torch.Tensor | None = None) -> torch.Tensor:
     """Where index_top_k's choice of each row of scores [B, n] lies: locs [B, n] at the
     chosen indices as int32 [B, k] (the attention kernels' index type), -1 where the chosen
     score is -inf (a record not visible). The plain form of
-    remnant.kernels.top_k.top_k_locations."""
+    remnant.kernels.top_k.top_k_locations; counts (each row's visible records, past which
+    its scores are -inf) is the kernel's to skip reading, and changes nothing here."""
     values, indices = index_top_k(scores, k)
     return torch.where(values > float("-inf"), locs.gather(1, indices), -1).to(torch.int32)

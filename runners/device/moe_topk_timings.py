@@ -33,7 +33,7 @@ import torch
 from remnant.engine.ops import index_top_k
 from remnant.kernels.bench.harness import time_graph
 from remnant.kernels.moe import MoEConfig, default_config, quantize_experts, routed_experts_triton
-from remnant.kernels.top_k import top_k
+from remnant.kernels.top_k import top_k, top_k_locations
 
 
 #: V4-Flash's expert shape: routed experts, hidden, moe_intermediate_size, experts per token.
@@ -284,6 +284,9 @@ def moe_fp8_table() -> None:
 
 
 def top_k_table() -> None:
+    """top_k against torch.topk and the engine's tie-exact index_top_k; then the decode
+    step's form, top_k_locations, over rows padded past their counts (a page-table bucket
+    twice the visible records, as at 32k + 1 tokens) with and without the counts."""
     print("| rows x n | top_k us | torch.topk us | index_top_k us | same set |")
     print("|---|---|---|---|---|")
     for B, n in ((1, 8192), (32, 8192), (128, 8192), (1, 32768), (128, 32768)):
@@ -293,6 +296,17 @@ def top_k_table() -> None:
         t = [graph_us(f, calls=20) for f in
              (lambda: top_k(scores, 512), lambda: torch.topk(scores, 512), lambda: index_top_k(scores, 512))]
         print(f"| {B} x {n} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {same} |", flush=True)
+    print("\n| rows x n, visible | top_k_locations us | with counts us | same |")
+    print("|---|---|---|---|")
+    for B, n in ((1, 16384), (32, 16384), (128, 16384)):
+        scores = torch.relu(torch.randn(B, n, device="cuda"))
+        scores[:, n // 2:] = float("-inf")
+        counts = torch.full((B,), n // 2, device="cuda", dtype=torch.int32)
+        locs = torch.arange(B * n, device="cuda", dtype=torch.int32).view(B, n)
+        same = torch.equal(top_k_locations(scores, 512, locs), top_k_locations(scores, 512, locs, counts))
+        t = [graph_us(f, calls=20) for f in
+             (lambda: top_k_locations(scores, 512, locs), lambda: top_k_locations(scores, 512, locs, counts))]
+        print(f"| {B} x {n}, {n // 2} | {t[0]:.1f} | {t[1]:.1f} | {same} |", flush=True)
 
 
 def graph_us(fn, calls: int = 100) -> float:

@@ -99,3 +99,30 @@ def test_top_k_at_the_engines_sizes_on_the_gpu(rows, n):
         _check(scores, k)
         got = top_k_locations(scores.to(DEVICE), k, locs.to(DEVICE, torch.int32)).cpu()
         assert torch.equal(got.sort(-1).values, index_top_locations(scores, k, locs).sort(-1).values)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 3000), (3, 1000), (6, 600)])
+def test_counts_give_the_whole_rows_choice_unread(rows, n):
+    # Rows padded with -inf past their counts (a decode step's page-table bucket): with the
+    # counts the passes read only below them, and the choice, its order and values are the
+    # whole row's; every count from none to all, k above and below it, ties at the
+    # threshold, and -inf inside the count too.
+    from remnant.kernels.top_k import plan_parts
+
+    gen = torch.Generator().manual_seed(rows * n)
+    scores = torch.randint(-3, 3, (rows, n), generator=gen).float()
+    scores[:, 5::7] = float("-inf")
+    counts = torch.tensor([0, n, 1, n // 2 + 3, 511, n - 1][:rows])
+    for b, c in enumerate(counts.tolist()):
+        scores[b, c:] = float("-inf")
+    locs = torch.randperm(10 * rows * n, generator=gen)[: rows * n].view(rows, n)
+    assert plan_parts(rows, n)[0] > 1  # parts wholly past a count read nothing
+    for k in (1, 7, 512, n):
+        want_v, want_i = top_k(scores.to(DEVICE), k)
+        got_v, got_i = top_k(scores.to(DEVICE), k, counts.to(DEVICE))
+        assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v), k
+        want_l = top_k_locations(scores.to(DEVICE), k, locs.to(DEVICE))
+        assert torch.equal(top_k_locations(scores.to(DEVICE), k, locs.to(DEVICE), counts.to(DEVICE, torch.int32)),
+                           want_l), k
+    with pytest.raises(ValueError, match=r"counts must be int32 or int64 \[3\]"):
+        top_k(torch.zeros(3, 8, device=DEVICE), 2, torch.zeros(2, dtype=torch.long, device=DEVICE))
