@@ -69,12 +69,14 @@ def latency_distributions(runs: pd.DataFrame, out: Path) -> Path | None:
 
 def _lines_by_mode(df: pd.DataFrame, x: str, y: str, xlabel: str, ylabel: str, out: Path,
                    ylim: tuple[float, float] | None = None) -> Path:
-    """One line per mode: the mean of y at each x."""
+    """One line per mode (and variant, where runs have several: never averaged as repeats):
+    the mean of y at each x."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, group in df.groupby("mode"):
+    variants = "variant" in df and df["variant"].astype(bool).any()
+    for key, group in df.groupby(["mode", "variant"] if variants else ["mode"]):
         g = group.groupby(x)[y].mean().sort_index()
-        ax.plot(g.index, g.values, marker="o", label=mode)
+        ax.plot(g.index, g.values, marker="o", label=" ".join(key))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if ylim:

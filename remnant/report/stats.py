@@ -50,6 +50,8 @@ def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
                "variant": run["variant"], "seed": run["seed"], "load": run["load"]}
         base = done[(done["mode"] == baseline) & (done["workload"] == run["workload"]) & (done["seed"] == run["seed"])]
         same = base[base["fingerprint"] == run["fingerprint"]]
+        # The native run of the same cell where several share a stream (a host or model axis).
+        same = same[same["variant"] == run["variant"]] if (same["variant"] == run["variant"]).any() else same
         if base.empty:
             row["refused"] = f"no completed {baseline} run of {run['workload']} seed {run['seed']}"
         elif same.empty:
@@ -57,7 +59,7 @@ def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
                               f"{baseline} {base.iloc[0]['fingerprint'][:12]}")
         else:
             a, b = _requests(run["run_dir"]), _requests(same.iloc[0]["run_dir"])
-            joined = a.join(b, lsuffix="_run", rsuffix="_base", how="inner")
+            joined = a.merge(b, left_index=True, right_index=True, suffixes=("_run", "_base"))
             row["joined"] = len(joined)
             for metric in ("ttft", "e2e"):
                 d = (joined[f"{metric}_s_run"] - joined[f"{metric}_s_base"]) * 1000.0

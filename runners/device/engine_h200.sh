@@ -49,7 +49,7 @@ for stage in ${STAGES:-tests bench serve}; do
     cat "$OUT/packed-window-timings.md"; grep -v '^{' "$OUT/packed-window-rows.jsonl" | tail -5 ;;
   ncu)
     # --clock-control none: the device's README asks that the clocks be left alone.
-    timeout ${NCU_S:-180} ncu --clock-control none -k regex:'_gate_up|_down|_row_scores' --section SpeedOfLight \
+    timeout ${NCU_S:-300} ncu --clock-control none -k regex:'_gate_up|_down|_row_scores' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats python3 runners/device/step_ncu.py ${NCU_PARTS:-moe:32 moe:128 indexer:32 indexer:128} \
         > "$OUT/ncu-step.txt" 2>&1

@@ -53,7 +53,8 @@ def indexer(B: int, gen: torch.Generator, n: int = 8192) -> None:
     q = torch.randn(B, 64, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(B, 64, device="cuda", generator=gen)
     counts = torch.full((B,), n, device="cuda", dtype=torch.int32)
-    locs = torch.randperm(pages * per_page, device="cuda", generator=gen)[:B * n].view(B, n).to(torch.int32)
+    # Each row's keys anywhere in the pool (rows may share some, as no two sequences do).
+    locs = torch.randint(0, pages * per_page, (B, n), device="cuda", generator=gen, dtype=torch.int32)
     print(f"indexer:{B}: {B} rows x {n} keys, {B * n * key_bytes / 1e6:.0f} MB of keys, {ScoresConfig()}", flush=True)
     for _ in range(2):
         index_scores(q, w, pool.buf, pool.layout, locs, counts)

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from remnant.kernels.bench.ncu import METRICS, STALL_PREFIX, STALL_SUFFIX, parse_raw_csv, profile_case
+from remnant.kernels.bench.ncu import METRICS, STALL_MARK, STALL_PREFIX, parse_raw_csv, profile_case
 from tests.kernels.inputs import ON_GPU
 
 SCHEMAS = Path(__file__).parents[2] / "schemas" / "kernel-bench" / "examples"
 
 
-def _stall(reason: str) -> str:
-    return f"{STALL_PREFIX}{reason}{STALL_SUFFIX}"
+def _stall(reason: str, suffix: str = ".ratio") -> str:
+    return f"{STALL_PREFIX}{reason}{STALL_MARK}{suffix}"
 
 
 def _raw_csv(duration_unit: str = "usecond") -> str:
@@ -25,7 +25,7 @@ def _raw_csv(duration_unit: str = "usecond") -> str:
     every field quoted, thousands separated."""
     head = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
             "Grid Size", "Device", "CC", *METRICS.values(), _stall("barrier"), _stall("long_scoreboard"),
-            _stall("math_pipe_throttle"), _stall("wait"), "sm__cycles_elapsed.avg"]
+            _stall("math_pipe_throttle"), _stall("wait", ""), "sm__cycles_elapsed.avg"]
     units = ["", "", "", "", "", "", "", "", "", "", "", duration_unit, "%", "%", "%", "%", "register/thread",
              "", "", "", "", "cycle"]
     rows = [

@@ -205,3 +205,28 @@ def test_goodput_at_an_slo(sweep, tmp_path):
     assert "TPOT" not in (tmp_path / "b" / "report.md").read_text().split("Goodput:", 1)[1].splitlines()[0]
     bad = _run("remnant-report", str(sweep / "sweep"), "--slo-tpot-ms", "0", cwd=sweep)
     assert bad.returncode == 2 and "--slo-tpot-ms=0 is not allowed; it must be milliseconds > 0" in bad.stderr
+
+
+def test_pairs_take_the_native_run_of_the_same_variant(tmp_path):
+    # Two native cells on one request stream (a host axis: the fingerprint is the same):
+    # each packed run is compared with the native run of its own variant.
+    import json
+
+    import pandas as pd
+
+    from remnant.report.stats import paired_deltas
+
+    rows = []
+    for name, mode, variant, ttft in (("n1", "native", "kv=1", 1.0), ("n2", "native", "kv=2", 3.0),
+                                      ("k2", "kernel", "kv=2", 2.5)):
+        run = tmp_path / name
+        run.mkdir()
+        run.joinpath("requests.jsonl").write_text("".join(
+            json.dumps({"id": i, "phase": "measured", "success": True, "ttft_s": ttft, "e2e_s": ttft + 1}) + "\n"
+            for i in range(3)))
+        rows.append({"mode": mode, "retention": "-" if mode == "native" else "r256", "workload": "w",
+                     "variant": variant, "seed": 0, "load": "c=1", "fingerprint": "f", "status": "completed",
+                     "run_dir": str(run)})
+    (delta,) = paired_deltas(pd.DataFrame(rows)).to_dict("records")
+    assert delta["variant"] == "kv=2" and delta["joined"] == 3
+    assert delta["delta_ttft_ms"] == pytest.approx(-500.0)  # against n2 (3.0 s), not n1 (1.0 s)

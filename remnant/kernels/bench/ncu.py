@@ -31,9 +31,11 @@ METRICS = {
     "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "registers_per_thread": "launch__registers_per_thread",
 }
-#: Warps stalled per issued instruction, one metric per reason (the WarpStateStats section's).
-STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
-STALLS = f"regex:^{STALL_PREFIX}.*{STALL_SUFFIX.replace('.', '[.]')}$"
+#: Warps stalled per issued instruction, one metric per reason (the WarpStateStats section's),
+#: asked for by a pattern (the reasons differ by GPU) with no anchors or suffix, so that it
+#: matches whether ncu compares it with the base names or with the suffixed ones (.ratio).
+STALL_PREFIX, STALL_MARK = "smsp__average_warps_issue_stalled_", "_per_issue_active"
+STALLS = f"regex:{STALL_PREFIX}.*{STALL_MARK}"
 CASES = ("flashmla", "sm90", "triton")
 BATCHES = (64, 512)
 #: ncu's time units, in microseconds.
@@ -77,9 +79,14 @@ def parse_raw_csv(text: str) -> list[dict]:
                 scale = _TIME_UNITS.get(unit.get(metric, "").strip())
                 value = None if scale is None else value * scale
             summary[field] = value
-        stalls = [(name[len(STALL_PREFIX):-len(STALL_SUFFIX)], _number(cells[name])) for name in head
-                  if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX)]
-        stalls = sorted(((r, v) for r, v in stalls if v is not None), key=lambda rv: -rv[1])[:3]
+        # One value per reason: its .ratio column where ncu prints several of one metric.
+        by_reason: dict[str, float] = {}
+        for name in sorted(head, key=lambda h: not h.endswith(".ratio")):
+            if name.startswith(STALL_PREFIX) and STALL_MARK in name:
+                reason, value = name[len(STALL_PREFIX):name.index(STALL_MARK)], _number(cells[name])
+                if value is not None and value >= 0 and reason not in by_reason:
+                    by_reason[reason] = value
+        stalls = sorted(by_reason.items(), key=lambda rv: -rv[1])[:3]
         summary["stalls"] = [{"reason": r, "warps_per_issue": v} for r, v in stalls]
         out.append(summary)
     return out
@@ -129,7 +136,7 @@ def profile(reports: Path, progress=print, ncu: str = "ncu") -> dict:
             progress(f"ncu: {case} at batch {batch}")
             try:
                 entries.append(profile_case(case, batch, reports, ncu))
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as exc:
                 entries.append({"case": case, "batch": batch, "kernels": [], "error": str(exc)[:2000]})
     return {"version": version, "clock_control": "none", "reports": str(reports), "cases": entries}
 
