@@ -48,8 +48,9 @@ def _quantize_rows_kernel(t_ptr, stride_t, codes_ptr, stride_c, scale_ptr, C: tl
     c = tl.arange(0, BLOCK)
     inside = c < C
     v = tl.load(t_ptr + r * stride_t + c, mask=inside, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), axis=0) / 448.0, TINY_SCALE)
-    # div_rn: IEEE division as torch's; plain `/` may compile to an approximate one.
+    # div_rn: IEEE division as torch's, for the scale as for the codes; plain `/` may
+    # compile to an approximate division, whose last bit may differ from the reference's.
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 448.0), TINY_SCALE)
     q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)
     tl.store(codes_ptr + r * stride_c + c, cast_nearest(q, codes_ptr.dtype.element_ty, INTERPRETED), mask=inside)
     tl.store(scale_ptr + r, scale)
