@@ -4,6 +4,8 @@ remnant/engine-bench record.
 
     python -m remnant.cli.engine_bench --model dsv4_flash_h200 --out engine-bench.json   # one GPU
     python -m remnant.cli.engine_bench --model tiny --batches 1,4 --contexts 256 --out tiny.json
+    # the prefill-read study: what each mode's prefill reads and where its kernels' time goes
+    python -m remnant.cli.engine_bench --batches= --prefill-contexts 4096,32768,131072 --prefill-profile --out p.json
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="dsv4_flash_h200", help="conf/model preset")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--modes", default=",".join(MODE_NAMES))
-    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--batches", default="1,8,32,128", help="decode batches (empty: no decode rows)")
     p.add_argument("--contexts", default="4096,32768")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prefill-contexts", default="4096,32768,131072",
                    help="prompt lengths whose prefill is timed (empty: none)")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (host.chunked_prefill_size)")
+    p.add_argument("--prefill-profile", action="store_true",
+                   help="prefill each prompt again, untimed, counting the records its attention reads and, "
+                        "on cuda, its kernels' time by part (rebuild, attention, indexer, store, other)")
     p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false")
     p.add_argument("--disable-torch-compile", dest="torch_compile", action="store_false",
                    help="plain torch operations for the elementwise chains (remnant.engine.step_ops)")
@@ -49,16 +54,23 @@ def main(argv: list[str] | None = None) -> int:
     def write(doc: dict) -> None:
         write_validated(a.out, doc)  # schemas/engine-bench: checked before each write
 
-    doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",")],
+    doc = run(a.model, a.device, modes, [int(b) for b in a.batches.split(",") if b],
               [int(c) for c in a.contexts.split(",")], a.steps, a.cuda_graph,
               [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write,
               torch_compile=a.torch_compile, index_key_format=a.index_key_format, window_records=a.window_records,
-              c128_records=a.c128_records, kernel_logs=a.kernel_logs)
+              c128_records=a.c128_records, kernel_logs=a.kernel_logs,
+              prefill_profile=a.prefill_profile)
     write(doc)
     for row in doc["rows"]:
         print(row_line(row))
     for row in doc["prefill"]:
-        print(f"{row['mode']:>7} prefill {row['context']:>6}: {row['tokens_per_s']:10.0f} tok/s")
+        line = f"{row['mode']:>7} prefill {row['context']:>6}: {row['tokens_per_s']:10.0f} tok/s"
+        if row["reads"]:
+            line += "  distinct records a chunk: " + ", ".join(
+                f"{part} {r['distinct'] / row['chunks']:.0f}" for part, r in row["reads"].items())
+        if row["kernel_ms"]:
+            line += f"  rebuild {row['kernel_ms']['rebuild']:.1f} ms, attention {row['kernel_ms']['attention']:.1f} ms"
+        print(line)
     print(a.out)
     return 0
 

@@ -200,24 +200,85 @@ def time_prefill(model, pools, seq, prompt: list[int], chunk: int) -> float:
         return time.perf_counter() - t0
 
 
-def prefill_rows(model, mode: str, contexts: list[int], chunk: int):
+def prefill_rows(model, mode: str, contexts: list[int], chunk: int, profile: bool = False):
     """Prefill tokens/s of one prompt per context length, a row as each is timed (a short
-    warm-up prompt first: kernels compile there, not in the timing)."""
+    warm-up prompt first: kernels compile there, not in the timing). profile: the same
+    prompt prefilled again, untimed, counting what its attention reads (reads:
+    remnant.engine.prefill_reads) and, on CUDA, under the torch profiler (kernel_ms: its
+    kernels' time by what they do, prefill_kernel_ms); both null without it."""
     from remnant.engine.pools import new_sequence, scratch_pools
 
     gen = torch.Generator().manual_seed(0)
     for i, context in enumerate([min(contexts), *contexts]):
-        pools = scratch_pools(model, context, sequences=1, window_blocks=1)
-        seq = new_sequence(pools, context)
         prompt = torch.randint(0, model.args.vocab_size, (context,), generator=gen).tolist()
-        seconds = time_prefill(model, pools, seq, prompt, chunk)
-        del pools, seq
+        pools = scratch_pools(model, context, sequences=1, window_blocks=1)
+        seconds = time_prefill(model, pools, new_sequence(pools, context), prompt, chunk)
+        del pools
         if i == 0:
             continue
         print(f"{mode:>7} prefill {context:>6} tokens in chunks of {chunk}: {seconds:8.2f} s  "
               f"{context / seconds:10.0f} tok/s", file=sys.stderr, flush=True)
+        reads, kernel_ms = profile_prefill(model, context, prompt, chunk) if profile else (None, None)
         yield {"mode": mode, "context": context, "chunk": chunk, "prefill_s": seconds,
-               "tokens_per_s": context / seconds}
+               "tokens_per_s": context / seconds, "chunks": -(-context // chunk), "reads": reads,
+               "kernel_ms": kernel_ms}
+
+
+def profile_prefill(model, context: int, prompt: list[int], chunk: int) -> tuple[dict, dict | None]:
+    """(reads, kernel_ms) of `prompt` prefilled into fresh pools (prefill_rows' profile)."""
+    from remnant.engine.pools import new_sequence, scratch_pools
+    from remnant.engine.prefill_reads import PrefillReads
+
+    pools = scratch_pools(model, context, sequences=1, window_blocks=1)
+    seq = new_sequence(pools, context)
+    model.prefill_reads = PrefillReads()
+    try:
+        if model.device.type != "cuda":
+            time_prefill(model, pools, seq, prompt, chunk)
+            kernel_ms = None
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                time_prefill(model, pools, seq, prompt, chunk)
+            kernel_ms = prefill_kernel_ms(
+                (e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+        reads = model.prefill_reads.as_record()
+    finally:
+        model.prefill_reads = None
+    chunks = -(-context // chunk)
+    print("  read a chunk (all layers): " + ", ".join(
+        f"{part} {r['pairs'] / chunks:.0f} pairs, {r['distinct'] / chunks:.0f} distinct" for part, r in reads.items())
+        + (" | kernel ms: " + ", ".join(f"{k} {v:.1f}" for k, v in kernel_ms.items()) if kernel_ms else ""),
+        file=sys.stderr, flush=True)
+    return reads, kernel_ms
+
+
+#: What a prefill's kernels do, by a piece of their names (the first part that matches):
+#: rebuilding packed records into native ones (triton mode), attention (FlashMLA's sparse
+#: decode and its combine, Remnant's SM90 and Triton decode kernels), the indexer's scores
+#: and top-k (Remnant's radix passes, torch.topk's sorts), the compressor and the record and
+#: index-key stores (quantizing into the pools). The rest (projections, MoE, norms, RoPE)
+#: is "other".
+PREFILL_KERNEL_PARTS = (
+    ("rebuild", ("_reconstruct_kernel",)),
+    ("attention", ("flash_fwd", "flash_mla", "_packed_sm90", "_join_kernel", "_decode_kernel", "_combine_kernel",
+                   "_permute_columns_kernel")),
+    ("indexer", ("_shared_scores_kernel", "_row_scores_kernel", "_radix_pass", "_count_pass", "_write_pass",
+                 "topk", "TopK", "sort", "Sort")),
+    ("store", ("_gate_kernel", "_index_key_kernel", "_store_kernel")),
+)
+
+
+def prefill_kernel_ms(kernels) -> dict[str, float]:
+    """Milliseconds of kernel time by part (PREFILL_KERNEL_PARTS, then "other") from
+    (name, duration in us) pairs."""
+    totals = dict.fromkeys([part for part, _ in PREFILL_KERNEL_PARTS] + ["other"], 0.0)
+    for name, us in kernels:
+        part = next((part for part, pieces in PREFILL_KERNEL_PARTS if any(p in name for p in pieces)), "other")
+        totals[part] += us / 1e3
+    return totals
 
 
 @dataclass
@@ -305,14 +366,16 @@ def write_kernel_log(path: Path, kernels: list) -> None:
 def run(model_name: str, device: str, modes: list[str], batches: list[int], contexts: list[int],
         steps: int, cuda_graph: bool = True, prefill_contexts: list[int] | None = None, chunk: int = 8192,
         on_row=None, torch_compile: bool = True, index_key_format: str = "fp8",
-        window_records: str = "native", c128_records: str = "native", kernel_logs: Path | None = None) -> dict:
+        window_records: str = "native", c128_records: str = "native", kernel_logs: Path | None = None,
+        prefill_profile: bool = False) -> dict:
     """The benchmark document (see the module docstring). `on_row(doc)` is called after each
     row with the document so far (main writes it: a run stopped part-way keeps its rows).
     kernel_logs: a folder for each CUDA cell's kernel log (profile_step), named
     <mode>-b<batch>-<context>.tsv.
     index_key_format, window_records and c128_records: the KV parts beyond C4
     (host.index_key_format, retention.window_records, retention.c128_records), recorded in
-    the document's kv_parts."""
+    the document's kv_parts. prefill_profile: each prefill row's reads and kernel_ms
+    (prefill_rows)."""
     import dataclasses
 
     from remnant.config import ModelConfig
@@ -395,7 +458,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
                 if on_row:
                     on_row(doc)
         if prefill_contexts:
-            for row in prefill_rows(model, mode, prefill_contexts, chunk):
+            for row in prefill_rows(model, mode, prefill_contexts, chunk, prefill_profile):
                 prefill.append(row)
                 if on_row:
                     on_row(doc)

@@ -465,6 +465,9 @@ class Model:
         #: A capture server's remnant.calibration.capture_recorder.CaptureRecorder: CSA layers hand it
         #: their decode queries (natural order, after RoPE) and C4 latents (before FP8).
         self.recorder = None
+        #: The engine bench's remnant.engine.prefill_reads.PrefillReads while it counts what
+        #: prefill steps attend (None otherwise: counting reads sizes back to the host).
+        self.prefill_reads = None
         # Generated on the CPU from the seed, then moved: every device holds the same weights.
         gen = torch.Generator().manual_seed(args.seed)
         dt = self.dtype

@@ -193,6 +193,8 @@ def prefill_step(model, pools, plan: PrefillPlan, attention: str) -> torch.Tenso
     Returns float32 [N, vocab] logits at each chunk's last token. Sequences' lengths are
     the caller's to advance."""
     h = model.embed[plan.ids]
+    if model.prefill_reads is not None:
+        model.prefill_reads.steps += 1
     # One scratch ring per window record size (packed windows are smaller), reused by
     # every layer of that size.
     scratches = {}
@@ -231,12 +233,21 @@ def _layer(model, li: int, layer, pools, plan: PrefillPlan, h: torch.Tensor, scr
             chosen = _select(model, li, pools, plan, rp, p.iw, q_lora, layer, kernels=attention == "kernels")
         else:
             chosen = _visible(plan, rp, layer.ratio)
+    if model.prefill_reads is not None:  # the engine bench's count (remnant.engine.prefill_reads)
+        model.prefill_reads.count("window", plan.window_locs)
+        if chosen is not None:
+            model.prefill_reads.count("c4" if layer.ratio == CSA_RATIO else "c128", _record_locs(plan, rp, chosen))
     if attention == "kernels":
-        locs = None if chosen is None else torch.where(chosen >= 0, rp.visible_locs[plan.row[:, None], chosen.clamp_min(0)], -1)
+        locs = None if chosen is None else _record_locs(plan, rp, chosen)
         o = attend_kernels(model, li, layer, pools, q, plan.window_locs, locs, ring=scratch, distinct=True)
     else:
         o = _attend_torch(model, li, layer, pools, plan, q, chosen, rp, scratch)
     return model.ffn(layer, model.output(layer, h, o.to(h.dtype), folded))
+
+
+def _record_locs(plan: PrefillPlan, rp: RatioPlan, chosen: torch.Tensor) -> torch.Tensor:
+    """Pool locations int64 [T, K] of the records each token chose (-1: none)."""
+    return torch.where(chosen >= 0, rp.visible_locs[plan.row[:, None], chosen.clamp_min(0)], -1)
 
 
 def _compress(model, li: int, layer, pools, rp: RatioPlan, p) -> None:

@@ -101,7 +101,7 @@ FIDELITY_SINGLE_CAPTURE = FIDELITY.also_at(
 #: a remnant/fidelity version: it measures parts at one map, not policies across retentions.
 FIDELITY_PARTS = RecordKind("remnant/fidelity-parts", 1)
 
-ENGINE_BENCH = RecordKind("remnant/engine-bench", 5)
+ENGINE_BENCH = RecordKind("remnant/engine-bench", 6)
 MODAL_SERVE_REQUEST = RecordKind(
     "remnant/modal-serve-request", 1,
     unchecked="a message to runners/modal/app.py, never stored: ServeRequest.from_json (remnant.hosts.modal) "

@@ -11,8 +11,10 @@ import torch
 
 from remnant.config import ModelConfig
 from remnant.cli.engine_bench import main
+from remnant.engine.bench import prefill_kernel_ms
 from remnant.engine.capacity_report import load_model_preset
 from remnant.engine.model import ModelArgs
+from remnant.engine.prefill_reads import PrefillReads
 from remnant.engine.roofline import step_cost
 from remnant.records.schema import validate
 
@@ -50,7 +52,8 @@ def test_roofline_of_the_h200_model_by_hand():
 def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["--model", "tiny", "--device", "cpu", "--batches", "1,3", "--contexts", "260",
-                 "--steps", "2", "--prefill-contexts", "300", "--chunk", "128", "--out", str(out)]) == 0
+                 "--steps", "2", "--prefill-contexts", "300", "--chunk", "128", "--prefill-profile",
+                 "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     validate(doc)
     assert [(r["mode"], r["batch"]) for r in doc["rows"]] == [(m, b) for m in ("native", "triton", "kernel")
@@ -62,6 +65,24 @@ def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
     assert [(r["mode"], r["context"], r["chunk"]) for r in doc["prefill"]] == [
         (m, 300, 128) for m in ("native", "triton", "kernel")]
     assert all(r["tokens_per_s"] == pytest.approx(300 / r["prefill_s"]) for r in doc["prefill"])
+    # What the attention read, by hand: tiny has 4 layers (ratios 0, 4, 128, 4), a window of
+    # 128 and a top-64; 300 tokens in chunks [0, 128), [128, 256), [256, 300).
+    chunks = [(0, 128), (128, 256), (256, 300)]
+    tokens = range(300)
+    reads = {r["mode"]: r["reads"] for r in doc["prefill"]}
+    for mode, got in reads.items():
+        # Every layer reads each token's window (its own record and the 127 before it); a
+        # chunk's tokens share them: the chunk's records and the 127 before its first.
+        assert got["window"] == {"pairs": 4 * sum(min(p + 1, 128) for p in tokens),
+                                 "distinct": 4 * sum(e - max(0, a - 127) for a, e in chunks)}, mode
+        # The HCA layer: every record whose block of 128 is complete at the token.
+        assert got["c128"] == {"pairs": sum((p + 1) // 128 for p in tokens),
+                               "distinct": sum(e // 128 for _, e in chunks)}, mode
+        # Two CSA layers: the top-64 of the visible C4 records (all of them up to 64), so a
+        # chunk reads at least its last token's 64 and at most every visible record.
+        assert got["c4"]["pairs"] == 2 * sum(min((p + 1) // 4, 64) for p in tokens), mode
+        assert 2 * sum(min(e // 4, 64) for _, e in chunks) <= got["c4"]["distinct"] <= 2 * sum(e // 4 for _, e in chunks)
+    assert all(r["chunks"] == 3 and r["kernel_ms"] is None for r in doc["prefill"])  # no profiler on cpu
 
 
 @pytest.mark.slow
@@ -150,3 +171,36 @@ def test_kernel_log_lists_events_in_order_with_gaps(tmp_path):
     rows = [line.split("\t") for line in lines[1:]]
     assert [r[3] for r in rows] == ["aten::mm", "aten::relu"]
     assert float(rows[0][0]) == 0.0 and float(rows[1][0]) >= float(rows[0][2]) and float(rows[1][1]) >= 0.0
+
+
+def test_prefill_kernels_are_told_apart_by_name():
+    # Names as the torch profiler gives them on an H100 (benchmarks/engine-h100-count-skip/).
+    names = {
+        "_reconstruct_kernel": "rebuild",
+        "void legacy::sm90::decode::sparse::flash_fwd_splitkv_mla_fp8_sparse_kernel<legacy::sm90::decode>": "attention",
+        "void legacy::smxx::decode::flash_fwd_mla_combine_kernel<cutlass::bfloat16_t, 512, 8, 160>": "attention",
+        "_packed_sm90_kernel": "attention",
+        "_decode_kernel": "attention",
+        "_shared_scores_kernel": "indexer",
+        "_radix_pass": "indexer",
+        "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "indexer",
+        "_gate_kernel": "store",
+        "_store_kernel": "store",
+        "_gate_up_kernel": "other",
+        "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_NNT": "other",
+        "_norm_rope_kernel": "other",
+    }
+    for name, part in names.items():
+        assert prefill_kernel_ms([(name, 1500.0)])[part] == 1.5, name
+    totals = prefill_kernel_ms([(name, 1000.0) for name in names])
+    assert totals == {"rebuild": 1.0, "attention": 4.0, "indexer": 3.0, "store": 2.0, "other": 3.0}
+
+
+def test_prefill_reads_count_locations_and_name_their_parts():
+    reads = PrefillReads()
+    reads.count("c4", torch.tensor([[3, 5, -1], [5, 7, -1]]))
+    reads.count("c4", torch.tensor([[3, -1, -1]]))
+    assert reads.as_record()["c4"] == {"pairs": 5, "distinct": 4}
+    assert reads.as_record()["window"] == {"pairs": 0, "distinct": 0}
+    with pytest.raises(ValueError, match="part 'c8' is not allowed; allowed: window, c4, c128"):
+        reads.count("c8", torch.tensor([[1]]))
