@@ -10,6 +10,9 @@
 # after the first piece, the study's directory in the call's carry list:
 #   STUDY=h200_longswe_c24 REMNANT_GIT_COMMIT=<hash> bash runners/device/study_h200.sh
 # then here, before the next piece:   tar -xzf <files_at>/$STUDY.tgz -C multirun
+# multirun/ is git-ignored: a fresh checkout seeds the sweep from the study's curated runs,
+#   mkdir -p multirun/$STUDY && cp -r benchmarks/<collection>/runs/. multirun/$STUDY/
+# (their run.json is all that resuming reads).
 # A cell must fit in one piece: a piece that completes no cell says so (make the preset's
 # cells smaller). RUN_ARGS: more remnant-run overrides (the same on every piece, or the
 # cells' configs differ and run again).
