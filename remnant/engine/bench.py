@@ -69,9 +69,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: Index-key pages quantized at a time by fill_pools (64 keys a page: 8 MB of float32 keys).
+KEY_PAGES_AT_ONCE = 256
+
+
 def fill_pools(model, pools, seed: int = 0) -> None:
     """Every page, window block and index key of `pools` holds a valid record of `model`'s
-    formats (one page of quantized random latents, copied to every page)."""
+    formats: records and window blocks one page of quantized random latents copied to every
+    page (what they hold does not change what a step reads), index keys each its own
+    quantized random key (the same in every CSA layer), so that a row's indexer scores are
+    as distinct as a served sequence's and the top-k sorts them as it would. With one page
+    of keys copied everywhere (before this), each score came 128 times at 32k context, and
+    the top-k timed ties."""
     from remnant.kv.codec import quantize
 
     gen = torch.Generator().manual_seed(seed)
@@ -80,11 +89,18 @@ def fill_pools(model, pools, seed: int = 0) -> None:
         records = model.layer_format(li).write(quantize(torch.randn(per, 512, generator=gen)))
         pages.layout.write(pages.buf, torch.arange(per, device=pages.buf.device), records.to(pages.buf.device))
         pages.buf[1:] = pages.buf[0]
+    first = None
     for li, pages in pools.indexer.items():
-        per = pages.layout.per_page
-        keys = model.quantize_index_keys(torch.randn(per, model.args.index_head_dim, generator=gen).to(model.device))
-        pages.layout.write(pages.buf, torch.arange(per, device=pages.buf.device), keys.to(pages.buf.device))
-        pages.buf[1:] = pages.buf[0]
+        if first is not None:
+            pages.buf.copy_(first)
+            continue
+        per, count = pages.layout.per_page, pages.buf.shape[0]
+        keys_gen = torch.Generator(device=pages.buf.device).manual_seed(seed)
+        for page in range(0, count, KEY_PAGES_AT_ONCE):
+            locs = torch.arange(page * per, min(page + KEY_PAGES_AT_ONCE, count) * per, device=pages.buf.device)
+            keys = torch.randn(locs.numel(), model.args.index_head_dim, generator=keys_gen, device=pages.buf.device)
+            pages.layout.write(pages.buf, locs, model.quantize_index_keys(keys.to(model.device)).to(pages.buf.device))
+        first = pages.buf
     for li, (layout, buf) in enumerate(zip(pools.swa.layouts, pools.swa.bufs)):
         records = model.layer_format(li).ring_records(torch.randn(layout.per_page, 512, generator=gen).to(model.device))
         layout.write(buf, torch.arange(layout.per_page, device=model.device), records)
@@ -114,8 +130,8 @@ def _timed_cell(model, batch: int, context: int, steps: int,
 
 def decode_tokens(batch: int, vocab_size: int, seed: int = 0) -> list[int]:
     """A decode step's input tokens for `batch` rows: distinct where the vocabulary allows
-    (seeded). The rows' sequences and records are copies of one another, so their tokens
-    are all that sets their hidden states apart: with one token for every row, every row
+    (seeded). The rows' records are copies of one another (only their index keys differ),
+    so their tokens are what sets their hidden states apart: with one token for every row, every row
     routes to the same experts and a step reads 6 of a layer's 32 routed experts at any
     batch, where the roofline counts the distinct experts of uniform routing (all 32 from
     batch ~16 on), as serving's different requests hit them."""

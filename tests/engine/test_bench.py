@@ -204,3 +204,26 @@ def test_prefill_reads_count_locations_and_name_their_parts():
     assert reads.as_record()["window"] == {"pairs": 0, "distinct": 0}
     with pytest.raises(ValueError, match="part 'c8' is not allowed; allowed: window, c4, c128"):
         reads.count("c8", torch.tensor([[1]]))
+
+
+@pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
+def test_filled_pools_give_every_index_key_its_own_value(key_format, monkeypatch):
+    # With one page of keys copied to every page, a row's scores repeated every 64 records
+    # and the top-k timed ties; now every key is its own (and the same in each CSA layer).
+    from remnant.engine import bench
+    from remnant.engine.model import Model
+    from remnant.engine.pools import scratch_pools
+
+    monkeypatch.setattr(bench, "KEY_PAGES_AT_ONCE", 3)  # several batches of pages, one partial
+    model = Model(_args("tiny"), index_key_format=key_format)
+    pools = scratch_pools(model, 2000, sequences=3, window_blocks=3)
+    bench.fill_pools(model, pools)
+    layers = list(pools.indexer.values())
+    assert len(layers) == 2 and torch.equal(layers[0].buf, layers[1].buf)
+    pages, layout = layers[0].buf, layers[0].layout
+    assert pages.shape[0] > 2 * 3  # more pages than two batches
+    keys = layout.read(pages, torch.arange(pages.shape[0] * layout.per_page))
+    assert torch.unique(keys, dim=0).shape[0] == keys.shape[0]
+    # Each a valid key of its format: finite, not all zero, as the indexer reads it.
+    values = model.index_key_format.dequantize(keys)
+    assert torch.isfinite(values).all() and (values.abs().amax(dim=1) > 0).all()
