@@ -101,8 +101,10 @@ def delta_rows(deltas: pd.DataFrame) -> Table:
         if r.get("refused"):
             rows.append(ident + ["-", "-", "-", f"refused: {r['refused']}"])
         else:
+            other = r.get("baseline_variant") != r["variant"]
             rows.append(ident + [str(int(r["joined"])), fmt(r["delta_ttft_ms"], r["delta_ttft_ci_ms"]),
-                                 fmt(r["delta_e2e_ms"], r["delta_e2e_ci_ms"]), ""])
+                                 fmt(r["delta_e2e_ms"], r["delta_e2e_ci_ms"]),
+                                 f"against the native run of {r['baseline_variant'] or 'no variant'}" if other else ""])
     return Table(head, rows, empty="No non-native runs to compare.")
 
 

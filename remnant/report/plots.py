@@ -67,16 +67,27 @@ def latency_distributions(runs: pd.DataFrame, out: Path) -> Path | None:
     return out
 
 
+#: What sets a plot's lines apart: runs that differ in any of these are never averaged as
+#: repeats (their variant: remnant.report.runs.variant_labels).
+LINE_KEYS = ("workload", "variant", "mode", "retention")
+
+
+def line_keys(df: pd.DataFrame, x: str) -> list[str]:
+    """The LINE_KEYS columns _lines_by_mode draws a line per value of: mode, and each other
+    one whose runs differ in it, x excepted."""
+    return [k for k in LINE_KEYS if k in df and k != x and (k == "mode" or df[k].nunique() > 1)]
+
+
 def _lines_by_mode(df: pd.DataFrame, x: str, y: str, xlabel: str, ylabel: str, out: Path,
                    ylim: tuple[float, float] | None = None) -> Path:
-    """One line per mode (and variant, where runs have several: never averaged as repeats):
-    the mean of y at each x."""
+    """One line per mode and each other LINE_KEYS column of df whose runs differ in it (x
+    itself excepted: a working set on x is also the variant): the mean of y at each x,
+    labelled by the keys that differ."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    variants = "variant" in df and df["variant"].astype(bool).any()
-    for key, group in df.groupby(["mode", "variant"] if variants else ["mode"]):
+    for key, group in df.groupby(line_keys(df, x)):
         g = group.groupby(x)[y].mean().sort_index()
-        ax.plot(g.index, g.values, marker="o", label=" ".join(key))
+        ax.plot(g.index, g.values, marker="o", label=" ".join(str(v) for v in key if v not in ("", "-")))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if ylim:
@@ -140,8 +151,8 @@ def cache_hits(runs: pd.DataFrame, out_dir: Path) -> Path | None:
     for _, run in done.iterrows():
         cfg = json.loads(Path(run["path"]).read_text())["config"]["workload"]
         if "groups" in cfg and "prefix_len" in cfg:
-            rows.append({"mode": run["mode"], "working_set": cfg["groups"] * cfg["prefix_len"],
-                         "hit": run["cache_hit_rate"]})
+            rows.append({"workload": run["workload"], "mode": run["mode"], "retention": run["retention"],
+                         "working_set": cfg["groups"] * cfg["prefix_len"], "hit": run["cache_hit_rate"]})
     if len({r["working_set"] for r in rows}) >= 2:
         return _lines_by_mode(pd.DataFrame(rows), "working_set", "hit", "working set (groups x prefix tokens)",
                               "cache-hit rate", out_dir / "cache_hit_vs_working_set.png", ylim=(0, 1))

@@ -65,10 +65,12 @@ def cell_key(config: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
 
 
-#: Config keys the report shows in columns of their own (mode, retention, seed, load), or
-#: that do not change what a run measures: never part of a run's variant.
+#: Config keys the report shows in columns of their own (mode, retention: retention_details,
+#: seed, load), or that do not change what a run measures (which GPUs and ports a local
+#: server took, from the environment): never part of a run's variant, so that a packed run
+#: and the native run it is paired with share theirs.
 _NOT_VARIANT = ("mode.", "retention", "seed", "force", "workload.seed", "workload.concurrency",
-                "workload.request_rate")
+                "workload.request_rate", "host.gpus", "host.port", "host.master_port")
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, str]:
@@ -80,6 +82,16 @@ def _flat(config: dict, prefix: str = "") -> dict[str, str]:
         else:
             out[f"{prefix}{key}"] = json.dumps(value, sort_keys=True)
     return out
+
+
+#: A key a run's config lacks, as a flattened value.
+UNSET = json.dumps("unset")
+
+
+def _shown(text: str) -> str:
+    """A flattened value as a label shows it: strings without their JSON quotes."""
+    value = json.loads(text)
+    return value if isinstance(value, str) else text
 
 
 def variant_labels(configs: list[dict], workloads: list[str]) -> list[str]:
@@ -97,8 +109,27 @@ def variant_labels(configs: list[dict], workloads: list[str]) -> list[str]:
         last = [k.rsplit(".", 1)[-1] for k in varying]
         names = [part if last.count(part) == 1 else key for key, part in zip(varying, last)]
         for i in members:
-            labels[i] = ", ".join(f"{name}={flat[i].get(key, 'unset')}" for key, name in zip(varying, names))
+            labels[i] = ", ".join(f"{name}={_shown(flat[i].get(key, UNSET))}" for key, name in zip(varying, names))
     return labels
+
+
+def retention_details(configs: list[dict], labels: list[str], workloads: list[str]) -> list[str]:
+    """Packed runs' retention labels with what else sets apart runs of one workload and
+    label: their retention fields beyond the label's (its value, per-layer values, map,
+    policy) where these differ, as "r256 (policy=prefix)". Runs of one label but another
+    map or policy would otherwise be averaged as repeats. Native runs ("-") keep theirs."""
+    shown = ("name", "window_records", "c128_records")
+    flat = [_flat((c.get("retention") or {}) if label != "-" else {}) for c, label in zip(configs, labels)]
+    flat = [{k: v for k, v in f.items() if k not in shown} for f in flat]
+    out = list(labels)
+    for group in {(w, label) for w, label in zip(workloads, labels) if label != "-"}:
+        members = [i for i, key in enumerate(zip(workloads, labels)) if key == group]
+        varying = [k for k in sorted({k for i in members for k in flat[i]})
+                   if len({flat[i].get(k) for i in members}) > 1]
+        for i in members:
+            if varying:
+                out[i] = f"{labels[i]} (" + ", ".join(f"{k}={_shown(flat[i].get(k, UNSET))}" for k in varying) + ")"
+    return out
 
 
 def workload_label(workload: str, variant: str) -> str:
@@ -176,6 +207,8 @@ def load_runs(paths: list[Path]) -> pd.DataFrame:
         for column, (dist, stat) in METRIC_COLUMNS.items():
             row[column] = (m.get(dist) or {}).get(stat)
         rows.append(row)
-    for row, variant in zip(rows, variant_labels(configs, [r["workload"] for r in rows])):
-        row["variant"] = variant
+    workloads = [r["workload"] for r in rows]
+    for row, variant, retention in zip(rows, variant_labels(configs, workloads),
+                                       retention_details(configs, [r["retention"] for r in rows], workloads)):
+        row["variant"], row["retention"] = variant, retention
     return pd.DataFrame(rows)

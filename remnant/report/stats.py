@@ -50,7 +50,9 @@ def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
                "variant": run["variant"], "seed": run["seed"], "load": run["load"]}
         base = done[(done["mode"] == baseline) & (done["workload"] == run["workload"]) & (done["seed"] == run["seed"])]
         same = base[base["fingerprint"] == run["fingerprint"]]
-        # The native run of the same cell where several share a stream (a host or model axis).
+        # The native run of the same cell where several share a stream (a host or model axis);
+        # where none has the run's variant (an axis only packed runs vary, or a native cell that
+        # failed), another of the same stream, whose variant the row names.
         same = same[same["variant"] == run["variant"]] if (same["variant"] == run["variant"]).any() else same
         if base.empty:
             row["refused"] = f"no completed {baseline} run of {run['workload']} seed {run['seed']}"
@@ -61,6 +63,7 @@ def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
             a, b = _requests(run["run_dir"]), _requests(same.iloc[0]["run_dir"])
             joined = a.merge(b, left_index=True, right_index=True, suffixes=("_run", "_base"))
             row["joined"] = len(joined)
+            row["baseline_variant"] = same.iloc[0]["variant"]
             for metric in ("ttft", "e2e"):
                 d = (joined[f"{metric}_s_run"] - joined[f"{metric}_s_base"]) * 1000.0
                 mean, ci, _ = mean_ci(d.tolist())

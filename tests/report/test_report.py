@@ -69,7 +69,8 @@ def _runs(tmp_path, cells) -> "pd.DataFrame":
     for i, (mode, concurrency, hit, workload) in enumerate(cells):
         path = tmp_path / f"{i}.json"
         path.write_text(json.dumps({"config": {"workload": workload}}))
-        rows.append({"mode": mode, "retention": "" if mode == "native" else "r256", "status": "completed",
+        rows.append({"workload": "w", "variant": "", "mode": mode, "retention": "-" if mode == "native" else "r256",
+                     "status": "completed",
                      "concurrency": concurrency, "output_throughput": 10.0 + i, "cache_hit_rate": hit,
                      "path": str(path), "run_dir": str(tmp_path)})
     return pd.DataFrame(rows)
@@ -90,6 +91,12 @@ def test_plots_fit_the_data_they_have(tmp_path):
     assert plots.cache_hits(working_sets, tmp_path).name == "cache_hit_vs_working_set.png"
     for png in tmp_path.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    # A line per mode, and per retention, variant or workload where runs differ in one;
+    # never per the x axis (a working set is also the shared-prefix runs' variant).
+    assert plots.line_keys(several, "concurrency") == ["mode", "retention"]  # "-" and r256
+    r128 = several.assign(retention=["-", "-", "r256", "r128"], variant=["groups=9"] * 2 + ["groups=23"] * 2)
+    assert plots.line_keys(r128, "concurrency") == ["variant", "mode", "retention"]
+    assert plots.line_keys(r128.rename(columns={"variant": "working_set"}), "working_set") == ["mode", "retention"]
 
 
 @pytest.mark.slow
@@ -168,7 +175,24 @@ def test_variants_tell_a_sweeps_other_axes_apart():
     assert variant_labels(two, ["sp", "sp"]) == ["kv_budget_mib=1, model.groups=unset, workload.groups=16",
                                                  "kv_budget_mib=2, model.groups=3, workload.groups=32"]
     assert variant_labels(two, ["a", "b"]) == ["", ""]  # each workload on its own
+    # Which GPUs and ports a local server took (from the environment) is no variant.
+    ports = [{**cfg("native", 16), "host": {"gpus": "0,1", "port": 3000}}, {**cfg("native", 16), "host": {"gpus": "2,3"}}]
+    assert variant_labels(ports, ["sp", "sp"]) == ["", ""]
     assert workload_label("sp", "groups=16") == "sp (groups=16)" and workload_label("sp", "") == "sp"
+
+
+def test_retention_labels_name_what_else_differs():
+    # Packed runs of one retention label but another policy or map are not repeats of one
+    # cell; native runs have no retention to tell apart.
+    from remnant.report.runs import retention_details
+
+    configs = [{"retention": {"name": "r256", "retention": 256, "policy": policy, "map_path": None}}
+               for policy in ("attention", "prefix")] + [{"retention": {"name": "r256", "policy": "x"}},
+                                                         {"retention": {"name": "r128", "policy": "prefix"}}]
+    labels = ["r256", "r256", "-", "r128"]
+    assert retention_details(configs, labels, ["w"] * 4) == [
+        "r256 (policy=attention)", "r256 (policy=prefix)", "-", "r128"]
+    assert retention_details(configs, labels, ["a", "b", "a", "a"]) == labels  # each workload on its own
 
 
 def test_summary_keeps_variants_apart():
@@ -228,5 +252,12 @@ def test_pairs_take_the_native_run_of_the_same_variant(tmp_path):
                      "variant": variant, "seed": 0, "load": "c=1", "fingerprint": "f", "status": "completed",
                      "run_dir": str(run)})
     (delta,) = paired_deltas(pd.DataFrame(rows)).to_dict("records")
-    assert delta["variant"] == "kv=2" and delta["joined"] == 3
+    assert delta["variant"] == "kv=2" and delta["joined"] == 3 and delta["baseline_variant"] == "kv=2"
     assert delta["delta_ttft_ms"] == pytest.approx(-500.0)  # against n2 (3.0 s), not n1 (1.0 s)
+    # With no native run of its variant (n2 failed), another native run of the stream, named.
+    from remnant.report.model import delta_rows
+
+    deltas = paired_deltas(pd.DataFrame([rows[0], rows[2]]))
+    assert deltas.iloc[0]["baseline_variant"] == "kv=1" and deltas.iloc[0]["delta_ttft_ms"] == pytest.approx(1500.0)
+    assert delta_rows(deltas).rows[0][-1] == "against the native run of kv=1"
+    assert delta_rows(paired_deltas(pd.DataFrame(rows))).rows[0][-1] == ""
