@@ -54,8 +54,9 @@ for stage in ${STAGES:-tests bench serve}; do
         --section SchedulerStats python3 runners/device/step_ncu.py ${NCU_PARTS:-moe:32 moe:128 indexer:32 indexer:128} \
         > "$OUT/ncu-step.txt" 2>&1
     echo "ncu exit status $? (124: the stage's limit; ncu prints its report only at exit)"
-    grep -E "==ERROR==|^(moe|indexer):|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per" \
-        "$OUT/ncu-step.txt" | head -80 ;;
+    # Each kernel's header line (name, grid, "Context N, Stream N") before its numbers.
+    grep -E "==ERROR==|^(moe|indexer):|Context [0-9]+, Stream|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per" \
+        "$OUT/ncu-step.txt" | head -120 ;;
   serve)
     # Native records through FlashMLA's V4 decode as SGLang runs them: native_decode=flashmla
     # fails a run where it cannot run rather than fall back.

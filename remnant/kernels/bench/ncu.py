@@ -1,6 +1,7 @@
 """Nsight Compute summaries of the decode kernels (`remnant-kernels --ncu`): FlashMLA's V4
 decode and each packed kernel's folded call (SM90 Gluon, Triton) at batch 64 and 512, top-k
-512 and window 128, as the benchmark's decode rows run them.
+512 and window 128, as the benchmark's decode rows run them with the plan's default configs
+(a sweep's best config may differ).
 
 Each case runs in an ncu process of its own (`python -m remnant.kernels.bench.ncu CASE
 BATCH`): inputs built and the call compiled and run once outside the profiled range, then
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +41,16 @@ STALL_PREFIX, STALL_MARK = "smsp__average_warps_issue_stalled_", "_per_issue_act
 STALLS = f"regex:{STALL_PREFIX}.*{STALL_MARK}"
 CASES = ("flashmla", "sm90", "triton")
 BATCHES = (64, 512)
-#: ncu's time units, in microseconds.
-_TIME_UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+#: ncu's time units, in microseconds: the long names of its older releases and the short
+#: ones of later ones (the import asks for base units, --print-units base, either way).
+_TIME_UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+               "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
+#: Stall reasons left out of the top three: "selected" counts the warp that issued, 1 per
+#: issue whatever the kernel does.
+_NOT_STALLS = ("selected",)
+#: ncu's error when the GPU's performance counters are not open to this user: every case
+#: would fail alike, so the rest are not run.
+COUNTER_PERMISSION = "ERR_NVGPUCTRPERM"
 
 
 def _number(text: str) -> float | None:
@@ -84,7 +95,7 @@ def parse_raw_csv(text: str) -> list[dict]:
         for name in sorted(head, key=lambda h: not h.endswith(".ratio")):
             if name.startswith(STALL_PREFIX) and STALL_MARK in name:
                 reason, value = name[len(STALL_PREFIX):name.index(STALL_MARK)], _number(cells[name])
-                if value is not None and value >= 0 and reason not in by_reason:
+                if value is not None and value >= 0 and reason not in by_reason and reason not in _NOT_STALLS:
                     by_reason[reason] = value
         stalls = sorted(by_reason.items(), key=lambda rv: -rv[1])[:3]
         summary["stalls"] = [{"reason": r, "warps_per_issue": v} for r, v in stalls]
@@ -101,25 +112,42 @@ def ncu_version(ncu: str = "ncu") -> str | None:
     return p.stdout.strip().splitlines()[-1] if p.returncode == 0 and p.stdout.strip() else None
 
 
-def profile_case(case: str, batch: int, reports: Path, ncu: str = "ncu", timeout_s: float = 600) -> dict:
+def _run(cmd: list[str], step: str, timeout_s: float) -> str:
+    """cmd's output (stdout then stderr); RuntimeError naming the step, its exit status and
+    its last output where it fails or prints ncu's ==ERROR== lines. A process group of its
+    own, killed whole at the timeout: the profiled Python would otherwise outlive ncu and
+    keep its GPU memory through the next cases."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise RuntimeError(f"ncu {step}: no answer in {timeout_s:.0f} s; killed") from None
+    errors = [line for line in (out + err).splitlines() if line.startswith("==ERROR==")]
+    if p.returncode != 0 or errors:
+        tail = "\n".join(errors) or (out + err)[-1500:]
+        raise RuntimeError(f"ncu {step} exited {p.returncode}: {tail} (command: {' '.join(cmd[:3])} ...)")
+    return out
+
+
+def profile_case(case: str, batch: int, reports: Path, ncu: str = "ncu", timeout_s: float = 240) -> dict:
     """Profile one case in an ncu process; returns its record entry: the case, the batch,
     each kernel's summary (parse_raw_csv) and the report file with its size. Raises
-    RuntimeError with ncu's last output where a step fails."""
+    RuntimeError with ncu's errors or last output where a step fails."""
     reports.mkdir(parents=True, exist_ok=True)
     rep = reports / f"{case}-b{batch}.ncu-rep"
     metrics = ",".join([*METRICS.values(), STALLS])
-    steps = [
-        [ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics", metrics, "--force-overwrite",
-         "--export", str(rep), sys.executable, "-m", "remnant.kernels.bench.ncu", case, str(batch)],
-        [ncu, "--import", str(rep), "--csv", "--page", "raw", "--metrics", metrics],
-    ]
-    for cmd in steps:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        if p.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:8])} ... exited {p.returncode}: {(p.stdout + p.stderr)[-1500:]}")
-    kernels = parse_raw_csv(p.stdout)
+    _run([ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics", metrics, "--force-overwrite",
+          "--export", str(rep), sys.executable, "-m", "remnant.kernels.bench.ncu", case, str(batch)], "profile",
+         timeout_s)
+    if not rep.exists():
+        raise RuntimeError(f"ncu profile wrote no report ({rep.name}): no kernel ran in the profiled range")
+    # The report holds only what was collected: the import asks for no metrics again.
+    out = _run([ncu, "--import", str(rep), "--csv", "--page", "raw", "--print-units", "base"], "import", timeout_s)
+    kernels = parse_raw_csv(out)
     if not kernels:
-        raise RuntimeError(f"ncu profiled no kernel for {case} at batch {batch}: {p.stdout[-1500:]}")
+        raise RuntimeError(f"ncu profiled no kernel for {case} at batch {batch}: {out[-1500:]}")
     return {"case": case, "batch": batch, "kernels": kernels,
             "report": {"path": rep.name, "bytes": rep.stat().st_size}}
 
@@ -131,13 +159,19 @@ def profile(reports: Path, progress=print, ncu: str = "ncu") -> dict:
     if version is None:
         raise RuntimeError(f"{ncu} (Nsight Compute) is not on PATH; --ncu needs it")
     entries = []
+    blocked = None  # the counters' permission error, once seen
     for batch in BATCHES:
         for case in CASES:
+            if blocked:
+                entries.append({"case": case, "batch": batch, "kernels": [], "error": f"not run: {blocked}"})
+                continue
             progress(f"ncu: {case} at batch {batch}")
             try:
                 entries.append(profile_case(case, batch, reports, ncu))
-            except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as exc:
+            except (RuntimeError, ValueError, OSError) as exc:
                 entries.append({"case": case, "batch": batch, "kernels": [], "error": str(exc)[:2000]})
+                if COUNTER_PERMISSION in str(exc):
+                    blocked = f"the GPU's performance counters are not open to this user ({COUNTER_PERMISSION})"
     return {"version": version, "clock_control": "none", "reports": str(reports), "cases": entries}
 
 
