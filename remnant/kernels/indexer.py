@@ -259,6 +259,16 @@ class ScoresConfig:
     f16_operands: bool = False
 
 
+def default_scores_config(key_format: "str | IndexKeyFormat" = "fp8") -> ScoresConfig:
+    """ScoresConfig's defaults for FP8 keys; MXFP4 keys in 8 warps: their dequantized block
+    is a float32 [128, 128] tile, which at 4 warps ptxas fitted only by spilling 1,112 bytes
+    a thread (255 registers; sm_90 compile of 2026-12-07, tests/kernels/
+    test_launches_compile.py), at 8 in 217 registers. Not timed on a GPU."""
+    if index_key_format(key_format, KEY_DIM).name == "mxfp4":
+        return ScoresConfig(num_warps=8)
+    return ScoresConfig()
+
+
 def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: float = 1.0,
             config: ScoresConfig | None = None, block_t: int = 1, block_n: int = 64) -> torch.Tensor:
     """The decode form (locs [B, n], config) or the shared one (locs [n], block_t, block_n)."""
@@ -280,7 +290,7 @@ def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: flo
         _shared_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out,
                                     B, n, H, layout.page_stride, BLOCK_N=block_n, BLOCK_T=block_t, **common)
         return out
-    config = config or ScoresConfig()
+    config = config or default_scores_config(fmt)
     grid = (B, triton.cdiv(n, config.block_n * config.blocks))
     _row_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out, n, H,
                              layout.page_stride, BLOCK_N=config.block_n, BLOCKS=config.blocks,
@@ -299,7 +309,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: 
     int [B, n]; -inf at column j >= counts[b] (int [B]: the records visible to the row) and
     at location -1. pages: the indexer pool's uint8 [pages, page_stride] (`layout`: per key
     128 code bytes and a 4-byte scale for key_format "fp8", 64 code bytes and 4 exponent
-    bytes for "mxfp4"). config: ScoresConfig (None: its defaults). Nothing is read back to the host: a CUDA graph can capture it."""
+    bytes for "mxfp4"). config: ScoresConfig (None: default_scores_config's). Nothing is read back to the host: a CUDA graph can capture it."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, False, fmt)
     return _launch(q, w, pages, layout, locs, counts, fmt, w_scale, config)

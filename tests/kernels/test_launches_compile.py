@@ -1,0 +1,153 @@
+"""What the engine's kernel wrappers launch at V4-Flash's shapes compiles for sm_90, without
+register spills.
+
+Under the interpreter a kernel may take code a GPU compile refuses (a return inside a
+runtime branch failed only on the H100 on 2026-12-07), and a hand-written signature in a
+compile test goes stale when the kernel's arguments change (test_compiled's top-k entry,
+the same day). Here the wrappers themselves run at the engine's shapes with their launches
+recorded, not run (tests/kernels/launches.py), and each distinct launch is compiled for
+sm_90 with the installed Triton and its ptxas (no GPU needed) in a process of its own, out
+of the interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.kernels.launches import Launch, recorded_launches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _model():
+    from remnant.config import ModelConfig
+    from remnant.engine.capacity_report import load_model_preset
+    from remnant.engine.model import ModelArgs
+
+    return ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig(**load_model_preset("dsv4_flash_h200"))))
+
+
+def compile_launches(launches: list[Launch], tmp_path) -> list[dict]:
+    """Each launch compiled for sm_90 in one process out of the interpreter: per launch its
+    kernel and either `error` or ptxas's registers and spill bytes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    job = tmp_path / "launches.json"
+    job.write_text(json.dumps([launch.as_json() for launch in launches]))
+    p = subprocess.run([sys.executable, __file__, str(job), str(tmp_path)], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _compile_one(kernel: str, signature: dict, constants: dict, options: dict, aligned: list, out: str) -> dict:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    module, name = kernel.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    names = list(fn.arg_names)
+    full = {a: signature.get(a, "constexpr") for a in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    try:
+        compiled = triton.compile(ASTSource(fn, signature=full, constexprs=constants, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as exc:  # the compiler's own error, reported per launch
+        return {"kernel": kernel, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
+    with open(out + ".ptx", "w") as f:
+        f.write(compiled.asm["ptx"])
+    report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", out + ".ptx", "-o", out + ".cubin"],
+                            capture_output=True, text=True).stderr
+    spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)]
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    return {"kernel": kernel, "spill_bytes": sum(a + b for a, b in spills), "registers": max(registers, default=0),
+            "ptxas": report[-1500:] if not spills else None}
+
+
+def assert_compile_without_spills(launches: list[Launch], tmp_path) -> list[dict]:
+    unique = list({launch.key(): launch for launch in launches}.values())
+    assert unique, "the wrapper launched nothing"
+    results = compile_launches(unique, tmp_path)
+    for launch, result in zip(unique, results):
+        assert "error" not in result, (launch, result["error"])
+        assert result["ptxas"] is None, (launch, result["ptxas"])  # ptxas reported its spills
+        assert result["spill_bytes"] == 0, (launch, result)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [1, 4, 8, 32, 128, 512])
+def test_moe_launches_compile_for_sm90(tokens, tmp_path):
+    # The routed experts as a decode step runs them (default_config on a GPU), FP8 experts
+    # of V4-Flash's shape, the shared expert's output and the residual added at the end.
+    from remnant.kernels.moe import default_config, routed_experts_triton
+
+    a = _model()
+    E, k, hidden, inter = a.n_routed_experts, a.num_experts_per_tok, a.hidden_size, a.moe_intermediate_size
+    x = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    ids = torch.arange(tokens * k).remainder(E).view(tokens, k)
+    weights = torch.empty(tokens, k)
+    w_gate_up = torch.empty(E, hidden, 2 * inter, dtype=torch.float8_e4m3fn)
+    w_down = torch.empty(E, inter, hidden, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(E, 2 * inter), torch.empty(E, hidden)
+    config = default_config(tokens * k, E, True, hidden, inter)
+    configs = [config] + ([dataclasses.replace(config, fp8_x=True, fp8_h=True)] if not config.per_pair else [])
+    with recorded_launches() as launches:
+        for cfg in configs:  # the default, and the FP8-activation option where it applies
+            routed_experts_triton(x, ids, weights, w_gate_up, w_down, *scales, config=cfg, adds=(x, x))
+    assert_compile_without_spills(launches, tmp_path)
+
+
+@pytest.mark.slow
+def test_router_top_k_indexer_and_quantizer_launches_compile_for_sm90(tmp_path):
+    from remnant.kernels.fp8_rows import quantize_rows_triton
+    from remnant.kernels.indexer import ScoresConfig, index_scores, index_scores_shared
+    from remnant.kernels.route import route_triton
+    from remnant.kernels.top_k import top_k, top_k_locations
+    from remnant.kv.index_keys import index_key_format
+    from remnant.engine.pools import SplitPages
+
+    a = _model()
+    heads, dim, n = a.index_n_heads, a.index_head_dim, 16384  # a 32k context's page-table bucket
+    with recorded_launches() as launches:
+        for tokens in (1, 128):
+            route_triton(torch.empty(tokens, a.hidden_size, dtype=torch.bfloat16),
+                         torch.empty(a.hidden_size, a.n_routed_experts), a.num_experts_per_tok, 1.0)
+            scores, counts = torch.empty(tokens, n), torch.full((tokens,), n // 2, dtype=torch.int32)
+            top_k(scores, a.index_topk)
+            top_k_locations(scores, a.index_topk, torch.empty(tokens, n, dtype=torch.int32), counts)
+            for name in ("fp8", "mxfp4"):
+                # The indexer pool's pages as the engine makes them (remnant.engine.pools).
+                fmt = index_key_format(name, dim)
+                keys = SplitPages(n // 64 + 1, 64, fmt.data_bytes + fmt.tail_bytes, fmt.tail_bytes)
+                layout, pages = keys.layout, keys.buf
+                q = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
+                w = torch.empty(tokens, heads, dtype=torch.bfloat16)
+                # The defaults (default_scores_config), and FP8 keys' float16-operand option.
+                for config in (None, ScoresConfig(f16_operands=True)) if name == "fp8" else (None,):
+                    index_scores(q, w, pages, layout, torch.empty(tokens, n, dtype=torch.int32), counts, name,
+                                 config=config)
+                index_scores_shared(q, w, pages, layout, torch.empty(n, dtype=torch.int32), counts, key_format=name)
+        for rows, cols in ((128, a.hidden_size), (768, a.moe_intermediate_size)):
+            quantize_rows_triton(torch.empty(rows, cols, dtype=torch.bfloat16))
+    kernels = {launch.kernel.split(":")[1] for launch in launches}
+    assert {"_logits_kernel", "_select_kernel", "_radix_pass", "_count_pass", "_write_pass", "_row_scores_kernel",
+            "_shared_scores_kernel", "_quantize_rows_kernel"} <= kernels, kernels
+    assert_compile_without_spills(launches, tmp_path)
+
+
+if __name__ == "__main__":
+    jobs, out_dir = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+    print(json.dumps([_compile_one(*job, os.path.join(out_dir, f"launch{i}")) for i, job in enumerate(jobs)]))
