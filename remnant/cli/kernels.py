@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             from remnant.kernels.bench.ncu import profile
 
             write_validated(args.out, doc)  # the timings are kept whatever ncu does
-            doc["ncu"] = profile(args.out.with_name(args.out.stem + "-ncu"), progress)
+            doc["ncu"] = profile(args.out.with_name(args.out.stem + "-ncu"), progress,
+                                 on_case=lambda so_far: write_validated(args.out, {**doc, "ncu": so_far}))
         write_validated(args.out, doc)
         json_path = args.out
     print(table(doc))

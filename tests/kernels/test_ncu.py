@@ -112,8 +112,10 @@ def test_a_failing_step_names_itself_its_status_and_ncu_errors(tmp_path):
     with pytest.raises(RuntimeError, match=f"^ncu profile exited 0: ==ERROR== {COUNTER_PERMISSION}"):
         profile_case("flashmla", 64, tmp_path / "r", ncu=str(fake))
     # Every case after a counter-permission error is recorded as not run, with the reason.
-    doc = profile(tmp_path / "r", progress=lambda _: None, ncu=str(fake))
-    assert doc["version"] == "Version 2025.3.1.0" and len(doc["cases"]) == 6
+    seen = []
+    doc = profile(tmp_path / "r", progress=lambda _: None, ncu=str(fake),
+                  on_case=lambda so_far: seen.append(len(so_far["cases"])))
+    assert doc["version"] == "Version 2025.3.1.0" and len(doc["cases"]) == 6 and seen == [1, 2, 3, 4, 5, 6]
     assert COUNTER_PERMISSION in doc["cases"][0]["error"]
     assert all(c["error"].startswith("not run: the GPU's performance counters") for c in doc["cases"][1:])
     slow = tmp_path / "slow"

@@ -152,27 +152,32 @@ def profile_case(case: str, batch: int, reports: Path, ncu: str = "ncu", timeout
             "report": {"path": rep.name, "bytes": rep.stat().st_size}}
 
 
-def profile(reports: Path, progress=print, ncu: str = "ncu") -> dict:
+def profile(reports: Path, progress=print, ncu: str = "ncu", on_case=None) -> dict:
     """Every case at every batch (CASES x BATCHES): the record's "ncu" entry. A case that
-    fails is recorded with its error, not fatal (the timings are already taken)."""
+    fails is recorded with its error, not fatal (the timings are already taken).
+    on_case(entry so far): called after each case, so that a caller can write the record
+    then (a device call that ends mid-way keeps the cases done)."""
     version = ncu_version(ncu)
     if version is None:
         raise RuntimeError(f"{ncu} (Nsight Compute) is not on PATH; --ncu needs it")
     entries = []
+    doc = {"version": version, "clock_control": "none", "reports": str(reports), "cases": entries}
     blocked = None  # the counters' permission error, once seen
     for batch in BATCHES:
         for case in CASES:
             if blocked:
                 entries.append({"case": case, "batch": batch, "kernels": [], "error": f"not run: {blocked}"})
-                continue
-            progress(f"ncu: {case} at batch {batch}")
-            try:
-                entries.append(profile_case(case, batch, reports, ncu))
-            except (RuntimeError, ValueError, OSError) as exc:
-                entries.append({"case": case, "batch": batch, "kernels": [], "error": str(exc)[:2000]})
-                if COUNTER_PERMISSION in str(exc):
-                    blocked = f"the GPU's performance counters are not open to this user ({COUNTER_PERMISSION})"
-    return {"version": version, "clock_control": "none", "reports": str(reports), "cases": entries}
+            else:
+                progress(f"ncu: {case} at batch {batch}")
+                try:
+                    entries.append(profile_case(case, batch, reports, ncu))
+                except (RuntimeError, ValueError, OSError) as exc:
+                    entries.append({"case": case, "batch": batch, "kernels": [], "error": str(exc)[:2000]})
+                    if COUNTER_PERMISSION in str(exc):
+                        blocked = f"the GPU's performance counters are not open to this user ({COUNTER_PERMISSION})"
+            if on_case:
+                on_case(doc)
+    return doc
 
 
 def _profiled_call(case: str, batch: int) -> None:
