@@ -140,80 +140,8 @@ def test_decode_exchange_join_passes_one_cluster_barrier_in_every_thread(packed,
         assert len(lines) == 1 and not re.search(r"@!?U?P\w+\s+" + op, lines[0]), lines
 
 
-
-
-# The decode step's row kernels (remnant.kernels.compress, rope, norm, the MoE's align, top_k's
-# location pass, the indexer's scores with raw head weights), at the engine's shapes.
-ROW_KERNELS = [
-    pytest.param("remnant.kernels.compress:_gate_kernel",
-                 dict(c_ptr="*bf16", c_stride="i64", g_ptr="*bf16", g_stride="i64", state_ptr=f"*{state}",
-                      state_stride0="i64", state_stride1="i64", state_row_ptr="*i64", block_rows_ptr="*i64",
-                      bias_ptr="*bf16", complete_ptr="*i1", latent_ptr="*fp32"),
-                 dict(RATIO=ratio, J=min(ratio, 32), CB=32, D=512, INTERPRETED=False), 4,
-                 id=f"gate-{state}-{ratio}")
-    for state in ("fp32", "bf16") for ratio in (4, 128)
-] + [
-    pytest.param("remnant.kernels.compress:_index_key_kernel",
-                 dict(ik_ptr="*bf16", ik_stride="i64", state_ptr="*fp32", state_stride0="i64", state_row_ptr="*i64",
-                      block_rows_ptr="*i64", pages_ptr="*u8", scales_ptr="*fp32", locs_ptr="*i32", page_stride="i64"),
-                 dict(RATIO=4, D=128, BLOCK=128, PER_PAGE=64, INTERPRETED=False), 1, id="index-key"),
-] + [
-    pytest.param("remnant.kernels.rope:_norm_rope_kernel",
-                 dict(x_ptr=f"*{x}", x_stride_t="i64", x_stride_h="i64", w_ptr="*bf16", pos_ptr="*i64",
-                      pos_scale="i32", inv_ptr="*fp32", out_ptr="*bf16", eps="fp32", H="i32"),
-                 dict(ROWS=16, HALF=32, HEADS=8, ROUND_Y=x == "bf16", INTERPRETED=False), 4, id=f"norm-rope-{x}")
-    for x in ("bf16", "fp32")
-] + [
-    pytest.param("remnant.kernels.norm:_rms_norm_kernel",
-                 dict(x_ptr="*bf16", x_stride="i64", w_ptr="*bf16", out_ptr="*bf16", eps="fp32"),
-                 dict(D=width, BLOCK=width, ROUND_Y=True, INTERPRETED=False), warps, id=f"rms-norm-{width}")
-    for width, warps in ((1024, 4), (4096, 8))
-] + [
-    pytest.param("remnant.kernels.slots:_ratio_slots_kernel",
-                 dict(pos_ptr="*i64", table_ptr="*i64", stride_t="i64", slot_ptr="*i64", locs_ptr="*i32",
-                      visible_ptr="*i1", visible_locs_ptr="*i32", counts_ptr="*i32", state_row_ptr="*i64",
-                      block_rows_ptr="*i64", index_ptr="*i64", write_ptr="*i32", complete_ptr="*i1", N="i32",
-                      pad_page="i32"),
-                 dict(PER=per, RATIO=ratio, RING=ring, BLOCK=1024, RATIO_BLOCK=ratio), 4, id=f"ratio-slots-{ratio}")
-    for ratio, per, ring in ((4, 64, 8), (128, 2, 128))
-] + [
-    # A batch of 128's 768 pairs over 32 experts (a one-hot of them all spilled 12 KB).
-    pytest.param("remnant.kernels.moe:_align_kernel",
-                 dict(ids_ptr="*i64", rows_ptr="*i32", block_expert_ptr="*i32", n="i32"),
-                 dict(E=32, BLOCK_M=16, BLOCKS=78, PAIRS_P=1024, EXPERTS_P=32, CHUNK=128, PAD_P=16, BLOCKS_P=128,
-                      ROWS_P=2048), 4, id="moe-align-768"),
-    pytest.param("remnant.kernels.top_k:_write_pass",
-                 dict(s_ptr="*fp32", stride_s="i64", state_ptr="*i32", counts_ptr="*i32", values_ptr="*i32",
-                      indices_ptr="*i32", stride_o="i64", locs_ptr="*i32", stride_l="i64", limits_ptr="*i32", n="i32",
-                      k="i32", chunk="i32"),
-                 dict(BLOCK=1024, MAX_PARTS=16, LOCS=True, LIMITED=True), 8, id="top-k-locations"),
-    pytest.param("remnant.kernels.indexer:_row_scores_kernel",
-                 dict(q_ptr="*bf16", w_ptr="*bf16", w_stride="i64", w_scale="fp32", pages_ptr="*u8", scales_ptr="*fp32",
-                      locs_ptr="*i32", counts_ptr="*i32", out_ptr="*fp32", n="i32", H="i32", page_stride="i64"),
-                 dict(PER_PAGE=64, D=128, BLOCK_H=64, BLOCK_N=128, BLOCKS=1, STAGES=1, INTERPRETED=False,
-                      MXFP4=False, MX=32, F16=False), 4, id="index-scores"),
-    pytest.param("remnant.kernels.indexer:_shared_scores_kernel",
-                 dict(q_ptr="*bf16", w_ptr="*bf16", w_stride="i64", w_scale="fp32", pages_ptr="*u8", scales_ptr="*fp32",
-                      locs_ptr="*i32", counts_ptr="*i32", out_ptr="*fp32", B="i32", n="i32", H="i32",
-                      page_stride="i64"),
-                 dict(PER_PAGE=64, D=128, BLOCK_H=64, BLOCK_N=64, BLOCK_T=16, INTERPRETED=False, MXFP4=False, MX=32),
-                 4, id="index-scores-shared"),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("kernel", "signature", "constants", "warps"), ROW_KERNELS)
-def test_the_steps_row_kernels_compile_for_sm90_without_spills(kernel, signature, constants, warps, tmp_path):
-    # They are tested on the CPU under the interpreter, which takes code a GPU compile may
-    # refuse. ptxas -v names register spills apart from the stack frame that cos and sin's
-    # rarely taken large-argument path keeps (its local array is no spill).
-    assert "EXIT" in _listing(kernel, signature, constants, warps, tmp_path)
-    from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton itself compiled with
-
-    report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(tmp_path / "kernel.ptx"),
-                             "-o", str(tmp_path / "again.cubin")], capture_output=True, text=True, check=True).stderr
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert spills and all(s == ("0", "0") for s in spills), report
+# The decode step's row kernels, compiled as their wrappers launch them at the engine's
+# shapes: tests/kernels/test_launches_compile.py.
 
 
 if __name__ == "__main__":

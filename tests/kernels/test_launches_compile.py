@@ -148,6 +148,47 @@ def test_router_top_k_indexer_and_quantizer_launches_compile_for_sm90(tmp_path):
     assert_compile_without_spills(launches, tmp_path)
 
 
+@pytest.mark.slow
+def test_the_decode_steps_row_kernels_compile_for_sm90(tmp_path):
+    # The compressor's update (C4 and C128, float32 and bf16 state) with its norm + RoPE, the
+    # index keys' update, the queries' norm + RoPE, the RMS norms, the record slots of both
+    # ratios and the MoE's alignment of a batch of 128's 768 pairs, at the engine's shapes.
+    from remnant.engine.pools import SplitPages
+    from remnant.kernels.compress import compress_decode, index_key_decode
+    from remnant.kernels.moe import align_triton
+    from remnant.kernels.norm import rms_norm
+    from remnant.kernels.rope import norm_rope
+    from remnant.kernels.slots import ratio_slots
+    from remnant.kv.index_keys import index_key_format
+
+    a = _model()
+    B, bf16, i64 = 32, torch.bfloat16, torch.int64
+    rows = torch.arange(B, dtype=i64)
+    with recorded_launches() as launches:
+        projections = torch.empty(B, 4 * 512, dtype=bf16)  # c and g as row-strided column slices
+        for ratio in (4, 128):
+            for state_dtype in (torch.float32, bf16):
+                compress_decode(projections[:, :512], projections[:, 512:1024], torch.empty(B, 2, 512, dtype=state_dtype),
+                                rows, torch.empty(B, ratio, dtype=i64), torch.empty(ratio, 512, dtype=bf16),
+                                torch.empty(512, dtype=bf16), rows, ratio, 1e-6, 10000.0,
+                                complete=torch.empty(B, dtype=torch.bool))
+            ratio_slots(rows, torch.empty(B, 129, dtype=i64), rows, 256, ratio, 8 if ratio == 4 else 128, 0)
+        fmt = index_key_format("fp8", a.index_head_dim)
+        keys = SplitPages(B, 64, fmt.data_bytes + fmt.tail_bytes, fmt.tail_bytes)
+        index_key_decode(projections[:, :a.index_head_dim], torch.empty(B, 2, 512), rows,
+                         torch.empty(B, 4, dtype=i64), keys.buf, keys.layout, torch.zeros(B, dtype=torch.int32))
+        q = torch.empty(B, a.num_attention_heads, 2 * 512, dtype=bf16)[..., :512]
+        norm_rope(q, torch.empty(512, dtype=bf16), 1e-6, rows, 10000.0)
+        for width in (a.q_lora_rank, a.hidden_size):
+            rms_norm(torch.empty(B, width, dtype=bf16), torch.empty(width, dtype=bf16), 1e-6)
+        align_triton(torch.arange(128 * a.num_experts_per_tok).remainder(a.n_routed_experts).view(128, -1),
+                     a.n_routed_experts, 16)
+    kernels = {launch.kernel.split(":")[1] for launch in launches}
+    assert {"_gate_kernel", "_norm_rope_kernel", "_ratio_slots_kernel", "_index_key_kernel", "_rms_norm_kernel",
+            "_align_kernel"} <= kernels, kernels
+    assert_compile_without_spills(launches, tmp_path)
+
+
 if __name__ == "__main__":
     jobs, out_dir = json.loads(open(sys.argv[1]).read()), sys.argv[2]
     print(json.dumps([_compile_one(*job, os.path.join(out_dir, f"launch{i}")) for i, job in enumerate(jobs)]))
