@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from remnant.kernels.common import interpreted
+from remnant.kernels.common import cast_nearest, interpreted
+from remnant.kv.formats import FP8_MAX
 from remnant.kv.index_keys import BLOCK, MX_BLOCK, IndexKeyFormat, index_key_format
 from remnant.kv.layout import PageLayout
 
@@ -84,14 +85,27 @@ def keys_at(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
     return index_key_format(key_format, KEY_DIM).dequantize(layout.read(pages, locs.clamp_min(0)))
 
 
+def fp8_query_heads(q: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D] as ScoresConfig.fp8_q multiplies it, in float64: each head's FP8 e4m3
+    codes times its float32 scale. scale = amax / 448 (the least normal float32 for a head
+    of zeros); codes = q times 1 / scale (both float32 operations, IEEE on CPU and GPU)
+    rounded to nearest even by torch's cast, as the kernel forms them."""
+    qf = q.float()
+    scale = (qf.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = (qf * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.double() * scale.double()[..., None]
+
+
 def index_scores_reference(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
                            locs: torch.Tensor, counts: torch.Tensor,
-                           key_format: "str | IndexKeyFormat" = "fp8") -> torch.Tensor:
+                           key_format: "str | IndexKeyFormat" = "fp8", fp8_q: bool = False) -> torch.Tensor:
     """The ground truth of `index_scores` (locs [B, n]) and `index_scores_shared` (locs
-    [n]), in float64, returned as float32."""
+    [n]), in float64, returned as float32. fp8_q: of index_scores with ScoresConfig.fp8_q,
+    whose queries are first rounded to FP8 per head (fp8_query_heads)."""
     shared = locs.ndim == 1
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, shared, fmt)
+    q = fp8_query_heads(q) if fp8_q else q
     keys = keys_at(pages, layout, locs, fmt).double()
     spec = "bhd,nd->bhn" if shared else "bhd,bnd->bhn"
     logits = torch.relu(torch.einsum(spec, q.double(), keys))
@@ -181,24 +195,44 @@ def _block_scores(q, wh, keys, scale, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _fp8_heads(q, INTERPRETED: tl.constexpr):
+    """q [BLOCK_H, D] as FP8 e4m3 codes with one float32 scale per head (row), as
+    fp8_query_heads forms them, bit for bit: scale = amax / 448 (the least normal float32
+    for a head of zeros) and its reciprocal by IEEE division, once a head; codes = q times
+    the reciprocal (one multiply an element, not a division) rounded to nearest even."""
+    qf = q.to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(qf), axis=1), 448.0), 1.1754943508222875e-38)
+    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    codes = cast_nearest(tl.clamp(qf * inverse[:, None], -448.0, 448.0), tl.float8e4nv, INTERPRETED)
+    return codes, scale
+
+
+@triton.jit
 def _row_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, n, H,
                        page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, STAGES: tl.constexpr,
-                       INTERPRETED: tl.constexpr, MXFP4: tl.constexpr, MX: tl.constexpr, F16: tl.constexpr):
+                       INTERPRETED: tl.constexpr, MXFP4: tl.constexpr, MX: tl.constexpr, F16: tl.constexpr,
+                       FP8_Q: tl.constexpr = False):
     """A decode step's scores: row pid0 (its own locations locs [b, :n]) against its key
     blocks [pid1 * BLOCKS, +BLOCKS) of BLOCK_N keys. The row's queries and head weights are
     loaded once for the BLOCKS blocks, whose key loads the loop pipelines (STAGES); keys at
-    or past the row's count are invisible and not read."""
+    or past the row's count are invisible and not read. FP8_Q: the queries as FP8 codes
+    with a scale per head (_fp8_heads), multiplied with the keys' FP8 codes as they are
+    stored (the MMAs at FP8's rate, nothing widened); each head's scale, positive, goes
+    into its weight: w relu(s q'.k) = (w s) relu(q'.k)."""
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     h = tl.arange(0, BLOCK_H)
     q = tl.load(q_ptr + (b * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
     wh = tl.load(w_ptr + b * w_stride + h, mask=h < H, other=0.0).to(tl.float32) * w_scale
+    if FP8_Q:
+        q, q_scale = _fp8_heads(q, INTERPRETED)
+        wh = wh * q_scale
     count = tl.load(counts_ptr + b)
     limit = tl.minimum(count, n)
     row_locs = locs_ptr + b * n
     first = tl.program_id(1) * (BLOCKS * BLOCK_N)
-    op = tl.float16 if F16 else q_ptr.dtype.element_ty   # the MMA operands' dtype
+    op = tl.float8e4nv if FP8_Q else (tl.float16 if F16 else q_ptr.dtype.element_ty)  # the MMA operands' dtype
     # A program wholly at or past the row's count only stores -inf: n is the page-table
     # bucket's (up to twice a row's records, and the batch's longest row's for the rest),
     # so skipping the products keeps a row's cost to its count.
@@ -245,7 +279,12 @@ class ScoresConfig:
     to float16 rather than bf16 and q rounded to it (one conversion instruction widens two
     FP8 codes to float16, more to bf16; FP8 and MXFP4 keys are exact in both, q's bf16
     elements in float16's normal range, 2^-14 to 65504: a smaller element loses bits, a
-    larger one overflows).
+    larger one overflows). fp8_q (FP8 keys only): the queries rounded to FP8 e4m3 with a
+    scale per head, in the kernel, and multiplied with the keys' codes as stored, as
+    DeepSeek's indexer runs in FP8 (DeepGEMM's fp8_mqa_logits): no key widened, the
+    keys' shared-memory tile half the bf16 one's, the MMAs at FP8's rate. Costs q's FP8
+    rounding (index_scores_reference(fp8_q=True) is its ground truth). Not timed on a GPU;
+    off by default.
 
     The defaults are the fastest of the H100 sweep of 2026-12-06 (runners/device/
     moe_topk_timings.py indexer): blocks of 128 keys took half the time of blocks of 64 at
@@ -257,6 +296,7 @@ class ScoresConfig:
     num_warps: int = 4
     num_stages: int = 1
     f16_operands: bool = False
+    fp8_q: bool = False
 
 
 def default_scores_config(key_format: "str | IndexKeyFormat" = "fp8") -> ScoresConfig:
@@ -291,10 +331,14 @@ def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: flo
                                     B, n, H, layout.page_stride, BLOCK_N=block_n, BLOCK_T=block_t, **common)
         return out
     config = config or default_scores_config(fmt)
+    if config.fp8_q and (mxfp4 or config.f16_operands):
+        raise ValueError(f"ScoresConfig.fp8_q takes FP8 keys without f16_operands, got key_format={fmt.name!r}, "
+                         f"f16_operands={config.f16_operands}")
     grid = (B, triton.cdiv(n, config.block_n * config.blocks))
     _row_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out, n, H,
                              layout.page_stride, BLOCK_N=config.block_n, BLOCKS=config.blocks,
                              STAGES=config.num_stages, F16=config.f16_operands and q.dtype == torch.bfloat16,
+                             FP8_Q=config.fp8_q,
                              num_warps=config.num_warps, **common)
     return out
 

@@ -388,15 +388,22 @@ def indexer_table() -> None:
         times: dict = {}
         for cfg in [default, dataclasses.replace(default, f16_operands=True), *grid]:
             time_if_close(cfg, run, ref, times, measure, "default")
-        # The fastest bf16 configs again with float16 operands.
-        for cfg in sorted(times, key=times.get)[:3]:
+        # The fastest bf16 configs again with float16 operands, and with FP8 queries
+        # (ScoresConfig.fp8_q: FP8 MMAs), checked against the default's FP8-query output.
+        fastest = sorted(times, key=times.get)[:3]
+        for cfg in fastest:
             time_if_close(dataclasses.replace(cfg, f16_operands=True), run, ref, times, measure, "default")
+        fp8_default = dataclasses.replace(default, fp8_q=True)
+        fp8_ref = run(fp8_default)
+        for cfg in [fp8_default, *(dataclasses.replace(c, fp8_q=True, f16_operands=False) for c in fastest)]:
+            time_if_close(cfg, run, fp8_ref, times, measure, "fp8_q default")
         best = sorted(times, key=times.get)
         nbytes = B * n * key_bytes
-        for cfg in [*best[:5], default]:
+        for cfg in dict.fromkeys([*best[:5], default, fp8_default]):
             label = "default" if cfg == default else f"{best.index(cfg) + 1}"
             print(f"| {B} x {n} | bn{cfg.block_n} x{cfg.blocks} w{cfg.num_warps} s{cfg.num_stages}"
-                  f"{' f16' if cfg.f16_operands else ''} | {times[cfg]:.1f} | {nbytes / times[cfg] / 1e6:.2f} | "
+                  f"{' f16' if cfg.f16_operands else ''}{' fp8q' if cfg.fp8_q else ''} | {times[cfg]:.1f} | "
+                  f"{nbytes / times[cfg] / 1e6:.2f} | "
                   f"{label} |", flush=True)
 
 

@@ -69,6 +69,46 @@ def test_every_launch_config_scores_as_the_reference(config, key_format):
     _same_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format))
 
 
+@pytest.mark.parametrize("config", [ScoresConfig(fp8_q=True), ScoresConfig(block_n=32, blocks=3, fp8_q=True)], ids=str)
+def test_fp8_queries_score_as_their_reference_and_keep_the_top_k(config):
+    # FP8 queries (a scale per head) against FP8 keys: the reference of the rounded queries,
+    # rows ending inside a block and at 0, padding; heads past H (none here: 64) and a head
+    # of zeros get no NaN. Against the bf16 queries' scores: FP8's rounding of q moves a
+    # score by ~1-2% and keeps most of the top-k.
+    gen = torch.Generator().manual_seed(config.block_n)
+    B, n, per_page = 4, 200, 16
+    pool = _pool(gen, 16, per_page)
+    locs = torch.randint(0, 16 * per_page, (B, n), generator=gen)
+    locs[0, 5::13] = -1
+    counts = torch.tensor([n, 77, 0, n])
+    q = torch.randn(B, 64, 128, generator=gen).to(torch.bfloat16)
+    q[3, 7] = 0.0
+    w = torch.randn(B, 64, generator=gen)
+    q, w, locs, counts = q.to(DEVICE), w.to(DEVICE), locs.to(DEVICE), counts.to(DEVICE)
+    got = index_scores(q, w, pool.buf, pool.layout, locs, counts, config=config)
+    _same_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, fp8_q=True))
+    exact = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts)
+    seen = torch.isfinite(exact)
+    assert torch.equal(torch.isfinite(got), seen)
+    error = (got - exact)[seen].abs().max() / exact[seen].abs().max()
+    assert 1e-4 < error < 0.05, error  # rounded (not the bf16 path), and not by much
+    for row in (0, 3):
+        top = lambda s: set(torch.topk(s[row], 32).indices.tolist())  # noqa: E731
+        assert len(top(got) & top(exact)) >= 28
+
+
+def test_fp8_queries_need_fp8_keys_without_float16_operands():
+    gen = torch.Generator().manual_seed(1)
+    pool = _pool(gen, 2, 16, "mxfp4")
+    q, w = torch.zeros(1, 64, 128, device=DEVICE), torch.zeros(1, 64, device=DEVICE)
+    locs, counts = torch.zeros(1, 8, dtype=torch.long, device=DEVICE), torch.ones(1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="fp8_q takes FP8 keys without f16_operands, got key_format='mxfp4'"):
+        index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format="mxfp4", config=ScoresConfig(fp8_q=True))
+    fp8 = _pool(gen, 2, 16)
+    with pytest.raises(ValueError, match="f16_operands=True"):
+        index_scores(q, w, fp8.buf, fp8.layout, locs, counts, config=ScoresConfig(fp8_q=True, f16_operands=True))
+
+
 def test_raw_head_weights_with_a_scale_are_the_scaled_weights():
     # The decode step hands the projection's bf16 column slice and 1 / sqrt(heads), as
     # Model.index_queries would scale them in float32 first: the same scores, bit for bit.
@@ -183,6 +223,14 @@ def test_scores_at_v4_flash_shapes_on_gpu(key_format):
     for config in (None, ScoresConfig(block_n=64, blocks=16, num_warps=8, f16_operands=True)):
         got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format, config=config)
         _same_scores(got, want)
+    if key_format == "fp8":  # FP8 queries: the FP8 MMAs against their own reference
+        fp8 = index_scores(q, w, pool.buf, pool.layout, locs, counts, config=ScoresConfig(fp8_q=True))
+        ref = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, fp8_q=True)
+        seen = ~torch.isneginf(ref)
+        assert torch.equal(torch.isneginf(fp8), ~seen)
+        # Hopper's FP8 MMAs add their products with fewer bits than float32 (DeepGEMM
+        # promotes every 128 of K for it; here K is 128): a looser bound than _same_scores'.
+        torch.testing.assert_close(fp8[seen], ref[seen], rtol=1e-3, atol=1e-3 * ref[seen].abs().max().item())
     shared = index_scores_shared(q, w, pool.buf, pool.layout, locs[0], counts, key_format=key_format)
     _same_scores(shared, index_scores_reference(q, w, pool.buf, pool.layout, locs[0], counts, key_format=key_format))
     # The selection from them on the GPU: the stable sort's, ties and -inf included.

@@ -72,11 +72,16 @@ def _compile_one(kernel: str, signature: dict, constants: dict, options: dict, a
                             capture_output=True, text=True).stderr
     spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)]
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", out + ".cubin"], capture_output=True, text=True).stdout
     return {"kernel": kernel, "spill_bytes": sum(a + b for a, b in spills), "registers": max(registers, default=0),
-            "ptxas": report[-1500:] if not spills else None}
+            "ptxas": report[-1500:] if not spills else None,
+            "mma": sorted(set(re.findall(r"\b[HQ]GMMA\.[0-9x]+\.[A-Z0-9.]+", sass)))}
 
 
 def assert_compile_without_spills(launches: list[Launch], tmp_path) -> list[dict]:
+    """Each distinct launch compiled (compile_launches), none failing or spilling; their
+    results, in the order of first launch."""
     unique = list({launch.key(): launch for launch in launches}.values())
     assert unique, "the wrapper launched nothing"
     results = compile_launches(unique, tmp_path)
@@ -135,8 +140,9 @@ def test_router_top_k_indexer_and_quantizer_launches_compile_for_sm90(tmp_path):
                 layout, pages = keys.layout, keys.buf
                 q = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
                 w = torch.empty(tokens, heads, dtype=torch.bfloat16)
-                # The defaults (default_scores_config), and FP8 keys' float16-operand option.
-                for config in (None, ScoresConfig(f16_operands=True)) if name == "fp8" else (None,):
+                # The defaults (default_scores_config), and FP8 keys' float16-operand and FP8-query options.
+                options = (None, ScoresConfig(f16_operands=True), ScoresConfig(fp8_q=True))
+                for config in options if name == "fp8" else (None,):
                     index_scores(q, w, pages, layout, torch.empty(tokens, n, dtype=torch.int32), counts, name,
                                  config=config)
                 index_scores_shared(q, w, pages, layout, torch.empty(n, dtype=torch.int32), counts, key_format=name)
@@ -145,7 +151,19 @@ def test_router_top_k_indexer_and_quantizer_launches_compile_for_sm90(tmp_path):
     kernels = {launch.kernel.split(":")[1] for launch in launches}
     assert {"_logits_kernel", "_select_kernel", "_radix_pass", "_count_pass", "_write_pass", "_row_scores_kernel",
             "_shared_scores_kernel", "_quantize_rows_kernel"} <= kernels, kernels
-    assert_compile_without_spills(launches, tmp_path)
+    unique = list({launch.key(): launch for launch in launches}.values())
+    results = dict(zip((launch.key() for launch in unique), assert_compile_without_spills(launches, tmp_path)))
+    # The scores' MMAs as Hopper runs them: bf16 wgmma for the defaults (HGMMA...F32.BF16),
+    # float16 with f16_operands (HGMMA...F32: float16 is the unnamed default), FP8 (QGMMA,
+    # E4M3 on both sides) with FP8 queries, where no key is widened.
+    def form(m: str) -> str:
+        return "fp8" if m.endswith("E4M3.E4M3") else "bf16" if m.endswith(".BF16") else "f16"
+
+    for launch in unique:
+        if launch.kernel.endswith("_row_scores_kernel") and not launch.constants["MXFP4"]:
+            mma = results[launch.key()]["mma"]
+            want = "fp8" if launch.constants.get("FP8_Q") else ("f16" if launch.constants["F16"] else "bf16")
+            assert mma and {form(m) for m in mma} == {want}, (launch.constants, mma)
 
 
 @pytest.mark.slow
