@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-contexts", default="4096,32768,131072",
                    help="prompt lengths whose prefill is timed (empty: none)")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (host.chunked_prefill_size)")
+    p.add_argument("--index-fp8-queries", action="store_true",
+                   help="the decode step's indexer scores with FP8 queries on FP8 MMAs (ScoresConfig.fp8_q; FP8 keys)")
     p.add_argument("--prefill-profile", action="store_true",
                    help="prefill each prompt again, untimed, counting the records its attention reads and, "
                         "on cuda, its kernels' time by part (rebuild, attention, indexer, store, other)")
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-logs", type=Path, help="folder for each CUDA cell's kernels in order (TSV)")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
+    if a.index_fp8_queries and a.index_key_format != "fp8":
+        p.error(f"--index-fp8-queries takes FP8 keys, got --index-key-format {a.index_key_format}")
     bad = [m for m in modes if m not in MODE_NAMES]
     if bad:
         p.error(f"--modes {','.join(bad)} is not allowed; allowed: {', '.join(MODE_NAMES)}")
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
               [int(c) for c in a.prefill_contexts.split(",") if c], a.chunk, on_row=write,
               torch_compile=a.torch_compile, index_key_format=a.index_key_format, window_records=a.window_records,
               c128_records=a.c128_records, kernel_logs=a.kernel_logs,
-              prefill_profile=a.prefill_profile)
+              prefill_profile=a.prefill_profile, index_fp8_queries=a.index_fp8_queries)
     write(doc)
     for row in doc["rows"]:
         print(row_line(row))

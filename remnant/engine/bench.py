@@ -383,7 +383,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
         steps: int, cuda_graph: bool = True, prefill_contexts: list[int] | None = None, chunk: int = 8192,
         on_row=None, torch_compile: bool = True, index_key_format: str = "fp8",
         window_records: str = "native", c128_records: str = "native", kernel_logs: Path | None = None,
-        prefill_profile: bool = False) -> dict:
+        prefill_profile: bool = False, index_fp8_queries: bool = False) -> dict:
     """The benchmark document (see the module docstring). `on_row(doc)` is called after each
     row with the document so far (main writes it: a run stopped part-way keeps its rows).
     kernel_logs: a folder for each CUDA cell's kernel log (profile_step), named
@@ -391,7 +391,8 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
     index_key_format, window_records and c128_records: the KV parts beyond C4
     (host.index_key_format, retention.window_records, retention.c128_records), recorded in
     the document's kv_parts. prefill_profile: each prefill row's reads and kernel_ms
-    (prefill_rows)."""
+    (prefill_rows). index_fp8_queries: the decode step's indexer scores with FP8 queries
+    (remnant.kernels.indexer.ScoresConfig.fp8_q; Model.index_scores_config)."""
     import dataclasses
 
     from remnant.config import ModelConfig
@@ -409,6 +410,10 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
     # V4-sized model's weights takes tens of seconds.
     model = Model(args, device=device, cuda_graph=cuda_graph, torch_compile=torch_compile,
                   index_key_format=index_key_format)
+    if index_fp8_queries:
+        from remnant.kernels.indexer import ScoresConfig
+
+        model.index_scores_config = ScoresConfig(fp8_q=True)
     dtype = str(model.dtype).removeprefix("torch.")
     rows, prefill = [], []
     doc = {**ENGINE_BENCH.header(),
@@ -417,6 +422,7 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
            "environment": environment(), "sources": sources(), "rows": rows, "prefill": prefill,
            "kv_parts": {"index_key_format": index_key_format, "window_records": window_records,
                         "c128_records": c128_records},
+           "index_fp8_queries": index_fp8_queries,
            "limits": ["random weights; records filled with quantized random latents, not a prefill",
                       "packed modes keep the prefix policy's columns (a step reads the same bytes for any map)",
                       "MoE bytes assume uniform routing (expected distinct experts)"]}

@@ -254,7 +254,8 @@ def _select(model, li: int, layer, pools, iw: torch.Tensor, q_lora: torch.Tensor
 
         # The head weights as projected: the kernel scales them (no cast or scale launch).
         scores = index_scores(model.index_q(layer, q_lora), iw, indexer.buf, indexer.layout, all_locs, slots.counts,
-                              key_format=model.index_key_format, w_scale=model.index_weight_scale)
+                              key_format=model.index_key_format, w_scale=model.index_weight_scale,
+                              config=model.index_scores_config)
     else:
         keys = model.index_key_format.dequantize(indexer.layout.read(indexer.buf, all_locs).flatten(0, 1))
         scores = model.index_scores_batched(layer, iw, q_lora, keys.view(*all_locs.shape, -1).to(model.dtype))

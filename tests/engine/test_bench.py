@@ -53,9 +53,10 @@ def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["--model", "tiny", "--device", "cpu", "--batches", "1,3", "--contexts", "260",
                  "--steps", "2", "--prefill-contexts", "300", "--chunk", "128", "--prefill-profile",
-                 "--out", str(out)]) == 0
+                 "--index-fp8-queries", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     validate(doc)
+    assert doc["index_fp8_queries"] is True
     assert [(r["mode"], r["batch"]) for r in doc["rows"]] == [(m, b) for m in ("native", "triton", "kernel")
                                                               for b in (1, 3)]
     for row in doc["rows"]:
@@ -86,14 +87,18 @@ def test_bench_runs_each_mode_on_the_cpu(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_bench_packs_every_part_it_is_asked_to(tmp_path):
+def test_bench_packs_every_part_it_is_asked_to(tmp_path, capsys):
     out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit):  # FP8 queries take FP8 keys
+        main(["--model", "tiny", "--index-key-format", "mxfp4", "--index-fp8-queries", "--out", str(out)])
+    assert "--index-fp8-queries takes FP8 keys, got --index-key-format mxfp4" in capsys.readouterr().err
     assert main(["--model", "tiny", "--device", "cpu", "--modes", "triton,kernel", "--batches", "2", "--contexts",
                  "260", "--steps", "1", "--prefill-contexts", "", "--index-key-format", "mxfp4",
                  "--window-records", "packed", "--c128-records", "packed", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     validate(doc)
     assert doc["kv_parts"] == {"index_key_format": "mxfp4", "window_records": "packed", "c128_records": "packed"}
+    assert doc["index_fp8_queries"] is False
     # Packed window and C128 records read fewer bytes than native ones in kernel mode.
     parts = {r["mode"]: r["parts"] for r in doc["rows"]}
     assert parts["kernel"]["window_bytes"] == 2 * 4 * 128 * 328 and parts["kernel"]["c128_records_bytes"] == 2 * 2 * 328

@@ -510,3 +510,33 @@ def test_kernel_mode_names_the_kernel_of_its_packed_decode():
     assert resolve_packed_decode(cpu, "kernels", 64, None, torch.float32) == (None, None)
     kernel, why = resolve_packed_decode(cpu, "kernels", 8, 192, torch.bfloat16)
     assert kernel == "triton" and why.startswith("the SM90 Gluon kernel cannot take it: needs a CUDA GPU")
+
+
+@needs_interpreter
+def test_the_step_scores_with_fp8_queries_where_asked(args):
+    # Model.index_scores_config reaches the decode step's scores kernel: with FP8 queries the
+    # top-64 of 500 visible records moves a little (near-equal scores swap), no more.
+    from remnant.engine.bench import fill_pools
+    from remnant.engine.decode_step import RatioSlots, _select
+    from remnant.kernels.indexer import ScoresConfig
+
+    model = Model(args, device="cpu", decode_path="kernels", torch_compile=False)
+    li = args.compress_ratios.index(4)
+    pools = scratch_pools(model, 2000, sequences=2)
+    fill_pools(model, pools)  # every index key its own
+    B, n = 2, 500
+    gen = torch.Generator().manual_seed(3)
+    locs = torch.stack([torch.randperm(n, generator=gen) for _ in range(B)]).to(torch.int32)
+    counts = torch.tensor([n, n - 37], dtype=torch.int32)
+    visible = torch.arange(n)[None, :] < counts[:, None]
+    unused = torch.zeros(B, dtype=torch.long)
+    slots = RatioSlots(locs, visible, torch.where(visible, locs, -1), counts, unused, unused[:, None], unused,
+                       unused.int(), unused.bool())
+    q_lora = torch.randn(B, args.q_lora_rank, generator=gen)
+    iw = torch.randn(B, args.index_n_heads, generator=gen)
+    picks = []
+    for config in (None, ScoresConfig(fp8_q=True)):
+        model.index_scores_config = config
+        picks.append(_select(model, li, model.layers[li], pools, iw, q_lora, slots, kernels=True))
+    plain, fp8 = ([set(row.tolist()) for row in chosen] for chosen in picks)
+    assert plain != fp8 and all(len(a & b) >= 0.8 * len(a) for a, b in zip(plain, fp8))
