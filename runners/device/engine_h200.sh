@@ -3,7 +3,7 @@
 # limit so that a stage that hangs or fails leaves the others' results:
 #   tests   pytest -m gpu over the engine (graph replay, kernel per mode, capacity, compiled
 #           step ops) and the kernels it calls (MoE and its routing, indexer, top-k, the
-#           compressor update, norm + RoPE, RMS norm)
+#           compressor update, norm + RoPE, RMS norm, the FP8 row quantizer)
 #   timings runners/device/moe_topk_timings.py (the MoE launch grid, top-k against torch.topk;
 #           TIMINGS: its tables, e.g. moe_tiles)
 #   bench   python -m remnant.cli.engine_bench (decode step per mode beside its roofline, prefill)
@@ -31,7 +31,8 @@ for stage in ${STAGES:-tests bench serve}; do
     # test, which survives where xdist's summary does not (an interrupted run on 2026-12-06).
     timeout -s INT -k 20 ${TESTS_S:-300} python3 -m pytest ${GPU_TESTS:-tests/engine tests/kernels/test_moe.py \
         tests/kernels/test_indexer.py tests/kernels/test_top_k.py tests/kernels/test_compress.py \
-        tests/kernels/test_rope.py tests/kernels/test_norm.py tests/kernels/test_route.py} -v -m gpu \
+        tests/kernels/test_rope.py tests/kernels/test_norm.py tests/kernels/test_route.py \
+        tests/kernels/test_fp8_rows.py} -v -m gpu \
         -p no:cacheprovider --timeout 120 --tb=short -rfE ${PYTEST_ARGS:-} > "$OUT/pytest-gpu.txt" 2>&1
     grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|^E  " "$OUT/pytest-gpu.txt" | head -40
     grep -E "^=+ .* in [0-9.]+s" "$OUT/pytest-gpu.txt" | tail -1 ;;  # pytest's last line
