@@ -25,10 +25,13 @@ TINY = torch.finfo(torch.float32).tiny
 
 def fp8_codes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 codes of t (float) and float32 scales, one per slice along axis 1 (the
-    summed axis of experts [E, K, N] and of activations [R, C]): scale = amax over it / 448
-    (TINY for a slice of zeros), codes = t / scale cast by torch (round to nearest even)."""
+    summed axis of experts [E, K, N] and of activations [R, C]): scale = amax over it times
+    float32(1 / 448) (TINY for a slice of zeros), codes = t / scale cast by torch (round to
+    nearest even). Times the reciprocal, not divided by 448: torch divides a CUDA tensor by
+    a number that way and a CPU one exactly, which differ in the last bit for about half
+    of all amax; a multiply is the same on both, and in the kernel."""
     t = t.float()
-    scale = (t.abs().amax(dim=1) / FP8_MAX).clamp_min(TINY)
+    scale = (t.abs().amax(dim=1) * (1.0 / FP8_MAX)).clamp_min(TINY)
     return (t / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
@@ -48,9 +51,9 @@ def _quantize_rows_kernel(t_ptr, stride_t, codes_ptr, stride_c, scale_ptr, C: tl
     c = tl.arange(0, BLOCK)
     inside = c < C
     v = tl.load(t_ptr + r * stride_t + c, mask=inside, other=0.0).to(tl.float32)
-    # div_rn: IEEE division as torch's, for the scale as for the codes; plain `/` may
-    # compile to an approximate division, whose last bit may differ from the reference's.
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 448.0), TINY_SCALE)
+    # The scale as fp8_codes forms it (times float32(1 / 448)); the codes by IEEE division,
+    # as torch divides two tensors (Triton's plain '/' compiles to div.approx.f32).
+    scale = tl.maximum(tl.max(tl.abs(v), axis=0) * (1.0 / 448.0), TINY_SCALE)
     q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)
     tl.store(codes_ptr + r * stride_c + c, cast_nearest(q, codes_ptr.dtype.element_ty, INTERPRETED), mask=inside)
     tl.store(scale_ptr + r, scale)

@@ -87,11 +87,13 @@ def keys_at(pages: torch.Tensor, layout: PageLayout, locs: torch.Tensor,
 
 def fp8_query_heads(q: torch.Tensor) -> torch.Tensor:
     """q [B, H, D] as ScoresConfig.fp8_q multiplies it, in float64: each head's FP8 e4m3
-    codes times its float32 scale. scale = amax / 448 (the least normal float32 for a head
-    of zeros); codes = q times 1 / scale (both float32 operations, IEEE on CPU and GPU)
-    rounded to nearest even by torch's cast, as the kernel forms them."""
+    codes times its float32 scale. scale = amax times float32(1 / 448) (the least normal
+    float32 for a head of zeros); codes = q times 1 / scale rounded to nearest even by
+    torch's cast, as the kernel forms them. Only multiplies and a tensor's reciprocal:
+    torch divides a CUDA tensor by a number as a multiply by its reciprocal and a CPU one
+    exactly, so `amax / 448` would differ between the two in the last bit."""
     qf = q.float()
-    scale = (qf.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = (qf.abs().amax(-1) * (1.0 / FP8_MAX)).clamp_min(torch.finfo(torch.float32).tiny)
     codes = (qf * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.double() * scale.double()[..., None]
 
@@ -197,11 +199,12 @@ def _block_scores(q, wh, keys, scale, INTERPRETED: tl.constexpr):
 @triton.jit
 def _fp8_heads(q, INTERPRETED: tl.constexpr):
     """q [BLOCK_H, D] as FP8 e4m3 codes with one float32 scale per head (row), as
-    fp8_query_heads forms them, bit for bit: scale = amax / 448 (the least normal float32
-    for a head of zeros) and its reciprocal by IEEE division, once a head; codes = q times
-    the reciprocal (one multiply an element, not a division) rounded to nearest even."""
+    fp8_query_heads forms them, bit for bit: scale = amax times float32(1 / 448) (the least
+    normal float32 for a head of zeros) and its reciprocal by IEEE division, once a head;
+    codes = q times the reciprocal (one multiply an element, not a division) rounded to
+    nearest even."""
     qf = q.to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(qf), axis=1), 448.0), 1.1754943508222875e-38)
+    scale = tl.maximum(tl.max(tl.abs(qf), axis=1) * (1.0 / 448.0), 1.1754943508222875e-38)
     inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     codes = cast_nearest(tl.clamp(qf * inverse[:, None], -448.0, 448.0), tl.float8e4nv, INTERPRETED)
     return codes, scale
