@@ -220,8 +220,9 @@ def prefill_rows(model, mode: str, contexts: list[int], chunk: int, profile: boo
     """Prefill tokens/s of one prompt per context length, a row as each is timed (a short
     warm-up prompt first: kernels compile there, not in the timing). profile: the same
     prompt prefilled again, untimed, counting what its attention reads (reads:
-    remnant.engine.prefill_reads) and, on CUDA, under the torch profiler (kernel_ms: its
-    kernels' time by what they do, prefill_kernel_ms); both null without it."""
+    remnant.engine.prefill_reads), and on CUDA once more under the torch profiler
+    (kernel_ms: its kernels' time by what they do, prefill_kernel_ms); both null without
+    it."""
     from remnant.engine.pools import new_sequence, scratch_pools
 
     gen = torch.Generator().manual_seed(0)
@@ -241,28 +242,25 @@ def prefill_rows(model, mode: str, contexts: list[int], chunk: int, profile: boo
 
 
 def profile_prefill(model, context: int, prompt: list[int], chunk: int) -> tuple[dict, dict | None]:
-    """(reads, kernel_ms) of `prompt` prefilled into fresh pools (prefill_rows' profile)."""
-    from remnant.engine.pools import new_sequence, scratch_pools
+    """(reads, kernel_ms) of `prompt` prefilled into fresh pools (prefill_rows' profile):
+    one pass counting what the attention reads, and on CUDA another under the profiler
+    (the count's own kernels, torch.unique's sorts, would otherwise be in its times)."""
     from remnant.engine.prefill_reads import PrefillReads
 
-    pools = scratch_pools(model, context, sequences=1, window_blocks=1)
-    seq = new_sequence(pools, context)
     model.prefill_reads = PrefillReads()
     try:
-        if model.device.type != "cuda":
-            time_prefill(model, pools, seq, prompt, chunk)
-            kernel_ms = None
-        else:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                time_prefill(model, pools, seq, prompt, chunk)
-            kernel_ms = prefill_kernel_ms(
-                (e.name, e.time_range.end - e.time_range.start) for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA)
+        _prefill_fresh(model, context, prompt, chunk)
         reads = model.prefill_reads.as_record()
     finally:
         model.prefill_reads = None
+    kernel_ms = None
+    if model.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _prefill_fresh(model, context, prompt, chunk)
+        kernel_ms = prefill_kernel_ms((e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+                                      if e.device_type == torch.autograd.DeviceType.CUDA)
     chunks = -(-context // chunk)
     print("  read a chunk (all layers): " + ", ".join(
         f"{part} {r['pairs'] / chunks:.0f} pairs, {r['distinct'] / chunks:.0f} distinct" for part, r in reads.items())
@@ -271,19 +269,26 @@ def profile_prefill(model, context: int, prompt: list[int], chunk: int) -> tuple
     return reads, kernel_ms
 
 
-#: What a prefill's kernels do, by a piece of their names (the first part that matches):
-#: rebuilding packed records into native ones (triton mode), attention (FlashMLA's sparse
-#: decode and its combine, Remnant's SM90 and Triton decode kernels), the indexer's scores
-#: and top-k (Remnant's radix passes, torch.topk's sorts), the compressor and the record and
-#: index-key stores (quantizing into the pools). The rest (projections, MoE, norms, RoPE)
-#: is "other".
+def _prefill_fresh(model, context: int, prompt: list[int], chunk: int) -> None:
+    from remnant.engine.pools import new_sequence, scratch_pools
+
+    pools = scratch_pools(model, context, sequences=1, window_blocks=1)
+    time_prefill(model, pools, new_sequence(pools, context), prompt, chunk)
+
+
+#: What a prefill's kernels do, by a piece of their names (the first part that matches), as
+#: they run on CUDA (the compiled step ops: Remnant's top-k, not torch.topk): rebuilding
+#: packed records into native ones (triton mode), attention (FlashMLA's sparse decode and
+#: its combine, Remnant's SM90 and Triton decode kernels), the indexer's scores and top-k
+#: (Remnant's radix passes), the C4 and C128 record store. The rest (projections, MoE,
+#: norms, RoPE, the compressor and index keys, which a prefill forms in torch and Inductor
+#: kernels, the window ring's writes) is "other".
 PREFILL_KERNEL_PARTS = (
     ("rebuild", ("_reconstruct_kernel",)),
     ("attention", ("flash_fwd", "flash_mla", "_packed_sm90", "_join_kernel", "_decode_kernel", "_combine_kernel",
                    "_permute_columns_kernel")),
-    ("indexer", ("_shared_scores_kernel", "_row_scores_kernel", "_radix_pass", "_count_pass", "_write_pass",
-                 "topk", "TopK", "sort", "Sort")),
-    ("store", ("_gate_kernel", "_index_key_kernel", "_store_kernel")),
+    ("indexer", ("_shared_scores_kernel", "_row_scores_kernel", "_radix_pass", "_count_pass", "_write_pass")),
+    ("store", ("_store_kernel",)),
 )
 
 
