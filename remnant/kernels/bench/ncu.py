@@ -137,6 +137,7 @@ def profile_case(case: str, batch: int, reports: Path, ncu: str = "ncu", timeout
     RuntimeError with ncu's errors or last output where a step fails."""
     reports.mkdir(parents=True, exist_ok=True)
     rep = reports / f"{case}-b{batch}.ncu-rep"
+    rep.unlink(missing_ok=True)  # an earlier run's report would be imported where ncu wrote none
     metrics = ",".join([*METRICS.values(), STALLS])
     _run([ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics", metrics, "--force-overwrite",
           "--export", str(rep), sys.executable, "-m", "remnant.kernels.bench.ncu", case, str(batch)], "profile",
