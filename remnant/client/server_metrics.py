@@ -249,9 +249,12 @@ class ServerMetricsScraper:
         try:
             with httpx.Client(timeout=self.timeout_s, headers=self._headers) as http:
                 due = time.perf_counter()
-                while not self._stop.is_set():
+                # One scrape at least, even where the client stopped first (a run shorter than
+                # this thread's start on a loaded machine): the record then says whether the
+                # server has /metrics, not only that no sample came.
+                while True:
                     self.scrape_once(http)
-                    if self.gave_up:
+                    if self.gave_up or self._stop.is_set():
                         return
                     due += self.interval_s
                     now = time.perf_counter()
