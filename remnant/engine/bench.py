@@ -223,14 +223,10 @@ def prefill_rows(model, mode: str, contexts: list[int], chunk: int, profile: boo
     remnant.engine.prefill_reads), and on CUDA once more under the torch profiler
     (kernel_ms: its kernels' time by what they do, prefill_kernel_ms); both null without
     it."""
-    from remnant.engine.pools import new_sequence, scratch_pools
-
     gen = torch.Generator().manual_seed(0)
     for i, context in enumerate([min(contexts), *contexts]):
         prompt = torch.randint(0, model.args.vocab_size, (context,), generator=gen).tolist()
-        pools = scratch_pools(model, context, sequences=1, window_blocks=1)
-        seconds = time_prefill(model, pools, new_sequence(pools, context), prompt, chunk)
-        del pools
+        seconds = _prefill_fresh(model, context, prompt, chunk)
         if i == 0:
             continue
         print(f"{mode:>7} prefill {context:>6} tokens in chunks of {chunk}: {seconds:8.2f} s  "
@@ -269,11 +265,12 @@ def profile_prefill(model, context: int, prompt: list[int], chunk: int) -> tuple
     return reads, kernel_ms
 
 
-def _prefill_fresh(model, context: int, prompt: list[int], chunk: int) -> None:
+def _prefill_fresh(model, context: int, prompt: list[int], chunk: int) -> float:
+    """time_prefill of `prompt` into pools of its own, freed on return."""
     from remnant.engine.pools import new_sequence, scratch_pools
 
     pools = scratch_pools(model, context, sequences=1, window_blocks=1)
-    time_prefill(model, pools, new_sequence(pools, context), prompt, chunk)
+    return time_prefill(model, pools, new_sequence(pools, context), prompt, chunk)
 
 
 #: What a prefill's kernels do, by a piece of their names (the first part that matches), as

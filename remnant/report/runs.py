@@ -94,6 +94,11 @@ def _shown(text: str) -> str:
     return value if isinstance(value, str) else text
 
 
+def _varying(flats: list[dict[str, str]]) -> list[str]:
+    """The keys whose values (a missing key counted as one) differ among `flats`, sorted."""
+    return [k for k in sorted({k for f in flats for k in f}) if len({f.get(k) for f in flats}) > 1]
+
+
 def variant_labels(configs: list[dict], workloads: list[str]) -> list[str]:
     """What tells runs of one workload apart besides mode, retention, seed and load: the
     config values that differ among that workload's runs (a sweep's other axes, e.g. a
@@ -104,8 +109,7 @@ def variant_labels(configs: list[dict], workloads: list[str]) -> list[str]:
     labels = [""] * len(configs)
     for workload in set(workloads):
         members = [i for i, w in enumerate(workloads) if w == workload]
-        keys = sorted({k for i in members for k in flat[i]})
-        varying = [k for k in keys if len({flat[i].get(k) for i in members}) > 1]
+        varying = _varying([flat[i] for i in members])
         last = [k.rsplit(".", 1)[-1] for k in varying]
         names = [part if last.count(part) == 1 else key for key, part in zip(varying, last)]
         for i in members:
@@ -124,8 +128,7 @@ def retention_details(configs: list[dict], labels: list[str], workloads: list[st
     out = list(labels)
     for group in {(w, label) for w, label in zip(workloads, labels) if label != "-"}:
         members = [i for i, key in enumerate(zip(workloads, labels)) if key == group]
-        varying = [k for k in sorted({k for i in members for k in flat[i]})
-                   if len({flat[i].get(k) for i in members}) > 1]
+        varying = _varying([flat[i] for i in members])
         for i in members:
             if varying:
                 out[i] = f"{labels[i]} (" + ", ".join(f"{k}={_shown(flat[i].get(k, UNSET))}" for k in varying) + ")"
