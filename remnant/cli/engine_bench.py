@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt lengths whose prefill is timed (empty: none)")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (host.chunked_prefill_size)")
     p.add_argument("--index-fp8-queries", action="store_true",
-                   help="the decode step's indexer scores with FP8 queries on FP8 MMAs (ScoresConfig.fp8_q; FP8 keys)")
+                   help="the indexer scores (decode and prefill) with FP8 queries on FP8 MMAs (ScoresConfig.fp8_q; "
+                        "FP8 keys)")
     p.add_argument("--prefill-profile", action="store_true",
                    help="prefill each prompt again, untimed, counting the records its attention reads and, "
                         "on cuda, its kernels' time by part (rebuild, attention, indexer, store, other)")

@@ -393,8 +393,9 @@ def run(model_name: str, device: str, modes: list[str], batches: list[int], cont
     index_key_format, window_records and c128_records: the KV parts beyond C4
     (host.index_key_format, retention.window_records, retention.c128_records), recorded in
     the document's kv_parts. prefill_profile: each prefill row's reads and kernel_ms
-    (prefill_rows). index_fp8_queries: the decode step's indexer scores with FP8 queries
-    (remnant.kernels.indexer.ScoresConfig.fp8_q; Model.index_scores_config)."""
+    (prefill_rows). index_fp8_queries: the indexer scores with FP8 queries, the decode
+    step's and prefill's (remnant.kernels.indexer.ScoresConfig.fp8_q;
+    Model.index_scores_config)."""
     import dataclasses
 
     from remnant.config import ModelConfig

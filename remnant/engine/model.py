@@ -465,8 +465,9 @@ class Model:
         #: A capture server's remnant.calibration.capture_recorder.CaptureRecorder: CSA layers hand it
         #: their decode queries (natural order, after RoPE) and C4 latents (before FP8).
         self.recorder = None
-        #: The decode step's indexer scores launch (remnant.kernels.indexer.ScoresConfig; None:
-        #: default_scores_config): the engine bench's --index-fp8-queries sets fp8_q.
+        #: The indexer scores' launch (remnant.kernels.indexer.ScoresConfig; None:
+        #: default_scores_config): the decode step's, and its fp8_q for prefill's shared
+        #: scores too. The engine bench's --index-fp8-queries sets fp8_q.
         self.index_scores_config = None
         #: The engine bench's remnant.engine.prefill_reads.PrefillReads while it counts what
         #: prefill steps attend (None otherwise: counting reads sizes back to the host).

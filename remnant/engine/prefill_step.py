@@ -302,6 +302,7 @@ def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, iw: torch.T
     out = torch.full((iw.shape[0], k), -1, dtype=torch.long, device=iw.device)
     indexer = pools.indexer[li]
     heads = model.args.index_n_heads
+    fp8_q = model.index_scores_config is not None and model.index_scores_config.fp8_q
     for i, (a, n, count) in enumerate(zip(plan.starts, plan.sizes, rp.counts)):
         if not count:
             continue
@@ -320,7 +321,8 @@ def _select(model, li: int, pools, plan: PrefillPlan, rp: RatioPlan, iw: torch.T
             visible_count = torch.clamp((plan.pos[t:e] + 1) // CSA_RATIO, max=count)
             if kernels:
                 scores = index_scores_shared(qi[t - a: e - a].contiguous(), wi[t - a: e - a], indexer.buf,
-                                             indexer.layout, locs, visible_count, key_format=model.index_key_format)
+                                             indexer.layout, locs, visible_count, key_format=model.index_key_format,
+                                             fp8_q=fp8_q)
             else:
                 scores = model.index_scores(layer, iw[t:e], q_lora[t:e], keys)
                 visible = torch.arange(count, device=iw.device)[None, :] < visible_count[:, None]

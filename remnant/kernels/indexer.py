@@ -256,19 +256,23 @@ def _row_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, l
 def _shared_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, B, n,
                           H, page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRETED: tl.constexpr,
-                          MXFP4: tl.constexpr, MX: tl.constexpr):
+                          MXFP4: tl.constexpr, MX: tl.constexpr, FP8_Q: tl.constexpr = False):
     """A prefill's scores: rows [pid0 * BLOCK_T, +BLOCK_T), which all read the same
-    locations locs [n], against keys [pid1 * BLOCK_N, +BLOCK_N), loaded once for them."""
+    locations locs [n], against keys [pid1 * BLOCK_N, +BLOCK_N), loaded once for them.
+    FP8_Q: each row's queries as FP8 codes with a scale per head, as _row_scores_kernel's."""
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     h = tl.arange(0, BLOCK_H)
-    keys, scale, usable = _block_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE, D, MXFP4, MX,
-                                      q_ptr.dtype.element_ty)
+    op = tl.float8e4nv if FP8_Q else q_ptr.dtype.element_ty  # the MMA operands' dtype
+    keys, scale, usable = _block_keys(locs_ptr, pages_ptr, scales_ptr, j, n, page_stride, PER_PAGE, D, MXFP4, MX, op)
     for r in range(BLOCK_T):
         b = tl.program_id(0) * BLOCK_T + r
         if b < B:
             q = tl.load(q_ptr + (b.to(tl.int64) * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
             wh = tl.load(w_ptr + b.to(tl.int64) * w_stride + h, mask=h < H, other=0.0).to(tl.float32) * w_scale
+            if FP8_Q:
+                q, q_scale = _fp8_heads(q, INTERPRETED)
+                wh = wh * q_scale
             s = _block_scores(q, wh, keys, scale, INTERPRETED)
             seen = usable & (j < tl.load(counts_ptr + b))
             tl.store(out_ptr + b.to(tl.int64) * n + j, tl.where(seen, s, float("-inf")), mask=j < n)
@@ -312,9 +316,17 @@ def default_scores_config(key_format: "str | IndexKeyFormat" = "fp8") -> ScoresC
     return ScoresConfig()
 
 
+def _check_fp8_q(fp8_q: bool, fmt: IndexKeyFormat, f16_operands: bool) -> None:
+    if fp8_q and (fmt.name == "mxfp4" or f16_operands):
+        raise ValueError(f"ScoresConfig.fp8_q takes FP8 keys without f16_operands, got key_format={fmt.name!r}, "
+                         f"f16_operands={f16_operands}")
+
+
 def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: float = 1.0,
-            config: ScoresConfig | None = None, block_t: int = 1, block_n: int = 64) -> torch.Tensor:
-    """The decode form (locs [B, n], config) or the shared one (locs [n], block_t, block_n)."""
+            config: ScoresConfig | None = None, block_t: int = 1, block_n: int = 64,
+            fp8_q: bool = False) -> torch.Tensor:
+    """The decode form (locs [B, n], config) or the shared one (locs [n], block_t, block_n,
+    fp8_q)."""
     B, H, D = q.shape
     n = locs.shape[-1]
     out = torch.empty(B, n, dtype=torch.float32, device=q.device)
@@ -329,14 +341,14 @@ def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: flo
     common = dict(PER_PAGE=layout.per_page, D=D, BLOCK_H=max(16, triton.next_power_of_2(H)),
                   INTERPRETED=interpreted(), MXFP4=mxfp4, MX=MX_BLOCK)
     if locs.ndim == 1:
+        _check_fp8_q(fp8_q, fmt, False)
         grid = (triton.cdiv(B, block_t), triton.cdiv(n, block_n))
         _shared_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out,
-                                    B, n, H, layout.page_stride, BLOCK_N=block_n, BLOCK_T=block_t, **common)
+                                    B, n, H, layout.page_stride, BLOCK_N=block_n, BLOCK_T=block_t, FP8_Q=fp8_q,
+                                    **common)
         return out
     config = config or default_scores_config(fmt)
-    if config.fp8_q and (mxfp4 or config.f16_operands):
-        raise ValueError(f"ScoresConfig.fp8_q takes FP8 keys without f16_operands, got key_format={fmt.name!r}, "
-                         f"f16_operands={config.f16_operands}")
+    _check_fp8_q(config.fp8_q, fmt, config.f16_operands)
     grid = (B, triton.cdiv(n, config.block_n * config.blocks))
     _row_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out, n, H,
                              layout.page_stride, BLOCK_N=config.block_n, BLOCKS=config.blocks,
@@ -364,10 +376,12 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: 
 
 def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
                         locs: torch.Tensor, counts: torch.Tensor, block_t: int = 16,
-                        block_n: int = 64, key_format: "str | IndexKeyFormat" = "fp8") -> torch.Tensor:
+                        block_n: int = 64, key_format: "str | IndexKeyFormat" = "fp8",
+                        fp8_q: bool = False) -> torch.Tensor:
     """A prefill's scores float32 [T, n]: T tokens of one sequence against the same keys at
     locs int [n]; otherwise as index_scores. A program scores block_t tokens against one
-    key block, so keys are read T / block_t times, not T."""
+    key block, so keys are read T / block_t times, not T. fp8_q: the queries rounded to FP8
+    per head and multiplied on FP8 MMAs, as ScoresConfig.fp8_q (FP8 keys only)."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, True, fmt)
-    return _launch(q, w, pages, layout, locs, counts, fmt, block_t=block_t, block_n=block_n)
+    return _launch(q, w, pages, layout, locs, counts, fmt, block_t=block_t, block_n=block_n, fp8_q=fp8_q)

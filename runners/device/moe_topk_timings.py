@@ -20,7 +20,9 @@ in L2, so repeated calls read them from HBM as a step does.
                                                           moe_tiles: the aligned kernels' tiles;
                                                           moe_f16: their float16 operands against bf16;
                                                           moe_fp8: FP8 activations, both expert layouts;
-                                                          indexer: the scores' launch configs)
+                                                          indexer: the scores' launch configs;
+                                                          moe_prefill, indexer_prefill: a prefill
+                                                          chunk's MoE and indexer scores)
 """
 
 from __future__ import annotations
@@ -407,8 +409,92 @@ def indexer_table() -> None:
                   f"{label} |", flush=True)
 
 
+def moe_prefill_table() -> None:
+    """The aligned kernels at a prefill chunk's 8,192 tokens (49,152 pairs, about 1,536 rows
+    an expert: MMA-bound, not byte-bound): default_config's tile beside larger row blocks
+    and columns, with and without FP8 activations (fp8_x and fp8_h: FP8 MMAs). Each
+    kernel's time from the profiler and its matrix rate; how far the output moves from
+    default_config's (relative norm)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts = v4_experts(gen)
+    hidden, inter, k = HIDDEN, INTER, K
+    names = ("_gate_up_kernel", "_down_kernel")
+    T = 8192
+    x, ids, weights, _ = routed_tokens(T, gen)
+    flops = (2 * T * k * hidden * 2 * inter, 2 * T * k * inter * hidden)
+    default = default_config(T * k, E, True, hidden, inter)
+
+    def run(cfg):
+        return routed_experts_triton(x, ids, weights, *experts, config=cfg)
+
+    ref = run(default).float()
+    print("| config | gate/up us | TFLOP/s | down us | TFLOP/s | whole call us | off default |")
+    print("|---|---|---|---|---|---|---|")
+    tiles = [(64, 128, 64, 8), (128, 128, 64, 8), (128, 256, 64, 8), (128, 128, 128, 8), (64, 256, 64, 8),
+             (128, 128, 64, 4)]
+    for (bm, bn, bk, warps), stages, fp8 in itertools.product(tiles, (3, 4), (False, True)):
+        cfg = dataclasses.replace(default, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                                  fp8_x=fp8, fp8_h=fp8)
+        label = f"bm{bm} bn{bn} bk{bk} w{warps} s{stages}{' fp8' if fp8 else ''}{' (default)' if cfg == default else ''}"
+        try:
+            out = run(cfg).float()
+            us = kernel_us(lambda: run(cfg), names, calls=5)
+            whole = graph_us(lambda: run(cfg), calls=3)
+        except Exception as e:  # a tile out of shared memory or registers
+            print(f"| {label} | {type(e).__name__} | | | | | |", flush=True)
+            continue
+        err = ((out - ref).norm() / ref.norm()).item()
+        print(f"| {label} | {us[names[0]]:.0f} | {flops[0] / us[names[0]] / 1e6:.0f} | {us[names[1]]:.0f} | "
+              f"{flops[1] / us[names[1]] / 1e6:.0f} | {whole:.0f} | {err:.2e} |", flush=True)
+
+
+def indexer_prefill_table() -> None:
+    """index_scores_shared as a prefill chunk scores its tokens (64 heads of 128 over one
+    sequence's n FP8 keys, each token seeing keys up to its own position): block_t tokens
+    by block_n keys a program, with bf16 and with FP8 queries (fp8_q: FP8 MMAs; checked
+    against the first FP8 config), and the top-k of the scores (remnant.kernels.top_k, the
+    compiled step's) for the same rows; matrix rate counted over all n keys of each row."""
+    from remnant.engine.pools import SplitPages
+    from remnant.kernels.indexer import index_scores_shared
+    from remnant.kv.index_keys import quantize_index_keys
+
+    per_page, key_bytes = 64, 132
+    print("| tokens x keys | queries | block_t | block_n | scores us | TFLOP/s | top_k 512 us |")
+    print("|---|---|---|---|---|---|---|")
+    for T, n in ((2048, 8192), (2048, 32768)):
+        pool = SplitPages(n // per_page, per_page, key_bytes, 4, device="cuda")
+        pool.layout.write(pool.buf, torch.arange(n, device="cuda"), quantize_index_keys(torch.randn(n, 128, device="cuda")))
+        locs = torch.arange(n, device="cuda", dtype=torch.int32)
+        q = torch.randn(T, 64, 128, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(T, 64, device="cuda")
+        # The chunk's last T tokens of a prompt of 4n: token t sees n - T + t + 1 keys.
+        counts = (n - T + 1 + torch.arange(T, device="cuda")).to(torch.int32)
+        refs = {}
+        for fp8_q, block_t, block_n in itertools.product((False, True), (8, 16, 32), (64, 128)):
+            label = f"| {T} x {n} | {'fp8' if fp8_q else 'bf16'} | {block_t} | {block_n} |"
+
+            def run(block_t=block_t, block_n=block_n, fp8_q=fp8_q):
+                return index_scores_shared(q, w, pool.buf, pool.layout, locs, counts, block_t=block_t,
+                                           block_n=block_n, fp8_q=fp8_q)
+
+            try:
+                out = run()
+                ref = refs.setdefault(fp8_q, out)
+                seen = ref.isfinite()
+                if not torch.equal(out.isfinite(), seen) or (out - ref)[seen].abs().max() > 1e-3 * ref[seen].abs().max():
+                    print(f"{label} off the first config | | |", flush=True)
+                    continue
+                us = graph_us(run, calls=3)
+            except Exception as e:  # out of shared memory or registers
+                print(f"{label} {type(e).__name__} | | |", flush=True)
+                continue
+            print(f"{label} {us:.0f} | {2 * T * n * 64 * 128 / us / 1e6:.0f} | |", flush=True)
+        scores = refs[False]
+        print(f"| {T} x {n} | | | | | | {graph_us(lambda: top_k(scores, 512), calls=3):.0f} |", flush=True)
+
 TABLES = {"rms_norm": rms_norm_table, "route": route_table, "top_k": top_k_table, "moe": moe_table,
-          "moe_tiles": moe_tile_table, "moe_f16": moe_f16_table, "moe_fp8": moe_fp8_table, "indexer": indexer_table}
+          "moe_tiles": moe_tile_table, "moe_f16": moe_f16_table, "moe_fp8": moe_fp8_table, "indexer": indexer_table,
+          "moe_prefill": moe_prefill_table, "indexer_prefill": indexer_prefill_table}
 
 if __name__ == "__main__":
     import sys

@@ -540,3 +540,29 @@ def test_the_step_scores_with_fp8_queries_where_asked(args):
         picks.append(_select(model, li, model.layers[li], pools, iw, q_lora, slots, kernels=True))
     plain, fp8 = ([set(row.tolist()) for row in chosen] for chosen in picks)
     assert plain != fp8 and all(len(a & b) >= 0.8 * len(a) for a, b in zip(plain, fp8))
+
+
+@needs_interpreter
+def test_prefill_scores_with_fp8_queries_where_asked(args):
+    # Model.index_scores_config's fp8_q reaches prefill's shared scores: a 400-token prompt
+    # (up to 100 visible records, top-64) picks a little differently, no more.
+    from remnant.engine.bench import fill_pools
+    from remnant.engine.prefill_step import PrefillPlan, _select
+    from remnant.kernels.indexer import ScoresConfig
+
+    model = Model(args, device="cpu", decode_path="kernels", torch_compile=False)
+    li = args.compress_ratios.index(4)
+    pools = scratch_pools(model, 400, sequences=1)
+    fill_pools(model, pools)  # every index key its own
+    plan = PrefillPlan.of([new_sequence(pools, 400)], [_ids(400, 7)], pools, args.window_size, {4, 128},
+                          model.device)
+    gen = torch.Generator().manual_seed(4)
+    q_lora = torch.randn(400, args.q_lora_rank, generator=gen)
+    iw = torch.randn(400, args.index_n_heads, generator=gen)
+    picks = []
+    for config in (None, ScoresConfig(fp8_q=True)):
+        model.index_scores_config = config
+        picks.append(_select(model, li, pools, plan, plan.ratios[4], iw, q_lora, model.layers[li], kernels=True))
+    assert picks[0].shape == picks[1].shape == (400, 64)
+    rows = [(set(a.tolist()) - {-1}, set(b.tolist()) - {-1}) for a, b in zip(*picks)]
+    assert any(a != b for a, b in rows) and all(len(a & b) >= 0.8 * len(a) for a, b in rows)

@@ -144,6 +144,28 @@ def test_shared_scores_are_the_reference(tokens, block_t, dtype, key_format):
                                                  key_format=key_format, config=ScoresConfig(block_n=64)))
 
 
+def test_shared_fp8_queries_score_as_their_reference():
+    # A prefill's tokens with FP8 queries: each token's queries rounded per head (a head of
+    # zeros included), as the decode form's; -inf past each token's count.
+    gen = torch.Generator().manual_seed(11)
+    pool = _pool(gen, 10, 16)
+    n, tokens = 90, 21
+    locs = torch.randperm(160, generator=gen)[:n].to(DEVICE)
+    counts = torch.randint(0, n + 1, (tokens,), generator=gen).to(DEVICE)
+    q = torch.randn(tokens, 64, 128, generator=gen).to(torch.bfloat16)
+    q[4, 9] = 0.0
+    q, w = q.to(DEVICE), torch.randn(tokens, 64, generator=gen).to(DEVICE)
+    got = index_scores_shared(q, w, pool.buf, pool.layout, locs, counts, block_t=8, fp8_q=True)
+    _same_fp8_query_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, fp8_q=True))
+    # The decode form's FP8 queries over each token's copy of the locations: the same scores.
+    rows = index_scores(q, w, pool.buf, pool.layout, locs.expand(tokens, n), counts,
+                        config=ScoresConfig(block_n=64, fp8_q=True))
+    torch.testing.assert_close(got, rows)
+    with pytest.raises(ValueError, match="fp8_q takes FP8 keys without f16_operands, got key_format='mxfp4'"):
+        mx = _pool(gen, 2, 16, "mxfp4")
+        index_scores_shared(q, w, mx.buf, mx.layout, locs[:20], counts.clamp(max=20), key_format="mxfp4", fp8_q=True)
+
+
 def _same_scores(got: torch.Tensor, want: torch.Tensor) -> None:
     """-inf exactly where the reference has it; elsewhere float32 accumulation of exact
     products (codes are exact in q's dtype): summation order only."""
@@ -238,6 +260,9 @@ def test_scores_at_v4_flash_shapes_on_gpu(key_format):
         _same_fp8_query_scores(fp8, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, fp8_q=True))
     shared = index_scores_shared(q, w, pool.buf, pool.layout, locs[0], counts, key_format=key_format)
     _same_scores(shared, index_scores_reference(q, w, pool.buf, pool.layout, locs[0], counts, key_format=key_format))
+    if key_format == "fp8":
+        shared = index_scores_shared(q, w, pool.buf, pool.layout, locs[0], counts, fp8_q=True)
+        _same_fp8_query_scores(shared, index_scores_reference(q, w, pool.buf, pool.layout, locs[0], counts, fp8_q=True))
     # The selection from them on the GPU: the stable sort's, ties and -inf included.
     for k in (1, 512, n):
         assert torch.equal(index_top_k(got, k)[1], top_k_reference(got, k)[1])

@@ -145,7 +145,9 @@ def test_router_top_k_indexer_and_quantizer_launches_compile_for_sm90(tmp_path):
                 for config in options if name == "fp8" else (None,):
                     index_scores(q, w, pages, layout, torch.empty(tokens, n, dtype=torch.int32), counts, name,
                                  config=config)
-                index_scores_shared(q, w, pages, layout, torch.empty(n, dtype=torch.int32), counts, key_format=name)
+                for fp8_q in (False, True) if name == "fp8" else (False,):
+                    index_scores_shared(q, w, pages, layout, torch.empty(n, dtype=torch.int32), counts,
+                                        key_format=name, fp8_q=fp8_q)
         for rows, cols in ((128, a.hidden_size), (768, a.moe_intermediate_size)):
             quantize_rows_triton(torch.empty(rows, cols, dtype=torch.bfloat16))
     kernels = {launch.kernel.split(":")[1] for launch in launches}
@@ -155,14 +157,14 @@ def test_router_top_k_indexer_and_quantizer_launches_compile_for_sm90(tmp_path):
     results = dict(zip((launch.key() for launch in unique), assert_compile_without_spills(launches, tmp_path)))
     # The scores' MMAs as Hopper runs them: bf16 wgmma for the defaults (HGMMA...F32.BF16),
     # float16 with f16_operands (HGMMA...F32: float16 is the unnamed default), FP8 (QGMMA,
-    # E4M3 on both sides) with FP8 queries, where no key is widened.
+    # E4M3 on both sides) with FP8 queries, where no key is widened; decode's and prefill's.
     def form(m: str) -> str:
         return "fp8" if m.endswith("E4M3.E4M3") else "bf16" if m.endswith(".BF16") else "f16"
 
     for launch in unique:
-        if launch.kernel.endswith("_row_scores_kernel") and not launch.constants["MXFP4"]:
+        if launch.kernel.endswith(("_row_scores_kernel", "_shared_scores_kernel")) and not launch.constants["MXFP4"]:
             mma = results[launch.key()]["mma"]
-            want = "fp8" if launch.constants.get("FP8_Q") else ("f16" if launch.constants["F16"] else "bf16")
+            want = "fp8" if launch.constants.get("FP8_Q") else ("f16" if launch.constants.get("F16") else "bf16")
             assert mma and {form(m) for m in mma} == {want}, (launch.constants, mma)
 
 
