@@ -52,7 +52,8 @@ def _figure(path: Path) -> str:
 def _status(run: RunEntry) -> str:
     if run.status == "completed":
         return _e(run.status)
-    return f'<span class="failed">{_e(run.status)}</span>' + (f"<br>{_e(run.error)}" if run.error else "")
+    return (f'<span class="failed">{_e(run.status)}</span>' + (f"<br>{_e(run.error)}" if run.error else "")
+            + (f"<br>goodput {_e(run.goodput)} req/s at the SLO, failed requests as misses" if run.goodput else ""))
 
 
 def _run_row(run: RunEntry) -> str:

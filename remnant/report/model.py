@@ -45,6 +45,9 @@ class RunEntry:
     output_throughput: str
     tpot_p50_ms: str
     limits: list[str]
+    #: Goodput at the report's SLO, requests/s ("" without an SLO or measured requests): a
+    #: degraded run's too, which the summary leaves out, its failed requests counted as misses.
+    goodput: str = ""
 
 
 @dataclass
@@ -113,7 +116,8 @@ def run_entries(runs: pd.DataFrame) -> list[RunEntry]:
                      workload=workload_label(r["workload"], r["variant"]),
                      mode=r["mode"], retention=r["retention"], seed=int(r["seed"]), load=r["load"],
                      output_throughput=fmt(r["output_throughput"]), tpot_p50_ms=fmt(r["tpot_p50_ms"]),
-                     limits=list(r["limits"]))
+                     limits=list(r["limits"]),
+                     goodput="" if pd.isna(r.get("goodput")) else fmt(r["goodput"], None, 2))
             for _, r in runs.iterrows()]
 
 
@@ -125,13 +129,15 @@ def slo_note(slo: SloConfig) -> str:
 
 def collect(paths: list[Path], slo: SloConfig | None = None) -> Report:
     """Load the runs and frontier searches under `paths` and compute every table and caveat;
-    with an SLO, each completed run's goodput (remnant.frontier.goodput) in the summary too.
+    with an SLO, each completed run's goodput (remnant.frontier.goodput) in the summary too,
+    and a degraded run's in the failed runs' list (the summary averages completed runs only;
+    under overload a mode's runs may degrade, and its goodput is then the figure to compare).
     Raises ValueError naming the path where there is nothing to report."""
     runs = load_runs(paths)
     if slo is not None:
         slo.validate()
-        runs["goodput"] = [goodput(Path(r["run_dir"]), slo, r["duration_s"]) if r["status"] == "completed" else None
-                           for _, r in runs.iterrows()]
+        runs["goodput"] = [goodput(Path(r["run_dir"]), slo, r["duration_s"])
+                           if r["status"] in ("completed", "degraded") else None for _, r in runs.iterrows()]
     table = summary(runs, COLUMNS + (["goodput"] if slo is not None else []))
     searches, steps = frontier.load_searches(paths)
     done = runs[runs["status"] == "completed"]

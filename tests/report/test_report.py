@@ -231,6 +231,41 @@ def test_goodput_at_an_slo(sweep, tmp_path):
     assert bad.returncode == 2 and "--slo-tpot-ms=0 is not allowed; it must be milliseconds > 0" in bad.stderr
 
 
+def test_a_degraded_run_gets_its_goodput_in_the_failed_list(sweep, tmp_path):
+    # The summary averages completed runs only; a degraded one (too many requests failed)
+    # is listed with its goodput at the SLO, its failed requests counted as misses.
+    import json
+    import shutil
+
+    runs = tmp_path / "runs"
+    for i, src in enumerate(sorted((sweep / "sweep").glob("*native*"))):
+        shutil.copytree(src, runs / src.name)
+        if i == 0:  # half its measured requests failed, as the run would record them
+            requests = [json.loads(line) for line in (runs / src.name / "requests.jsonl").read_text().splitlines()]
+            measured = [r for r in requests if r["phase"] == "measured"]
+            for r in measured[: len(measured) // 2]:
+                r.update(success=False, error="HTTP 503: overloaded")
+            (runs / src.name / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+            record = json.loads((runs / src.name / "run.json").read_text())
+            failed = len(measured) // 2
+            record.update(status="degraded",
+                          error={"stage": "client", "type": "FailedRequests", "message": f"{failed} failed"},
+                          failures={"measured": len(measured), "failed": failed, "share": failed / len(measured),
+                                    "max_share": 0.05, "errors": [{"message": "HTTP 503: overloaded", "count": failed}]})
+            (runs / src.name / "run.json").write_text(json.dumps(record))
+            want = (len(measured) - failed) / record["metrics"]["duration_s"]
+            degraded = src.name
+    p = _run("remnant-report", str(runs), "--out", str(tmp_path / "out"), "--html", "--slo-ttft-ms", "1e9", cwd=sweep)
+    assert p.returncode == 0, p.stderr
+    text = (tmp_path / "out" / "report.md").read_text()
+    line = next(line for line in text.split("## Failed or interrupted runs", 1)[1].splitlines() if degraded in line)
+    assert f": degraded (client: {failed} failed); goodput {want:.2f} req/s at the SLO, failed requests as misses" in line
+    assert f"goodput {want:.2f}" in (tmp_path / "out" / "report.html").read_text()
+    plain = _run("remnant-report", str(runs), "--out", str(tmp_path / "plain"), cwd=sweep)
+    assert plain.returncode == 0, plain.stderr
+    assert "goodput" not in (tmp_path / "plain" / "report.md").read_text().split("## Failed or interrupted runs")[1]
+
+
 def test_pairs_take_the_native_run_of_the_same_variant(tmp_path):
     # Two native cells on one request stream (a host axis: the fingerprint is the same):
     # each packed run is compared with the native run of its own variant.
