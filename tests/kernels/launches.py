@@ -1,7 +1,7 @@
 """Triton launches recorded, not run: what a kernel wrapper (remnant.kernels.*) launches for
 given inputs, as the kernel, its argument types, constexprs and launch options, so that a
 test can compile exactly those launches for sm_90 on a machine without a GPU
-(tests/kernels/test_launches_compile.py).
+(compile_launches; tests/kernels/test_launches_compile.py, test_compiled.py).
 
 Under Triton's interpreter (the CPU test session's TRITON_INTERPRET=1) a launch goes through
 InterpretedFunction.run; recorded_launches() replaces it for the block, so wrappers run their
@@ -14,9 +14,19 @@ on a GPU.
 
 from __future__ import annotations
 
+import collections
 import inspect
+import json
+import os
+import re
+import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: An instruction of an nvdisasm listing: its opcode, after an optional predicate.
+SASS_OP = r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)"
 
 #: Launch options a wrapper passes beside the kernel's arguments.
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
@@ -96,3 +106,70 @@ def recorded_launches():
         yield launches
     finally:
         InterpretedFunction.run = run
+
+
+def compile_launches(launches: list[Launch], tmp_path) -> list[dict]:
+    """Each launch compiled for sm_90 in one process out of the interpreter (the test
+    session's TRITON_INTERPRET makes @triton.jit functions that cannot compile): per launch
+    its kernel and either `error` or ptxas's registers and spill bytes, the MMA forms in
+    its SASS (`mma`), its SASS opcode counts (`ops`) and its cluster-barrier lines
+    (`cluster_barriers`)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    job = tmp_path / "launches.json"
+    job.write_text(json.dumps([launch.as_json() for launch in launches]))
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), str(job), str(tmp_path)], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _compile_one(kernel: str, signature: dict, constants: dict, options: dict, aligned: list, out: str) -> dict:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    module, name = kernel.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    names = list(fn.arg_names)
+    full = {a: signature.get(a, "constexpr") for a in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    try:
+        compiled = triton.compile(ASTSource(fn, signature=full, constexprs=constants, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as exc:  # the compiler's own error, reported per launch
+        return {"kernel": kernel, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
+    with open(out + ".ptx", "w") as f:
+        f.write(compiled.asm["ptx"])
+    report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", out + ".ptx", "-o", out + ".cubin"],
+                            capture_output=True, text=True).stderr
+    spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)]
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", out + ".cubin"], capture_output=True, text=True).stdout
+    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(SASS_OP, sass))
+    return {"kernel": kernel, "spill_bytes": sum(a + b for a, b in spills), "registers": max(registers, default=0),
+            "ptxas": report[-1500:] if not spills else None,
+            "mma": sorted(set(re.findall(r"\b[HQ]GMMA\.[0-9x]+\.[A-Z0-9.]+", sass))), "ops": dict(ops),
+            "cluster_barriers": [line.strip() for line in sass.splitlines() if "UCGABAR" in line]}
+
+
+def assert_compile_without_spills(launches: list[Launch], tmp_path) -> list[dict]:
+    """Each distinct launch compiled (compile_launches), none failing or spilling; their
+    results, in the order of first launch."""
+    unique = list({launch.key(): launch for launch in launches}.values())
+    assert unique, "the wrapper launched nothing"
+    results = compile_launches(unique, tmp_path)
+    for launch, result in zip(unique, results):
+        assert "error" not in result, (launch, result["error"])
+        assert result["ptxas"] is None, (launch, result["ptxas"])  # ptxas reported its spills
+        assert result["spill_bytes"] == 0, (launch, result)
+    return results
+
+
+if __name__ == "__main__":
+    jobs, out_dir = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+    print(json.dumps([_compile_one(*job, os.path.join(out_dir, f"launch{i}")) for i, job in enumerate(jobs)]))

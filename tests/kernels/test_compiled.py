@@ -19,9 +19,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import triton
 
 from remnant.kernels import reconstruct, store
+from remnant.kv.layout import PageLayout
+from tests.kernels.launches import ROOT, compile_launches, recorded_launches
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(TOOLS, "nvdisasm")),
@@ -55,40 +58,37 @@ def _compile_and_list(kernel: str, signature: dict, constants: dict, num_warps: 
 
 def _listing(kernel: str, signature: dict, constants: dict, num_warps: int, tmp_path) -> str:
     """The kernel's SASS listing (see _compile_and_list), compiled in a process of its own."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     args = json.dumps([kernel, signature, constants, num_warps, str(tmp_path / "kernel.cubin")])
     return subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, env=env, check=True,
-                          cwd=root).stdout
+                          cwd=ROOT).stdout
 
 
-def sass_ops(kernel: str, signature: dict, constants: dict, num_warps: int, tmp_path) -> collections.Counter:
-    """Opcode counts of the kernel's SASS (see _compile_and_list)."""
-    listing = _listing(kernel, signature, constants, num_warps, tmp_path)
-    return collections.Counter(m.group(1).split(".")[0]
-                               for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", listing))
+def _ops(launch, tmp_path) -> collections.Counter:
+    """SASS opcode counts of the one kernel launch() makes (its wrapper's own launch,
+    recorded under the interpreter: tests/kernels/launches.py)."""
+    with recorded_launches() as launches:
+        launch()
+    assert len(launches) == 1, launches
+    (result,) = compile_launches(launches, tmp_path)
+    assert "error" not in result, result["error"]
+    return collections.Counter(result["ops"])
 
 
-RECONSTRUCT = {"src_ptr": "*u8", "src_locs_ptr": "*i32", "src_stride": "i64", "dst_ptr": "*u8", "dst_locs_ptr": "*i32",
-               "dst_stride": "i64", "slot_of_ptr": "*i32", "plan_ptr": "*i32", "n_rows": "i32", "zero": "i32"}
-STORE = {"x_ptr": "*bf16", "x_stride": "i32", "n_rows": "i32", "pages_ptr": "*u8", "locs_ptr": "*i32",
-         "page_stride": "i64", "kept_ptr": "*i32"}
-
-
-def _reconstruct_ops(permute: str, n_kept: int, tmp_path) -> collections.Counter:
-    """At the launch and code stores the kernel's wrapper uses for n_kept kept codes."""
-    rows, warps = reconstruct.LAUNCH[permute]
-    constants = dict(SRC_PER_PAGE=64, SRC_ALIGN=16, DST_PER_PAGE=64, DST_ALIGN=16, N=n_kept,
-                     NP=triton.next_power_of_2(n_kept), NPW=reconstruct.data_words(n_kept), PERMUTE=permute,
-                     BLOCK_ROWS=rows, VECTOR_CODES=reconstruct.vector_code_stores(n_kept), INTERPRETED=False)
-    return sass_ops("remnant.kernels.reconstruct:_reconstruct_kernel", RECONSTRUCT, constants, warps, tmp_path)
+def _reconstruct_ops(permute: str, retention: int, tmp_path) -> collections.Counter:
+    """reconstruct's launch as its wrapper makes it: packed records of R = retention into
+    native pages (SGLang's pages of 64), `permute`'s default launch."""
+    packed, native = PageLayout.sglang(64, retention), PageLayout.sglang(64)
+    locs = torch.arange(128, dtype=torch.int32)
+    return _ops(lambda: reconstruct.reconstruct(
+        torch.empty(4, packed.page_stride, dtype=torch.uint8), packed, locs, torch.arange(retention - 64),
+        torch.empty(4, native.page_stride, dtype=torch.uint8), native, locs, permute=permute), tmp_path)
 
 
 @pytest.mark.slow
 def test_reconstruct_shared_gathers_through_shared_memory_without_shuffles(tmp_path):
-    # R = 256
-    shared, registers = _reconstruct_ops("shared", 192, tmp_path), _reconstruct_ops("registers", 192, tmp_path)
+    shared, registers = _reconstruct_ops("shared", 256, tmp_path), _reconstruct_ops("registers", 256, tmp_path)
     assert shared["SHFL"] == 0 and shared["LDS"] >= 32, shared
     assert registers["SHFL"] > 100, registers  # the row gather's shuffles, which "shared" avoids
 
@@ -96,22 +96,26 @@ def test_reconstruct_shared_gathers_through_shared_memory_without_shuffles(tmp_p
 def test_reconstruct_shared_stores_few_kept_codes_as_the_gather_left_them(tmp_path):
     # R = 128: the gather's one barrier and nothing more. Stored as 16-byte vectors, the same
     # words took a layout conversion first (stmatrix, 8 barriers more): 4% of the H200's time.
-    few = _reconstruct_ops("shared", 64, tmp_path)
+    few = _reconstruct_ops("shared", 128, tmp_path)
     assert few["STSM"] == 0 and few["BAR"] == 1 and few["SHFL"] == 0, few
 
 
 @pytest.mark.slow
 def test_store_shared_gathers_through_shared_memory(tmp_path):
-    def ops(permute):  # R = 256 at the launch the kernel's wrapper uses
-        rows, warps = store.LAUNCH[permute]
-        constants = dict(PER_PAGE=64, ALIGN=16, N=192, NP=256, PACKED=True, PERMUTE=permute, X_ORDER=False, BLOCK_ROWS=rows)
-        return sass_ops("remnant.kernels.store:_store_kernel", STORE, constants, warps, tmp_path)
+    layout = PageLayout.sglang(64, 256)
+
+    def ops(permute):  # R = 256, as the wrapper launches it
+        return _ops(lambda: store.store(torch.empty(128, 512, dtype=torch.bfloat16),
+                                        torch.empty(4, layout.page_stride, dtype=torch.uint8), layout,
+                                        torch.arange(128), torch.arange(192), permute=permute), tmp_path)
 
     shared, registers = ops("shared"), ops("registers")
     # Both reduce each tile's maximum with shuffles; only the row gather adds ~1000 more.
     assert shared["LDS"] >= 32 and shared["SHFL"] * 4 < registers["SHFL"], (shared, registers)
 
 
+# _decode_kernel's exchange join: compiled from a hand-written signature, as its wrapper
+# chooses the exchange only on a CUDA GPU (remnant.kernels.decode.plan.join_for).
 DECODE = {"q_ptr": "*bf16", "q_sb": "i32", "q_sh": "i32", "out_ptr": "*fp16", "o_ss": "i32", "o_sb": "i32",
           "o_sh": "i32", "lse_ptr": "*fp32", "fin_ptr": "*bf16", "f_sb": "i32", "f_sh": "i32", "sink_ptr": "*fp32",
           "H": "i32", "win_ptr": "*u8", "win_locs_ptr": "*i32", "win_sb": "i32", "W": "i32", "win_stride": "i32",

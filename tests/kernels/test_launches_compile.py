@@ -13,18 +13,11 @@ of the interpreter.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.kernels.launches import Launch, recorded_launches
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernels.launches import assert_compile_without_spills, recorded_launches
 
 
 def _model():
@@ -33,63 +26,6 @@ def _model():
     from remnant.engine.model import ModelArgs
 
     return ModelArgs.from_hf_config(dataclasses.asdict(ModelConfig(**load_model_preset("dsv4_flash_h200"))))
-
-
-def compile_launches(launches: list[Launch], tmp_path) -> list[dict]:
-    """Each launch compiled for sm_90 in one process out of the interpreter: per launch its
-    kernel and either `error` or ptxas's registers and spill bytes."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    job = tmp_path / "launches.json"
-    job.write_text(json.dumps([launch.as_json() for launch in launches]))
-    p = subprocess.run([sys.executable, __file__, str(job), str(tmp_path)], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=1200)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def _compile_one(kernel: str, signature: dict, constants: dict, options: dict, aligned: list, out: str) -> dict:
-    import importlib
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-
-    module, name = kernel.split(":")
-    fn = getattr(importlib.import_module(module), name)
-    names = list(fn.arg_names)
-    full = {a: signature.get(a, "constexpr") for a in names}
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    try:
-        compiled = triton.compile(ASTSource(fn, signature=full, constexprs=constants, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options=options)
-    except Exception as exc:  # the compiler's own error, reported per launch
-        return {"kernel": kernel, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
-    with open(out + ".ptx", "w") as f:
-        f.write(compiled.asm["ptx"])
-    report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", out + ".ptx", "-o", out + ".cubin"],
-                            capture_output=True, text=True).stderr
-    spills = [tuple(map(int, s)) for s in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)]
-    registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    sass = subprocess.run([nvdisasm, "-c", out + ".cubin"], capture_output=True, text=True).stdout
-    return {"kernel": kernel, "spill_bytes": sum(a + b for a, b in spills), "registers": max(registers, default=0),
-            "ptxas": report[-1500:] if not spills else None,
-            "mma": sorted(set(re.findall(r"\b[HQ]GMMA\.[0-9x]+\.[A-Z0-9.]+", sass)))}
-
-
-def assert_compile_without_spills(launches: list[Launch], tmp_path) -> list[dict]:
-    """Each distinct launch compiled (compile_launches), none failing or spilling; their
-    results, in the order of first launch."""
-    unique = list({launch.key(): launch for launch in launches}.values())
-    assert unique, "the wrapper launched nothing"
-    results = compile_launches(unique, tmp_path)
-    for launch, result in zip(unique, results):
-        assert "error" not in result, (launch, result["error"])
-        assert result["ptxas"] is None, (launch, result["ptxas"])  # ptxas reported its spills
-        assert result["spill_bytes"] == 0, (launch, result)
-    return results
 
 
 @pytest.mark.slow
@@ -208,7 +144,3 @@ def test_the_decode_steps_row_kernels_compile_for_sm90(tmp_path):
             "_align_kernel"} <= kernels, kernels
     assert_compile_without_spills(launches, tmp_path)
 
-
-if __name__ == "__main__":
-    jobs, out_dir = json.loads(open(sys.argv[1]).read()), sys.argv[2]
-    print(json.dumps([_compile_one(*job, os.path.join(out_dir, f"launch{i}")) for i, job in enumerate(jobs)]))
