@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             line += "  distinct records a chunk: " + ", ".join(
                 f"{part} {r['distinct'] / row['chunks']:.0f}" for part, r in row["reads"].items())
         if row["kernel_ms"]:
-            line += f"  rebuild {row['kernel_ms']['rebuild']:.1f} ms, attention {row['kernel_ms']['attention']:.1f} ms"
+            line += "  kernel ms: " + ", ".join(f"{part} {ms:.1f}" for part, ms in row["kernel_ms"].items())
         print(line)
     print(a.out)
     return 0

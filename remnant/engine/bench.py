@@ -286,6 +286,11 @@ PREFILL_KERNEL_PARTS = (
                    "_permute_columns_kernel")),
     ("indexer", ("_shared_scores_kernel", "_row_scores_kernel", "_radix_pass", "_count_pass", "_write_pass")),
     ("store", ("_store_kernel",)),
+    # The routed experts (remnant.kernels.moe) with their routing (remnant.kernels.route).
+    ("moe", ("_gate_up_kernel", "_down_kernel", "_gate_up_pair_kernel", "_down_pair_kernel", "_finish_kernel",
+             "_align_kernel", "_quantize_rows_kernel", "_logits_kernel", "_select_kernel")),
+    # cuBLAS: the projections and the shared expert (after attention: FlashMLA's names hold cutlass).
+    ("dense", ("nvjet", "gemm", "gemv", "splitKreduce")),
 )
 
 

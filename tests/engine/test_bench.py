@@ -191,14 +191,18 @@ def test_prefill_kernels_are_told_apart_by_name():
         "_store_kernel": "store",
         "_gate_kernel": "other",  # the decode step's compressor: a prefill forms its records in torch
         "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "other",  # not the engine's top-k on CUDA
-        "_gate_up_kernel": "other",
-        "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_NNT": "other",
+        "_gate_up_kernel": "moe",
+        "_down_pair_kernel": "moe",
+        "_select_kernel": "moe",  # the router's
+        "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_NNT": "dense",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "dense",
         "_norm_rope_kernel": "other",
     }
     for name, part in names.items():
         assert prefill_kernel_ms([(name, 1500.0)])[part] == 1.5, name
     totals = prefill_kernel_ms([(name, 1000.0) for name in names])
-    assert totals == {"rebuild": 1.0, "attention": 4.0, "indexer": 2.0, "store": 1.0, "other": 5.0}
+    assert totals == {"rebuild": 1.0, "attention": 4.0, "indexer": 2.0, "store": 1.0, "moe": 3.0, "dense": 2.0,
+                      "other": 3.0}
 
 
 def test_prefill_reads_count_locations_and_name_their_parts():
