@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                         "FP8 keys)")
     p.add_argument("--prefill-profile", action="store_true",
                    help="prefill each prompt again, untimed, counting the records its attention reads and, "
-                        "on cuda, its kernels' time by part (rebuild, attention, indexer, store, other)")
+                        "on cuda, its kernels' time by part (rebuild, attention, indexer, store, moe, dense, other)")
     p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false")
     p.add_argument("--disable-torch-compile", dest="torch_compile", action="store_false",
                    help="plain torch operations for the elementwise chains (remnant.engine.step_ops)")

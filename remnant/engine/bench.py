@@ -277,16 +277,19 @@ def _prefill_fresh(model, context: int, prompt: list[int], chunk: int) -> float:
 #: they run on CUDA (the compiled step ops: Remnant's top-k, not torch.topk): rebuilding
 #: packed records into native ones (triton mode), attention (FlashMLA's sparse decode and
 #: its combine, Remnant's SM90 and Triton decode kernels), the indexer's scores and top-k
-#: (Remnant's radix passes), the C4 and C128 record store. The rest (projections, MoE,
-#: norms, RoPE, the compressor and index keys, which a prefill forms in torch and Inductor
-#: kernels, the window ring's writes) is "other".
+#: (Remnant's radix passes), the C4 and C128 record store, the routed experts' kernels and
+#: the router's (moe), cuBLAS's GEMMs (dense: the projections and the shared expert's two
+#: matrices). The rest is "other": norms, RoPE, the compressor and index keys, which a
+#: prefill forms in torch and Inductor kernels, the window ring's writes, and at a
+#: prefill's size the MoE's alignment (over ALIGN_KERNEL_MAX_PAIRS pairs it runs as
+#: compiled torch, not _align_kernel) and the shared expert's activation.
 PREFILL_KERNEL_PARTS = (
     ("rebuild", ("_reconstruct_kernel",)),
     ("attention", ("flash_fwd", "flash_mla", "_packed_sm90", "_join_kernel", "_decode_kernel", "_combine_kernel",
                    "_permute_columns_kernel")),
     ("indexer", ("_shared_scores_kernel", "_row_scores_kernel", "_radix_pass", "_count_pass", "_write_pass")),
     ("store", ("_store_kernel",)),
-    # The routed experts (remnant.kernels.moe) with their routing (remnant.kernels.route).
+    # The routed experts (remnant.kernels.moe) and the router (remnant.kernels.route).
     ("moe", ("_gate_up_kernel", "_down_kernel", "_gate_up_pair_kernel", "_down_pair_kernel", "_finish_kernel",
              "_align_kernel", "_quantize_rows_kernel", "_logits_kernel", "_select_kernel")),
     # cuBLAS: the projections and the shared expert (after attention: FlashMLA's names hold cutlass).

@@ -329,6 +329,12 @@ def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: flo
     fp8_q)."""
     B, H, D = q.shape
     n = locs.shape[-1]
+    shared = locs.ndim == 1
+    if shared:
+        _check_fp8_q(fp8_q, fmt, False)
+    else:
+        config = config or default_scores_config(fmt)
+        _check_fp8_q(config.fp8_q, fmt, config.f16_operands)
     out = torch.empty(B, n, dtype=torch.float32, device=q.device)
     if B == 0 or n == 0:
         return out
@@ -340,15 +346,12 @@ def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: flo
     counts = counts.to(torch.int32).contiguous()
     common = dict(PER_PAGE=layout.per_page, D=D, BLOCK_H=max(16, triton.next_power_of_2(H)),
                   INTERPRETED=interpreted(), MXFP4=mxfp4, MX=MX_BLOCK)
-    if locs.ndim == 1:
-        _check_fp8_q(fp8_q, fmt, False)
+    if shared:
         grid = (triton.cdiv(B, block_t), triton.cdiv(n, block_n))
         _shared_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out,
                                     B, n, H, layout.page_stride, BLOCK_N=block_n, BLOCK_T=block_t, FP8_Q=fp8_q,
                                     **common)
         return out
-    config = config or default_scores_config(fmt)
-    _check_fp8_q(config.fp8_q, fmt, config.f16_operands)
     grid = (B, triton.cdiv(n, config.block_n * config.blocks))
     _row_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out, n, H,
                              layout.page_stride, BLOCK_N=config.block_n, BLOCKS=config.blocks,

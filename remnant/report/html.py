@@ -52,8 +52,7 @@ def _figure(path: Path) -> str:
 def _status(run: RunEntry) -> str:
     if run.status == "completed":
         return _e(run.status)
-    return (f'<span class="failed">{_e(run.status)}</span>' + (f"<br>{_e(run.error)}" if run.error else "")
-            + (f"<br>goodput {_e(run.goodput)} req/s at the SLO, failed requests as misses" if run.goodput else ""))
+    return f'<span class="failed">{_e(run.status)}</span>' + (f"<br>{_e(run.error)}" if run.error else "")
 
 
 def _run_row(run: RunEntry) -> str:
@@ -69,7 +68,9 @@ def render(report: Report) -> str:
     """The page, as a string; plots are read from report.plots' files now."""
     runs_head = ["run directory", "status", "workload", "mode", "retention", "seed", "load", "output tok/s",
                  "TPOT p50 ms", "limits"]
-    failed = "".join(f"<li><code>{_e(r.run_dir)}</code>: {_status(r)}</li>" for r in report.failed)
+    failed = "".join(f"<li><code>{_e(r.run_dir)}</code>: {_status(r)}"
+                     + (f"<br>goodput {_e(r.goodput)} req/s at the SLO, failed requests as misses" if r.goodput else "")
+                     + "</li>" for r in report.failed)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',

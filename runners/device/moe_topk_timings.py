@@ -466,8 +466,9 @@ def indexer_prefill_table() -> None:
         locs = torch.arange(n, device="cuda", dtype=torch.int32)
         q = torch.randn(T, 64, 128, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(T, 64, device="cuda")
-        # The chunk's last T tokens of a prompt of 4n: token t sees n - T + t + 1 keys.
-        counts = (n - T + 1 + torch.arange(T, device="cuda")).to(torch.int32)
+        # The last T tokens of a prompt of 4n tokens: the token at position p sees the
+        # (p + 1) // 4 C4 records completed up to it.
+        counts = ((4 * n - T + 1 + torch.arange(T, device="cuda")) // 4).to(torch.int32)
         refs = {}
         for fp8_q, block_t, block_n in itertools.product((False, True), (8, 16, 32), (64, 128)):
             label = f"| {T} x {n} | {'fp8' if fp8_q else 'bf16'} | {block_t} | {block_n} |"

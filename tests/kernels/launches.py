@@ -24,7 +24,13 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: Recording needs the interpreter (tests/conftest.py sets it where there is no CUDA): with
+#: CUDA, a wrapper's launch would run for real, on the CPU tensors the tests give it.
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="launches are recorded under Triton's interpreter (TRITON_INTERPRET=1)")
 #: An instruction of an nvdisasm listing: its opcode, after an optional predicate.
 SASS_OP = r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)"
 

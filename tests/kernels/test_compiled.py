@@ -24,7 +24,7 @@ import triton
 
 from remnant.kernels import reconstruct, store
 from remnant.kv.layout import PageLayout
-from tests.kernels.launches import ROOT, compile_launches, recorded_launches
+from tests.kernels.launches import ROOT, compile_launches, needs_interpreter, recorded_launches
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(TOOLS, "nvdisasm")),
@@ -87,12 +87,14 @@ def _reconstruct_ops(permute: str, retention: int, tmp_path) -> collections.Coun
 
 
 @pytest.mark.slow
+@needs_interpreter
 def test_reconstruct_shared_gathers_through_shared_memory_without_shuffles(tmp_path):
     shared, registers = _reconstruct_ops("shared", 256, tmp_path), _reconstruct_ops("registers", 256, tmp_path)
     assert shared["SHFL"] == 0 and shared["LDS"] >= 32, shared
     assert registers["SHFL"] > 100, registers  # the row gather's shuffles, which "shared" avoids
 
 
+@needs_interpreter
 def test_reconstruct_shared_stores_few_kept_codes_as_the_gather_left_them(tmp_path):
     # R = 128: the gather's one barrier and nothing more. Stored as 16-byte vectors, the same
     # words took a layout conversion first (stmatrix, 8 barriers more): 4% of the H200's time.
@@ -101,6 +103,7 @@ def test_reconstruct_shared_stores_few_kept_codes_as_the_gather_left_them(tmp_pa
 
 
 @pytest.mark.slow
+@needs_interpreter
 def test_store_shared_gathers_through_shared_memory(tmp_path):
     layout = PageLayout.sglang(64, 256)
 

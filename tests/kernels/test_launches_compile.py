@@ -17,7 +17,9 @@ import dataclasses
 import pytest
 import torch
 
-from tests.kernels.launches import assert_compile_without_spills, recorded_launches
+from tests.kernels.launches import assert_compile_without_spills, needs_interpreter, recorded_launches
+
+pytestmark = needs_interpreter
 
 
 def _model():
