@@ -69,7 +69,7 @@ def render(report: Report) -> str:
     runs_head = ["run directory", "status", "workload", "mode", "retention", "seed", "load", "output tok/s",
                  "TPOT p50 ms", "limits"]
     failed = "".join(f"<li><code>{_e(r.run_dir)}</code>: {_status(r)}"
-                     + (f"<br>goodput {_e(r.goodput)} req/s at the SLO, failed requests as misses" if r.goodput else "")
+                     + (f"<br>{_e(r.goodput_note())}" if r.goodput else "")
                      + "</li>" for r in report.failed)
     parts = [
         "<!DOCTYPE html>",

@@ -9,7 +9,7 @@ from remnant.report.model import Report
 
 def _failed_line(run: model.RunEntry) -> str:
     return (f"- {run.run_dir}: {run.status}" + (f" ({run.error})" if run.error else "")
-            + (f"; goodput {run.goodput} req/s at the SLO, failed requests as misses" if run.goodput else ""))
+            + (f"; {run.goodput_note()}" if run.goodput else ""))
 
 
 def render(report: Report) -> str:

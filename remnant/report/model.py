@@ -49,6 +49,10 @@ class RunEntry:
     #: degraded run's too, which the summary leaves out, its failed requests counted as misses.
     goodput: str = ""
 
+    def goodput_note(self) -> str:
+        """What the failed runs' list says of this run's goodput ("" where it has none)."""
+        return f"goodput {self.goodput} req/s at the SLO, failed requests as misses" if self.goodput else ""
+
 
 @dataclass
 class Report:

@@ -512,18 +512,39 @@ def test_kernel_mode_names_the_kernel_of_its_packed_decode():
     assert kernel == "triton" and why.startswith("the SM90 Gluon kernel cannot take it: needs a CUDA GPU")
 
 
+def _indexer_model(args, records: int, sequences: int):
+    """(model on the kernels path, its first CSA layer, pools whose every index key is its
+    own) for the FP8-query tests below."""
+    from remnant.engine.bench import fill_pools
+
+    model = Model(args, device="cpu", decode_path="kernels", torch_compile=False)
+    pools = scratch_pools(model, records, sequences=sequences)
+    fill_pools(model, pools)
+    return model, args.compress_ratios.index(4), pools
+
+
+def _moves_a_little_with_fp8_queries(model, select) -> None:
+    """select() (chosen record indices [rows, k], -1 for none) with the model's default
+    scores launch and with FP8 queries: some row's choice differs, every row keeps at
+    least 80% of it."""
+    from remnant.kernels.indexer import ScoresConfig
+
+    picks = []
+    for config in (None, ScoresConfig(fp8_q=True)):
+        model.index_scores_config = config
+        picks.append(select())
+    assert picks[0].shape == picks[1].shape
+    rows = [(set(a.tolist()) - {-1}, set(b.tolist()) - {-1}) for a, b in zip(*picks)]
+    assert any(a != b for a, b in rows) and all(len(a & b) >= 0.8 * len(a) for a, b in rows)
+
+
 @needs_interpreter
 def test_the_step_scores_with_fp8_queries_where_asked(args):
     # Model.index_scores_config reaches the decode step's scores kernel: with FP8 queries the
     # top-64 of 500 visible records moves a little (near-equal scores swap), no more.
-    from remnant.engine.bench import fill_pools
     from remnant.engine.decode_step import RatioSlots, _select
-    from remnant.kernels.indexer import ScoresConfig
 
-    model = Model(args, device="cpu", decode_path="kernels", torch_compile=False)
-    li = args.compress_ratios.index(4)
-    pools = scratch_pools(model, 2000, sequences=2)
-    fill_pools(model, pools)  # every index key its own
+    model, li, pools = _indexer_model(args, 2000, sequences=2)
     B, n = 2, 500
     gen = torch.Generator().manual_seed(3)
     locs = torch.stack([torch.randperm(n, generator=gen) for _ in range(B)]).to(torch.int32)
@@ -534,35 +555,22 @@ def test_the_step_scores_with_fp8_queries_where_asked(args):
                        unused.int(), unused.bool())
     q_lora = torch.randn(B, args.q_lora_rank, generator=gen)
     iw = torch.randn(B, args.index_n_heads, generator=gen)
-    picks = []
-    for config in (None, ScoresConfig(fp8_q=True)):
-        model.index_scores_config = config
-        picks.append(_select(model, li, model.layers[li], pools, iw, q_lora, slots, kernels=True))
-    plain, fp8 = ([set(row.tolist()) for row in chosen] for chosen in picks)
-    assert plain != fp8 and all(len(a & b) >= 0.8 * len(a) for a, b in zip(plain, fp8))
+    _moves_a_little_with_fp8_queries(
+        model, lambda: _select(model, li, model.layers[li], pools, iw, q_lora, slots, kernels=True))
 
 
 @needs_interpreter
 def test_prefill_scores_with_fp8_queries_where_asked(args):
     # Model.index_scores_config's fp8_q reaches prefill's shared scores: a 400-token prompt
     # (up to 100 visible records, top-64) picks a little differently, no more.
-    from remnant.engine.bench import fill_pools
     from remnant.engine.prefill_step import PrefillPlan, _select
-    from remnant.kernels.indexer import ScoresConfig
 
-    model = Model(args, device="cpu", decode_path="kernels", torch_compile=False)
-    li = args.compress_ratios.index(4)
-    pools = scratch_pools(model, 400, sequences=1)
-    fill_pools(model, pools)  # every index key its own
+    model, li, pools = _indexer_model(args, 400, sequences=1)
     plan = PrefillPlan.of([new_sequence(pools, 400)], [_ids(400, 7)], pools, args.window_size, {4, 128},
                           model.device)
     gen = torch.Generator().manual_seed(4)
     q_lora = torch.randn(400, args.q_lora_rank, generator=gen)
     iw = torch.randn(400, args.index_n_heads, generator=gen)
-    picks = []
-    for config in (None, ScoresConfig(fp8_q=True)):
-        model.index_scores_config = config
-        picks.append(_select(model, li, pools, plan, plan.ratios[4], iw, q_lora, model.layers[li], kernels=True))
-    assert picks[0].shape == picks[1].shape == (400, 64)
-    rows = [(set(a.tolist()) - {-1}, set(b.tolist()) - {-1}) for a, b in zip(*picks)]
-    assert any(a != b for a, b in rows) and all(len(a & b) >= 0.8 * len(a) for a, b in rows)
+    chosen = lambda: _select(model, li, pools, plan, plan.ratios[4], iw, q_lora, model.layers[li], kernels=True)  # noqa: E731
+    assert chosen().shape == (400, 64)
+    _moves_a_little_with_fp8_queries(model, chosen)
