@@ -377,14 +377,24 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: 
     return _launch(q, w, pages, layout, locs, counts, fmt, w_scale, config)
 
 
+# index_scores_shared's key block by key format (its docstring says why).
+SHARED_BLOCK_N = {"fp8": 128, "mxfp4": 64}
+
+
 def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
                         locs: torch.Tensor, counts: torch.Tensor, block_t: int = 16,
-                        block_n: int = 64, key_format: "str | IndexKeyFormat" = "fp8",
+                        block_n: int | None = None, key_format: "str | IndexKeyFormat" = "fp8",
                         fp8_q: bool = False) -> torch.Tensor:
     """A prefill's scores float32 [T, n]: T tokens of one sequence against the same keys at
     locs int [n]; otherwise as index_scores. A program scores block_t tokens against one
-    key block, so keys are read T / block_t times, not T. fp8_q: the queries rounded to FP8
-    per head and multiplied on FP8 MMAs, as ScoresConfig.fp8_q (FP8 keys only)."""
+    key block, so keys are read T / block_t times, not T. block_n (None: SHARED_BLOCK_N's
+    for the key format): with FP8 keys 128 took 1,088 us against 1,739 with 64 at 2,048
+    tokens x 8,192 keys, 4,176 against 6,885 at 32,768 keys (H100, 2026-12-07,
+    benchmarks/engine-h100-prefill-tiles/; block_t 8-32 within 4%); MXFP4 keys' 128 spill
+    registers for sm_90, so they keep 64. fp8_q: the
+    queries rounded to FP8 per head and multiplied on FP8 MMAs, as ScoresConfig.fp8_q (FP8
+    keys only); at these shapes 12% slower than bf16 queries, so off by default."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, True, fmt)
+    block_n = SHARED_BLOCK_N[fmt.name] if block_n is None else block_n
     return _launch(q, w, pages, layout, locs, counts, fmt, block_t=block_t, block_n=block_n, fp8_q=fp8_q)

@@ -735,7 +735,12 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
       128-column tiles against 267 with 64 (the tile the a8a948d sweep had picked), 410
       us the whole call; FP8 x (MoEConfig.fp8_x) took 187 us, 1% of the call, for 3.8% of
       output error, and is left off;
-    - more: 64-row blocks, each weight tile reused by more rows, operands in x's dtype.
+    - up to 256 pairs per expert (up to ~1,400 tokens): 64-row blocks, each weight tile
+      reused by more rows, operands in x's dtype (not timed between 170 and 8,192 tokens);
+    - more (a prefill's chunk): 128-row blocks and 4 stages. At 8,192 tokens on an H100
+      (2026-12-07, benchmarks/engine-h100-prefill-tiles/) 8.4 ms a call against 10.3 with
+      64-row blocks, the same output; 256 columns spilled (22 ms) and block_k 128 did not
+      help. FP8 x took 2-2.5x as long at every prefill tile, so it stays off.
     Under the interpreter: small tiles (its cost is per element, not per launch).
     """
     if not on_gpu:
@@ -751,7 +756,9 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
                          down_num_stages=4)
     # float16 operands took nothing off these tiles (128 tokens on an H200, 2026-12-06), so
     # they keep x's dtype and its range.
-    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, f16_operands=False)
+    if num_pairs <= 256 * num_experts:
+        return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, f16_operands=False)
+    return MoEConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, f16_operands=False)
 
 
 def routed_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -10,7 +10,8 @@ from remnant.engine.ops import index_top_k
 from remnant.kernels.top_k import top_k_reference
 from remnant.kv.index_keys import IndexKeyFormat, quantize_index_keys
 from remnant.engine.pools import SplitPages
-from remnant.kernels.indexer import ScoresConfig, index_scores, index_scores_reference, index_scores_shared, keys_at
+from remnant.kernels.indexer import (SHARED_BLOCK_N, ScoresConfig, index_scores, index_scores_reference,
+                                     index_scores_shared, keys_at)
 from tests.kernels.inputs import DEVICE, ON_GPU
 
 
@@ -141,7 +142,7 @@ def test_shared_scores_are_the_reference(tokens, block_t, dtype, key_format):
     _same_scores(got, want)
     # The same as each token scoring its own copy of the locations, in blocks of as many keys.
     torch.testing.assert_close(got, index_scores(q, w, pool.buf, pool.layout, locs.expand(tokens, n), counts,
-                                                 key_format=key_format, config=ScoresConfig(block_n=64)))
+                                                 key_format=key_format, config=ScoresConfig(block_n=SHARED_BLOCK_N[key_format])))
 
 
 def test_shared_fp8_queries_score_as_their_reference():
@@ -159,7 +160,7 @@ def test_shared_fp8_queries_score_as_their_reference():
     _same_fp8_query_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, fp8_q=True))
     # The decode form's FP8 queries over each token's copy of the locations: the same scores.
     rows = index_scores(q, w, pool.buf, pool.layout, locs.expand(tokens, n), counts,
-                        config=ScoresConfig(block_n=64, fp8_q=True))
+                        config=ScoresConfig(block_n=128, fp8_q=True))
     torch.testing.assert_close(got, rows)
     with pytest.raises(ValueError, match="fp8_q takes FP8 keys without f16_operands, got key_format='mxfp4'"):
         mx = _pool(gen, 2, 16, "mxfp4")

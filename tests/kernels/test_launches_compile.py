@@ -31,7 +31,7 @@ def _model():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tokens", [1, 4, 8, 32, 128, 512])
+@pytest.mark.parametrize("tokens", [1, 4, 8, 32, 128, 512, 2048])
 def test_moe_launches_compile_for_sm90(tokens, tmp_path):
     # The routed experts as a decode step runs them (default_config on a GPU), FP8 experts
     # of V4-Flash's shape, the shared expert's output and the residual added at the end.

@@ -327,15 +327,19 @@ def test_k_major_experts_give_the_same_output(config):
 
 
 def test_default_config_rows_per_block_follow_pairs_per_expert():
-    # Blocks sized to the pairs an expert gets on average (16 rows to 8 pairs, 32 to 32,
-    # then 64); float16 operands took nothing off the 64-row tiles (H200): they keep x's range.
-    configs = {t: default_config(t * 6, 32, True, 4096, 2048) for t in (32, 128, 256)}
-    assert {t: c.block_m for t, c in configs.items()} == {32: 16, 128: 32, 256: 64}
+    # Blocks sized to the pairs an expert gets on average (16 rows to 8 pairs, 32 to 32, 64
+    # to 256, then 128); float16 operands took nothing off the 64-row tiles (H200): they and
+    # the 128-row tiles keep x's range.
+    configs = {t: default_config(t * 6, 32, True, 4096, 2048) for t in (32, 128, 256, 1365, 1366, 8192)}
+    assert {t: c.block_m for t, c in configs.items()} == {32: 16, 128: 32, 256: 64, 1365: 64, 1366: 128, 8192: 128}
+    # A prefill chunk's 128-row blocks in 4 stages (H100: 8.4 against 10.3 ms at 8,192 tokens).
+    assert configs[8192].num_stages == 4 and configs[1365].num_stages == 3
     assert configs[32].f16_operands and configs[128].f16_operands and not configs[256].f16_operands
     # 128-column tiles at 32 rows (H100: gate/up 196 against 267 us with 64), down in 4
     # stages; FP8 activations nowhere (1% of a call for 3.8% of output error).
     assert configs[128].block_n == 128 and configs[128].num_stages == 3
     assert configs[128].down_launch() == dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    assert not any(c.fp8_x or c.fp8_h or c.f16_operands for t, c in configs.items() if t >= 256)
     assert not any(c.fp8_x or c.fp8_h for c in configs.values())
 
 
@@ -566,3 +570,25 @@ def test_fp8_activations_at_v4_flash_size_on_gpu(t, layout, fp8_h):
     got = routed_experts_triton(x, ids, weights, gu, dn, gu_s, dn_s, config=config, check_ids=True)
     scale = ref.abs().max()
     torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the compiled kernels at a prefill chunk's size")
+def test_prefill_tile_at_v4_flash_size_on_gpu():
+    """2,048 tokens take 128-row blocks: a sample of rows against the float64 reference
+    (one token at a time, too slow for all), every row against the 64-row tile's output."""
+    hidden, inter, e, k, t = 4096, 2048, 32, 6, 2048
+    config = default_config(t * k, e, True, hidden, inter)
+    assert config.block_m == 128
+    gen = torch.Generator().manual_seed(t)
+    experts = _experts(gen, e, hidden, inter, "float8_e4m3fn")
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    ids, weights = _routing(gen, t, e, k)
+    got = routed_experts_triton(x, ids, weights, *experts, config=config, check_ids=True)
+    rows = torch.arange(0, t, 97, device=DEVICE)
+    ref = routed_experts_reference(x[rows], ids[rows], weights[rows], *experts)
+    scale = ref.abs().max()
+    torch.testing.assert_close(got[rows].double() / scale, ref / scale, rtol=0, atol=1e-2)
+    rows64 = dataclasses.replace(config, block_m=64, num_stages=3)
+    torch.testing.assert_close(got, routed_experts_triton(x, ids, weights, *experts, config=rows64), rtol=0,
+                               atol=1e-2 * float(scale))
