@@ -3,8 +3,10 @@
     remnant-report multirun/2026-11-29/18-00-00 --out report/ [--html] [--slo-ttft-ms 2000 --slo-tpot-ms 200]
 
 Per workload, mode and retention: the mean and 95 % confidence interval of each metric over
-repeated runs; per non-native run, per-request deltas against the native run of the same
-request stream (equal workload fingerprints; otherwise refused with the reason); capacity
+repeated runs; per non-native run, per-request TTFT, TPOT and E2E deltas and the output
+throughput's delta against the native run of the same request stream (equal workload
+fingerprints; otherwise refused with the reason), and where a cell has two or more seeds
+paired, their mean with an interval over seeds; capacity
 and cache-hit columns; a Markdown report with the limits the runs carry, and PNG plots
 (a Pareto view across a sweep's cells among them); with --html, the same as one
 self-contained page, report.html (remnant.report.build). With an SLO bound or two, each

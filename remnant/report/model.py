@@ -12,7 +12,7 @@ import pandas as pd
 from remnant.frontier import SloConfig, goodput
 from remnant.report import frontier, pareto
 from remnant.report.runs import load_runs, workload_label
-from remnant.report.stats import paired_deltas, summary
+from remnant.report.stats import PAIRED_METRICS, paired_deltas, seed_deltas, summary
 from remnant.report.table import Table, fmt
 
 COLUMNS = ["output_throughput", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms", "cache_hit_rate", "max_total_num_tokens"]
@@ -20,7 +20,8 @@ COLUMNS = ["output_throughput", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms", "cac
 # Section titles, the same in every rendering.
 SUMMARY = "Summary (mean ± 95 % CI over repeated runs)"
 FRONTIER = "Frontier at the SLO (highest load meeting it; mean ± 95 % CI over seeds)"
-DELTAS = "Paired against native (per request, same request stream)"
+DELTAS = ("Paired against native (per request, same request stream; \"mean of N seeds\": each seed's delta averaged, "
+          "± over seeds)")
 FAILED = "Failed or interrupted runs"
 PLOTS = "Plots"
 LIMITS = "Limits"
@@ -98,20 +99,26 @@ def summary_rows(table: pd.DataFrame, with_goodput: bool = False) -> Table:
     return Table(head, rows, empty="No completed runs.")
 
 
-def delta_rows(deltas: pd.DataFrame) -> Table:
+def delta_rows(deltas: pd.DataFrame, over_seeds: pd.DataFrame | None = None) -> Table:
     """stats.paired_deltas' table as shown: the mean per-request delta ± 95 % CI, or why the
-    pairing was refused."""
-    head = ["workload", "seed", "mode", "retention", "load", "requests joined", "ΔTTFT ms", "ΔE2E ms", "note"]
+    pairing was refused; then stats.seed_deltas' rows, "mean of N seeds", each ± over seeds."""
+    head = ["workload", "seed", "mode", "retention", "load", "requests joined", "ΔTTFT ms", "ΔTPOT ms", "ΔE2E ms",
+            "Δ output tok/s", "note"]
     rows = []
+
+    def cells(r) -> list[str]:
+        other = r.get("baseline_variant") != r["variant"]
+        return ([str(int(r["joined"]))]
+                + [fmt(r[f"delta_{m}_ms"], r[f"delta_{m}_ci_ms"]) for m in PAIRED_METRICS]
+                + [fmt(r.get("delta_throughput"), r.get("delta_throughput_ci"))]
+                + [f"against the native run of {r['baseline_variant'] or 'no variant'}" if other else ""])
+
     for _, r in deltas.iterrows():
         ident = [workload_label(r["workload"], r["variant"]), str(r["seed"]), r["mode"], r["retention"], r["load"]]
-        if r.get("refused"):
-            rows.append(ident + ["-", "-", "-", f"refused: {r['refused']}"])
-        else:
-            other = r.get("baseline_variant") != r["variant"]
-            rows.append(ident + [str(int(r["joined"])), fmt(r["delta_ttft_ms"], r["delta_ttft_ci_ms"]),
-                                 fmt(r["delta_e2e_ms"], r["delta_e2e_ci_ms"]),
-                                 f"against the native run of {r['baseline_variant'] or 'no variant'}" if other else ""])
+        rows.append(ident + (["-"] * 5 + [f"refused: {r['refused']}"] if r.get("refused") else cells(r)))
+    for _, r in (over_seeds if over_seeds is not None else pd.DataFrame()).iterrows():
+        rows.append([workload_label(r["workload"], r["variant"]), f"mean of {r['seeds']} seeds", r["mode"],
+                     r["retention"], r["load"]] + cells(r))
     return Table(head, rows, empty="No non-native runs to compare.")
 
 
@@ -159,7 +166,8 @@ def collect(paths: list[Path], slo: SloConfig | None = None) -> Report:
         if searches.groupby(["workload", "slo", "mode", "retention"]).size().max() < 2:
             limits.insert(0, "one frontier search per mode: no interval over seeds (remnant-frontier -m ... seed=0,1,2)")
     entries = run_entries(runs)
+    deltas = paired_deltas(runs)
     return Report(paths=[str(p) for p in paths], runs=runs, searches=searches, steps=steps,
                   summary=summary_rows(table, with_goodput=slo is not None), frontier=front,
-                  deltas=delta_rows(paired_deltas(runs)), failed=[e for e in entries if e.status != "completed"],
+                  deltas=delta_rows(deltas, seed_deltas(deltas)), failed=[e for e in entries if e.status != "completed"],
                   every_run=entries, limits=limits, slo_note=None if slo is None else slo_note(slo))

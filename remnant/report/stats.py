@@ -29,19 +29,30 @@ def mean_ci(values) -> tuple[float | None, float | None, int]:
     return float(v.mean()), float(t975(v.size - 1) * v.std(ddof=1) / math.sqrt(v.size)), int(v.size)
 
 
+PAIRED_METRICS = ("ttft", "tpot", "e2e")
+# Each delta column of paired_deltas and seed_deltas, and its 95 % CI's column.
+DELTA_CI = {**{f"delta_{m}_ms": f"delta_{m}_ci_ms" for m in PAIRED_METRICS}, "delta_throughput": "delta_throughput_ci"}
+
+
 def _requests(run_dir: str) -> pd.DataFrame:
+    """The measured, successful requests' ttft_s, tpot_s and e2e_s by id; tpot_s as
+    remnant.client.metrics defines it ((e2e - ttft) / (completion_tokens - 1)), NaN for a
+    one-token request or a record without completion_tokens."""
     rows = [json.loads(line) for line in Path(run_dir, "requests.jsonl").read_text().splitlines() if line.strip()]
     df = pd.DataFrame(rows)
     df = df[(df["phase"] == "measured") & df["success"]]
-    return df.set_index("id")[["ttft_s", "e2e_s"]]
+    tokens = df["completion_tokens"] if "completion_tokens" in df else pd.Series(np.nan, index=df.index)
+    df = df.assign(tpot_s=(df["e2e_s"] - df["ttft_s"]) / (tokens - 1).where(tokens > 1))
+    return df.set_index("id")[[f"{m}_s" for m in PAIRED_METRICS]]
 
 
 def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
     """Per-request deltas of each completed run against the baseline-mode run with the same
     workload fingerprint (an identical request stream), joined by request id.
 
-    Returns one row per compared run: its identity, the requests joined, mean TTFT and E2E
-    deltas (ms, run - baseline) with 95 % CIs, or `refused` with the reason.
+    Returns one row per compared run: its identity, the requests joined, mean TTFT, TPOT
+    and E2E deltas (ms, run - baseline) with 95 % CIs over its requests, the output
+    throughput's delta (tok/s, one figure a run), or `refused` with the reason.
     """
     done = runs[runs["status"] == "completed"]
     out = []
@@ -64,13 +75,38 @@ def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
             joined = a.merge(b, left_index=True, right_index=True, suffixes=("_run", "_base"))
             row["joined"] = len(joined)
             row["baseline_variant"] = same.iloc[0]["variant"]
-            for metric in ("ttft", "e2e"):
+            for metric in PAIRED_METRICS:
                 d = (joined[f"{metric}_s_run"] - joined[f"{metric}_s_base"]) * 1000.0
                 mean, ci, _ = mean_ci(d.tolist())
                 row[f"delta_{metric}_ms"], row[f"delta_{metric}_ci_ms"] = mean, ci
+            throughput = run.get("output_throughput"), same.iloc[0].get("output_throughput")
+            row["delta_throughput"] = (None if any(t is None or pd.isna(t) for t in throughput)
+                                       else float(throughput[0] - throughput[1]))
             row["refused"] = None
         out.append(row)
     return pd.DataFrame(out)
+
+
+def seed_deltas(deltas: pd.DataFrame) -> pd.DataFrame:
+    """paired_deltas' rows of one cell (workload, variant, mode, retention, load, and the
+    native variant paired with) over its seeds, where two or more paired: each delta the
+    mean of the seeds' deltas, with a 95 % CI over seeds (n - 1 degrees of freedom). A
+    seed's per-request interval says how sure one run's mean is; this one says how much the
+    delta moves from run to run, which a single run cannot show."""
+    if deltas.empty or "joined" not in deltas:
+        return pd.DataFrame()
+    paired = deltas[deltas["refused"].isna()]
+    keys = ["workload", "variant", "mode", "retention", "load", "baseline_variant"]
+    rows = []
+    for key, group in paired.groupby(keys, sort=False, dropna=False):
+        if group["seed"].nunique() < 2:
+            continue
+        row = dict(zip(keys, key))
+        row.update(seeds=int(group["seed"].nunique()), joined=int(group["joined"].sum()), refused=None)
+        for column, ci_column in DELTA_CI.items():
+            row[column], row[ci_column], _ = mean_ci(group[column].tolist())
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def summary(runs: pd.DataFrame, columns: list[str]) -> pd.DataFrame:

@@ -46,6 +46,9 @@ def test_report_tables_deltas_and_plots(sweep):
     for mode in ("native", "triton", "kernel"):
         assert f"| smoke | {mode} |" in text
     assert text.count("| smoke | 0 |") == 2 and text.count("| smoke | 1 |") == 2  # paired rows per seed
+    for mode in ("triton", "kernel"):  # and each mode's over both seeds, every delta with its interval
+        (row,) = [line for line in text.splitlines() if line.startswith(f"| smoke | mean of 2 seeds | {mode} |")]
+        assert row.count("±") == 4, row
     assert "refused" not in text and "±" in text
     assert "a single run" not in text and "one run per cell" not in text  # two seeds per cell answer that caveat
     # One concurrency in the sweep: throughput as bars by mode, not a line through one x;
@@ -296,3 +299,48 @@ def test_pairs_take_the_native_run_of_the_same_variant(tmp_path):
     assert deltas.iloc[0]["baseline_variant"] == "kv=1" and deltas.iloc[0]["delta_ttft_ms"] == pytest.approx(1500.0)
     assert delta_rows(deltas).rows[0][-1] == "against the native run of kv=1"
     assert delta_rows(paired_deltas(pd.DataFrame(rows))).rows[0][-1] == ""
+
+
+def test_seed_deltas_average_the_seeds_and_bound_them_over_seeds(tmp_path):
+    # Three seeds of a native and a kernel run; each kernel request is faster by the seed's
+    # own amount. Per seed the per-request interval is 0 (every request moved alike); over
+    # seeds the interval is the seeds' spread, by hand.
+    import json
+
+    import pandas as pd
+
+    from remnant.report.model import delta_rows
+    from remnant.report.stats import paired_deltas, seed_deltas, t975
+
+    rows, shift = [], {0: 0.10, 1: 0.20, 2: 0.60}
+    for seed in shift:
+        for mode in ("native", "kernel"):
+            run = tmp_path / f"{mode}-{seed}"
+            run.mkdir()
+            d = shift[seed] if mode == "kernel" else 0.0
+            # 9 tokens: TPOT = (e2e - ttft) / 8; the kernel run's decode is d faster in all.
+            run.joinpath("requests.jsonl").write_text("".join(json.dumps(
+                {"id": i, "phase": "measured", "success": True, "ttft_s": 1.0 - d, "e2e_s": 3.0 - 2 * d,
+                 "completion_tokens": 9}) + "\n" for i in range(4)) + json.dumps(
+                {"id": 9, "phase": "measured", "success": True, "ttft_s": 1.0, "e2e_s": 1.0, "completion_tokens": 1}))
+            rows.append({"mode": mode, "retention": "-" if mode == "native" else "r256", "workload": "w",
+                         "variant": "", "seed": seed, "load": "c=4", "fingerprint": f"f{seed}", "status": "completed",
+                         "output_throughput": 100.0 + (10 * seed if mode == "kernel" else 0), "run_dir": str(run)})
+    deltas = paired_deltas(pd.DataFrame(rows))
+    first = deltas[deltas["seed"] == 0].iloc[0]
+    assert first["joined"] == 5 and first["delta_ttft_ms"] == pytest.approx(-100.0 * 4 / 5)
+    assert first["delta_tpot_ms"] == pytest.approx(-100.0 / 8)  # the one-token request has no TPOT
+    assert first["delta_throughput"] == 0.0 and deltas.iloc[2]["delta_throughput"] == 20.0
+    (over,) = seed_deltas(deltas).to_dict("records")
+    assert over["seeds"] == 3 and over["joined"] == 15
+    ttft = [-80.0, -160.0, -480.0]  # each seed's mean over 5 requests, one unchanged
+    mean = sum(ttft) / 3
+    sd = (sum((x - mean) ** 2 for x in ttft) / 2) ** 0.5
+    assert over["delta_ttft_ms"] == pytest.approx(mean)
+    assert over["delta_ttft_ci_ms"] == pytest.approx(t975(2) * sd / 3 ** 0.5)
+    assert over["delta_throughput"] == pytest.approx(10.0) and over["delta_throughput_ci"] == pytest.approx(
+        t975(2) * 10.0 / 3 ** 0.5)
+    table = delta_rows(deltas, seed_deltas(deltas))
+    assert [r[1] for r in table.rows] == ["0", "1", "2", "mean of 3 seeds"]
+    # One seed paired, another refused: no row over seeds.
+    assert seed_deltas(deltas[deltas["seed"] == 0]).empty
