@@ -182,9 +182,20 @@ def _block_keys(locs_ptr, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE
 
 
 @triton.jit
-def _block_scores(q, wh, keys, scale, INTERPRETED: tl.constexpr):
+def _block_scores(q, wh, keys, scale, INTERPRETED: tl.constexpr, KEYS_ON_M: tl.constexpr = False):
     """Scores float32 [BLOCK_N] of one row's q [BLOCK_H, D] and scaled head weights wh
-    [BLOCK_H] against keys [BLOCK_N, D] (in the MMA operands' dtype) with their scales."""
+    [BLOCK_H] against keys [BLOCK_N, D] (in the MMA operands' dtype) with their scales.
+    KEYS_ON_M: the product as keys times q's transpose, [BLOCK_N, BLOCK_H], so that the sum
+    over heads runs along a row of the accumulator (within a thread and its quad) instead
+    of down its columns, which the warps of a warpgroup split (a trial: ScoresConfig)."""
+    if KEYS_ON_M:
+        if INTERPRETED:
+            dots = tl.dot(keys.to(tl.float32), tl.trans(q.to(keys.dtype).to(tl.float32)), input_precision="ieee")
+        elif keys.dtype == tl.float32:
+            dots = tl.dot(keys, tl.trans(q), input_precision="ieee")
+        else:
+            dots = tl.dot(keys, tl.trans(q.to(keys.dtype)))                # [BLOCK_N, BLOCK_H] float32
+        return tl.sum(tl.maximum(dots * scale[:, None], 0.0) * wh[None, :], axis=1)
     if INTERPRETED:
         # Triton's interpreter returns garbage for tl.dot on bf16 operands (remnant.kernels.moe).
         dots = tl.dot(q.to(keys.dtype).to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
@@ -215,7 +226,7 @@ def _row_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, l
                        page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, STAGES: tl.constexpr,
                        INTERPRETED: tl.constexpr, MXFP4: tl.constexpr, MX: tl.constexpr, F16: tl.constexpr,
-                       FP8_Q: tl.constexpr = False):
+                       FP8_Q: tl.constexpr = False, KEYS_ON_M: tl.constexpr = False):
     """A decode step's scores: row pid0 (its own locations locs [b, :n]) against its key
     blocks [pid1 * BLOCKS, +BLOCKS) of BLOCK_N keys. The row's queries and head weights are
     loaded once for the BLOCKS blocks, whose key loads the loop pipelines (STAGES); keys at
@@ -244,7 +255,7 @@ def _row_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, l
             j = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
             keys, scale, usable = _block_keys(row_locs, pages_ptr, scales_ptr, j, limit, page_stride, PER_PAGE, D,
                                               MXFP4, MX, op)
-            s = _block_scores(q, wh, keys, scale, INTERPRETED)
+            s = _block_scores(q, wh, keys, scale, INTERPRETED, KEYS_ON_M)
             tl.store(out_ptr + b * n + j, tl.where(usable, s, float("-inf")), mask=j < n)
     else:
         for i in range(BLOCKS):
@@ -256,7 +267,8 @@ def _row_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, l
 def _shared_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr, locs_ptr, counts_ptr, out_ptr, B, n,
                           H, page_stride, PER_PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRETED: tl.constexpr,
-                          MXFP4: tl.constexpr, MX: tl.constexpr, FP8_Q: tl.constexpr = False):
+                          MXFP4: tl.constexpr, MX: tl.constexpr, FP8_Q: tl.constexpr = False,
+                          KEYS_ON_M: tl.constexpr = False):
     """A prefill's scores: rows [pid0 * BLOCK_T, +BLOCK_T), which all read the same
     locations locs [n], against keys [pid1 * BLOCK_N, +BLOCK_N), loaded once for them.
     FP8_Q: each row's queries as FP8 codes with a scale per head, as _row_scores_kernel's."""
@@ -273,7 +285,7 @@ def _shared_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, pages_ptr, scales_ptr
             if FP8_Q:
                 q, q_scale = _fp8_heads(q, INTERPRETED)
                 wh = wh * q_scale
-            s = _block_scores(q, wh, keys, scale, INTERPRETED)
+            s = _block_scores(q, wh, keys, scale, INTERPRETED, KEYS_ON_M)
             seen = usable & (j < tl.load(counts_ptr + b))
             tl.store(out_ptr + b.to(tl.int64) * n + j, tl.where(seen, s, float("-inf")), mask=j < n)
 
@@ -290,8 +302,11 @@ class ScoresConfig:
     scale per head, in the kernel, and multiplied with the keys' codes as stored, as
     DeepSeek's indexer runs in FP8 (DeepGEMM's fp8_mqa_logits): no key widened, the
     keys' shared-memory tile half the bf16 one's, the MMAs at FP8's rate. Costs q's FP8
-    rounding (index_scores_reference(fp8_q=True) is its ground truth). Not timed on a GPU;
-    off by default.
+    rounding (index_scores_reference(fp8_q=True) is its ground truth). Off by default: on an
+    H100 (2026-12-07, benchmarks/engine-h100-prefill-tiles/) it took 93 against 101 us alone
+    at 128 x 8,192 and nothing off the decode step. keys_on_m: _block_scores' KEYS_ON_M, a
+    trial the timings' indexer tables run (runners/device/moe_topk_timings.py); off until
+    they show it faster.
 
     The defaults are the fastest of the H100 sweep of 2026-12-06 (runners/device/
     moe_topk_timings.py indexer): blocks of 128 keys took half the time of blocks of 64 at
@@ -304,6 +319,7 @@ class ScoresConfig:
     num_stages: int = 1
     f16_operands: bool = False
     fp8_q: bool = False
+    keys_on_m: bool = False
 
 
 def default_scores_config(key_format: "str | IndexKeyFormat" = "fp8") -> ScoresConfig:
@@ -324,9 +340,9 @@ def _check_fp8_q(fp8_q: bool, fmt: IndexKeyFormat, f16_operands: bool) -> None:
 
 def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: float = 1.0,
             config: ScoresConfig | None = None, block_t: int = 1, block_n: int = 64,
-            fp8_q: bool = False) -> torch.Tensor:
+            fp8_q: bool = False, keys_on_m: bool = False) -> torch.Tensor:
     """The decode form (locs [B, n], config) or the shared one (locs [n], block_t, block_n,
-    fp8_q)."""
+    fp8_q, keys_on_m)."""
     B, H, D = q.shape
     n = locs.shape[-1]
     shared = locs.ndim == 1
@@ -350,13 +366,13 @@ def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: flo
         grid = (triton.cdiv(B, block_t), triton.cdiv(n, block_n))
         _shared_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out,
                                     B, n, H, layout.page_stride, BLOCK_N=block_n, BLOCK_T=block_t, FP8_Q=fp8_q,
-                                    **common)
+                                    KEYS_ON_M=keys_on_m, **common)
         return out
     grid = (B, triton.cdiv(n, config.block_n * config.blocks))
     _row_scores_kernel[grid](q.contiguous(), w, w.stride(0), float(w_scale), pages, scales, locs, counts, out, n, H,
                              layout.page_stride, BLOCK_N=config.block_n, BLOCKS=config.blocks,
                              STAGES=config.num_stages, F16=config.f16_operands and q.dtype == torch.bfloat16,
-                             FP8_Q=config.fp8_q,
+                             FP8_Q=config.fp8_q, KEYS_ON_M=config.keys_on_m,
                              num_warps=config.num_warps, **common)
     return out
 
@@ -384,7 +400,7 @@ SHARED_BLOCK_N = {"fp8": 128, "mxfp4": 64}
 def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
                         locs: torch.Tensor, counts: torch.Tensor, block_t: int = 16,
                         block_n: int | None = None, key_format: "str | IndexKeyFormat" = "fp8",
-                        fp8_q: bool = False) -> torch.Tensor:
+                        fp8_q: bool = False, keys_on_m: bool = False) -> torch.Tensor:
     """A prefill's scores float32 [T, n]: T tokens of one sequence against the same keys at
     locs int [n]; otherwise as index_scores. A program scores block_t tokens against one
     key block, so keys are read T / block_t times, not T. block_n (None: SHARED_BLOCK_N's
@@ -393,8 +409,10 @@ def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, l
     benchmarks/engine-h100-prefill-tiles/; block_t 8-32 within 4%); MXFP4 keys' 128 spill
     registers for sm_90, so they keep 64. fp8_q: the
     queries rounded to FP8 per head and multiplied on FP8 MMAs, as ScoresConfig.fp8_q (FP8
-    keys only); at these shapes 12% slower than bf16 queries, so off by default."""
+    keys only); at these shapes 12% slower than bf16 queries, so off by default. keys_on_m:
+    as ScoresConfig.keys_on_m."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, True, fmt)
     block_n = SHARED_BLOCK_N[fmt.name] if block_n is None else block_n
-    return _launch(q, w, pages, layout, locs, counts, fmt, block_t=block_t, block_n=block_n, fp8_q=fp8_q)
+    return _launch(q, w, pages, layout, locs, counts, fmt, block_t=block_t, block_n=block_n, fp8_q=fp8_q,
+                   keys_on_m=keys_on_m)

@@ -399,12 +399,18 @@ def indexer_table() -> None:
         fp8_ref = run(fp8_default)
         for cfg in [fp8_default, *(dataclasses.replace(c, fp8_q=True, f16_operands=False) for c in fastest)]:
             time_if_close(cfg, run, fp8_ref, times, measure, "fp8_q default")
+        # The trial ScoresConfig.keys_on_m (the sum over heads along the accumulator's rows)
+        # on the default and on FP8 queries, each row printed.
+        keys_on_m = [dataclasses.replace(default, keys_on_m=True), dataclasses.replace(fp8_default, keys_on_m=True)]
+        time_if_close(keys_on_m[0], run, ref, times, measure, "default")
+        time_if_close(keys_on_m[1], run, fp8_ref, times, measure, "fp8_q default")
         best = sorted(times, key=times.get)
         nbytes = B * n * key_bytes
-        for cfg in dict.fromkeys([*best[:5], default, fp8_default]):
+        for cfg in dict.fromkeys([*best[:5], default, fp8_default, *(c for c in keys_on_m if c in times)]):
             label = "default" if cfg == default else f"{best.index(cfg) + 1}"
             print(f"| {B} x {n} | bn{cfg.block_n} x{cfg.blocks} w{cfg.num_warps} s{cfg.num_stages}"
-                  f"{' f16' if cfg.f16_operands else ''}{' fp8q' if cfg.fp8_q else ''} | {times[cfg]:.1f} | "
+                  f"{' f16' if cfg.f16_operands else ''}{' fp8q' if cfg.fp8_q else ''}"
+                  f"{' keys-on-m' if cfg.keys_on_m else ''} | {times[cfg]:.1f} | "
                   f"{nbytes / times[cfg] / 1e6:.2f} | "
                   f"{label} |", flush=True)
 
@@ -460,6 +466,7 @@ def indexer_prefill_table() -> None:
     per_page, key_bytes = 64, 132
     print("| tokens x keys | queries | block_t | block_n | scores us | TFLOP/s | top_k 512 us |")
     print("|---|---|---|---|---|---|---|")
+    # (keys_on_m: ScoresConfig.keys_on_m's trial, at block_t 16 only.)
     for T, n in ((2048, 8192), (2048, 32768)):
         pool = SplitPages(n // per_page, per_page, key_bytes, 4, device="cuda")
         pool.layout.write(pool.buf, torch.arange(n, device="cuda"), quantize_index_keys(torch.randn(n, 128, device="cuda")))
@@ -470,12 +477,16 @@ def indexer_prefill_table() -> None:
         # (p + 1) // 4 C4 records completed up to it.
         counts = ((4 * n - T + 1 + torch.arange(T, device="cuda")) // 4).to(torch.int32)
         refs = {}
-        for fp8_q, block_t, block_n in itertools.product((False, True), (8, 16, 32), (64, 128)):
-            label = f"| {T} x {n} | {'fp8' if fp8_q else 'bf16'} | {block_t} | {block_n} |"
+        trials = [(fp8_q, block_t, block_n, False)
+                  for fp8_q, block_t, block_n in itertools.product((False, True), (8, 16, 32), (64, 128))]
+        trials += [(fp8_q, 16, block_n, True) for fp8_q, block_n in itertools.product((False, True), (64, 128))]
+        for fp8_q, block_t, block_n, keys_on_m in trials:
+            label = (f"| {T} x {n} | {'fp8' if fp8_q else 'bf16'}{' keys-on-m' if keys_on_m else ''} | {block_t} | "
+                     f"{block_n} |")
 
-            def run(block_t=block_t, block_n=block_n, fp8_q=fp8_q):
+            def run(block_t=block_t, block_n=block_n, fp8_q=fp8_q, keys_on_m=keys_on_m):
                 return index_scores_shared(q, w, pool.buf, pool.layout, locs, counts, block_t=block_t,
-                                           block_n=block_n, fp8_q=fp8_q)
+                                           block_n=block_n, fp8_q=fp8_q, keys_on_m=keys_on_m)
 
             try:
                 out = run()

@@ -50,7 +50,8 @@ def test_scores_are_the_reference(heads, dtype, n, key_format):
 
 @pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("config", [ScoresConfig(block_n=16, blocks=3), ScoresConfig(block_n=32, blocks=4, num_stages=3),
-                                    ScoresConfig(block_n=64, blocks=2, f16_operands=True), ScoresConfig()], ids=str)
+                                    ScoresConfig(block_n=64, blocks=2, f16_operands=True), ScoresConfig(),
+                                    ScoresConfig(block_n=32, blocks=3, keys_on_m=True)], ids=str)
 def test_every_launch_config_scores_as_the_reference(config, key_format):
     # Several key blocks a program, the last one ragged (130 keys), rows whose visible keys
     # end inside a block, at a block's edge, at 0 and at n: the keys past a row's count are
@@ -70,7 +71,8 @@ def test_every_launch_config_scores_as_the_reference(config, key_format):
     _same_scores(got, index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format))
 
 
-@pytest.mark.parametrize("config", [ScoresConfig(fp8_q=True), ScoresConfig(block_n=32, blocks=3, fp8_q=True)], ids=str)
+@pytest.mark.parametrize("config", [ScoresConfig(fp8_q=True), ScoresConfig(block_n=32, blocks=3, fp8_q=True),
+                                    ScoresConfig(fp8_q=True, keys_on_m=True)], ids=str)
 def test_fp8_queries_score_as_their_reference_and_keep_the_top_k(config):
     # FP8 queries (a scale per head) against FP8 keys: the reference of the rounded queries,
     # rows ending inside a block and at 0, padding; heads past H (none here: 64) and a head
@@ -126,9 +128,10 @@ def test_raw_head_weights_with_a_scale_are_the_scaled_weights():
 
 
 @pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
-@pytest.mark.parametrize(("tokens", "block_t", "dtype"), [(1, 16, torch.float32), (37, 16, torch.float32),
-                                                           (20, 4, torch.bfloat16)])
-def test_shared_scores_are_the_reference(tokens, block_t, dtype, key_format):
+@pytest.mark.parametrize(("tokens", "block_t", "dtype", "keys_on_m"),
+                         [(1, 16, torch.float32, False), (37, 16, torch.float32, False), (20, 4, torch.bfloat16, False),
+                          (20, 4, torch.bfloat16, True)])
+def test_shared_scores_are_the_reference(tokens, block_t, dtype, keys_on_m, key_format):
     # A prefill's tokens of one sequence against its keys: token t sees the first counts[t].
     gen = torch.Generator().manual_seed(tokens)
     pool = _pool(gen, 10, 16, key_format)
@@ -137,12 +140,15 @@ def test_shared_scores_are_the_reference(tokens, block_t, dtype, key_format):
     counts = torch.randint(0, n + 1, (tokens,), generator=gen).to(DEVICE)
     q = torch.randn(tokens, 64, 128, generator=gen).to(DEVICE, dtype)
     w = torch.randn(tokens, 64, generator=gen).to(DEVICE)
-    got = index_scores_shared(q, w, pool.buf, pool.layout, locs, counts, block_t=block_t, key_format=key_format)
+    got = index_scores_shared(q, w, pool.buf, pool.layout, locs, counts, block_t=block_t, key_format=key_format,
+                              keys_on_m=keys_on_m)
     want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
     _same_scores(got, want)
     # The same as each token scoring its own copy of the locations, in blocks of as many keys.
     torch.testing.assert_close(got, index_scores(q, w, pool.buf, pool.layout, locs.expand(tokens, n), counts,
-                                                 key_format=key_format, config=ScoresConfig(block_n=SHARED_BLOCK_N[key_format])))
+                                                 key_format=key_format,
+                                                 config=ScoresConfig(block_n=SHARED_BLOCK_N[key_format],
+                                                                     keys_on_m=keys_on_m)))
 
 
 def test_shared_fp8_queries_score_as_their_reference():

@@ -13,6 +13,7 @@ of the interpreter.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -79,13 +80,16 @@ def test_router_top_k_indexer_and_quantizer_launches_compile_for_sm90(tmp_path):
                 q = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
                 w = torch.empty(tokens, heads, dtype=torch.bfloat16)
                 # The defaults (default_scores_config), and FP8 keys' float16-operand and FP8-query options.
-                options = (None, ScoresConfig(f16_operands=True), ScoresConfig(fp8_q=True))
+                # ... and keys_on_m's trial, of the timing tables (bf16 and FP8 queries).
+                options = (None, ScoresConfig(f16_operands=True), ScoresConfig(fp8_q=True),
+                           ScoresConfig(keys_on_m=True), ScoresConfig(fp8_q=True, keys_on_m=True))
                 for config in options if name == "fp8" else (None,):
                     index_scores(q, w, pages, layout, torch.empty(tokens, n, dtype=torch.int32), counts, name,
                                  config=config)
-                for fp8_q in (False, True) if name == "fp8" else (False,):
+                shared = list(itertools.product((False, True), repeat=2)) if name == "fp8" else [(False, False)]
+                for fp8_q, keys_on_m in shared:
                     index_scores_shared(q, w, pages, layout, torch.empty(n, dtype=torch.int32), counts,
-                                        key_format=name, fp8_q=fp8_q)
+                                        key_format=name, fp8_q=fp8_q, keys_on_m=keys_on_m)
         for rows, cols in ((128, a.hidden_size), (768, a.moe_intermediate_size)):
             quantize_rows_triton(torch.empty(rows, cols, dtype=torch.bfloat16))
     kernels = {launch.kernel.split(":")[1] for launch in launches}
