@@ -302,16 +302,19 @@ class ScoresConfig:
     scale per head, in the kernel, and multiplied with the keys' codes as stored, as
     DeepSeek's indexer runs in FP8 (DeepGEMM's fp8_mqa_logits): no key widened, the
     keys' shared-memory tile half the bf16 one's, the MMAs at FP8's rate. Costs q's FP8
-    rounding (index_scores_reference(fp8_q=True) is its ground truth). Off by default: on an
-    H100 (2026-12-07, benchmarks/engine-h100-prefill-tiles/) it took 93 against 101 us alone
-    at 128 x 8,192 and nothing off the decode step. keys_on_m: _block_scores' KEYS_ON_M, a
-    trial the timings' indexer tables run (runners/device/moe_topk_timings.py); off until
-    they show it faster.
+    rounding (index_scores_reference(fp8_q=True) is its ground truth). Off by default: it
+    moves the choice a little (tests/kernels/test_indexer.py), and with the head sums down
+    the accumulator's columns it took nothing off the decode step (H100, 33da047,
+    benchmarks/engine-h100-prefill-tiles/). keys_on_m: _block_scores' KEYS_ON_M, the
+    product as keys times q's transpose, so that the sum over heads runs along the
+    accumulator's rows; the same scores up to float32 summation order.
 
-    The defaults are the fastest of the H100 sweep of 2026-12-06 (runners/device/
-    moe_topk_timings.py indexer): blocks of 128 keys took half the time of blocks of 64 at
-    32 and 128 rows of 1,024 and 8,192 keys (29.7 against 57.3 us at 32 x 8,192), and more
-    blocks a program changed nothing (99.1 to 100.3 us at 128 x 8,192)."""
+    The defaults are the fastest of the H100 sweeps (runners/device/moe_topk_timings.py
+    indexer): blocks of 128 keys took half the time of blocks of 64 at 32 and 128 rows of
+    1,024 and 8,192 keys (29.7 against 57.3 us at 32 x 8,192; 2026-12-06), and more blocks a
+    program changed nothing (99.1 to 100.3 us at 128 x 8,192). keys_on_m took 95.0 against
+    103.2 us at 128 x 8,192, 27.4 against 30.7 at 32 x 8,192 and 4.3 against 4.7 at 1 x
+    8,192; with fp8_q 78.0, 23.8 and 3.8 (2026-12-07, 44d9823, the same page's NOTES)."""
 
     block_n: int = 128
     blocks: int = 1
@@ -319,16 +322,18 @@ class ScoresConfig:
     num_stages: int = 1
     f16_operands: bool = False
     fp8_q: bool = False
-    keys_on_m: bool = False
+    keys_on_m: bool = True
 
 
 def default_scores_config(key_format: "str | IndexKeyFormat" = "fp8") -> ScoresConfig:
     """ScoresConfig's defaults for FP8 keys; MXFP4 keys in 8 warps: their dequantized block
     is a float32 [128, 128] tile, which at 4 warps ptxas fitted only by spilling 1,112 bytes
     a thread (255 registers; sm_90 compile of 2026-12-07, tests/kernels/
-    test_launches_compile.py), at 8 in 217 registers. Not timed on a GPU."""
+    test_launches_compile.py), at 8 in 217 registers, and with the head sums down the
+    accumulator's columns (keys_on_m off: that form of their tile is the one compiled and
+    tested at V4-Flash's shapes on a GPU). Not timed on a GPU."""
     if index_key_format(key_format, KEY_DIM).name == "mxfp4":
-        return ScoresConfig(num_warps=8)
+        return ScoresConfig(num_warps=8, keys_on_m=False)
     return ScoresConfig()
 
 
@@ -393,26 +398,27 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: 
     return _launch(q, w, pages, layout, locs, counts, fmt, w_scale, config)
 
 
-# index_scores_shared's key block by key format (its docstring says why).
-SHARED_BLOCK_N = {"fp8": 128, "mxfp4": 64}
+# index_scores_shared's key block and keys_on_m by key format (its docstring says why).
+SHARED_TILE = {"fp8": dict(block_n=128, keys_on_m=True), "mxfp4": dict(block_n=64, keys_on_m=False)}
 
 
 def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
                         locs: torch.Tensor, counts: torch.Tensor, block_t: int = 16,
                         block_n: int | None = None, key_format: "str | IndexKeyFormat" = "fp8",
-                        fp8_q: bool = False, keys_on_m: bool = False) -> torch.Tensor:
+                        fp8_q: bool = False, keys_on_m: bool | None = None) -> torch.Tensor:
     """A prefill's scores float32 [T, n]: T tokens of one sequence against the same keys at
     locs int [n]; otherwise as index_scores. A program scores block_t tokens against one
-    key block, so keys are read T / block_t times, not T. block_n (None: SHARED_BLOCK_N's
-    for the key format): with FP8 keys 128 took 1,088 us against 1,739 with 64 at 2,048
-    tokens x 8,192 keys, 4,176 against 6,885 at 32,768 keys (H100, 2026-12-07,
-    benchmarks/engine-h100-prefill-tiles/; block_t 8-32 within 4%); MXFP4 keys' 128 spill
-    registers for sm_90, so they keep 64. fp8_q: the
-    queries rounded to FP8 per head and multiplied on FP8 MMAs, as ScoresConfig.fp8_q (FP8
-    keys only); at these shapes 12% slower than bf16 queries, so off by default. keys_on_m:
-    as ScoresConfig.keys_on_m."""
+    key block, so keys are read T / block_t times, not T. block_n and keys_on_m (as
+    ScoresConfig.keys_on_m; None: SHARED_TILE's for the key format), from the H100's
+    timings at 2,048 tokens (2026-12-07, benchmarks/engine-h100-prefill-tiles/; block_t 8-32
+    within 4%): with FP8 keys, blocks of 128 took 1,092 us against 1,789 with 64 at 8,192
+    keys, 4,218 against 6,939 at 32,768; keys_on_m then 976 and 3,820. MXFP4 keys' 128 spill
+    registers for sm_90, so they keep 64, and keys_on_m off (not timed). fp8_q: the queries
+    rounded to FP8 per head and multiplied on FP8 MMAs, as ScoresConfig.fp8_q (FP8 keys
+    only): 888 and 3,404 us with keys_on_m; off by default, as in decode."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, True, fmt)
-    block_n = SHARED_BLOCK_N[fmt.name] if block_n is None else block_n
+    block_n = SHARED_TILE[fmt.name]["block_n"] if block_n is None else block_n
+    keys_on_m = SHARED_TILE[fmt.name]["keys_on_m"] if keys_on_m is None else keys_on_m
     return _launch(q, w, pages, layout, locs, counts, fmt, block_t=block_t, block_n=block_n, fp8_q=fp8_q,
                    keys_on_m=keys_on_m)

@@ -399,9 +399,9 @@ def indexer_table() -> None:
         fp8_ref = run(fp8_default)
         for cfg in [fp8_default, *(dataclasses.replace(c, fp8_q=True, f16_operands=False) for c in fastest)]:
             time_if_close(cfg, run, fp8_ref, times, measure, "fp8_q default")
-        # The trial ScoresConfig.keys_on_m (the sum over heads along the accumulator's rows)
-        # on the default and on FP8 queries, each row printed.
-        keys_on_m = [dataclasses.replace(default, keys_on_m=True), dataclasses.replace(fp8_default, keys_on_m=True)]
+        # ScoresConfig.keys_on_m either way (the sum over heads along the accumulator's rows
+        # or down its columns) on the default and on FP8 queries, each row printed.
+        keys_on_m = [dataclasses.replace(c, keys_on_m=not c.keys_on_m) for c in (default, fp8_default)]
         time_if_close(keys_on_m[0], run, ref, times, measure, "default")
         time_if_close(keys_on_m[1], run, fp8_ref, times, measure, "fp8_q default")
         best = sorted(times, key=times.get)
@@ -410,7 +410,7 @@ def indexer_table() -> None:
             label = "default" if cfg == default else f"{best.index(cfg) + 1}"
             print(f"| {B} x {n} | bn{cfg.block_n} x{cfg.blocks} w{cfg.num_warps} s{cfg.num_stages}"
                   f"{' f16' if cfg.f16_operands else ''}{' fp8q' if cfg.fp8_q else ''}"
-                  f"{' keys-on-m' if cfg.keys_on_m else ''} | {times[cfg]:.1f} | "
+                  f"{'' if cfg.keys_on_m else ' heads-on-m'} | {times[cfg]:.1f} | "
                   f"{nbytes / times[cfg] / 1e6:.2f} | "
                   f"{label} |", flush=True)
 
@@ -466,7 +466,8 @@ def indexer_prefill_table() -> None:
     per_page, key_bytes = 64, 132
     print("| tokens x keys | queries | block_t | block_n | scores us | TFLOP/s | top_k 512 us |")
     print("|---|---|---|---|---|---|---|")
-    # (keys_on_m: ScoresConfig.keys_on_m's trial, at block_t 16 only.)
+    # (keys-on-m: index_scores_shared's keys_on_m, its default with FP8 keys, at block_t 16 only;
+    # the other rows sum over heads down the accumulator's columns.)
     for T, n in ((2048, 8192), (2048, 32768)):
         pool = SplitPages(n // per_page, per_page, key_bytes, 4, device="cuda")
         pool.layout.write(pool.buf, torch.arange(n, device="cuda"), quantize_index_keys(torch.randn(n, 128, device="cuda")))

@@ -10,7 +10,7 @@ from remnant.engine.ops import index_top_k
 from remnant.kernels.top_k import top_k_reference
 from remnant.kv.index_keys import IndexKeyFormat, quantize_index_keys
 from remnant.engine.pools import SplitPages
-from remnant.kernels.indexer import (SHARED_BLOCK_N, ScoresConfig, index_scores, index_scores_reference,
+from remnant.kernels.indexer import (SHARED_TILE, ScoresConfig, index_scores, index_scores_reference,
                                      index_scores_shared, keys_at)
 from tests.kernels.inputs import DEVICE, ON_GPU
 
@@ -51,7 +51,7 @@ def test_scores_are_the_reference(heads, dtype, n, key_format):
 @pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("config", [ScoresConfig(block_n=16, blocks=3), ScoresConfig(block_n=32, blocks=4, num_stages=3),
                                     ScoresConfig(block_n=64, blocks=2, f16_operands=True), ScoresConfig(),
-                                    ScoresConfig(block_n=32, blocks=3, keys_on_m=True)], ids=str)
+                                    ScoresConfig(block_n=32, blocks=3, keys_on_m=False)], ids=str)
 def test_every_launch_config_scores_as_the_reference(config, key_format):
     # Several key blocks a program, the last one ragged (130 keys), rows whose visible keys
     # end inside a block, at a block's edge, at 0 and at n: the keys past a row's count are
@@ -72,7 +72,7 @@ def test_every_launch_config_scores_as_the_reference(config, key_format):
 
 
 @pytest.mark.parametrize("config", [ScoresConfig(fp8_q=True), ScoresConfig(block_n=32, blocks=3, fp8_q=True),
-                                    ScoresConfig(fp8_q=True, keys_on_m=True)], ids=str)
+                                    ScoresConfig(fp8_q=True, keys_on_m=False)], ids=str)
 def test_fp8_queries_score_as_their_reference_and_keep_the_top_k(config):
     # FP8 queries (a scale per head) against FP8 keys: the reference of the rounded queries,
     # rows ending inside a block and at 0, padding; heads past H (none here: 64) and a head
@@ -129,7 +129,7 @@ def test_raw_head_weights_with_a_scale_are_the_scaled_weights():
 
 @pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize(("tokens", "block_t", "dtype", "keys_on_m"),
-                         [(1, 16, torch.float32, False), (37, 16, torch.float32, False), (20, 4, torch.bfloat16, False),
+                         [(1, 16, torch.float32, None), (37, 16, torch.float32, None), (20, 4, torch.bfloat16, False),
                           (20, 4, torch.bfloat16, True)])
 def test_shared_scores_are_the_reference(tokens, block_t, dtype, keys_on_m, key_format):
     # A prefill's tokens of one sequence against its keys: token t sees the first counts[t].
@@ -147,8 +147,9 @@ def test_shared_scores_are_the_reference(tokens, block_t, dtype, keys_on_m, key_
     # The same as each token scoring its own copy of the locations, in blocks of as many keys.
     torch.testing.assert_close(got, index_scores(q, w, pool.buf, pool.layout, locs.expand(tokens, n), counts,
                                                  key_format=key_format,
-                                                 config=ScoresConfig(block_n=SHARED_BLOCK_N[key_format],
-                                                                     keys_on_m=keys_on_m)))
+                                                 config=ScoresConfig(**SHARED_TILE[key_format]) if keys_on_m is None
+                                                 else ScoresConfig(block_n=SHARED_TILE[key_format]["block_n"],
+                                                                   keys_on_m=keys_on_m)))
 
 
 def test_shared_fp8_queries_score_as_their_reference():
@@ -260,7 +261,8 @@ def test_scores_at_v4_flash_shapes_on_gpu(key_format):
     w = torch.randn(B, 64, generator=gen).to(DEVICE)
     want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
     # The default config, and several blocks of 64 keys a program with float16 operands.
-    for config in (None, ScoresConfig(block_n=64, blocks=16, num_warps=8, f16_operands=True)):
+    for config in (None, ScoresConfig(block_n=64, blocks=16, num_warps=8, f16_operands=True),
+                   ScoresConfig(keys_on_m=False)):
         got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format, config=config)
         _same_scores(got, want)
     if key_format == "fp8":  # FP8 queries: the FP8 MMAs against their own reference
