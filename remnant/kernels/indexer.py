@@ -187,7 +187,7 @@ def _block_scores(q, wh, keys, scale, INTERPRETED: tl.constexpr, KEYS_ON_M: tl.c
     [BLOCK_H] against keys [BLOCK_N, D] (in the MMA operands' dtype) with their scales.
     KEYS_ON_M: the product as keys times q's transpose, [BLOCK_N, BLOCK_H], so that the sum
     over heads runs along a row of the accumulator (within a thread and its quad) instead
-    of down its columns, which the warps of a warpgroup split (a trial: ScoresConfig)."""
+    of down its columns, which the warps of a warpgroup split (ScoresConfig.keys_on_m)."""
     if KEYS_ON_M:
         if INTERPRETED:
             dots = tl.dot(keys.to(tl.float32), tl.trans(q.to(keys.dtype).to(tl.float32)), input_precision="ieee")
@@ -309,8 +309,9 @@ class ScoresConfig:
     product as keys times q's transpose, so that the sum over heads runs along the
     accumulator's rows; the same scores up to float32 summation order.
 
-    The defaults are the fastest of the H100 sweeps (runners/device/moe_topk_timings.py
-    indexer): blocks of 128 keys took half the time of blocks of 64 at 32 and 128 rows of
+    The defaults come from the H100 sweeps (runners/device/moe_topk_timings.py indexer;
+    one row alone, blocks of 64 keys in 8 warps took 3.5-3.8 us against 4.3-4.7, left):
+    blocks of 128 keys took half the time of blocks of 64 at 32 and 128 rows of
     1,024 and 8,192 keys (29.7 against 57.3 us at 32 x 8,192; 2026-12-06), and more blocks a
     program changed nothing (99.1 to 100.3 us at 128 x 8,192). keys_on_m took 95.0 against
     103.2 us at 128 x 8,192, 27.4 against 30.7 at 32 x 8,192 and 4.3 against 4.7 at 1 x
@@ -344,10 +345,10 @@ def _check_fp8_q(fp8_q: bool, fmt: IndexKeyFormat, f16_operands: bool) -> None:
 
 
 def _launch(q, w, pages, layout, locs, counts, fmt: IndexKeyFormat, w_scale: float = 1.0,
-            config: ScoresConfig | None = None, block_t: int = 1, block_n: int = 64,
-            fp8_q: bool = False, keys_on_m: bool = False) -> torch.Tensor:
+            config: ScoresConfig | None = None, block_t: int = 1, block_n: int | None = None,
+            fp8_q: bool = False, keys_on_m: bool | None = None) -> torch.Tensor:
     """The decode form (locs [B, n], config) or the shared one (locs [n], block_t, block_n,
-    fp8_q, keys_on_m)."""
+    fp8_q, keys_on_m: index_scores_shared resolves them)."""
     B, H, D = q.shape
     n = locs.shape[-1]
     shared = locs.ndim == 1
@@ -411,7 +412,7 @@ def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, l
     key block, so keys are read T / block_t times, not T. block_n and keys_on_m (as
     ScoresConfig.keys_on_m; None: SHARED_TILE's for the key format), from the H100's
     timings at 2,048 tokens (2026-12-07, benchmarks/engine-h100-prefill-tiles/; block_t 8-32
-    within 4%): with FP8 keys, blocks of 128 took 1,092 us against 1,789 with 64 at 8,192
+    within 4% at block_n 128): with FP8 keys, blocks of 128 took 1,092 us against 1,789 with 64 at 8,192
     keys, 4,218 against 6,939 at 32,768; keys_on_m then 976 and 3,820. MXFP4 keys' 128 spill
     registers for sm_90, so they keep 64, and keys_on_m off (not timed). fp8_q: the queries
     rounded to FP8 per head and multiplied on FP8 MMAs, as ScoresConfig.fp8_q (FP8 keys

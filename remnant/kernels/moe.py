@@ -739,8 +739,9 @@ def default_config(num_pairs: int, num_experts: int, on_gpu: bool, hidden: int, 
       reused by more rows, operands in x's dtype (not timed between 170 and 8,192 tokens);
     - more (a prefill's chunk): 128-row blocks and 4 stages. At 8,192 tokens on an H100
       (2026-12-07, benchmarks/engine-h100-prefill-tiles/) 8.4 ms a call against 10.3 with
-      64-row blocks, the same output; 256 columns spilled (22 ms) and block_k 128 did not
-      help. FP8 x took 2-2.5x as long at every prefill tile, so it stays off.
+      64-row blocks, the same output; 256 columns took 22 ms and block_k 128 9.2. FP8 x
+      took 1.7-2.5x as long at every prefill tile, so it stays off. The cut at 256 pairs
+      an expert is not timed: only 128 and 8,192 tokens were.
     Under the interpreter: small tiles (its cost is per element, not per launch).
     """
     if not on_gpu:

@@ -92,7 +92,8 @@ def seed_deltas(deltas: pd.DataFrame) -> pd.DataFrame:
     native variant paired with) over its seeds, where two or more paired: each delta the
     mean of the seeds' deltas, with a 95 % CI over seeds (n - 1 degrees of freedom). A
     seed's per-request interval says how sure one run's mean is; this one says how much the
-    delta moves from run to run, which a single run cannot show."""
+    delta moves from run to run, which a single run cannot show. A delta missing in a seed
+    (no request with a TPOT, no throughput) is averaged over the seeds that have it."""
     if deltas.empty or "joined" not in deltas:
         return pd.DataFrame()
     paired = deltas[deltas["refused"].isna()]

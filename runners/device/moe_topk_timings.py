@@ -410,17 +410,17 @@ def indexer_table() -> None:
             label = "default" if cfg == default else f"{best.index(cfg) + 1}"
             print(f"| {B} x {n} | bn{cfg.block_n} x{cfg.blocks} w{cfg.num_warps} s{cfg.num_stages}"
                   f"{' f16' if cfg.f16_operands else ''}{' fp8q' if cfg.fp8_q else ''}"
-                  f"{'' if cfg.keys_on_m else ' heads-on-m'} | {times[cfg]:.1f} | "
+                  f"{' keys-on-m' if cfg.keys_on_m else ' heads-on-m'} | {times[cfg]:.1f} | "
                   f"{nbytes / times[cfg] / 1e6:.2f} | "
                   f"{label} |", flush=True)
 
 
 def moe_prefill_table() -> None:
     """The aligned kernels at a prefill chunk's 8,192 tokens (49,152 pairs, about 1,536 rows
-    an expert: MMA-bound, not byte-bound): default_config's tile beside larger row blocks
-    and columns, with and without FP8 activations (fp8_x and fp8_h: FP8 MMAs). Each
-    kernel's time from the profiler and its matrix rate; how far the output moves from
-    default_config's (relative norm)."""
+    an expert: MMA-bound, not byte-bound): 64-row blocks (default_config's before 0cfaed7)
+    beside 128-row blocks (its tile since) and wider columns, with and without FP8
+    activations (fp8_x and fp8_h: FP8 MMAs). Each kernel's time from the profiler and its
+    matrix rate; how far the output moves from default_config's (relative norm)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     experts = v4_experts(gen)
     hidden, inter, k = HIDDEN, INTER, K
@@ -466,8 +466,8 @@ def indexer_prefill_table() -> None:
     per_page, key_bytes = 64, 132
     print("| tokens x keys | queries | block_t | block_n | scores us | TFLOP/s | top_k 512 us |")
     print("|---|---|---|---|---|---|---|")
-    # (keys-on-m: index_scores_shared's keys_on_m, its default with FP8 keys, at block_t 16 only;
-    # the other rows sum over heads down the accumulator's columns.)
+    # (keys-on-m: index_scores_shared's keys_on_m, its default with FP8 keys, at block_t 16
+    # only; heads-on-m: the sum over heads down the accumulator's columns.)
     for T, n in ((2048, 8192), (2048, 32768)):
         pool = SplitPages(n // per_page, per_page, key_bytes, 4, device="cuda")
         pool.layout.write(pool.buf, torch.arange(n, device="cuda"), quantize_index_keys(torch.randn(n, 128, device="cuda")))
@@ -482,8 +482,8 @@ def indexer_prefill_table() -> None:
                   for fp8_q, block_t, block_n in itertools.product((False, True), (8, 16, 32), (64, 128))]
         trials += [(fp8_q, 16, block_n, True) for fp8_q, block_n in itertools.product((False, True), (64, 128))]
         for fp8_q, block_t, block_n, keys_on_m in trials:
-            label = (f"| {T} x {n} | {'fp8' if fp8_q else 'bf16'}{' keys-on-m' if keys_on_m else ''} | {block_t} | "
-                     f"{block_n} |")
+            form = "keys-on-m" if keys_on_m else "heads-on-m"
+            label = f"| {T} x {n} | {'fp8' if fp8_q else 'bf16'} {form} | {block_t} | {block_n} |"
 
             def run(block_t=block_t, block_n=block_n, fp8_q=fp8_q, keys_on_m=keys_on_m):
                 return index_scores_shared(q, w, pool.buf, pool.layout, locs, counts, block_t=block_t,

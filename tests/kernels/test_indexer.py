@@ -3,6 +3,8 @@ against the float64 reference."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,8 +12,8 @@ from remnant.engine.ops import index_top_k
 from remnant.kernels.top_k import top_k_reference
 from remnant.kv.index_keys import IndexKeyFormat, quantize_index_keys
 from remnant.engine.pools import SplitPages
-from remnant.kernels.indexer import (SHARED_TILE, ScoresConfig, index_scores, index_scores_reference,
-                                     index_scores_shared, keys_at)
+from remnant.kernels.indexer import (SHARED_TILE, ScoresConfig, default_scores_config, index_scores,
+                                     index_scores_reference, index_scores_shared, keys_at)
 from tests.kernels.inputs import DEVICE, ON_GPU
 
 
@@ -260,9 +262,12 @@ def test_scores_at_v4_flash_shapes_on_gpu(key_format):
     q = torch.randn(B, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
     w = torch.randn(B, 64, generator=gen).to(DEVICE)
     want = index_scores_reference(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format)
-    # The default config, and several blocks of 64 keys a program with float16 operands.
-    for config in (None, ScoresConfig(block_n=64, blocks=16, num_warps=8, f16_operands=True),
-                   ScoresConfig(keys_on_m=False)):
+    # The default config, the same with keys_on_m flipped (FP8 keys: the former default;
+    # MXFP4: keys on M, not the default), and several blocks of 64 keys a program with
+    # float16 operands. The top-k below takes the default's scores.
+    default = default_scores_config(key_format)
+    for config in (dataclasses.replace(default, keys_on_m=not default.keys_on_m),
+                   ScoresConfig(block_n=64, blocks=16, num_warps=8, f16_operands=True), default):
         got = index_scores(q, w, pool.buf, pool.layout, locs, counts, key_format=key_format, config=config)
         _same_scores(got, want)
     if key_format == "fp8":  # FP8 queries: the FP8 MMAs against their own reference

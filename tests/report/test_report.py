@@ -302,9 +302,10 @@ def test_pairs_take_the_native_run_of_the_same_variant(tmp_path):
 
 
 def test_seed_deltas_average_the_seeds_and_bound_them_over_seeds(tmp_path):
-    # Three seeds of a native and a kernel run; each kernel request is faster by the seed's
-    # own amount. Per seed the per-request interval is 0 (every request moved alike); over
-    # seeds the interval is the seeds' spread, by hand.
+    # Three seeds of a native and a kernel run; four of each kernel run's requests are
+    # faster by the seed's own amount, a one-token request is unchanged. Per seed the TPOT
+    # delta's per-request interval is 0 (every request with a TPOT moved alike); over seeds
+    # each interval is the seeds' spread, by hand.
     import json
 
     import pandas as pd
@@ -330,6 +331,7 @@ def test_seed_deltas_average_the_seeds_and_bound_them_over_seeds(tmp_path):
     first = deltas[deltas["seed"] == 0].iloc[0]
     assert first["joined"] == 5 and first["delta_ttft_ms"] == pytest.approx(-100.0 * 4 / 5)
     assert first["delta_tpot_ms"] == pytest.approx(-100.0 / 8)  # the one-token request has no TPOT
+    assert first["delta_tpot_ci_ms"] == pytest.approx(0.0, abs=1e-9)
     assert first["delta_throughput"] == 0.0 and deltas.iloc[2]["delta_throughput"] == 20.0
     (over,) = seed_deltas(deltas).to_dict("records")
     assert over["seeds"] == 3 and over["joined"] == 15
@@ -342,5 +344,9 @@ def test_seed_deltas_average_the_seeds_and_bound_them_over_seeds(tmp_path):
         t975(2) * 10.0 / 3 ** 0.5)
     table = delta_rows(deltas, seed_deltas(deltas))
     assert [r[1] for r in table.rows] == ["0", "1", "2", "mean of 3 seeds"]
-    # One seed paired, another refused: no row over seeds.
-    assert seed_deltas(deltas[deltas["seed"] == 0]).empty
+    # One seed paired, another refused (its kernel run on another request stream): no row
+    # over seeds, the refused row does not count as one.
+    rows[3] = {**rows[3], "fingerprint": "other"}
+    refused = paired_deltas(pd.DataFrame(rows[:4]))
+    assert refused["refused"].notna().tolist() == [False, True]
+    assert seed_deltas(refused).empty
