@@ -419,7 +419,8 @@ def index_scores_shared(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, l
     only): 888 and 3,404 us with keys_on_m; off by default, as in decode."""
     fmt = index_key_format(key_format, KEY_DIM)
     _check(q, w, pages, layout, locs, counts, True, fmt)
-    block_n = SHARED_TILE[fmt.name]["block_n"] if block_n is None else block_n
-    keys_on_m = SHARED_TILE[fmt.name]["keys_on_m"] if keys_on_m is None else keys_on_m
+    tile = SHARED_TILE[fmt.name]
+    block_n = tile["block_n"] if block_n is None else block_n
+    keys_on_m = tile["keys_on_m"] if keys_on_m is None else keys_on_m
     return _launch(q, w, pages, layout, locs, counts, fmt, block_t=block_t, block_n=block_n, fp8_q=fp8_q,
                    keys_on_m=keys_on_m)

@@ -12,7 +12,7 @@ import pandas as pd
 from remnant.frontier import SloConfig, goodput
 from remnant.report import frontier, pareto
 from remnant.report.runs import load_runs, workload_label
-from remnant.report.stats import PAIRED_METRICS, paired_deltas, seed_deltas, summary
+from remnant.report.stats import DELTA_CI, paired_deltas, seed_deltas, summary
 from remnant.report.table import Table, fmt
 
 COLUMNS = ["output_throughput", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms", "cache_hit_rate", "max_total_num_tokens"]
@@ -108,9 +108,7 @@ def delta_rows(deltas: pd.DataFrame, over_seeds: pd.DataFrame | None = None) -> 
 
     def cells(r) -> list[str]:
         other = r.get("baseline_variant") != r["variant"]
-        return ([str(int(r["joined"]))]
-                + [fmt(r[f"delta_{m}_ms"], r[f"delta_{m}_ci_ms"]) for m in PAIRED_METRICS]
-                + [fmt(r.get("delta_throughput"), r.get("delta_throughput_ci"))]
+        return ([str(int(r["joined"]))] + [fmt(r.get(column), r.get(ci)) for column, ci in DELTA_CI.items()]
                 + [f"against the native run of {r['baseline_variant'] or 'no variant'}" if other else ""])
 
     for _, r in deltas.iterrows():

@@ -77,11 +77,9 @@ def paired_deltas(runs: pd.DataFrame, baseline: str = "native") -> pd.DataFrame:
             row["baseline_variant"] = same.iloc[0]["variant"]
             for metric in PAIRED_METRICS:
                 d = (joined[f"{metric}_s_run"] - joined[f"{metric}_s_base"]) * 1000.0
-                mean, ci, _ = mean_ci(d.tolist())
-                row[f"delta_{metric}_ms"], row[f"delta_{metric}_ci_ms"] = mean, ci
-            throughput = run.get("output_throughput"), same.iloc[0].get("output_throughput")
-            row["delta_throughput"] = (None if any(t is None or pd.isna(t) for t in throughput)
-                                       else float(throughput[0] - throughput[1]))
+                row[f"delta_{metric}_ms"], row[DELTA_CI[f"delta_{metric}_ms"]], _ = mean_ci(d.tolist())
+            ours, theirs = run.get("output_throughput"), same.iloc[0].get("output_throughput")
+            row["delta_throughput"] = None if pd.isna(ours) or pd.isna(theirs) else float(ours - theirs)
             row["refused"] = None
         out.append(row)
     return pd.DataFrame(out)
